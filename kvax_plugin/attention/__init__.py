@@ -1,0 +1,1 @@
+"""The attention op: block mask, reference, JAX and Triton backends, sharding."""

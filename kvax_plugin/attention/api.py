@@ -1,0 +1,197 @@
+"""Public entry points: flash_attention (with a prebuilt mask) and attention (one-off)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvax_plugin.attention import validation
+from kvax_plugin.attention.block_mask import AttentionMask, create_attention_mask
+from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
+
+BACKENDS = ("auto", "jax", "triton", "reference")
+
+
+class BackendUnavailableError(RuntimeError):
+  """An explicitly requested backend cannot run here (never silently replaced)."""
+
+
+def triton_availability() -> tuple[bool, str]:
+  """(available, reason): whether backend="triton" can run in this process."""
+  try:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  except RuntimeError:
+    gpus = []
+  if not gpus:
+    return False, f"no GPU visible to JAX (default backend: {jax.default_backend()})"
+  try:
+    triton_backend = importlib.import_module("kvax_plugin.attention.triton_backend")
+  except ImportError as e:
+    return False, f"the Triton backend could not be imported ({e}); install kvax-plugin[gpu]"
+  return triton_backend.device_supported(gpus[0])
+
+
+def resolve_backend(backend: str) -> str:
+  """Map "auto" to the best backend here; check an explicit request can run."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "auto":
+    return "triton" if triton_availability()[0] else "jax"
+  if backend == "triton":
+    ok, reason = triton_availability()
+    if not ok:
+      raise BackendUnavailableError(f'backend="triton" was requested but cannot run: {reason}. '
+                                    'Use backend="jax" (or "auto") to run without it.')
+  return backend
+
+
+def _backend_fn(name: str) -> Callable[..., jax.Array]:
+  if name == "jax":
+    from kvax_plugin.attention.jax_blockwise import flash_attention_jax
+    return flash_attention_jax
+  if name == "triton":
+    from kvax_plugin.attention.triton_backend import flash_attention_triton
+    return flash_attention_triton
+  return _reference_with_mask
+
+
+def _reference_with_mask(query, key, value, query_positions, query_segment_ids, kv_positions,
+                         kv_segment_ids, mask, *, scale, logits_soft_cap, sinks, **_):
+  from kvax_plugin.attention.reference import reference_attention
+  return reference_attention(query, key, value, query_positions, query_segment_ids, kv_positions,
+                             kv_segment_ids, causal=mask.spec.causal,
+                             sliding_window=mask.spec.sliding_window, scale=scale,
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+
+def flash_attention(query: jax.Array,
+                    key: jax.Array,
+                    value: jax.Array,
+                    query_positions: jax.Array,
+                    query_segment_ids: jax.Array,
+                    kv_positions: jax.Array,
+                    kv_segment_ids: jax.Array,
+                    mask: AttentionMask,
+                    *,
+                    scale: float = 1.0,
+                    logits_soft_cap: float | None = None,
+                    sinks: jax.Array | None = None,
+                    fwd_params: FlashAttentionParamsConfig | None = None,
+                    bwd_params: FlashAttentionParamsConfig | None = None,
+                    assume_sequential_positions: bool = False,
+                    memory_optimized_gqa_backward: bool = False,
+                    permute_tokens_for_load_balance: bool = True,
+                    backend: str = "auto",
+                    debug: bool = False,
+                    mesh: Any = None) -> jax.Array:
+  """Attention over packed documents, visiting only the blocks the mask lists.
+
+  Args:
+    query: [B, Sq, H, Dqk]; key: [B, Skv, K, Dqk]; value: [B, Skv, K, Dv]; H a multiple of K.
+    query_positions, query_segment_ids: int32 [B, Sq]; kv_positions, kv_segment_ids: int32 [B, Skv].
+      PADDING_SEGMENT_ID (-1) marks padding; its output rows and gradients are 0.
+    mask: from `create_attention_mask` on the same positions / segment ids (it carries causal and
+      sliding_window); build it with calc_bwd_mask=True to take gradients.
+    scale: multiplies q k^T (MaxText pre-scales the query and passes 1.0).
+    logits_soft_cap: cap * tanh(logits / cap) before masking (Gemma 2).
+    sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
+    fwd_params, bwd_params: must equal the mask's when given.
+    assume_sequential_positions: accepted for kvax compatibility; the tables are exact either way.
+    memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
+    permute_tokens_for_load_balance: with a context-parallel mesh, whether inputs arrive in the
+      load-balanced order (see kvax_plugin.attention.sharding).
+    backend: "auto" (Triton on supported GPUs, else JAX), "jax", "triton" or "reference".
+    debug: print the chosen backend and shapes at trace time.
+    mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel).
+
+  Returns:
+    [B, Sq, H, Dv] in query.dtype.
+  """
+  del assume_sequential_positions  # the block tables never rely on it
+  validation.check_qkv(query, key, value)
+  b, sq, h, _ = query.shape
+  skv = key.shape[1]
+  validation.check_tokens("query_positions", query_positions, "query_segment_ids",
+                          query_segment_ids, b, sq)
+  validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
+  validation.check_options(scale, logits_soft_cap, sinks, h)
+  name = resolve_backend(backend)
+  if mesh is not None:
+    from kvax_plugin.attention import sharding
+    return sharding.flash_attention_sharded(
+        query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+        mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        memory_optimized_gqa_backward=memory_optimized_gqa_backward,
+        permute_tokens_for_load_balance=permute_tokens_for_load_balance, backend=name,
+        mesh=mesh)
+  validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+  if debug:
+    print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
+          f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
+  kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks)
+  if name == "triton":
+    kwargs["memory_optimized_gqa_backward"] = memory_optimized_gqa_backward
+  return _backend_fn(name)(query, key, value, query_positions, query_segment_ids, kv_positions,
+                           kv_segment_ids, mask, **kwargs)
+
+
+def positions_from_segment_ids(segment_ids: jax.Array) -> jax.Array:
+  """Per-document positions: a token's position is the number of earlier tokens of its segment.
+
+  Works for non-contiguous documents too; padding tokens get positions like any other id
+  (they are masked out by their segment id). int32 [B, S] -> int32 [B, S].
+  """
+  s = segment_ids.shape[1]
+  order = jnp.argsort(segment_ids, axis=1, stable=True)
+  sorted_ids = jnp.take_along_axis(segment_ids, order, axis=1)
+  idx = jnp.arange(s, dtype=jnp.int32)[None, :]
+  new_group = jnp.concatenate([jnp.ones_like(sorted_ids[:, :1], bool),
+                               sorted_ids[:, 1:] != sorted_ids[:, :-1]], axis=1)
+  group_start = jax.lax.cummax(jnp.where(new_group, idx, 0), axis=1)
+  rank_sorted = (idx - group_start).astype(jnp.int32)
+  inverse = jnp.argsort(order, axis=1)
+  return jnp.take_along_axis(rank_sorted, inverse, axis=1)
+
+
+def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+              segment_ids: jax.Array | None = None,
+              positions: jax.Array | None = None,
+              causal: bool = True,
+              sliding_window: int | None = None,
+              logits_soft_cap: float | None = None,
+              sinks: jax.Array | None = None,
+              scale: float | None = None,
+              backend: str = "auto") -> jax.Array:
+  """One-off attention: builds the block mask itself (use flash_attention to reuse one).
+
+  query [B, Sq, H, D], key/value [B, Skv, K, D(v)]; segment_ids and positions int32 [B, Sq]
+  shared by query and key/value when Sq == Skv. segment_ids None means one document;
+  positions None means per-document positions derived from segment_ids; scale None means
+  1/sqrt(Dqk).
+  """
+  validation.check_qkv(query, key, value)
+  b, sq, _, dqk = query.shape
+  skv = key.shape[1]
+  if segment_ids is None:
+    segment_ids = jnp.zeros((b, sq), jnp.int32)
+  if positions is None:
+    validation.check_tokens("segment_ids", segment_ids, "segment_ids", segment_ids, b, sq)
+    positions = positions_from_segment_ids(segment_ids)
+  if sq != skv:
+    raise ValueError(f"attention() shares segment_ids/positions between query ({sq} tokens) and "
+                     f"key/value ({skv} tokens); use create_attention_mask + flash_attention "
+                     "for Sq != Skv")
+  scale = dqk ** -0.5 if scale is None else scale
+  validation.check_tokens("positions", positions, "segment_ids", segment_ids, b, sq)
+  mask = create_attention_mask(positions, segment_ids, positions, segment_ids,
+                               calc_bwd_mask=True, causal=causal, sliding_window=sliding_window)
+  return flash_attention(query, key, value, positions, segment_ids, positions, segment_ids, mask,
+                         scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                         backend=backend)
+
+
+__all__ = ["flash_attention", "attention", "create_attention_mask", "PADDING_SEGMENT_ID",
+           "BackendUnavailableError", "resolve_backend", "positions_from_segment_ids"]

@@ -1,0 +1,385 @@
+"""The block mask: which key/value blocks each query block must visit, and which are full.
+
+Token q may attend token kv iff (shared/DESIGN.md section 2)
+    seg[q] == seg[kv] != PADDING_SEGMENT_ID
+    and (causal: pos[kv] <= pos[q])
+    and (sliding window w: pos[q] - pos[kv] < w; without causal also pos[kv] - pos[q] < w).
+
+A *block table* describes one view of the [outer blocks x inner blocks] grid. For every outer
+block it stores four int32 indices, lower <= full_lower <= full_upper <= upper:
+
+    inner blocks [lower, upper)            may hold attending pairs: visit them,
+    inner blocks [full_lower, full_upper)  every pair attends: visit them without mask math.
+
+Everything outside [lower, upper) is skipped. Memory is 4 ints per outer block, O(B * S / block).
+
+The tables are built from per-block summaries (min/max segment id, min/max position, padding):
+  * "may attend" is a conservative test on those summaries, so a block that holds a kept pair is
+    always inside [lower, upper); blocks inside the range with no kept pair are merely wasted work
+    (they are masked element-wise by the kernels).
+  * "full" demands a single segment on both sides, no padding, and the causal / window test
+    passing for the extreme positions. That is exact for any positions and segment ids (documents
+    need not be contiguous, positions need not increase); when a layout breaks the usual
+    assumptions the tables mark *fewer* blocks full, never a wrong one.
+For contiguous documents with increasing positions the ranges are tight.
+
+Three views are built: `fwd` (outer = query blocks of the forward block sizes), `dq` (outer =
+query blocks of the backward sizes) and `dkv` (outer = kv blocks of the backward sizes, inner =
+query blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
+                                          PADDING_SEGMENT_ID, FlashAttentionParamsConfig)
+
+_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+# Largest number of [outer x inner] classification entries materialised at once while building.
+_BUILD_CHUNK_ELEMENTS = 1 << 22
+
+
+class BlockTable(NamedTuple):
+  """One view of the block grid; every field is int32 [B, num_outer_blocks]."""
+
+  lower: jax.Array
+  upper: jax.Array
+  full_lower: jax.Array
+  full_upper: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Static description of what a mask was built for (hashable; the pytree's aux data)."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  causal: bool
+  sliding_window: int | None
+  skip_pad_tokens: bool
+  fwd_params: FlashAttentionParamsConfig
+  bwd_params: FlashAttentionParamsConfig | None
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+  """Block tables for the forward pass and, optionally, the two backward passes.
+
+  A registered pytree: the tables are leaves, `spec` is static, so a mask passes through
+  jit, lax.scan and jax.checkpoint and can be built once per step and reused in every layer.
+  """
+
+  spec: MaskSpec
+  fwd: BlockTable
+  dq: BlockTable | None = None
+  dkv: BlockTable | None = None
+
+  def tree_flatten(self):
+    return (self.fwd, self.dq, self.dkv), self.spec
+
+  @classmethod
+  def tree_unflatten(cls, spec, children):
+    fwd, dq, dkv = children
+    return cls(spec, fwd, dq, dkv)
+
+  @property
+  def causal(self) -> bool:
+    return self.spec.causal
+
+  @property
+  def sliding_window(self) -> int | None:
+    return self.spec.sliding_window
+
+  @property
+  def has_backward(self) -> bool:
+    return self.dq is not None
+
+
+class _BlockSummary(NamedTuple):
+  """Per-block statistics, each int32/bool [B, num_blocks]."""
+
+  seg_min: jax.Array  # over non-padding tokens (INT32_MAX if none)
+  seg_max: jax.Array  # over non-padding tokens (INT32_MIN if none)
+  pos_min: jax.Array
+  pos_max: jax.Array
+  any_token: jax.Array  # the block holds a token that may attend (see skip_pad_tokens)
+  uniform: jax.Array  # no padding, one segment id: a candidate for "full"
+
+
+def num_blocks(length: int, block: int) -> int:
+  return -(-length // block)
+
+
+def _pad_to_blocks(x: jax.Array, block: int, fill: int) -> jax.Array:
+  length = x.shape[1]
+  extra = num_blocks(length, block) * block - length
+  if extra == 0:
+    return x
+  return jnp.pad(x, ((0, 0), (0, extra)), constant_values=fill)
+
+
+def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
+               skip_pad_tokens: bool) -> _BlockSummary:
+  """Summaries of each block of `block` tokens; the tail block is padded with padding tokens."""
+  seg = _pad_to_blocks(segment_ids.astype(jnp.int32), block, PADDING_SEGMENT_ID)
+  pos = _pad_to_blocks(positions.astype(jnp.int32), block, 0)
+  b = seg.shape[0]
+  seg = seg.reshape(b, -1, block)
+  pos = pos.reshape(b, -1, block)
+  real = seg != PADDING_SEGMENT_ID
+  seg_min = jnp.min(jnp.where(real, seg, _INT32_MAX), axis=-1)
+  seg_max = jnp.max(jnp.where(real, seg, _INT32_MIN), axis=-1)
+  # Positions over the real tokens only: padding positions are arbitrary.
+  pos_min = jnp.min(jnp.where(real, pos, _INT32_MAX), axis=-1)
+  pos_max = jnp.max(jnp.where(real, pos, _INT32_MIN), axis=-1)
+  any_real = jnp.any(real, axis=-1)
+  uniform = jnp.all(real, axis=-1) & (seg_min == seg_max)
+  if not skip_pad_tokens:
+    # Compatibility mode: blocks of pure padding are visited (as masked blocks) like any other.
+    # Padding tokens still attend nothing; this only costs time.
+    has_pad = ~jnp.all(real, axis=-1)
+    seg_min = jnp.where(has_pad, _INT32_MIN, seg_min)
+    seg_max = jnp.where(has_pad, _INT32_MAX, seg_max)
+    pos_min = jnp.where(has_pad, _INT32_MIN, pos_min)
+    pos_max = jnp.where(has_pad, _INT32_MAX, pos_max)
+    any_real = jnp.ones_like(any_real)
+  return _BlockSummary(seg_min, seg_max, pos_min, pos_max, any_real, uniform)
+
+
+def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
+              window: int | None) -> tuple[jax.Array, jax.Array]:
+  """(may_attend, full) for broadcastable query-block and kv-block summaries."""
+  may = q.any_token & kv.any_token & (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
+  full = q.uniform & kv.uniform & (q.seg_min == kv.seg_min)
+  # Differences in int64 would need x64; instead compare without overflow using saturating math.
+  if causal:
+    may &= kv.pos_min <= q.pos_max
+    full &= kv.pos_max <= q.pos_min
+  if window is not None:
+    # q_pos - kv_pos < w, written as q_pos < kv_pos + w with saturation (positions are int32).
+    may &= q.pos_min < _sat_add(kv.pos_max, window)
+    full &= q.pos_max < _sat_add(kv.pos_min, window)
+    if not causal:
+      may &= kv.pos_min < _sat_add(q.pos_max, window)
+      full &= kv.pos_max < _sat_add(q.pos_min, window)
+  return may, full & may
+
+
+def _sat_add(x: jax.Array, w: int) -> jax.Array:
+  """x + w for int32 x and w > 0, clamped at INT32_MAX instead of wrapping."""
+  return jnp.where(x > _INT32_MAX - w, _INT32_MAX, x + w)
+
+
+def _ranges(may: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
+  """Reduce boolean rows [..., n_inner] to (lower, upper, full_lower, full_upper)."""
+  n = may.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  any_may = jnp.any(may, axis=-1)
+  lower = jnp.where(any_may, jnp.min(jnp.where(may, idx, n), axis=-1), 0)
+  upper = jnp.where(any_may, jnp.max(jnp.where(may, idx, -1), axis=-1) + 1, 0)
+  # The full sub-range is the first run of consecutive full blocks (others stay "partial").
+  any_full = jnp.any(full, axis=-1)
+  full_lower = jnp.min(jnp.where(full, idx, n), axis=-1)
+  after = idx > full_lower[..., None]
+  full_upper = jnp.min(jnp.where(after & ~full, idx, n), axis=-1)
+  full_upper = jnp.minimum(full_upper, upper)
+  full_lower = jnp.where(any_full, full_lower, lower)
+  full_upper = jnp.where(any_full, full_upper, lower)
+  return tuple(x.astype(jnp.int32) for x in (lower, upper, full_lower, full_upper))
+
+
+def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: bool,
+                 causal: bool, window: int | None) -> BlockTable:
+  """Table of `inner` blocks for every `outer` block, built in chunks of outer blocks.
+
+  The [outer x inner] classification never exists whole: lax.map walks chunks of outer blocks,
+  so the transient memory is bounded by _BUILD_CHUNK_ELEMENTS and the result is O(B * n_outer).
+  """
+  n_outer = outer.seg_min.shape[1]
+  n_inner = inner.seg_min.shape[1]
+
+  def one_outer_block(o: _BlockSummary) -> tuple[jax.Array, ...]:
+    # o fields: [B]; inner fields: [B, n_inner].
+    o = jax.tree.map(lambda x: x[:, None], o)
+    if outer_is_query:
+      may, full = _classify(o, inner, causal, window)
+    else:
+      may, full = _classify(inner, o, causal, window)
+    return _ranges(may, full)  # each [B]
+
+  per_outer = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), outer)  # [n_outer, B]
+  batch = inner.seg_min.shape[0]
+  chunk = max(1, min(n_outer, _BUILD_CHUNK_ELEMENTS // max(1, batch * n_inner)))
+  lower, upper, full_lower, full_upper = jax.lax.map(one_outer_block, per_outer,
+                                                     batch_size=chunk)
+  return BlockTable(*(jnp.moveaxis(x, 0, 1) for x in (lower, upper, full_lower, full_upper)))
+
+
+def _check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
+  named = {"query_positions": query_positions, "query_segment_ids": query_segment_ids,
+           "kv_positions": kv_positions, "kv_segment_ids": kv_segment_ids}
+  for name, x in named.items():
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+      raise ValueError(f"{name} must be a [batch, seq_len] array, got shape "
+                       f"{getattr(x, 'shape', type(x).__name__)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must hold integers (int32), got dtype {x.dtype}")
+  if query_positions.shape != query_segment_ids.shape:
+    raise ValueError(f"query_positions {query_positions.shape} and query_segment_ids "
+                     f"{query_segment_ids.shape} must have the same shape")
+  if kv_positions.shape != kv_segment_ids.shape:
+    raise ValueError(f"kv_positions {kv_positions.shape} and kv_segment_ids "
+                     f"{kv_segment_ids.shape} must have the same shape")
+  if query_positions.shape[0] != kv_positions.shape[0]:
+    raise ValueError(f"batch of the query ({query_positions.shape[0]}) and of the key/value "
+                     f"({kv_positions.shape[0]}) must match")
+
+
+def create_attention_mask(query_positions: jax.Array,
+                          query_segment_ids: jax.Array,
+                          kv_positions: jax.Array,
+                          kv_segment_ids: jax.Array,
+                          *,
+                          fwd_params: FlashAttentionParamsConfig | None = None,
+                          bwd_params: FlashAttentionParamsConfig | None = None,
+                          calc_bwd_mask: bool = False,
+                          skip_pad_tokens: bool = True,
+                          causal: bool = True,
+                          sliding_window: int | None = None,
+                          mesh: Any = None) -> AttentionMask:
+  """Build the block mask once per step; pass it to `flash_attention` in every layer.
+
+  Args:
+    query_positions, query_segment_ids: int32 [B, Sq].
+    kv_positions, kv_segment_ids: int32 [B, Skv].
+    fwd_params / bwd_params: block sizes the tables are built for (defaults when None).
+    calc_bwd_mask: also build the dq and dkv tables the backward pass needs.
+    skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
+    causal: keep only kv_pos <= q_pos.
+    sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
+    mesh: shard the construction over a device mesh (see kvax_plugin.attention.sharding).
+
+  Returns:
+    An `AttentionMask` pytree holding O(B * S / block) int32 tables.
+  """
+  _check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids)
+  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                     or isinstance(sliding_window, bool) or sliding_window < 1):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if mesh is not None:
+    from kvax_plugin.attention import sharding  # local import: sharding needs the mesh machinery
+    return sharding.create_attention_mask_sharded(
+        query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+        fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
+        skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window, mesh=mesh)
+  fwd_params = fwd_params or DEFAULT_FWD_PARAMS
+  if calc_bwd_mask:
+    bwd_params = bwd_params or DEFAULT_BWD_PARAMS
+  window = None if sliding_window is None else int(sliding_window)
+  spec = MaskSpec(batch=int(query_positions.shape[0]), q_len=int(query_positions.shape[1]),
+                  kv_len=int(kv_positions.shape[1]), causal=bool(causal), sliding_window=window,
+                  skip_pad_tokens=bool(skip_pad_tokens), fwd_params=fwd_params,
+                  bwd_params=bwd_params if calc_bwd_mask else None)
+
+  def summaries(params):
+    q = _summarise(query_positions, query_segment_ids, params.query_block_size, skip_pad_tokens)
+    kv = _summarise(kv_positions, kv_segment_ids, params.kv_block_size, skip_pad_tokens)
+    return q, kv
+
+  q_f, kv_f = summaries(fwd_params)
+  fwd = _build_table(q_f, kv_f, True, spec.causal, window)
+  dq = dkv = None
+  if calc_bwd_mask:
+    q_b, kv_b = summaries(bwd_params)
+    dq = _build_table(q_b, kv_b, True, spec.causal, window)
+    dkv = _build_table(kv_b, q_b, False, spec.causal, window)
+  return AttentionMask(spec, fwd, dq, dkv)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids, *,
+               causal: bool = True, sliding_window: int | None = None) -> jax.Array:
+  """The token-level mask, bool [B, Sq, Skv]. O(S^2): for tests, the reference and pictures."""
+  qs = query_segment_ids[:, :, None]
+  ks = kv_segment_ids[:, None, :]
+  qp = query_positions[:, :, None].astype(jnp.int32)
+  kp = kv_positions[:, None, :].astype(jnp.int32)
+  keep = (qs == ks) & (qs != PADDING_SEGMENT_ID)
+  if causal:
+    keep &= kp <= qp
+  if sliding_window is not None:
+    keep &= qp < _sat_add(kp, sliding_window)
+    if not causal:
+      keep &= kp < _sat_add(qp, sliding_window)
+  return keep
+
+
+def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
+  """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full."""
+  lower, upper, fl, fu = (np.asarray(x)[..., None] for x in table)
+  idx = np.arange(n_inner)
+  grid = ((idx >= lower) & (idx < upper)).astype(np.int8)
+  grid[(idx >= fl) & (idx < fu)] = 2
+  return grid
+
+
+def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
+  """Share of forward blocks visited and share full, over the whole [Sq x Skv] block grid."""
+  spec = mask.spec
+  nq = num_blocks(spec.q_len, spec.fwd_params.query_block_size)
+  nk = num_blocks(spec.kv_len, spec.fwd_params.kv_block_size)
+  total = spec.batch * nq * nk
+  t = mask.fwd
+  visited = float(jnp.sum(t.upper - t.lower))
+  full = float(jnp.sum(t.full_upper - t.full_lower))
+  return {"blocks_total": float(total), "visited": visited / total, "full": full / total,
+          "partial": (visited - full) / total, "skipped": 1.0 - visited / total}
+
+
+def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str = "fwd",
+              title: str | None = None) -> str:
+  """Draw one batch row of a block table as a PNG (skipped / masked / full) and return the path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.colors import ListedColormap
+
+  spec = mask.spec
+  table = getattr(mask, view)
+  if table is None:
+    raise ValueError(f"view={view!r} is absent: build the mask with calc_bwd_mask=True")
+  params = spec.fwd_params if view == "fwd" else spec.bwd_params
+  if view == "dkv":
+    n_inner = num_blocks(spec.q_len, params.query_block_size)
+    ylabel, xlabel = "kv block", "query block"
+  else:
+    n_inner = num_blocks(spec.kv_len, params.kv_block_size)
+    ylabel, xlabel = "query block", "kv block"
+  grid = table_to_grid(table, n_inner)[batch_index]
+  fig, ax = plt.subplots(figsize=(6, 6))
+  cmap = ListedColormap(["#f2f2f2", "#f39c12", "#1f77b4"])
+  ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, interpolation="nearest")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  shares = np.bincount(grid.ravel(), minlength=3) / grid.size
+  ax.set_title(title or f"{view} block mask: {shares[1]:.1%} masked, {shares[2]:.1%} full, "
+               f"{shares[0]:.1%} skipped", fontsize=9)
+  from matplotlib.patches import Patch
+  ax.legend(handles=[Patch(color=c, label=l) for c, l in
+                     zip(cmap.colors, ["skipped", "visited, masked", "visited, full"])],
+            loc="upper right", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

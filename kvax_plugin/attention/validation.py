@@ -1,0 +1,90 @@
+"""Argument checks shared by every entry point: each error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvax_plugin.attention.block_mask import AttentionMask
+
+# Head dims the kernels are built and tested for (qk and v separately): multiples of 16 in
+# [16, 256]; 192 / 128 is DeepSeek MLA.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 16
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _shape(x):
+  return getattr(x, "shape", type(x).__name__)
+
+
+def check_head_dim(name: str, dim: int) -> None:
+  if dim < MIN_HEAD_DIM or dim > MAX_HEAD_DIM or dim % HEAD_DIM_MULTIPLE:
+    raise ValueError(f"{name} head dim {dim} is unsupported: expected a multiple of "
+                     f"{HEAD_DIM_MULTIPLE} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+
+
+def check_qkv(query, key, value) -> None:
+  """query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], H % K == 0."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "shape") or len(x.shape) != 4:
+      raise ValueError(f"{name} must be a [batch, seq_len, heads, head_dim] array, got shape "
+                       f"{_shape(x)}")
+    if not any(x.dtype == d for d in FLOAT_DTYPES):
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                    f"{value.dtype}")
+  b, _, h, dqk = query.shape
+  if key.shape[0] != b or value.shape[0] != b:
+    raise ValueError(f"batch mismatch: query {query.shape}, key {key.shape}, value {value.shape}")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key {key.shape} and value {value.shape} must agree in batch, length and "
+                     "heads")
+  if key.shape[3] != dqk:
+    raise ValueError(f"key head dim {key.shape[3]} must equal query head dim {dqk}")
+  kh = key.shape[2]
+  if h % kh:
+    raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({kh})")
+  check_head_dim("query/key", dqk)
+  check_head_dim("value", value.shape[3])
+
+
+def check_tokens(name_pos: str, positions, name_seg: str, segment_ids, batch: int,
+                 length: int) -> None:
+  for name, x in ((name_pos, positions), (name_seg, segment_ids)):
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+      raise ValueError(f"{name} must be a [batch, seq_len] array, got shape {_shape(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must hold integers (int32), got dtype {x.dtype}")
+    if tuple(x.shape) != (batch, length):
+      raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({batch}, {length}) to "
+                       "match the attention inputs")
+
+
+def check_mask(mask, batch: int, q_len: int, kv_len: int, fwd_params, bwd_params) -> None:
+  if not isinstance(mask, AttentionMask):
+    raise TypeError(f"mask must be an AttentionMask from create_attention_mask, got "
+                    f"{type(mask).__name__}")
+  spec = mask.spec
+  if (spec.batch, spec.q_len, spec.kv_len) != (batch, q_len, kv_len):
+    raise ValueError(f"mask was built for batch {spec.batch}, query length {spec.q_len}, kv length "
+                     f"{spec.kv_len}; the inputs have {batch}, {q_len}, {kv_len}")
+  if fwd_params is not None and fwd_params != spec.fwd_params:
+    raise ValueError(f"fwd_params {fwd_params} differ from the mask's {spec.fwd_params}: pass the "
+                     "same params to create_attention_mask")
+  if bwd_params is not None and spec.bwd_params is not None and bwd_params != spec.bwd_params:
+    raise ValueError(f"bwd_params {bwd_params} differ from the mask's {spec.bwd_params}: pass the "
+                     "same params to create_attention_mask")
+
+
+def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> None:
+  if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+  if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                          and logits_soft_cap > 0):
+    raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
+  if sinks is not None:
+    if not hasattr(sinks, "shape") or tuple(sinks.shape) != (num_heads,):
+      raise ValueError(f"sinks must have shape ({num_heads},) (one logit per query head), got "
+                       f"{_shape(sinks)}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise TypeError(f"sinks must be floating point, got {sinks.dtype}")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create .venv with Python >= 3.12 and install kvax-plugin with the pinned versions.
+# Finds python3.12 / python3.13 on PATH or through pyenv; stops with a clear message if none.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS=${KVAX_EXTRAS:-dev}
+
+find_python() {
+  local c
+  for c in "${KVAX_PYTHON:-}" python3.12 python3.13 python3; do
+    [ -n "$c" ] || continue
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1 || [ -d "${PYENV_ROOT:-$HOME/.pyenv}/versions" ]; then
+    for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python; do
+      [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+  fi
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  if ! PY=$(find_python); then
+    echo "kvax-plugin needs Python >= 3.12 (jax >= 0.11, maxtext). None was found on PATH" >&2
+    echo "(python3.12, python3.13) or under pyenv (\$PYENV_ROOT/versions/3.12*)." >&2
+    echo "Install one (e.g. 'pyenv install 3.12') or set KVAX_PYTHON=/path/to/python3.12." >&2
+    exit 1
+  fi
+  echo "bootstrap: creating .venv with $PY ($("$PY" --version))"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.installed-$(cat constraints.txt setup.cfg | sha1sum | cut -c1-12)-$EXTRAS"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[$EXTRAS]"
+  rm -f .venv/.installed-*; touch "$stamp"
+fi
