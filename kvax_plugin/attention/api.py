@@ -86,7 +86,9 @@ def flash_attention(query: jax.Array,
                     permute_tokens_for_load_balance: bool = True,
                     backend: str = "auto",
                     debug: bool = False,
-                    mesh: Any = None) -> jax.Array:
+                    mesh: Any = None,
+                    query_specs: Any = None,
+                    kv_specs: Any = None) -> jax.Array:
   """Attention over packed documents, visiting only the blocks the mask lists.
 
   Args:
@@ -101,11 +103,15 @@ def flash_attention(query: jax.Array,
     fwd_params, bwd_params: must equal the mask's when given.
     assume_sequential_positions: accepted for kvax compatibility; the tables are exact either way.
     memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
-    permute_tokens_for_load_balance: with a context-parallel mesh, whether inputs arrive in the
-      load-balanced order (see kvax_plugin.attention.sharding).
+    permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
+      the load-balanced order of permute_tokens_context_parallelism (the op never permutes
+      itself); must match the mask's. See kvax_plugin.attention.sharding.
     backend: "auto" (Triton on supported GPUs, else JAX), "jax", "triton" or "reference".
     debug: print the chosen backend and shapes at trace time.
-    mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel).
+    mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
+      then come from create_attention_mask with the same mesh and specs.
+    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
+      `attention_specs` context).
 
   Returns:
     [B, Sq, H, Dv] in query.dtype.
@@ -119,6 +125,7 @@ def flash_attention(query: jax.Array,
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
   validation.check_options(scale, logits_soft_cap, sinks, h)
   name = resolve_backend(backend)
+  validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
   if mesh is not None:
     from kvax_plugin.attention import sharding
     return sharding.flash_attention_sharded(
@@ -126,8 +133,7 @@ def flash_attention(query: jax.Array,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         memory_optimized_gqa_backward=memory_optimized_gqa_backward,
         permute_tokens_for_load_balance=permute_tokens_for_load_balance, backend=name,
-        mesh=mesh)
-  validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+        mesh=mesh, query_specs=query_specs, kv_specs=kv_specs)
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
           f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
@@ -164,13 +170,18 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
               logits_soft_cap: float | None = None,
               sinks: jax.Array | None = None,
               scale: float | None = None,
-              backend: str = "auto") -> jax.Array:
+              backend: str = "auto",
+              mesh: Any = None,
+              query_specs: Any = None,
+              kv_specs: Any = None,
+              permute_tokens_for_load_balance: bool = False) -> jax.Array:
   """One-off attention: builds the block mask itself (use flash_attention to reuse one).
 
   query [B, Sq, H, D], key/value [B, Skv, K, D(v)]; segment_ids and positions int32 [B, Sq]
   shared by query and key/value when Sq == Skv. segment_ids None means one document;
   positions None means per-document positions derived from segment_ids; scale None means
-  1/sqrt(Dqk).
+  1/sqrt(Dqk). mesh / query_specs / kv_specs / permute_tokens_for_load_balance as in
+  flash_attention; inputs that arrive permuted need explicit positions.
   """
   validation.check_qkv(query, key, value)
   b, sq, _, dqk = query.shape
@@ -178,6 +189,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   if segment_ids is None:
     segment_ids = jnp.zeros((b, sq), jnp.int32)
   if positions is None:
+    if mesh is not None and permute_tokens_for_load_balance:
+      raise ValueError("positions must be given when permute_tokens_for_load_balance=True: "
+                       "positions derived from permuted segment_ids would follow buffer order")
     validation.check_tokens("segment_ids", segment_ids, "segment_ids", segment_ids, b, sq)
     positions = positions_from_segment_ids(segment_ids)
   if sq != skv:
@@ -187,10 +201,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   scale = dqk ** -0.5 if scale is None else scale
   validation.check_tokens("positions", positions, "segment_ids", segment_ids, b, sq)
   mask = create_attention_mask(positions, segment_ids, positions, segment_ids,
-                               calc_bwd_mask=True, causal=causal, sliding_window=sliding_window)
+                               calc_bwd_mask=True, causal=causal, sliding_window=sliding_window,
+                               mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
+                               permute_tokens_for_load_balance=permute_tokens_for_load_balance)
   return flash_attention(query, key, value, positions, segment_ids, positions, segment_ids, mask,
                          scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                         backend=backend)
+                         backend=backend, mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
+                         permute_tokens_for_load_balance=permute_tokens_for_load_balance)
 
 
 __all__ = ["flash_attention", "attention", "create_attention_mask", "PADDING_SEGMENT_ID",

@@ -255,7 +255,10 @@ def create_attention_mask(query_positions: jax.Array,
                           skip_pad_tokens: bool = True,
                           causal: bool = True,
                           sliding_window: int | None = None,
-                          mesh: Any = None) -> AttentionMask:
+                          mesh: Any = None,
+                          query_specs: Any = None,
+                          kv_specs: Any = None,
+                          permute_tokens_for_load_balance: bool = True) -> AttentionMask:
   """Build the block mask once per step; pass it to `flash_attention` in every layer.
 
   Args:
@@ -266,7 +269,12 @@ def create_attention_mask(query_positions: jax.Array,
     skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
     causal: keep only kv_pos <= q_pos.
     sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
-    mesh: shard the construction over a device mesh (see kvax_plugin.attention.sharding).
+    mesh: shard the construction over a device mesh (see kvax_plugin.attention.sharding); the
+      result is then a ShardedAttentionMask with per-shard tables for flash_attention(mesh=mesh).
+    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
+      `attention_specs` context).
+    permute_tokens_for_load_balance: with a context-parallel mesh, whether the tokens arrive in
+      the load-balanced order; must match the flash_attention call.
 
   Returns:
     An `AttentionMask` pytree holding O(B * S / block) int32 tables.
@@ -280,7 +288,9 @@ def create_attention_mask(query_positions: jax.Array,
     return sharding.create_attention_mask_sharded(
         query_positions, query_segment_ids, kv_positions, kv_segment_ids,
         fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
-        skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window, mesh=mesh)
+        skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window, mesh=mesh,
+        query_specs=query_specs, kv_specs=kv_specs,
+        permute_tokens_for_load_balance=permute_tokens_for_load_balance)
   fwd_params = fwd_params or DEFAULT_FWD_PARAMS
   if calc_bwd_mask:
     bwd_params = bwd_params or DEFAULT_BWD_PARAMS

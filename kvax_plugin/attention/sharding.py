@@ -1,0 +1,593 @@
+"""Sharding and context parallelism (Llama 3 style) for the attention op.
+
+Layout and specs
+----------------
+A *spec* describes how one BSHD array is laid out over a `jax.sharding.Mesh`: a 4-sequence
+(batch, sequence, heads, head_dim) whose entries are a mesh axis name, a tuple of names, or None.
+
+    query_specs  e.g. (("data", "fsdp"), "context", "tensor", None)
+    kv_specs     e.g. (("data", "fsdp"), None,      "tensor", None)
+
+* batch: any number of axes (data / FSDP / HSDP); query and kv must use the same ones.
+* sequence: the query's entry is the *context axis* (one name or several); `cp` is its size.
+  kv_specs[1] must be None: it describes what attention sees, every query shard reading all of
+  key/value (the MaxText logical rules map kv sequence to no axis). The op itself takes key,
+  value, kv positions and kv segment ids *sharded over the query's context axis* and all-gathers
+  them inside shard_map, so arrays that are already context-sharded (the usual case after the
+  k/v projections) cross the network once, in the all-gather, and nowhere else.
+* heads: tensor parallelism; query and kv must use the same axes (the GQA grouping stays local).
+* head_dim: never sharded.
+
+Specs come from explicit `query_specs=` / `kv_specs=` arguments or, when those are None, from the
+innermost `attention_specs(...)` context (a contextvar: per thread / per asyncio task). When only
+query specs are known, kv specs default to (query batch, None, query heads, None).
+
+Context parallelism
+-------------------
+Inside `jax.shard_map` every device holds Sq / cp query tokens and, after the all-gather, all
+Skv key/value tokens with their positions and segment ids. Positions and segment ids, never
+buffer indices, decide which pairs attend, so the kernels are correct for any token order.
+
+Load balance: with a causal mask and contiguous shards, rank r's queries see r+1 shards of keys,
+so the last rank does about 2*cp-1 times the work of the first (7x at cp=4).
+`permute_tokens_context_parallelism` cuts the sequence into 2*cp chunks and gives rank r chunks
+r and 2*cp-1-r, so every rank holds one early and one late chunk. The op never permutes the
+query itself (MaxText does it in its input pipeline when context_parallel_load_balance is on):
+`permute_tokens_for_load_balance=True` on `create_attention_mask` / `flash_attention` declares that
+the inputs *arrive* permuted. The op then restores natural order for the gathered key/value (a
+static reshuffle of 2*cp chunks), so the per-shard block tables stay tight contiguous ranges.
+The flag is a performance statement, not a correctness one: results are exact either way, but
+the mask and the attention call must agree on it (the mask records it; a mismatch raises).
+
+The sharded mask
+----------------
+`create_attention_mask(..., mesh=mesh)` returns a `ShardedAttentionMask`: an `AttentionMask`
+whose `spec` describes the global problem and whose tables are *per shard*. Each device builds
+the tables for its local queries against the gathered kv, so the table indices are local query
+blocks and blocks of the gathered kv. Every table is a global int32 array [B, cp * n_local]
+sharded (batch axes, context axes): the shard at context rank c holds its own [B_local, n_local]
+table (fwd and dq: n_local = local query blocks; dkv: n_local = kv blocks of the gathered kv).
+Such a mask is only meaningful to `flash_attention` with the same mesh, specs and flag.
+
+Gradients
+---------
+The kv-side gradients are summed over the context axis by the transpose of the all-gather
+(psum_scatter). Each shard's partial dk / dv comes out of the backend in the input dtype (the
+kernels accumulate in float32); the sum over shards is done in float32 (`KV_GRAD_REDUCE_DTYPE`)
+and rounded to the input dtype once. Sinks are passed to the backend in float32, so their
+gradient, summed over the batch and context shards by shard_map, is reduced in float32 too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from kvax_plugin.attention import block_mask as bm
+from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
+from kvax_plugin.attention.params import PADDING_SEGMENT_ID
+
+# dtype of the cross-shard sum of the key / value gradients (the all-gather's transpose).
+KV_GRAD_REDUCE_DTYPE = jnp.float32
+
+AxisNames = tuple[str, ...]
+_DIM_NAMES = ("batch", "sequence", "heads", "head_dim")
+
+# ----------------------------------------------------------------------------- specs
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpecs:
+  """Normalised specs: each of the 4 entries is a tuple of mesh axis names (() = unsharded)."""
+
+  query: tuple[AxisNames, AxisNames, AxisNames, AxisNames]
+  kv: tuple[AxisNames, AxisNames, AxisNames, AxisNames]
+
+  @property
+  def batch_axes(self) -> AxisNames:
+    return self.query[0]
+
+  @property
+  def context_axes(self) -> AxisNames:
+    return self.query[1]
+
+  @property
+  def head_axes(self) -> AxisNames:
+    return self.query[2]
+
+
+_ATTENTION_SPECS: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "kvax_plugin_attention_specs", default=None)
+
+
+def _normalise_entry(entry: Any, name: str, dim: int) -> AxisNames:
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  if isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry):
+    return tuple(entry)
+  raise TypeError(f"{name}[{dim}] ({_DIM_NAMES[dim]}) must be a mesh axis name, a tuple of names "
+                  f"or None, got {entry!r}")
+
+
+def _normalise_spec(spec: Any, name: str) -> tuple[AxisNames, AxisNames, AxisNames, AxisNames]:
+  if isinstance(spec, str) or not isinstance(spec, Sequence) or len(spec) != 4:
+    raise ValueError(f"{name} must be a 4-entry spec (batch, sequence, heads, head_dim) for a BSHD "
+                     f"array, got {spec!r}")
+  out = tuple(_normalise_entry(e, name, i) for i, e in enumerate(spec))
+  seen: set[str] = set()
+  for axes in out:
+    for a in axes:
+      if a in seen:
+        raise ValueError(f"{name} uses mesh axis {a!r} more than once: {spec!r}")
+      seen.add(a)
+  return out  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def attention_specs(query_specs: Any, kv_specs: Any = None) -> Iterator[None]:
+  """Set the specs used by attention calls with a mesh and no explicit specs, in this context.
+
+  The state is a contextvar, so threads and asyncio tasks each see their own specs and nested
+  contexts restore the outer specs on exit. kv_specs None means (query batch, None, query heads,
+  None). Specs are checked for form here and against the mesh and shapes at the call.
+  """
+  q = _normalise_spec(query_specs, "query_specs")
+  kv = None if kv_specs is None else _normalise_spec(kv_specs, "kv_specs")
+  token = _ATTENTION_SPECS.set((q, kv))
+  try:
+    yield
+  finally:
+    _ATTENTION_SPECS.reset(token)
+
+
+def current_attention_specs() -> tuple[Any, Any] | None:
+  """(query_specs, kv_specs) of the innermost attention_specs context, or None outside one."""
+  return _ATTENTION_SPECS.get()
+
+
+def resolve_specs(query_specs: Any = None, kv_specs: Any = None) -> AttentionSpecs:
+  """Explicit arguments first, then the attention_specs context; kv derived from query last."""
+  ctx = _ATTENTION_SPECS.get()
+  q = (_normalise_spec(query_specs, "query_specs") if query_specs is not None
+       else (ctx[0] if ctx is not None else None))
+  if q is None:
+    raise ValueError("a mesh was given but no query_specs: pass query_specs= (and kv_specs=) or "
+                     "call inside `with attention_specs(query_specs, kv_specs):`")
+  if kv_specs is not None:
+    kv = _normalise_spec(kv_specs, "kv_specs")
+  elif ctx is not None and ctx[1] is not None and query_specs is None:
+    kv = ctx[1]
+  else:
+    kv = (q[0], (), q[2], ())
+  return AttentionSpecs(q, kv)
+
+
+def _entry(axes: AxisNames):
+  """Back to a PartitionSpec entry."""
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _axes_size(mesh, axes: AxisNames) -> int:
+  return int(math.prod(mesh.shape[a] for a in axes))
+
+
+def check_specs(specs: AttentionSpecs, mesh) -> None:
+  """Rules that do not depend on shapes; every error names the offending argument."""
+  names = set(mesh.axis_names)
+  for label, spec in (("query_specs", specs.query), ("kv_specs", specs.kv)):
+    for dim, axes in enumerate(spec):
+      for a in axes:
+        if a not in names:
+          raise ValueError(f"{label}[{dim}] ({_DIM_NAMES[dim]}) names mesh axis {a!r}, but the "
+                           f"mesh has axes {tuple(mesh.axis_names)}")
+    if spec[3]:
+      raise ValueError(f"{label}[3] (head_dim) must be None: the head dimension cannot be sharded, "
+                       f"got {_entry(spec[3])!r}")
+  if specs.kv[1]:
+    raise ValueError(
+        f"kv_specs[1] (key/value sequence) must be None, got {_entry(specs.kv[1])!r}: key/value "
+        "are all-gathered over the query's context axis (query_specs[1]) inside the op; pass them "
+        "context-sharded or replicated, the spec describes the gathered view")
+  if specs.query[0] != specs.kv[0]:
+    raise ValueError(f"query_specs[0] and kv_specs[0] (batch) must be equal, got "
+                     f"{_entry(specs.query[0])!r} and {_entry(specs.kv[0])!r}")
+  if specs.query[2] != specs.kv[2]:
+    raise ValueError(f"query_specs[2] and kv_specs[2] (heads) must be equal, got "
+                     f"{_entry(specs.query[2])!r} and {_entry(specs.kv[2])!r}: each tensor-parallel "
+                     "shard must hold whole GQA groups (its query heads and their kv heads)")
+
+
+def _check_divisible(what: str, length: int, arg: str, size: int, axes: AxisNames) -> None:
+  if length % size:
+    raise ValueError(f"{what} ({length}) must be divisible by the size of its mesh axes "
+                     f"{axes} ({size}) given in {arg}")
+
+
+def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len: int,
+                 heads: int | None = None, kv_heads: int | None = None,
+                 permuted: bool = False) -> None:
+  """Divisibility of every sharded dimension by its axes' sizes."""
+  dp = _axes_size(mesh, specs.batch_axes)
+  cp = _axes_size(mesh, specs.context_axes)
+  tp = _axes_size(mesh, specs.head_axes)
+  _check_divisible("batch", batch, "query_specs[0]", dp, specs.batch_axes)
+  _check_divisible("query sequence length", q_len, "query_specs[1]", cp, specs.context_axes)
+  # key/value travel context-sharded into the op (then all-gathered), so they divide too.
+  _check_divisible("key/value sequence length", kv_len, "query_specs[1] (the all-gather of key/"
+                   "value)", cp, specs.context_axes)
+  if permuted and cp > 1:
+    for what, n in (("query sequence length", q_len), ("key/value sequence length", kv_len)):
+      if n % (2 * cp):
+        raise ValueError(f"{what} ({n}) must be divisible by 2 * cp = {2 * cp} when "
+                         "permute_tokens_for_load_balance=True (2*cp load-balancing chunks)")
+  if heads is not None:
+    _check_divisible("query heads", heads, "query_specs[2]", tp, specs.head_axes)
+  if kv_heads is not None:
+    _check_divisible("key/value heads", kv_heads, "kv_specs[2]", tp, specs.head_axes)
+
+
+# ----------------------------------------------------------------------------- permutation
+
+
+def _load_balance_order(cp: int) -> list[int]:
+  """Chunk order of the permuted sequence: rank r holds chunks r and 2*cp-1-r."""
+  return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def _reorder_chunks(x, cp: int, axis: int, inverse: bool, name: str):
+  if x is None:
+    return None
+  if not isinstance(cp, (int, np.integer)) or isinstance(cp, bool) or cp < 1:
+    raise ValueError(f"cp must be a positive int, got {cp!r}")
+  ndim = len(x.shape)
+  ax = axis + ndim if axis < 0 else axis
+  if not 0 <= ax < ndim:
+    raise ValueError(f"axis {axis} is out of range for {name} of shape {tuple(x.shape)}")
+  n = x.shape[ax]
+  if n % (2 * cp):
+    raise ValueError(f"{name}: the sequence axis (axis {axis}, length {n}) must be divisible by "
+                     f"2 * cp = {2 * cp}")
+  if cp == 1:
+    return x
+  xp = np if isinstance(x, np.ndarray) else jnp
+  c = n // (2 * cp)
+  order = _load_balance_order(cp)
+  if inverse:
+    order = list(np.argsort(order))
+  # Static slices + concatenate: cheap copies whose transposes are slices again (no gathers).
+  chunks = [jax.lax.slice_in_dim(x, i * c, (i + 1) * c, axis=ax) if xp is jnp
+            else np.take(x, np.arange(i * c, (i + 1) * c), axis=ax) for i in order]
+  return xp.concatenate(chunks, axis=ax)
+
+
+def _map_arrays(fn, x_or_tuple, label: str):
+  """Apply fn to every array of a (possibly nested) tuple / list, keeping the structure."""
+  if isinstance(x_or_tuple, (tuple, list)):
+    out = [_map_arrays(fn, x, f"{label}[{i}]") for i, x in enumerate(x_or_tuple)]
+    return type(x_or_tuple)(out)
+  return fn(x_or_tuple, label)
+
+
+def permute_tokens_context_parallelism(x_or_tuple, cp: int, axis: int = 1):
+  """Natural order -> load-balanced order for context parallelism `cp`.
+
+  The sequence axis (length a multiple of 2*cp) is cut into 2*cp chunks; the result holds, for
+  r = 0..cp-1, chunk r followed by chunk 2*cp-1-r, so sharding it evenly over cp devices gives
+  rank r chunks r and 2*cp-1-r. Accepts an array (numpy or jax) or a (nested) tuple / list of
+  arrays (None entries pass through); returns the same structure.
+  Example: [B, S, H, D] queries with axis=1, [B, S] positions / segment ids with axis=1.
+  """
+  return _map_arrays(lambda x, n: _reorder_chunks(x, cp, axis, False, n), x_or_tuple, "x")
+
+
+def unpermute_tokens_context_parallelism(x_or_tuple, cp: int, axis: int = 1):
+  """Inverse of `permute_tokens_context_parallelism` (load-balanced order -> natural order)."""
+  return _map_arrays(lambda x, n: _reorder_chunks(x, cp, axis, True, n), x_or_tuple, "x")
+
+
+# ----------------------------------------------------------------------------- the sharded mask
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+  """How a ShardedAttentionMask's tables are distributed (static, hashable)."""
+
+  mesh_axes: tuple[tuple[str, int], ...]  # (name, size) of the mesh the tables were built on
+  batch_axes: AxisNames
+  context_axes: AxisNames
+  context_size: int
+  kv_permuted: bool  # inputs arrive load-balance permuted; gathered kv is put back in order
+  local_spec: MaskSpec  # the per-shard problem: local batch and queries, gathered kv
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class ShardedAttentionMask(AttentionMask):
+  """An AttentionMask whose tables are per shard (see the module docstring for the layout).
+
+  `spec` describes the global problem (global batch / lengths), so `mask.causal`,
+  `mask.sliding_window` and `mask.spec.fwd_params` read as usual. Tables: int32
+  [B, context_size * n_local] sharded (layout.batch_axes, layout.context_axes).
+  """
+
+  layout: ShardLayout | None = None
+
+  def tree_flatten(self):
+    return (self.fwd, self.dq, self.dkv), (self.spec, self.layout)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    spec, layout = aux
+    fwd, dq, dkv = children
+    return cls(spec, fwd, dq, dkv, layout)
+
+  def local(self, fwd: BlockTable, dq: BlockTable | None,
+            dkv: BlockTable | None) -> AttentionMask:
+    """The mask one shard's backend sees, from that shard's slices of the tables."""
+    return AttentionMask(self.layout.local_spec, fwd, dq, dkv)
+
+
+def _mesh_axes(mesh) -> tuple[tuple[str, int], ...]:
+  return tuple((str(a), int(mesh.shape[a])) for a in mesh.axis_names)
+
+
+class _GatherF32Grad:
+  """all_gather over the context axes whose transpose sums in KV_GRAD_REDUCE_DTYPE."""
+
+  @staticmethod
+  def make(axes: AxisNames):
+    axis_name = axes if len(axes) > 1 else axes[0]
+
+    @jax.custom_vjp
+    def gather(x):
+      return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+    def fwd(x):
+      return gather(x), None
+
+    def bwd(_, ct):
+      # Partial gradients of every shard's queries for all kv tokens: sum them over the
+      # context axis and keep this shard's slice (reduce-scatter), in float32.
+      summed = jax.lax.psum_scatter(ct.astype(KV_GRAD_REDUCE_DTYPE), axis_name,
+                                    scatter_dimension=1, tiled=True)
+      return (summed.astype(ct.dtype),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def _gather_kv(arrays, axes: AxisNames, cp: int, permuted: bool, *, float_grad: bool):
+  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...] (natural order if the
+  inputs arrive permuted, so the per-shard tables are contiguous ranges)."""
+  if cp == 1:
+    return arrays
+  axis_name = axes if len(axes) > 1 else axes[0]
+  if float_grad:
+    gather = _GatherF32Grad.make(axes)
+    out = [gather(x) for x in arrays]
+  else:
+    out = [jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in arrays]
+  if permuted:
+    out = unpermute_tokens_context_parallelism(out, cp, axis=1)
+  return out
+
+
+def create_attention_mask_sharded(query_positions: jax.Array,
+                                  query_segment_ids: jax.Array,
+                                  kv_positions: jax.Array,
+                                  kv_segment_ids: jax.Array,
+                                  *,
+                                  fwd_params=None,
+                                  bwd_params=None,
+                                  calc_bwd_mask: bool = False,
+                                  skip_pad_tokens: bool = True,
+                                  causal: bool = True,
+                                  sliding_window: int | None = None,
+                                  mesh,
+                                  query_specs=None,
+                                  kv_specs=None,
+                                  permute_tokens_for_load_balance: bool = True
+                                  ) -> ShardedAttentionMask:
+  """Per-shard block tables, built inside shard_map (see the module docstring).
+
+  query_positions / query_segment_ids: int32 [B, Sq]; kv_positions / kv_segment_ids: int32
+  [B, Skv], in the order flash_attention will receive the tokens (permuted or not, as
+  permute_tokens_for_load_balance says). Specs: explicit or from `attention_specs`.
+  """
+  specs = resolve_specs(query_specs, kv_specs)
+  check_specs(specs, mesh)
+  b, sq = query_positions.shape
+  skv = kv_positions.shape[1]
+  cp = _axes_size(mesh, specs.context_axes)
+  permuted = bool(permute_tokens_for_load_balance) and cp > 1
+  check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, permuted=permuted)
+  dp = _axes_size(mesh, specs.batch_axes)
+  local_specs: list[MaskSpec] = []
+
+  def per_shard(qp, qs, kp, ks):
+    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, permuted, float_grad=False)
+    m = bm.create_attention_mask(qp, qs, kp, ks, fwd_params=fwd_params, bwd_params=bwd_params,
+                                 calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=skip_pad_tokens,
+                                 causal=causal, sliding_window=sliding_window)
+    local_specs.append(m.spec)  # static: read back after tracing
+    return m.fwd, m.dq, m.dkv
+
+  tok = P(_entry(specs.batch_axes), _entry(specs.context_axes))
+  ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
+                                        kv_segment_ids)]
+  # check_vma=False: the outputs are replicated over the unmentioned (head) axes by construction.
+  fwd, dq, dkv = jax.shard_map(per_shard, mesh=mesh, in_specs=(tok, tok, tok, tok),
+                               out_specs=tok, check_vma=False)(*ints)
+  local = local_specs[-1]
+  if local.batch * dp != b or local.q_len * cp != sq or local.kv_len != skv:
+    raise AssertionError(f"internal: local mask spec {local} does not tile the global problem")
+  spec = dataclasses.replace(local, batch=b, q_len=sq, kv_len=skv)
+  layout = ShardLayout(mesh_axes=_mesh_axes(mesh), batch_axes=specs.batch_axes,
+                       context_axes=specs.context_axes, context_size=cp, kv_permuted=permuted,
+                       local_spec=local)
+  return ShardedAttentionMask(spec, fwd, dq, dkv, layout)
+
+
+# ----------------------------------------------------------------------------- the sharded op
+
+
+def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, permuted: bool) -> None:
+  if not isinstance(mask, ShardedAttentionMask):
+    raise TypeError(
+        f"mask must come from create_attention_mask(..., mesh=mesh) with the same mesh and specs "
+        f"when flash_attention runs on a mesh, got a {type(mask).__name__} built without a mesh")
+  lay = mask.layout
+  if lay.mesh_axes != _mesh_axes(mesh):
+    raise ValueError(f"mask was built on a mesh with axes {lay.mesh_axes}, flash_attention got "
+                     f"{_mesh_axes(mesh)}: build the mask with the same mesh")
+  if lay.batch_axes != specs.batch_axes or lay.context_axes != specs.context_axes:
+    raise ValueError(
+        f"mask was built for batch axes {lay.batch_axes} and context axes {lay.context_axes}, "
+        f"flash_attention got query_specs with {specs.batch_axes} and {specs.context_axes}: "
+        "build the mask under the same specs")
+  if lay.kv_permuted != permuted:
+    raise ValueError(
+        f"permute_tokens_for_load_balance={permuted} differs from the mask's "
+        f"({lay.kv_permuted}): pass the same value to create_attention_mask and flash_attention "
+        "(it says whether the inputs arrive in load-balanced order)")
+
+
+def flash_attention_sharded(query, key, value, query_positions, query_segment_ids, kv_positions,
+                            kv_segment_ids, mask, *, scale: float,
+                            logits_soft_cap: float | None, sinks: jax.Array | None,
+                            memory_optimized_gqa_backward: bool,
+                            permute_tokens_for_load_balance: bool, backend: str, mesh,
+                            query_specs=None, kv_specs=None) -> jax.Array:
+  """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
+
+  query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
+  segment ids [B, Skv] enter sharded (kv batch, query context, kv heads) and are all-gathered
+  over the context axes per shard; `mask` from create_attention_mask with the same mesh, specs
+  and permute flag. `backend` is already resolved ("jax", "triton" or "reference").
+  Returns [B, Sq, H, Dv] sharded like the query.
+  """
+  specs = resolve_specs(query_specs, kv_specs)
+  check_specs(specs, mesh)
+  b, sq, h, _ = query.shape
+  skv, kh = key.shape[1], key.shape[2]
+  cp = _axes_size(mesh, specs.context_axes)
+  permuted = bool(permute_tokens_for_load_balance) and cp > 1
+  check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, heads=h, kv_heads=kh,
+               permuted=permuted)
+  _check_mask_layout(mask, specs, mesh, cp, permuted)
+
+  from kvax_plugin.attention import api  # local import: api imports this module lazily too
+  backend_fn = api._backend_fn(backend)  # pylint: disable=protected-access
+  extra = {"memory_optimized_gqa_backward": memory_optimized_gqa_backward} \
+      if backend == "triton" else {}
+  has_sinks = sinks is not None
+  layout_mask = mask
+
+  def per_shard(q, k, v, qp, qs, kp, ks, tables, s):
+    k, v = _gather_kv((k, v), specs.context_axes, cp, permuted, float_grad=True)
+    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, permuted, float_grad=False)
+    local_mask = layout_mask.local(*tables)
+    return backend_fn(q, k, v, qp, qs, kp, ks, local_mask, scale=scale,
+                      logits_soft_cap=logits_soft_cap, sinks=s if has_sinks else None, **extra)
+
+  bat, ctx, hd = (_entry(a) for a in (specs.batch_axes, specs.context_axes, specs.head_axes))
+  x_spec = P(bat, ctx, hd, None)
+  tok = P(bat, ctx)
+  # Sinks in float32: shard_map sums their gradient over the batch / context shards (the axes
+  # their spec leaves out), and that sum should not be rounded to bfloat16 on every shard.
+  s = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((h,), jnp.float32)
+  ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
+                                        kv_segment_ids)]
+  tables = (mask.fwd, mask.dq, mask.dkv)
+  fn = jax.shard_map(per_shard, mesh=mesh,
+                     in_specs=(x_spec, x_spec, x_spec, tok, tok, tok, tok, tok, P(hd)),
+                     out_specs=x_spec, check_vma=False)
+  return fn(query, key, value, *ints, tables, s)
+
+
+# ----------------------------------------------------------------------------- balance report
+
+
+def _kept_pairs_per_query(q_pos, q_seg, kv_pos, kv_seg, causal: bool,
+                          window: int | None) -> np.ndarray:
+  """Exact number of kv tokens each query token attends, int64 [Sq] (one batch row), in
+  O(S log S): per segment, count sorted kv positions in the allowed interval."""
+  q_pos, q_seg = np.asarray(q_pos, np.int64), np.asarray(q_seg)
+  kv_pos, kv_seg = np.asarray(kv_pos, np.int64), np.asarray(kv_seg)
+  out = np.zeros(q_pos.shape, np.int64)
+  for seg in np.unique(q_seg):
+    if seg == PADDING_SEGMENT_ID:
+      continue
+    sel = q_seg == seg
+    p = np.sort(kv_pos[kv_seg == seg])
+    qp = q_pos[sel]
+    if causal:
+      hi = np.searchsorted(p, qp, side="right")  # kv_pos <= q_pos
+      lo = (np.searchsorted(p, qp - window, side="right") if window is not None
+            else np.zeros_like(hi))  # q_pos - kv_pos < w  <=>  kv_pos > q_pos - w
+    elif window is not None:
+      hi = np.searchsorted(p, qp + window, side="left")  # kv_pos < q_pos + w
+      lo = np.searchsorted(p, qp - window, side="right")
+    else:
+      hi, lo = np.full(qp.shape, p.size), np.zeros(qp.shape, np.int64)
+    out[sel] = hi - lo
+  return out
+
+
+def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
+                             causal: bool = True, sliding_window: int | None = None,
+                             fwd_params=None) -> dict[str, Any]:
+  """Per-device work of self-attention under context parallelism `cp`.
+
+  positions, segment_ids: int [B, S] in natural order (S divisible by 2*cp when permute).
+  Device d holds query tokens [d*S/cp, (d+1)*S/cp) of the (permuted if `permute`) sequence and
+  all kv tokens. Returns a dict with, per device: `kept_pairs` (exact (q, kv) pairs the mask
+  keeps), `visited_blocks` / `full_blocks` (forward blocks the per-shard tables make the kernel
+  visit, as the sharded op would build them) and the max / min ratios of both.
+  """
+  positions = np.asarray(positions)
+  segment_ids = np.asarray(segment_ids)
+  b, s = positions.shape
+  if s % (2 * cp if permute else cp):
+    raise ValueError(f"sequence length {s} must be divisible by {2 * cp if permute else cp}")
+  qpos, qseg = ((permute_tokens_context_parallelism((positions, segment_ids), cp))
+                if permute else (positions, segment_ids))
+  n = s // cp
+  kept, visited, full = [], [], []
+  for d in range(cp):
+    sl = slice(d * n, (d + 1) * n)
+    kept.append(int(sum(_kept_pairs_per_query(qpos[i, sl], qseg[i, sl], positions[i],
+                                              segment_ids[i], causal, sliding_window).sum()
+                        for i in range(b))))
+    # The sharded op gathers kv and restores natural order when permuted: kv = natural arrays.
+    m = bm.create_attention_mask(jnp.asarray(qpos[:, sl]), jnp.asarray(qseg[:, sl]),
+                                 jnp.asarray(positions), jnp.asarray(segment_ids),
+                                 fwd_params=fwd_params, causal=causal,
+                                 sliding_window=sliding_window)
+    visited.append(int(jnp.sum(m.fwd.upper - m.fwd.lower)))
+    full.append(int(jnp.sum(m.fwd.full_upper - m.fwd.full_lower)))
+
+  def ratio(xs):
+    return float(max(xs) / min(xs)) if min(xs) > 0 else float("inf")
+
+  return {"cp": cp, "permuted": permute, "kept_pairs": kept, "visited_blocks": visited,
+          "full_blocks": full, "kept_max_over_min": ratio(kept),
+          "visited_max_over_min": ratio(visited)}
+
+
+__all__ = ["attention_specs", "current_attention_specs", "resolve_specs", "AttentionSpecs",
+           "ShardedAttentionMask", "ShardLayout", "permute_tokens_context_parallelism",
+           "unpermute_tokens_context_parallelism", "context_parallel_balance",
+           "create_attention_mask_sharded", "flash_attention_sharded", "KV_GRAD_REDUCE_DTYPE"]
