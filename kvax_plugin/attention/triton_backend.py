@@ -1,0 +1,349 @@
+"""backend="triton": the FlashAttention-2 kernels of triton_kernels/ called through jax-triton.
+
+Forward: one launch (triton_kernels/forward.py) writes the output and the log-sum-exp.
+Backward (custom VJP): delta = rowsum(dO * O), then dq per query tile over the mask's `dq` table
+and dk / dv per kv tile over its `dkv` table (triton_kernels/backward.py); no atomics, so the
+gradients are bitwise reproducible. dsinks is a small reduction in JAX.
+
+Launch settings. The mask fixes the *table* block sizes; the kernels may use smaller tiles that
+divide them (a table block is then walked as several tiles), so tile shapes, warps and stages can
+follow the GPU and head dim without rebuilding the mask:
+  * a mask built with the library defaults (params.DEFAULT_FWD_PARAMS / DEFAULT_BWD_PARAMS, i.e. the
+    caller passed none) gets the tuned per-GPU tiles of `_TUNED` below;
+  * a mask built with explicit FlashAttentionParamsConfig runs with exactly those block sizes,
+    warps and stages (the caller's override).
+`default_params(device_kind, head_dim)` returns the tuned settings as configs, for callers who
+want to build their masks with them.
+
+Triton and jax-triton are imported lazily: importing kvax_plugin never needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvax_plugin.attention import compat
+from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
+from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
+                                          FlashAttentionParamsConfig)
+
+# ----------------------------------------------------------------------------- devices
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+  cc = getattr(device, "compute_capability", None)
+  if cc is None:
+    return None
+  try:
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+  except ValueError:
+    return None
+
+
+def device_supported(device) -> tuple[bool, str]:
+  """(supported, reason) for running the Triton kernels on `device` (a jax.Device)."""
+  if getattr(device, "platform", None) != "gpu":
+    return False, f"device {device} is not a GPU"
+  kind = getattr(device, "device_kind", "unknown GPU")
+  cc = _compute_capability(device)
+  if cc is None:
+    return False, (f"{kind}: no CUDA compute capability reported (ROCm and other GPUs are not "
+                   "supported by these kernels)")
+  if cc < (8, 0):
+    return False, f"{kind} has compute capability {cc[0]}.{cc[1]}; the kernels need sm80 or newer"
+  try:
+    compat.check()
+    _kernels()
+  except ImportError as e:
+    return False, str(e)
+  return True, f"{kind} (sm{cc[0]}{cc[1]}) with Triton kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+  """Import the kernel modules once (they import Triton)."""
+  from kvax_plugin.attention.triton_kernels import backward, forward
+  return forward, backward
+
+
+def _gpu_family(device_kind: str) -> str:
+  kind = device_kind.upper()
+  if "H200" in kind:
+    return "h200"
+  if "H100" in kind or "H800" in kind or "GH200" in kind:
+    return "h100"
+  return "fallback"  # A100 and other sm80+ parts
+
+
+# ----------------------------------------------------------------------------- launch settings
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+  block_m: int  # query tile
+  block_n: int  # kv tile
+  num_warps: int
+  num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  fwd: _Tiles
+  dq: _Tiles
+  dkv: _Tiles
+
+
+def _tuned(family: str, head_dim: int) -> _Launch:
+  """Tuned tiles per GPU family and (largest) head dim. Sources: benchmarks/NOTES.md."""
+  big = head_dim > 128
+  if family in ("h100", "h200"):
+    if big:
+      return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(64, 64, 8, 2),
+                     dkv=_Tiles(32, 64, 8, 2))
+    return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(64, 64, 4, 3),
+                   dkv=_Tiles(64, 128, 8, 2))
+  # A100-class: 164 KB shared memory, no wgmma; smaller tiles.
+  if big:
+    return _Launch(fwd=_Tiles(64, 64, 4, 2), dq=_Tiles(64, 32, 4, 2), dkv=_Tiles(32, 64, 4, 2))
+  return _Launch(fwd=_Tiles(128, 64, 4, 3), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 4, 2))
+
+
+def _fit(tile: int, table_block: int) -> int:
+  """Largest power of two <= tile that divides the table block (both powers of two)."""
+  return min(tile, table_block)
+
+
+def _launch_for(spec, device_kind: str, dk: int, dv: int) -> _Launch:
+  tuned = _tuned(_gpu_family(device_kind), max(dk, dv))
+  f = spec.fwd_params
+  if f == DEFAULT_FWD_PARAMS:
+    fwd = _Tiles(_fit(tuned.fwd.block_m, f.query_block_size),
+                 _fit(tuned.fwd.block_n, f.kv_block_size), tuned.fwd.num_warps,
+                 tuned.fwd.num_stages)
+  else:
+    fwd = _Tiles(f.query_block_size, f.kv_block_size, f.num_warps, f.num_stages)
+  bp = spec.bwd_params
+  if bp is None:
+    dq = dkv = fwd
+  elif bp == DEFAULT_BWD_PARAMS:
+    dq = _Tiles(_fit(tuned.dq.block_m, bp.query_block_size),
+                _fit(tuned.dq.block_n, bp.kv_block_size), tuned.dq.num_warps,
+                tuned.dq.num_stages)
+    dkv = _Tiles(_fit(tuned.dkv.block_m, bp.query_block_size),
+                 _fit(tuned.dkv.block_n, bp.kv_block_size), tuned.dkv.num_warps,
+                 tuned.dkv.num_stages)
+  else:
+    dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
+  override = os.environ.get("KVAX_TRITON_TILES")
+  if override:
+    # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
+    # table's blocks.
+    parts = dict(p.split("=") for p in override.split(";") if p)
+    pick = lambda name, cur: _Tiles(*map(int, parts[name].split(","))) if name in parts else cur
+    fwd, dq, dkv = pick("fwd", fwd), pick("dq", dq), pick("dkv", dkv)
+  return _Launch(fwd, dq, dkv)
+
+
+def default_params(device_kind: str, head_dim: int
+                   ) -> tuple[FlashAttentionParamsConfig, FlashAttentionParamsConfig]:
+  """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200").
+
+  These are the tiles the kernels pick by themselves for a mask built with the library
+  defaults; building a mask with them gives the same speed. The bwd config carries the dq
+  kernel's tiles (the dk/dv kernel then uses the same block sizes).
+  """
+  t = _tuned(_gpu_family(device_kind), head_dim)
+  fwd = FlashAttentionParamsConfig(query_block_size=t.fwd.block_m, kv_block_size=t.fwd.block_n,
+                                   num_warps=t.fwd.num_warps, num_stages=t.fwd.num_stages)
+  bwd = FlashAttentionParamsConfig(query_block_size=t.dkv.block_m, kv_block_size=t.dkv.block_n,
+                                   num_warps=t.dkv.num_warps, num_stages=t.dkv.num_stages)
+  return fwd, bwd
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  scale: float
+  soft_cap: float  # 0: none
+  has_sinks: bool
+  causal: bool
+  window: int  # 0: none
+  gqa_inplace: bool
+  device_kind: str
+
+
+def _pow2(n: int) -> int:
+  return 1 << (int(n) - 1).bit_length()
+
+
+def _dot_precision(dtype) -> str:
+  # float32 inputs: exact products (tf32 would cost ~3e-4 relative error); 16-bit: ignored.
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _table_args(table: BlockTable):
+  return (table.lower, table.upper, table.full_lower, table.full_upper)
+
+
+def _check_tiles(name: str, tiles: _Tiles, table_m: int, table_n: int) -> None:
+  if table_m % tiles.block_m or table_n % tiles.block_n:
+    raise ValueError(f"{name} tiles {tiles.block_m}x{tiles.block_n} must divide the mask's "
+                     f"blocks {table_m}x{table_n}")
+
+
+def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask):
+  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 (+inf for rows with nothing)."""
+  fwd_kernel, _ = _kernels()
+  b, sq, h, dk = q.shape
+  skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
+  spec = mask.spec
+  tiles = _launch_for(spec, cfg.device_kind, dk, dv).fwd
+  tm, tn = spec.fwd_params.query_block_size, spec.fwd_params.kv_block_size
+  _check_tiles("forward", tiles, tm, tn)
+  out, lse = compat.triton_call(
+      q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, *_table_args(mask.fwd),
+      kernel=fwd_kernel.attn_fwd_kernel,
+      out_shape=[jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
+      grid=(_cdiv(sq, tiles.block_m), b * h), num_warps=tiles.num_warps,
+      num_stages=tiles.num_stages,
+      SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale, SOFT_CAP=cfg.soft_cap,
+      HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
+      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
+      TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
+      DOT_PRECISION=_dot_precision(q.dtype))
+  return out, lse
+
+
+def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask,
+              out, lse, d_out):
+  _, bwd_kernel = _kernels()
+  b, sq, h, dk = q.shape
+  skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
+  g = h // kh
+  spec = mask.spec
+  launch = _launch_for(spec, cfg.device_kind, dk, dv)
+  tm, tn = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
+  _check_tiles("dq", launch.dq, tm, tn)
+  _check_tiles("dk/dv", launch.dkv, tm, tn)
+  d_out = d_out.astype(q.dtype)
+  common = dict(SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale,
+                SOFT_CAP=cfg.soft_cap, CAUSAL=cfg.causal, WINDOW=cfg.window,
+                BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), TABLE_M=tm, TABLE_N=tn,
+                DOT_PRECISION=_dot_precision(q.dtype))
+
+  delta_block = 64
+  (delta,) = compat.triton_call(
+      out, d_out, kernel=bwd_kernel.attn_bwd_delta_kernel,
+      out_shape=[jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
+      grid=(_cdiv(sq, delta_block), b * h), num_warps=4, num_stages=1,
+      SQ=sq, H=h, DV=dv, BLOCK_M=delta_block, BLOCK_DV=_pow2(dv))
+
+  t = launch.dq
+  (dq,) = compat.triton_call(
+      q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
+      kernel=bwd_kernel.attn_bwd_dq_kernel,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+      grid=(_cdiv(sq, t.block_m), b * h), num_warps=t.num_warps, num_stages=t.num_stages,
+      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
+
+  t = launch.dkv
+  inplace = cfg.gqa_inplace or g == 1
+  out_heads = kh if inplace else h
+  acc_dtype = k.dtype if inplace else jnp.float32
+  dk_buf, dv_buf = compat.triton_call(
+      q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dkv),
+      kernel=bwd_kernel.attn_bwd_dkv_kernel,
+      out_shape=[jax.ShapeDtypeStruct((b, skv, out_heads, dk), acc_dtype),
+                 jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
+      grid=(_cdiv(skv, t.block_n), b * out_heads), num_warps=t.num_warps,
+      num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
+  if inplace:
+    dk_out, dv_out = dk_buf, dv_buf
+  else:
+    # Per-query-head partial gradients, summed over each GQA group in a fixed order.
+    dk_out = dk_buf.reshape(b, skv, kh, g, dk).sum(axis=3).astype(k.dtype)
+    dv_out = dv_buf.reshape(b, skv, kh, g, dv).sum(axis=3).astype(v.dtype)
+
+  if cfg.has_sinks:
+    # d loss / d sink_h = -sum_rows exp(sink_h - lse) * delta (the sink's probability times D).
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    dsinks = -jnp.sum(p_sink * delta, axis=(0, 2))
+  else:
+    dsinks = jnp.zeros_like(sinks)
+  return dq, dk_out, dv_out, dsinks.astype(sinks.dtype)
+
+
+def _int_zero_cotangent(x):
+  return None if x is None else np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
+  out, _ = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+  return out
+
+
+def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
+  out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+  return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
+
+
+def _attention_bwd(cfg, res, d_out):
+  q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse = res
+  if not mask.has_backward:
+    raise ValueError("mask has no backward tables: build it with "
+                     "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
+  dq, dk, dv, dsinks = _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
+                                 lse, d_out)
+  int_zero = lambda tree: jax.tree.map(_int_zero_cotangent, tree)
+  return (dq, dk, dv, dsinks, *map(_int_zero_cotangent, (q_pos, q_seg, kv_pos, kv_seg)),
+          int_zero(mask))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _device_kind() -> str:
+  try:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  except RuntimeError:
+    gpus = []
+  return gpus[0].device_kind if gpus else "cpu"
+
+
+def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
+                           kv_segment_ids, mask: AttentionMask, *, scale: float,
+                           logits_soft_cap: float | None, sinks: jax.Array | None,
+                           memory_optimized_gqa_backward: bool = False) -> jax.Array:
+  """Attention over validated inputs with the Triton kernels.
+
+  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
+  int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
+  Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
+  """
+  compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
+  h = query.shape[2]
+  cfg = _Static(scale=float(scale),
+                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
+                window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
+                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind())
+  sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
+  ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
+                                        kv_segment_ids)]
+  return _attention(cfg, query, key, value, sinks_arr, *ints, mask)

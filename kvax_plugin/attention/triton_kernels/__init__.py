@@ -1,0 +1,1 @@
+"""Triton kernels of the attention op (imported only by triton_backend, never at package import)."""

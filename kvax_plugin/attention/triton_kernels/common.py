@@ -1,0 +1,60 @@
+"""Pieces shared by the forward and backward kernels: logits and the token-level mask.
+
+Conventions (every kernel):
+  * arrays are row-major: q [B, Sq, H, DK], k [B, Skv, KH, DK], v [B, Skv, KH, DV], positions and
+    segment ids [B, S] int32, lse / delta [B, H, Sq] float32;
+  * sizes, strides and options are tl.constexpr (JAX shapes are static, and constant strides let
+    Triton prove 16-byte alignment and vectorise loads);
+  * logits are carried in base 2: s2 = log2(e) * softcap(scale * q.k), so exp2 replaces exp
+    (FlashAttention-2 practice); lse is stored in natural-log units to match the JAX backend.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+PADDING = -1
+
+
+@triton.jit
+def tanh_f32(x):
+  # tanh from exp2: 1 - 2 / (e^{2x} + 1). Saturates correctly (e^{2x} -> inf gives 1, -> 0
+  # gives -1) and needs no libdevice, so the interpreter runs it too.
+  return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def scaled_logits(qk, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr):
+  """(base-2 logits, tanh) of raw dot products qk (float32); tanh is 0 without a soft cap."""
+  if SOFT_CAP > 0:
+    t = tanh_f32(qk * (SCALE / SOFT_CAP))
+    return t * (SOFT_CAP * 1.4426950408889634), t
+  else:
+    return qk * (SCALE * 1.4426950408889634), qk * 0.0
+
+
+@triton.jit
+def pair_mask(q_pos, q_seg, kv_pos, kv_seg, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+  """keep [M, N] for q tokens (q_pos, q_seg are [M, 1]) and kv tokens ([1, N]); any orientation."""
+  keep = (q_seg == kv_seg) & (q_seg != -1)
+  if CAUSAL:
+    keep = keep & (kv_pos <= q_pos)
+  if WINDOW > 0:
+    keep = keep & ((q_pos - kv_pos) < WINDOW)
+    if not CAUSAL:
+      keep = keep & ((kv_pos - q_pos) < WINDOW)
+  return keep
+
+
+@triton.jit
+def load_tile(ptrs, rows_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              ROW_MASK: tl.constexpr):
+  """Load a [rows, BLOCK_D] tile; mask rows only where asked (tail / partial tiles) and columns
+  only when the head dim is not a power of two, so full tiles get plain vectorised loads."""
+  if ROW_MASK:
+    return tl.load(ptrs, mask=rows_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+  elif BLOCK_D != D:
+    return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+  else:
+    return tl.load(ptrs)

@@ -1,0 +1,133 @@
+"""Forward kernel: FlashAttention-2 (Dao 2023, Algorithm 1) over the block table.
+
+One program computes one query tile of one query head. It reads its row of the `fwd` table and
+walks three runs of kv tiles:
+    [lower, full_lower)        partial: mask by segment / position / bounds,
+    [full_lower, full_upper)   full: no mask math at all (the table guarantees every pair attends,
+                               so these tiles are also entirely in bounds),
+    [full_upper, upper)        partial again.
+Everything else is skipped. The kernel's tiles may be smaller than the table's blocks (BLOCK_M
+divides TABLE_M, BLOCK_N divides TABLE_N), so tile shapes can be tuned per GPU and head dim
+without rebuilding the mask.
+
+Online softmax in base 2, running max starting at a finite -1e30 (or at the sink's logit), so a
+row that sees only masked entries keeps l = 0 and never computes inf - inf: its output is 0 and
+its lse +inf, as in the JAX backend.
+"""
+
+import triton
+import triton.language as tl
+
+from kvax_plugin.attention.triton_kernels.common import load_tile, pair_mask, scaled_logits
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg, tile,
+              offs_n, offs_dk, offs_dv,
+              SKV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              K_ROW: tl.constexpr, V_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  start = tile * BLOCK_N
+  kn = start + offs_n
+  k_ptrs = K_head + start.to(tl.int64) * K_ROW + offs_n[:, None] * K_ROW + offs_dk[None, :]
+  v_ptrs = V_head + start.to(tl.int64) * V_ROW + offs_n[:, None] * V_ROW + offs_dv[None, :]
+  in_kv = kn < SKV
+  k = load_tile(k_ptrs, in_kv, offs_dk, DK, BLOCK_DK, MASKED)
+  qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+  s, _ = scaled_logits(qk, SCALE, SOFT_CAP)
+  if MASKED:
+    kv_pos = tl.load(KVPOS_b + kn, mask=in_kv, other=0)
+    kv_seg = tl.load(KVSEG_b + kn, mask=in_kv, other=-1)
+    keep = pair_mask(q_pos[:, None], q_seg[:, None], kv_pos[None, :], kv_seg[None, :],
+                     CAUSAL, WINDOW)
+    s = tl.where(keep, s, float("-inf"))
+  m_new = tl.maximum(m_i, tl.max(s, 1))
+  alpha = tl.exp2(m_i - m_new)
+  p = tl.exp2(s - m_new[:, None])
+  l_i = l_i * alpha + tl.sum(p, 1)
+  acc = acc * alpha[:, None]
+  v = load_tile(v_ptrs, in_kv, offs_dv, DV, BLOCK_DV, MASKED)
+  acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+  return acc, m_new, l_i
+
+
+@triton.jit
+def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
+                    LOWER, UPPER, FULL_LOWER, FULL_UPPER,
+                    O, LSE,
+                    SQ: tl.constexpr, SKV: tl.constexpr, H: tl.constexpr, KH: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr,
+                    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+  """Grid (cdiv(SQ, BLOCK_M), B * H). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32)."""
+  pid_m = tl.program_id(0)
+  pid_bh = tl.program_id(1)
+  b = pid_bh // H
+  h = pid_bh % H
+  kh = h // (H // KH)
+  Q_ROW: tl.constexpr = H * DK
+  K_ROW: tl.constexpr = KH * DK
+  V_ROW: tl.constexpr = KH * DV
+  O_ROW: tl.constexpr = H * DV
+
+  row = b * TABLE_ROWS + (pid_m * BLOCK_M) // TABLE_M
+  R: tl.constexpr = TABLE_N // BLOCK_N  # kernel tiles per table block
+  lower = tl.load(LOWER + row) * R
+  upper = tl.load(UPPER + row) * R
+  full_lower = tl.load(FULL_LOWER + row) * R
+  full_upper = tl.load(FULL_UPPER + row) * R
+
+  offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+  offs_n = tl.arange(0, BLOCK_N)
+  offs_dk = tl.arange(0, BLOCK_DK)
+  offs_dv = tl.arange(0, BLOCK_DV)
+  in_q = offs_m < SQ
+  b64 = b.to(tl.int64)
+  q_ptrs = Q + b64 * SQ * Q_ROW + h * DK + offs_m[:, None] * Q_ROW + offs_dk[None, :]
+  q = tl.load(q_ptrs, mask=in_q[:, None] & (offs_dk[None, :] < DK), other=0.0)
+  q_pos = tl.load(QPOS + b64 * SQ + offs_m, mask=in_q, other=0)
+  q_seg = tl.load(QSEG + b64 * SQ + offs_m, mask=in_q, other=-1)
+  K_head = K + b64 * SKV * K_ROW + kh * DK
+  V_head = V + b64 * SKV * V_ROW + kh * DV
+  KVPOS_b = KVPOS + b64 * SKV
+  KVSEG_b = KVSEG + b64 * SKV
+
+  if HAS_SINKS:
+    # The sink is one more logit in every row: start the running max there with weight 1.
+    sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+  else:
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+  acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+  for tile in range(lower, full_lower):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                              DOT_PRECISION)
+  for tile in range(full_lower, full_upper):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
+                              DOT_PRECISION)
+  for tile in range(full_upper, upper):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                              DOT_PRECISION)
+
+  nonempty = l_i > 0.0
+  l_safe = tl.where(nonempty, l_i, 1.0)
+  out = acc / l_safe[:, None]  # rows with l = 0 have acc = 0
+  lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+  o_ptrs = O + b64 * SQ * O_ROW + h * DV + offs_m[:, None] * O_ROW + offs_dv[None, :]
+  tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_q[:, None] & (offs_dv[None, :] < DV))
+  tl.store(LSE + (b64 * H + h) * SQ + offs_m, lse, mask=in_q)
