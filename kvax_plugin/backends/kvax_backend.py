@@ -1,0 +1,121 @@
+"""The `kvax` backend: our block-sparse FlashAttention behind the backend interface.
+
+prepare() builds one AttentionMask per (causal, sliding_window) pair the model uses; apply()
+picks the layer's mask and calls flash_attention. It uses only kvax_plugin's public API.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+
+import kvax_plugin
+from kvax_plugin.backends.base import AttentionBackend, LayerSettings, PreparedAttention
+
+# Trace-time counters (Python side effects run once per trace, not per executed step):
+# tests use them to check the mask is built once per step, launchers to report work done.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class KvaxOptions:
+  """Static settings of the kvax backend (hashable: they live in the pytree's aux data).
+
+  kernel: flash_attention's backend ("auto", "jax", "triton", "reference"); an explicit
+    request that cannot run raises, it is never replaced.
+  fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
+  memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
+  skip_pad_tokens: skip blocks made only of padding.
+  mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
+  permute_tokens_for_load_balance: with a context-parallel mesh, whether tokens already
+    arrive in the load-balanced order (True when the input pipeline permuted them).
+  """
+
+  kernel: str = "auto"
+  fwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
+  bwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
+  memory_optimized_gqa_backward: bool = False
+  skip_pad_tokens: bool = True
+  mesh: Any = None
+  permute_tokens_for_load_balance: bool = False
+
+
+def _check_tokens(name: str, x) -> jax.Array:
+  if not hasattr(x, "shape") or len(x.shape) != 2:
+    raise ValueError(f"{name} must be a [batch, seq_len] array, got {getattr(x, 'shape', x)!r}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+  return x.astype(jnp.int32)
+
+
+def prepare(query_positions: jax.Array,
+            query_segment_ids: jax.Array,
+            kv_positions: jax.Array | None = None,
+            kv_segment_ids: jax.Array | None = None,
+            *,
+            mask_keys: Iterable[tuple[bool, int | None]] = ((True, None),),
+            options: KvaxOptions | None = None,
+            calc_bwd_mask: bool = True) -> PreparedAttention:
+  """Build the per-step state: one block mask per distinct (causal, sliding_window).
+
+  Segment ids follow the kvax convention (PADDING_SEGMENT_ID marks padding); callers with
+  another padding convention map it first. kv_* default to the query's (self-attention).
+  """
+  options = options or KvaxOptions()
+  if not isinstance(options, KvaxOptions):
+    raise TypeError(f"options must be a KvaxOptions, got {type(options).__name__}")
+  qp = _check_tokens("query_positions", query_positions)
+  qs = _check_tokens("query_segment_ids", query_segment_ids)
+  kp = qp if kv_positions is None else _check_tokens("kv_positions", kv_positions)
+  ks = qs if kv_segment_ids is None else _check_tokens("kv_segment_ids", kv_segment_ids)
+  keys = list(dict.fromkeys((bool(c), None if w is None else int(w)) for c, w in mask_keys))
+  if not keys:
+    raise ValueError("mask_keys must name at least one (causal, sliding_window) pair")
+  TRACE_COUNTS["prepare"] += 1
+  masks = {}
+  for causal, window in keys:
+    TRACE_COUNTS["mask_builds"] += 1
+    masks[(causal, window)] = kvax_plugin.create_attention_mask(
+        qp, qs, kp, ks, fwd_params=options.fwd_params, bwd_params=options.bwd_params,
+        calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=options.skip_pad_tokens, causal=causal,
+        sliding_window=window, mesh=options.mesh)
+  return PreparedAttention(qp, qs, kp, ks, masks, "kvax", options)
+
+
+def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: PreparedAttention,
+          settings: LayerSettings, *, sinks: jax.Array | None = None) -> jax.Array:
+  """One layer's attention over the prepared mask: [B, Sq, H, Dqk] x [B, Skv, K, D*] -> [B, Sq, H, Dv]."""
+  if not isinstance(prepared, PreparedAttention) or prepared.backend != "kvax":
+    raise TypeError("prepared must come from the kvax backend's prepare(), got "
+                    f"{type(prepared).__name__}"
+                    f"{'' if not isinstance(prepared, PreparedAttention) else ' of ' + prepared.backend}")
+  if not isinstance(settings, LayerSettings):
+    raise TypeError(f"settings must be a LayerSettings, got {type(settings).__name__}")
+  options: KvaxOptions = prepared.options
+  mask = prepared.mask_for(settings)
+  TRACE_COUNTS["apply"] += 1
+  return kvax_plugin.flash_attention(
+      query, key, value, prepared.query_positions, prepared.query_segment_ids,
+      prepared.kv_positions, prepared.kv_segment_ids, mask, scale=float(settings.scale),
+      logits_soft_cap=settings.logits_soft_cap, sinks=sinks, fwd_params=options.fwd_params,
+      bwd_params=options.bwd_params,
+      memory_optimized_gqa_backward=options.memory_optimized_gqa_backward,
+      permute_tokens_for_load_balance=options.permute_tokens_for_load_balance,
+      backend=options.kernel, mesh=options.mesh)
+
+
+KVAX_BACKEND = AttentionBackend(
+    name="kvax", prepare=prepare, apply=apply,
+    description="block-sparse FlashAttention over packed documents (Triton on GPU, JAX elsewhere)")
+
+
+def _register() -> None:
+  from kvax_plugin.backends import register_backend
+  register_backend(KVAX_BACKEND)
+
+
+_register()

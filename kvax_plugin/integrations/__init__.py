@@ -1,0 +1,1 @@
+"""Integrations of the kvax attention op into upstream model stacks (each imports its stack lazily)."""

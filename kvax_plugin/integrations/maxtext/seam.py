@@ -1,0 +1,257 @@
+"""The seam between MaxText and the kvax backend: one mask per step, read by every layer.
+
+Why a context variable. MaxText runs its decoder layers under jax.checkpoint and lax.scan and
+passes each layer only the keyword arguments its signature declares, so a new argument (the
+prepared mask) would be dropped before it reached AttentionOp. Instead `decoder_entry` wraps
+NNXDecoder.__call__: while MaxText *traces* the decoder it builds the prepared state once from
+the decoder's positions and segment ids, sets it in a ContextVar, and resets it on exit.
+`apply_attention`, traced inside the same call (inside scan and remat bodies), reads it there.
+The prepared arrays are tracers of the decoder's trace; scan and checkpoint bodies close over
+them like any other outer value, so the tables are computed once per step, outside the layer
+loop, never recomputed by remat, and shared by all layers. Nothing is kept past the call, so no
+tracer leaks into a later trace.
+
+Both install() (monkeypatching) and the patched MaxText (patches/maxtext/) call these two
+functions, so the behaviour is the same either way.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from kvax_plugin import PADDING_SEGMENT_ID
+from kvax_plugin.backends import LayerSettings, PreparedAttention, get_backend
+from kvax_plugin.integrations.maxtext import settings
+
+ATTENTION_NAME = "kvax"  # the value of MaxText's `attention` config key that selects us
+MAXTEXT_PADDING_SEGMENT_ID = 0  # MaxText's packing marks padding with segment id 0
+
+logger = logging.getLogger("kvax_plugin.integrations.maxtext")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+  """What the decoder entry left for the layers of one decoder call."""
+
+  prepared: PreparedAttention | None
+  unsupported: str | None = None  # why this call is routed to MaxText's own path
+
+
+_ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvax_maxtext_scope",
+                                                                        default=None)
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+  # Routing notes are per reason, not per layer / per trace, to keep logs readable.
+  if message not in _NOTED:
+    _NOTED.add(message)
+    logger.warning(message)
+    try:
+      from maxtext.utils import max_logging
+      max_logging.log(message)
+    except ImportError:  # pragma: no cover - MaxText always has it
+      pass
+
+
+def uses_kvax(config) -> bool:
+  return getattr(config, "attention", None) == ATTENTION_NAME
+
+
+def to_kvax_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
+  """MaxText segment ids (1..n, 0 = padding; None = one document) -> kvax (-1 = padding)."""
+  if segment_ids is None:
+    return jnp.zeros((batch, length), jnp.int32)
+  seg = segment_ids.astype(jnp.int32)
+  return jnp.where(seg == MAXTEXT_PADDING_SEGMENT_ID, PADDING_SEGMENT_ID, seg)
+
+
+def mask_keys_for(config) -> tuple[tuple[bool, int | None], ...]:
+  """The (causal, window) masks a model may need: global, plus the sliding window if any.
+
+  A mask the layers end up not reading is dead code that XLA removes from the step.
+  """
+  keys = [(True, None)]
+  window = int(getattr(config, "sliding_window_size", 0) or 0)
+  if window > 0:
+    keys.append((True, window))
+  return tuple(keys)
+
+
+def _model_modes():
+  from maxtext.common.common_types import MODEL_MODE_AUTOREGRESSIVE, MODEL_MODE_PREFILL
+  return MODEL_MODE_AUTOREGRESSIVE, MODEL_MODE_PREFILL
+
+
+def _decoder_unsupported(config, model_mode, previous_chunk) -> str | None:
+  autoregressive, _ = _model_modes()
+  if model_mode == autoregressive:
+    return "autoregressive decode"
+  if previous_chunk is not None:
+    return "chunked prefill (previous_chunk)"
+  if getattr(config, "using_pipeline_parallelism", False):
+    return "pipeline parallelism"
+  return None
+
+
+def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length: int,
+                        ) -> PreparedAttention:
+  """Build the kvax state for one decoder call from MaxText's positions and segment ids."""
+  from kvax_plugin.integrations.maxtext import mesh_rules
+  seg = to_kvax_segment_ids(segment_ids, batch, length)
+  if positions is None:
+    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  else:
+    pos = positions.astype(jnp.int32)
+  sharded_mesh, permuted = mesh_rules.attention_mesh(config, mesh)
+  options = settings.options_from_config(config, sharded_mesh,
+                                         permuted_for_load_balance=permuted)
+  with mesh_rules.attention_specs_for(config, mesh, sharded_mesh):
+    return get_backend("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config),
+                                       options=options)
+
+
+def decoder_entry(call):
+  """Wrap NNXDecoder.__call__: build the prepared state once, expose it to the layers."""
+  if getattr(call, "__kvax_original__", None) is not None:
+    return call  # already wrapped (e.g. patched MaxText plus install()): never build twice
+  signature = inspect.signature(call)
+
+  @functools.wraps(call)
+  def wrapper(self, *args, **kwargs):
+    config = self.config
+    if not uses_kvax(config):
+      return call(self, *args, **kwargs)
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    tokens = a["decoder_input_tokens"]
+    reason = _decoder_unsupported(config, a["model_mode"], a["previous_chunk"])
+    if reason is None:
+      batch, length = tokens.shape
+      prepared = prepare_for_maxtext(config, getattr(self, "mesh", None), a["decoder_positions"],
+                                     a["decoder_segment_ids"], batch, length)
+      scope = _Scope(prepared)
+    else:
+      scope = _Scope(None, reason)
+    token = _ACTIVE.set(scope)
+    try:
+      return call(self, *args, **kwargs)
+    finally:
+      _ACTIVE.reset(token)
+
+  wrapper.__kvax_original__ = call
+  return wrapper
+
+
+def _layer_unsupported(op, model_mode, key, previous_chunk, bidirectional_mask, indexer_mask,
+                       compressed_mask, record_max_logits, decoder_segment_ids_kv, pad_kv_total,
+                       compress_ratio) -> str | None:
+  from maxtext.common.common_types import AttentionType
+  from maxtext.inference.kvcache import KVTensor
+  autoregressive, _ = _model_modes()
+  if model_mode == autoregressive:
+    return "autoregressive decode"
+  if previous_chunk is not None:
+    return "chunked prefill (previous_chunk)"
+  kind = op.attention_type
+  if kind == AttentionType.CHUNK:
+    return "chunked attention (attention_type=chunk)"
+  if kind in (AttentionType.FULL, AttentionType.COMPRESSED, AttentionType.BLOCK_DIFFUSION):
+    return f"non-causal attention (attention_type={kind.value})"
+  if bidirectional_mask is not None:
+    return "bidirectional (multimodal) mask"
+  if indexer_mask is not None or compressed_mask is not None or compress_ratio:
+    return "indexer / compressed attention masks"
+  if decoder_segment_ids_kv is not None or pad_kv_total:
+    return "separate key/value segment ids"
+  if record_max_logits:
+    return "max-logit recording (QK-clip)"
+  if isinstance(key, KVTensor):
+    return "quantized KV cache"
+  return None
+
+
+def layer_settings(op) -> LayerSettings:
+  """Per-layer settings from the AttentionOp (MaxText pre-scales the query: scale 1.0)."""
+  from maxtext.common.common_types import AttentionType
+  window = None
+  if op.attention_type == AttentionType.LOCAL_SLIDING:
+    window = op.sliding_window_size
+    if not isinstance(window, int) or window < 1:
+      raise ValueError(f"attention=kvax: a local_sliding layer needs sliding_window_size > 0, got "
+                       f"{window!r}")
+  cap = op.attn_logits_soft_cap
+  cap = None if not cap else float(cap)
+  return LayerSettings(causal=True, sliding_window=window, logits_soft_cap=cap, scale=1.0)
+
+
+def _maxtext_dot_product(op, query, key, value, decoder_segment_ids, segment_positions, model_mode,
+                         previous_chunk, bidirectional_mask, sinks, indexer_mask, compressed_mask,
+                         record_max_logits, decoder_segment_ids_kv, qk_product_einsum,
+                         wv_product_einsum):
+  # The same call MaxText's own apply_attention makes for attention="dot_product".
+  return op.apply_attention_dot(
+      query, key, value, decoder_segment_ids, model_mode, previous_chunk,
+      segment_positions=segment_positions, bidirectional_mask=bidirectional_mask, sinks=sinks,
+      indexer_mask=indexer_mask, compressed_mask=compressed_mask,
+      record_max_logits=record_max_logits, decoder_segment_ids_kv=decoder_segment_ids_kv,
+      qk_product_einsum=qk_product_einsum, wv_product_einsum=wv_product_einsum)
+
+
+def apply_attention(op, query, key, value, decoder_segment_ids, segment_positions, lengths,
+                    model_mode, use_ragged_attention=False, previous_chunk=None,
+                    bidirectional_mask=None, sinks=None, indexer_mask=None, compressed_mask=None,
+                    record_max_logits=False, decoder_segment_ids_kv=None, pad_kv_total=0,
+                    compress_ratio=0, *, qk_product_einsum, wv_product_einsum):
+  """AttentionOp.apply_attention for attention="kvax" (same arguments and return convention).
+
+  Returns (out, None, None): a normalised output, as MaxText's other fused kernels do.
+  """
+  del lengths, use_ragged_attention  # decode-only arguments; decode is routed below
+  reason = _layer_unsupported(op, model_mode, key, previous_chunk, bidirectional_mask,
+                              indexer_mask, compressed_mask, record_max_logits,
+                              decoder_segment_ids_kv, pad_kv_total, compress_ratio)
+  scope = _ACTIVE.get()
+  if reason is None and scope is not None and scope.unsupported is not None:
+    reason = scope.unsupported
+  if reason is not None:
+    _note_once(f"attention=kvax does not serve {reason} yet; those calls use MaxText's "
+               "dot_product path")
+    return _maxtext_dot_product(op, query, key, value, decoder_segment_ids, segment_positions,
+                                model_mode, previous_chunk, bidirectional_mask, sinks,
+                                indexer_mask, compressed_mask, record_max_logits,
+                                decoder_segment_ids_kv, qk_product_einsum, wv_product_einsum)
+  op.check_attention_inputs(query, key, value)
+  batch, q_len = query.shape[0], query.shape[1]
+  kv_len = key.shape[1]
+  prepared = None if scope is None else scope.prepared
+  if prepared is not None and (tuple(prepared.query_positions.shape) != (batch, q_len)
+                               or tuple(prepared.kv_positions.shape) != (batch, kv_len)):
+    raise ValueError(
+        f"attention=kvax: the mask prepared at the decoder entry is for "
+        f"{tuple(prepared.query_positions.shape)} tokens, but this layer attends "
+        f"query {tuple(query.shape[:2])} to key/value {tuple(key.shape[:2])}")
+  if prepared is None:
+    # Attention outside NNXDecoder.__call__ (e.g. a multi-token-prediction block): still
+    # exact, but its mask is built here, per call.
+    _note_once("attention=kvax called outside the decoder entry: building its mask per call")
+    if q_len != kv_len:
+      raise ValueError(f"attention=kvax outside the decoder needs q_len == kv_len, got {q_len} "
+                       f"and {kv_len}")
+    prepared = prepare_for_maxtext(op.config, op.mesh, segment_positions, decoder_segment_ids,
+                                   batch, q_len)
+  if sinks is not None:
+    sinks = sinks.astype(jnp.float32)
+  from kvax_plugin.integrations.maxtext import mesh_rules
+  with mesh_rules.attention_specs_for(op.config, op.mesh, prepared.options.mesh):
+    out = get_backend(prepared.backend).apply(query, key, value, prepared, layer_settings(op),
+                                              sinks=sinks)
+  return out, None, None

@@ -1,0 +1,76 @@
+"""kvax settings as MaxText config keys, and their translation into backend options.
+
+MaxText's config rejects unknown keys, so the keys below reach it through a subclass of its
+MaxTextConfig (`kvax_config_class()`), which install() makes pyconfig's default. The patched
+MaxText (patches/maxtext/) declares the same keys in configs/types.py; a test keeps the two
+in step. Without either, the defaults below apply.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import kvax_plugin
+from kvax_plugin.backends.kvax_backend import KvaxOptions
+
+# name -> (type, default, description). Block sizes: powers of two >= 16.
+KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
+    "kvax_backend": (str, "auto", 'kvax kernel: "auto" (Triton on a supported GPU, else JAX), '
+                     '"jax", "triton" or "reference"; an explicit choice never falls back'),
+    "kvax_fwd_query_block_size": (int, 128, "kvax forward query block size"),
+    "kvax_fwd_kv_block_size": (int, 128, "kvax forward key/value block size"),
+    "kvax_bwd_query_block_size": (int, 64, "kvax backward query block size"),
+    "kvax_bwd_kv_block_size": (int, 128, "kvax backward key/value block size"),
+    "kvax_memory_optimized_gqa_backward": (bool, False,
+                                           "kvax (Triton): accumulate dk/dv over a GQA group in place"),
+    "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of padding tokens"),
+}
+
+
+def config_value(config, name: str):
+  """A kvax key from a MaxText config, or its default when the config does not declare it."""
+  _, default, _ = KVAX_CONFIG_FIELDS[name]
+  try:
+    value = getattr(config, name)
+  except (AttributeError, KeyError):
+    return default
+  return default if value is None else value
+
+
+def options_from_config(config, mesh=None, *, permuted_for_load_balance: bool = False) -> KvaxOptions:
+  """Backend options from a MaxText config; errors name the config key at fault."""
+  params = {}
+  for pass_ in ("fwd", "bwd"):
+    q_key, kv_key = f"kvax_{pass_}_query_block_size", f"kvax_{pass_}_kv_block_size"
+    q, kv = config_value(config, q_key), config_value(config, kv_key)
+    for key, value in ((q_key, q), (kv_key, kv)):
+      if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"MaxText config {key}={value!r}: must be a power of two >= 16")
+    defaults = kvax_plugin.FlashAttentionParamsConfig()
+    params[pass_] = kvax_plugin.FlashAttentionParamsConfig(
+        query_block_size=q, kv_block_size=kv, num_warps=defaults.num_warps,
+        num_stages=defaults.num_stages if pass_ == "fwd" else 2)
+  kernel = config_value(config, "kvax_backend")
+  kernels = ("auto", "jax", "triton", "reference")
+  if kernel not in kernels:
+    raise ValueError(f"MaxText config kvax_backend={kernel!r}: must be one of {kernels}")
+  return KvaxOptions(
+      kernel=kernel, fwd_params=params["fwd"], bwd_params=params["bwd"],
+      memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
+      skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
+      mesh=mesh, permute_tokens_for_load_balance=permuted_for_load_balance)
+
+
+@functools.cache
+def kvax_config_class():
+  """MaxText's MaxTextConfig plus the kvax keys (a pydantic subclass, built on first use)."""
+  import pydantic
+  from maxtext.configs import types
+
+  fields = {name: (typ, pydantic.Field(default, description=desc))
+            for name, (typ, default, desc) in KVAX_CONFIG_FIELDS.items()}
+  cls = pydantic.create_model("KvaxMaxTextConfig", __base__=types.MaxTextConfig,
+                              __module__=__name__, **fields)
+  cls.__doc__ = "MaxText's config with kvax_* keys (see kvax_plugin.integrations.maxtext.settings)."
+  return cls
