@@ -31,6 +31,7 @@ query blocks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -105,14 +106,22 @@ class AttentionMask:
 
 
 class _BlockSummary(NamedTuple):
-  """Per-block statistics, each int32/bool [B, num_blocks]."""
+  """Per-block statistics of three token groups, each [B, num_blocks, 3].
 
-  seg_min: jax.Array  # over non-padding tokens (INT32_MAX if none)
-  seg_max: jax.Array  # over non-padding tokens (INT32_MIN if none)
+  Group 0 holds the tokens of the block's first real segment, group 1 those of its last real
+  segment (when it differs), group 2 every other real token. With contiguous documents groups 0
+  and 1 are the pieces of documents that cross the block's edges and group 2 holds documents
+  wholly inside it, so testing group against group keeps the visit ranges tight; a group's
+  segment test is a [min, max] overlap, which is exact for groups 0 and 1 (one id each) and
+  conservative for group 2.
+  """
+
+  seg_min: jax.Array  # INT32_MAX for an empty group
+  seg_max: jax.Array  # INT32_MIN for an empty group
   pos_min: jax.Array
   pos_max: jax.Array
-  any_token: jax.Array  # the block holds a token that may attend (see skip_pad_tokens)
-  uniform: jax.Array  # no padding, one segment id: a candidate for "full"
+  nonempty: jax.Array  # bool
+  uniform: jax.Array  # bool [B, num_blocks, 1]: no padding, one segment id: a candidate for "full"
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -136,41 +145,62 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
   seg = seg.reshape(b, -1, block)
   pos = pos.reshape(b, -1, block)
   real = seg != PADDING_SEGMENT_ID
-  seg_min = jnp.min(jnp.where(real, seg, _INT32_MAX), axis=-1)
-  seg_max = jnp.max(jnp.where(real, seg, _INT32_MIN), axis=-1)
-  # Positions over the real tokens only: padding positions are arbitrary.
-  pos_min = jnp.min(jnp.where(real, pos, _INT32_MAX), axis=-1)
-  pos_max = jnp.max(jnp.where(real, pos, _INT32_MIN), axis=-1)
-  any_real = jnp.any(real, axis=-1)
-  uniform = jnp.all(real, axis=-1) & (seg_min == seg_max)
+  first_seg = jnp.take_along_axis(seg, jnp.argmax(real, axis=-1)[..., None], axis=-1)
+  last_seg = jnp.take_along_axis(seg, (block - 1 - jnp.argmax(real[..., ::-1], axis=-1))[..., None],
+                                 axis=-1)
+  in_first = real & (seg == first_seg)
+  in_last = real & (seg == last_seg) & (last_seg != first_seg)
+  in_other = real & ~in_first & ~in_last
+  groups = jnp.stack([in_first, in_last, in_other], axis=-2)  # [B, n, 3, block]
+  seg_g, pos_g = seg[..., None, :], pos[..., None, :]
+  seg_min = jnp.min(jnp.where(groups, seg_g, _INT32_MAX), axis=-1)
+  seg_max = jnp.max(jnp.where(groups, seg_g, _INT32_MIN), axis=-1)
+  # Positions over the group's tokens only: padding positions are arbitrary.
+  pos_min = jnp.min(jnp.where(groups, pos_g, _INT32_MAX), axis=-1)
+  pos_max = jnp.max(jnp.where(groups, pos_g, _INT32_MIN), axis=-1)
+  nonempty = jnp.any(groups, axis=-1)
+  uniform = (jnp.all(real, axis=-1) & ~jnp.any(in_last | in_other, axis=-1))[..., None]
   if not skip_pad_tokens:
-    # Compatibility mode: blocks of pure padding are visited (as masked blocks) like any other.
-    # Padding tokens still attend nothing; this only costs time.
+    # Compatibility mode: blocks holding padding are visited (masked) like any other by turning
+    # their third group into a wildcard. Padding tokens still attend nothing; this costs time.
     has_pad = ~jnp.all(real, axis=-1)
-    seg_min = jnp.where(has_pad, _INT32_MIN, seg_min)
-    seg_max = jnp.where(has_pad, _INT32_MAX, seg_max)
-    pos_min = jnp.where(has_pad, _INT32_MIN, pos_min)
-    pos_max = jnp.where(has_pad, _INT32_MAX, pos_max)
-    any_real = jnp.ones_like(any_real)
-  return _BlockSummary(seg_min, seg_max, pos_min, pos_max, any_real, uniform)
+    wild = has_pad[..., None] & (jnp.arange(3) == 2)
+    seg_min = jnp.where(wild, _INT32_MIN, seg_min)
+    seg_max = jnp.where(wild, _INT32_MAX, seg_max)
+    pos_min = jnp.where(wild, _INT32_MIN, pos_min)
+    pos_max = jnp.where(wild, _INT32_MAX, pos_max)
+    nonempty = nonempty | wild
+  return _BlockSummary(seg_min, seg_max, pos_min, pos_max, nonempty, uniform)
 
 
 def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
               window: int | None) -> tuple[jax.Array, jax.Array]:
-  """(may_attend, full) for broadcastable query-block and kv-block summaries."""
-  may = q.any_token & kv.any_token & (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
-  full = q.uniform & kv.uniform & (q.seg_min == kv.seg_min)
-  # Differences in int64 would need x64; instead compare without overflow using saturating math.
+  """(may_attend, full) for broadcastable query-block and kv-block summaries.
+
+  Every query group is tested against every kv group (3 x 3); a block pair may attend if any
+  group pair may. "full" uses group 0, which holds every token of a uniform block.
+  """
+  qg = jax.tree.map(lambda x: x[..., :, None], q)  # [..., 3, 1]
+  kg = jax.tree.map(lambda x: x[..., None, :], kv)  # [..., 1, 3]
+  may = (qg.nonempty & kg.nonempty & (qg.seg_min <= kg.seg_max) & (kg.seg_min <= qg.seg_max))
   if causal:
-    may &= kv.pos_min <= q.pos_max
-    full &= kv.pos_max <= q.pos_min
+    may &= kg.pos_min <= qg.pos_max
   if window is not None:
     # q_pos - kv_pos < w, written as q_pos < kv_pos + w with saturation (positions are int32).
-    may &= q.pos_min < _sat_add(kv.pos_max, window)
-    full &= q.pos_max < _sat_add(kv.pos_min, window)
+    may &= qg.pos_min < _sat_add(kg.pos_max, window)
     if not causal:
-      may &= kv.pos_min < _sat_add(q.pos_max, window)
-      full &= kv.pos_max < _sat_add(q.pos_min, window)
+      may &= kg.pos_min < _sat_add(qg.pos_max, window)
+  may = jnp.any(may, axis=(-2, -1))
+
+  q0 = jax.tree.map(lambda x: x[..., 0], q)
+  k0 = jax.tree.map(lambda x: x[..., 0], kv)
+  full = q0.uniform & k0.uniform & (q0.seg_min == k0.seg_min)
+  if causal:
+    full &= k0.pos_max <= q0.pos_min
+  if window is not None:
+    full &= q0.pos_max < _sat_add(k0.pos_min, window)
+    if not causal:
+      full &= k0.pos_max < _sat_add(q0.pos_min, window)
   return may, full & may
 
 
@@ -209,16 +239,16 @@ def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: boo
 
   def one_outer_block(o: _BlockSummary) -> tuple[jax.Array, ...]:
     # o fields: [B]; inner fields: [B, n_inner].
-    o = jax.tree.map(lambda x: x[:, None], o)
+    o = jax.tree.map(lambda x: x[:, None], o)  # [B, 1, ...] against inner [B, n_inner, ...]
     if outer_is_query:
       may, full = _classify(o, inner, causal, window)
     else:
       may, full = _classify(inner, o, causal, window)
     return _ranges(may, full)  # each [B]
 
-  per_outer = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), outer)  # [n_outer, B]
+  per_outer = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), outer)  # [n_outer, B, ...]
   batch = inner.seg_min.shape[0]
-  chunk = max(1, min(n_outer, _BUILD_CHUNK_ELEMENTS // max(1, batch * n_inner)))
+  chunk = max(1, min(n_outer, _BUILD_CHUNK_ELEMENTS // max(1, 9 * batch * n_inner)))
   lower, upper, full_lower, full_upper = jax.lax.map(one_outer_block, per_outer,
                                                      batch_size=chunk)
   return BlockTable(*(jnp.moveaxis(x, 0, 1) for x in (lower, upper, full_lower, full_upper)))
@@ -300,19 +330,30 @@ def create_attention_mask(query_positions: jax.Array,
                   skip_pad_tokens=bool(skip_pad_tokens), fwd_params=fwd_params,
                   bwd_params=bwd_params if calc_bwd_mask else None)
 
+  fwd, dq, dkv = _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+                                spec=spec)
+  return AttentionMask(spec, fwd, dq, dkv)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids, *,
+                  spec: MaskSpec):
+  """(fwd, dq, dkv) tables; dq and dkv are None without backward params. One compiled program."""
+
   def summaries(params):
-    q = _summarise(query_positions, query_segment_ids, params.query_block_size, skip_pad_tokens)
-    kv = _summarise(kv_positions, kv_segment_ids, params.kv_block_size, skip_pad_tokens)
+    q = _summarise(query_positions, query_segment_ids, params.query_block_size,
+                   spec.skip_pad_tokens)
+    kv = _summarise(kv_positions, kv_segment_ids, params.kv_block_size, spec.skip_pad_tokens)
     return q, kv
 
-  q_f, kv_f = summaries(fwd_params)
-  fwd = _build_table(q_f, kv_f, True, spec.causal, window)
-  dq = dkv = None
-  if calc_bwd_mask:
-    q_b, kv_b = summaries(bwd_params)
-    dq = _build_table(q_b, kv_b, True, spec.causal, window)
-    dkv = _build_table(kv_b, q_b, False, spec.causal, window)
-  return AttentionMask(spec, fwd, dq, dkv)
+  q_f, kv_f = summaries(spec.fwd_params)
+  fwd = _build_table(q_f, kv_f, True, spec.causal, spec.sliding_window)
+  if spec.bwd_params is None:
+    return fwd, None, None
+  q_b, kv_b = summaries(spec.bwd_params)
+  dq = _build_table(q_b, kv_b, True, spec.causal, spec.sliding_window)
+  dkv = _build_table(kv_b, q_b, False, spec.causal, spec.sliding_window)
+  return fwd, dq, dkv
 
 
 # ----------------------------------------------------------------------------- reporting
