@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import re
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,13 +70,14 @@ def split_entries(text: str) -> list[str]:
   return [u for u in units if u.strip()]
 
 
-def group_documents(units: Sequence[str], *, seed: int = 0, min_chars: int = 64,
-                    max_chars: int = 4096) -> list[str]:
+def group_documents(units: Sequence[str], *, seed: int | Sequence[int] = 0,
+                    min_chars: int = 64, max_chars: int = 4096) -> list[str]:
   """Join consecutive units into documents with seeded, log-uniform target lengths.
 
   Each document takes units until its length reaches a target drawn log-uniformly in
   [min_chars, max_chars]; a single unit longer than the target is a document on its own, so
   documents may exceed max_chars. Order is preserved and every unit is used exactly once.
+  seed: an int or a sequence of non-negative ints (anything np.random.default_rng takes).
   """
   if min_chars < 1:
     raise ValueError(f"min_chars must be >= 1, got {min_chars}")
@@ -108,10 +110,10 @@ def load_documents(*, seed: int = 0, min_chars: int = 64, max_chars: int = 4096,
   """
   names = corpus_files() if files is None else tuple(files)
   documents: list[str] = []
-  for i, name in enumerate(names):
-    # A different stream per file, so adding a file does not change the others' documents.
-    documents += group_documents(split_entries(read_text(name)), seed=seed * 1000003 + i,
-                                 min_chars=min_chars, max_chars=max_chars)
+  for name in names:
+    # A stream per file, keyed by its name, so adding a file does not change the others'.
+    documents += group_documents(split_entries(read_text(name)), seed=(seed, zlib.crc32(
+        name.encode())), min_chars=min_chars, max_chars=max_chars)
   return documents
 
 

@@ -213,15 +213,16 @@ def maxtext_features(batch: PackedBatch) -> dict[str, np.ndarray]:
 def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
                    num_epochs: int | None = None, documents: Sequence[str] | None = None,
                    tokenizer: ByteTokenizer | None = None, window_batches: int = 8,
-                   drop_remainder: bool = True, min_chars: int = 64,
-                   max_chars: int = 4096) -> Iterator[PackedBatch]:
+                   drop_remainder: bool = True, min_row_fill: float = 0.9,
+                   min_chars: int = 64, max_chars: int = 4096) -> Iterator[PackedBatch]:
   """Endless (or num_epochs) stream of packed [batch_size, seq_len] batches of the corpus.
 
   Every epoch visits the documents in a new seeded order. Pieces are gathered into windows of
-  about window_batches * batch_size * seq_len tokens, packed by FFD, the rows shuffled (seeded,
-  so a batch mixes full rows of split long documents with rows of short ones) and emitted
-  batch_size at a time; the rows left over at the end of a window go back to the next window,
-  so no token is dropped before the last batch.
+  about window_batches * batch_size * seq_len tokens and packed by FFD. The fullest rows are
+  emitted, shuffled (seeded, so a batch mixes rows of split long documents with rows of short
+  ones), batch_size at a time; rows that did not make a whole batch or are less than
+  min_row_fill full go back to the next window, so no token is dropped before the end of the
+  last epoch and few rows leave with much padding.
 
   Args:
     seq_len, batch_size: shape of each batch.
@@ -232,6 +233,7 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
     window_batches: batches per packing window (larger packs tighter, costs memory).
     drop_remainder: at the end of the last epoch, drop rows that do not fill a batch (True) or
       emit them in a final batch padded with empty rows (False).
+    min_row_fill: share of seq_len a row needs to leave a window early (see above).
     min_chars, max_chars: document length range for the shipped corpus (see corpus.py).
   Yields:
     PackedBatch with arrays int32 [batch_size, seq_len].
@@ -240,6 +242,8 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
   for name, value in (("batch_size", batch_size), ("window_batches", window_batches)):
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if not 0.0 <= min_row_fill <= 1.0:
+    raise ValueError(f"min_row_fill must lie in [0, 1], got {min_row_fill}")
   if num_epochs is not None and num_epochs < 1:
     raise ValueError(f"num_epochs must be None (endless) or >= 1, got {num_epochs}")
   if documents is None:
@@ -276,16 +280,23 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
     if not pending:
       return
     rows = first_fit_decreasing([p.length for p, _ in pending], seq_len)
-    row_rng.shuffle(rows)
-    n_full = len(rows) // batch_size
-    for b in range(n_full):
-      yield _assemble([[pending[i] for i in row] for row in rows[b * batch_size:(b + 1) *
-                                                                 batch_size]], seq_len)
-    rest = rows[n_full * batch_size:]
+    fills = [sum(pending[i][0].length for i in row) for row in rows]
+    # Fullest rows first (stable: FFD order on ties). Rows under min_row_fill wait for the next
+    # window, where new pieces can fill them, unless that would leave no batch to emit.
+    order = sorted(range(len(rows)), key=lambda r: -fills[r])
     if exhausted:
-      if rest and not drop_remainder:
-        yield _assemble([[pending[i] for i in row] for row in rest], seq_len,
-                        num_seqs=batch_size)
+      n_emit = len(rows) if not drop_remainder else len(rows) // batch_size * batch_size
+    else:
+      good = sum(f >= min_row_fill * seq_len for f in fills)
+      n_emit = max(good // batch_size, 1) * batch_size
+    emit = [rows[r] for r in order[:n_emit]]
+    rest = [rows[r] for r in order[n_emit:]]
+    # Shuffle what is emitted so a batch mixes rows of long split documents and of short ones.
+    row_rng.shuffle(emit)
+    for b in range(0, len(emit), batch_size):
+      yield _assemble([[pending[i] for i in row] for row in emit[b:b + batch_size]], seq_len,
+                      num_seqs=batch_size)
+    if exhausted:
       return
     # Leftover rows: their pieces (in arrival order) start the next window.
     pending = [pending[i] for i in sorted(i for row in rest for i in row)]
