@@ -1,7 +1,8 @@
 """Real text for packed-document attention: a shipped public-domain corpus, a byte tokenizer,
 first-fit-decreasing packing with segment ids and positions, and a batch iterator.
 
-Nothing here imports JAX, so input pipelines (and their tests) stay light.
+These modules use numpy only (importing them still imports the kvax_plugin package, and so
+JAX); the attention code is not needed to build batches.
 """
 
 from kvax_plugin.data.corpus import (corpus_files, group_documents, load_documents, read_text,
