@@ -120,7 +120,7 @@ def _fit(tile: int, table_block: int) -> int:
   return min(tile, table_block)
 
 
-def _launch_for(spec, device_kind: str, dk: int, dv: int) -> _Launch:
+def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "") -> _Launch:
   tuned = _tuned(_gpu_family(device_kind), max(dk, dv))
   f = spec.fwd_params
   if f == DEFAULT_FWD_PARAMS:
@@ -141,7 +141,6 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int) -> _Launch:
                  tuned.dkv.num_stages)
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
-  override = os.environ.get("KVAX_TRITON_TILES")
   if override:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
     # table's blocks.
@@ -179,6 +178,7 @@ class _Static:
   window: int  # 0: none
   gqa_inplace: bool
   device_kind: str
+  tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
 
 
 def _pow2(n: int) -> int:
@@ -210,7 +210,7 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   spec = mask.spec
-  tiles = _launch_for(spec, cfg.device_kind, dk, dv).fwd
+  tiles = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override).fwd
   tm, tn = spec.fwd_params.query_block_size, spec.fwd_params.kv_block_size
   _check_tiles("forward", tiles, tm, tn)
   out, lse = compat.triton_call(
@@ -218,7 +218,7 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       kernel=fwd_kernel.attn_fwd_kernel,
       out_shape=[jax.ShapeDtypeStruct((b, sq, h, dv), q.dtype),
                  jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
-      grid=(_cdiv(sq, tiles.block_m), b * h), num_warps=tiles.num_warps,
+      grid=(b * h, _cdiv(sq, tiles.block_m)), num_warps=tiles.num_warps,
       num_stages=tiles.num_stages,
       SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale, SOFT_CAP=cfg.soft_cap,
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
@@ -235,7 +235,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   g = h // kh
   spec = mask.spec
-  launch = _launch_for(spec, cfg.device_kind, dk, dv)
+  launch = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override)
   tm, tn = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
   _check_tiles("dq", launch.dq, tm, tn)
   _check_tiles("dk/dv", launch.dkv, tm, tn)
@@ -257,7 +257,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
       q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
       kernel=bwd_kernel.attn_bwd_dq_kernel,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-      grid=(_cdiv(sq, t.block_m), b * h), num_warps=t.num_warps, num_stages=t.num_stages,
+      grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
       BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
 
   t = launch.dkv
@@ -269,7 +269,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
       kernel=bwd_kernel.attn_bwd_dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct((b, skv, out_heads, dk), acc_dtype),
                  jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
-      grid=(_cdiv(skv, t.block_n), b * out_heads), num_warps=t.num_warps,
+      grid=(b * out_heads, _cdiv(skv, t.block_n)), num_warps=t.num_warps,
       num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
       TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
   if inplace:
@@ -342,7 +342,8 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind())
+                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
+                tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -55,7 +55,10 @@ def _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSE
   v = load_tile(v_ptrs, in_kv, offs_dv, DV, BLOCK_DV, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
   s2, t = scaled_logits(qk, SCALE, SOFT_CAP)
-  p = tl.exp2(s2 - lse2[:, None])
+  if SOFT_CAP == 0:
+    p = tl.exp2(qk * (SCALE * 1.4426950408889634) - lse2[:, None])  # one FMA per element
+  else:
+    p = tl.exp2(s2 - lse2[:, None])
   if MASKED:
     kv_pos = tl.load(KVPOS_b + kn, mask=in_kv, other=0)
     kv_seg = tl.load(KVSEG_b + kn, mask=in_kv, other=-1)
@@ -81,9 +84,12 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                        TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
-  """Grid (cdiv(SQ, BLOCK_M), B * H). DQ [B, SQ, H, DK] in the query dtype."""
-  pid_m = tl.program_id(0)
-  pid_bh = tl.program_id(1)
+  """Grid (B * H, cdiv(SQ, BLOCK_M)), heads fastest and heavy (last) query tiles first.
+
+  DQ [B, SQ, H, DK] in the query dtype.
+  """
+  pid_bh = tl.program_id(0)
+  pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
   b = pid_bh // H
   h = pid_bh % H
   kh = h // (H // KH)
@@ -160,7 +166,10 @@ def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPO
     delta = tl.load(DELTA_h + qm)
   qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
   s2_t, t_t = scaled_logits(qk_t, SCALE, SOFT_CAP)
-  p_t = tl.exp2(s2_t - lse2[None, :])
+  if SOFT_CAP == 0:
+    p_t = tl.exp2(qk_t * (SCALE * 1.4426950408889634) - lse2[None, :])
+  else:
+    p_t = tl.exp2(s2_t - lse2[None, :])
   if MASKED:
     q_pos = tl.load(QPOS_b + qm, mask=in_q, other=0)
     q_seg = tl.load(QSEG_b + qm, mask=in_q, other=-1)
@@ -188,13 +197,14 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                         GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  """Grid (cdiv(SKV, BLOCK_N), B * (KH if GQA_INPLACE else H)).
+  """Grid (B * (KH if GQA_INPLACE else H), cdiv(SKV, BLOCK_N)), heads fastest; under a causal
+  mask the first kv tiles have the most work and run first.
 
   GQA_INPLACE: DK_OUT [B, SKV, KH, DK], DV_OUT [B, SKV, KH, DV] (the group summed in registers).
   Otherwise:   DK_OUT [B, SKV, H, DK], DV_OUT [B, SKV, H, DV] (one slice per query head).
   """
-  pid_n = tl.program_id(0)
-  pid_bh = tl.program_id(1)
+  pid_bh = tl.program_id(0)
+  pid_n = tl.program_id(1)
   G: tl.constexpr = H // KH
   if GQA_INPLACE:
     OUT_HEADS: tl.constexpr = KH

@@ -36,16 +36,26 @@ def _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg, 
   in_kv = kn < SKV
   k = load_tile(k_ptrs, in_kv, offs_dk, DK, BLOCK_DK, MASKED)
   qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-  s, _ = scaled_logits(qk, SCALE, SOFT_CAP)
   if MASKED:
     kv_pos = tl.load(KVPOS_b + kn, mask=in_kv, other=0)
     kv_seg = tl.load(KVSEG_b + kn, mask=in_kv, other=-1)
     keep = pair_mask(q_pos[:, None], q_seg[:, None], kv_pos[None, :], kv_seg[None, :],
                      CAUSAL, WINDOW)
-    s = tl.where(keep, s, float("-inf"))
-  m_new = tl.maximum(m_i, tl.max(s, 1))
+  if SOFT_CAP == 0 and SCALE > 0:
+    # Plain logits: max(scale * qk) = scale * max(qk), so the scaling folds into one FMA
+    # inside exp2 (qk * C - m), as in the Triton FlashAttention tutorial.
+    C: tl.constexpr = SCALE * 1.4426950408889634
+    if MASKED:
+      qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * C)
+    p = tl.exp2(qk * C - m_new[:, None])
+  else:
+    s, _ = scaled_logits(qk, SCALE, SOFT_CAP)
+    if MASKED:
+      s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
   alpha = tl.exp2(m_i - m_new)
-  p = tl.exp2(s - m_new[:, None])
   l_i = l_i * alpha + tl.sum(p, 1)
   acc = acc * alpha[:, None]
   v = load_tile(v_ptrs, in_kv, offs_dv, DV, BLOCK_DV, MASKED)
@@ -65,9 +75,14 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-  """Grid (cdiv(SQ, BLOCK_M), B * H). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32)."""
-  pid_m = tl.program_id(0)
-  pid_bh = tl.program_id(1)
+  """Grid (B * H, cdiv(SQ, BLOCK_M)). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32).
+
+  Heads vary fastest, so the query heads sharing a kv head run side by side (K/V tiles reused
+  from L2), and query tiles run last-first: under a causal mask the last tiles have the most
+  work, and starting them first shortens the tail of the launch.
+  """
+  pid_bh = tl.program_id(0)
+  pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
   b = pid_bh // H
   h = pid_bh % H
   kh = h // (H // KH)

@@ -1,0 +1,335 @@
+"""Attention benchmark: ours (backend="triton") against cuDNN and tokamax, in one run.
+
+    python benchmarks/bench_attention.py                      # the issue's grid: 16k and 64k
+    python benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn --cases causal
+
+Cases: "causal" (one causal document) and "docs" (12 random-length causal documents followed by
+1000 padding tokens), B=1, 32 query heads, 8 kv heads, bf16, head dim 128 by default. Each
+implementation is timed forward and forward+backward (jax.grad of <out, cotangent> w.r.t.
+q, k, v, which includes the forward it needs), as the median over many timed rounds of
+back-to-back calls after warm-up. Effective TFLOP/s count only the (q, kv) pairs the mask keeps:
+forward 4 * H * D * pairs, backward 2.5x that (so forward+backward 3.5x).
+
+How the peers see documents: cuDNN through jax.nn.dot_product_attention with a dense [B, 1, S, S]
+boolean mask (it has no segment ids; skipped where that mask would not fit the time budget);
+tokamax through its per-row k_start mask (each row may see keys from its document's start, plus
+causality); padding rows there attend to themselves (they cost nothing extra).
+Our mask build time is timed on its own and reported separately (it is built once per step and
+shared by all layers).
+
+Writes benchmarks/results/<name>.json (conditions: GPU, versions, command, date) and a PNG plot.
+A peer that fails records its error instead of a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvax_plugin.attention.api import flash_attention  # noqa: E402
+from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
+
+PAD = -1
+
+
+def documents_layout(seq: int, num_docs: int, pad: int, seed: int):
+  """positions, segment ids int32 [1, seq]: num_docs random-length documents, then pad padding."""
+  rng = np.random.default_rng(seed)
+  body = seq - pad
+  cuts = np.sort(rng.choice(np.arange(1, body), size=num_docs - 1, replace=False))
+  lengths = np.diff(np.concatenate([[0], cuts, [body]]))
+  seg = np.full(seq, PAD, np.int32)
+  pos = np.zeros(seq, np.int32)
+  start = 0
+  for d, ln in enumerate(lengths):
+    seg[start:start + ln] = d
+    pos[start:start + ln] = np.arange(ln)
+    start += ln
+  return pos[None], seg[None], lengths
+
+
+def layout(case: str, seq: int, seed: int):
+  if case == "causal":
+    return np.arange(seq, dtype=np.int32)[None], np.zeros((1, seq), np.int32), np.array([seq])
+  if case == "docs":
+    return documents_layout(seq, 12, 1000, seed)
+  raise ValueError(case)
+
+
+def kept_pairs(lengths) -> int:
+  lengths = np.asarray(lengths, np.int64)
+  return int(np.sum(lengths * (lengths + 1) // 2))
+
+
+def time_fn(fn, args, rounds: int, inner: int) -> float:
+  """Median ms per call over `rounds` rounds of `inner` back-to-back calls (after warm-up)."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  out = fn(*args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) * 1e3 / inner)
+  return statistics.median(times)
+
+
+def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
+  """name -> forward function of (q, k, v) (or a string: why it is unavailable).
+
+  variants: (label, tiles, memory_optimized) for extra runs of ours named "ours@label"; tiles in
+  the KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend).
+  """
+  impls = {}
+  jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
+
+  # --- ours
+  mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
+
+  def make_ours(memory_optimized):
+    def ours(q, k, v):
+      return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
+                             memory_optimized_gqa_backward=memory_optimized, backend="triton")
+    return ours
+  impls["ours"] = make_ours(False)
+  for label, tiles, mo in variants:
+    impls[f"ours@{label}"] = make_ours(mo)
+    impls[f"ours@{label}"].tiles = tiles
+
+  # --- cuDNN through jax.nn
+  if case == "causal":
+    def cudnn(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                          implementation="cudnn")
+    impls["cudnn"] = cudnn
+  else:
+    def cudnn(q, k, v):
+      s = jseg[:, :, None]
+      dense = (s == jseg[:, None, :]) & (s != PAD) & (jpos[:, None, :] <= jpos[:, :, None])
+      return jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], scale=scale,
+                                          implementation="cudnn")
+    impls["cudnn"] = cudnn
+
+  # --- tokamax (Mosaic GPU and Pallas-Triton flash attention)
+  try:
+    from tokamax._src.ops.attention import api as tk_api
+    from tokamax._src.ops.attention import base as tk_base
+    if case == "causal":
+      tk_mask = tk_base.Mask(is_causal=True)
+    else:
+      idx = np.arange(seg.shape[1])
+      start = np.zeros(seg.shape[1], np.int32)
+      for i in range(seg.shape[1]):  # start index of each row's document; padding: itself
+        start[i] = i if seg[0, i] == PAD else (start[i - 1] if i and seg[0, i - 1] == seg[0, i]
+                                                else i)
+      del idx
+      tk_mask = tk_base.Mask(k_start=jnp.asarray(start)[None, None, :], is_causal=True)
+    for name, key in (("tokamax_mosaic", "mosaic_gpu"), ("tokamax_triton", "triton")):
+      if key not in tk_api.IMPLEMENTATIONS:
+        impls[name] = f"tokamax has no {key!r} implementation here"
+        continue
+      impl = tk_api.IMPLEMENTATIONS[key]
+      impls[name] = (lambda impl: (lambda q, k, v: impl(q, k, v, mask=tk_mask,
+                                                          logits_scale=scale)))(impl)
+  except Exception as e:  # noqa: BLE001 - record why the peer is missing
+    impls["tokamax_mosaic"] = impls["tokamax_triton"] = f"tokamax import failed: {e!r}"
+  return impls, mask
+
+
+def bench_mask_build(pos, seg, rounds):
+  jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
+  build = jax.jit(lambda p, s: create_attention_mask(p, s, p, s, calc_bwd_mask=True))
+  return time_fn(build, (jpos, jseg), rounds, 5)
+
+
+def versions():
+  out = {"python": platform.python_version(), "jax": jax.__version__}
+  for mod in ("jaxlib", "triton", "jax_triton", "tokamax"):
+    try:
+      m = __import__(mod)
+      out[mod] = getattr(m, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+      out[mod] = f"unavailable ({type(e).__name__})"
+  return out
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in results if r.get("tflops") is not None]
+  groups = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in rows})
+  impls = sorted({r["impl"] for r in rows}, key=lambda n: (n != "ours", n))
+  fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 5))
+  width = 0.8 / max(1, len(impls))
+  for i, name in enumerate(impls):
+    vals = []
+    for g in groups:
+      match = [r for r in rows if (r["seq"], r["case"], r["head_dim"], r["pass"]) == g
+               and r["impl"] == name]
+      vals.append(match[0]["tflops"] if match else 0.0)
+    ax.bar(np.arange(len(groups)) + i * width, vals, width, label=name)
+  ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
+  ax.set_xticklabels([f"{s // 1024}k {c}\nD{d} {p}" for s, c, d, p in groups], fontsize=7)
+  ax.set_ylabel("effective TFLOP/s (kept pairs only)")
+  ax.set_title(f"attention, B=1, 32 q heads, 8 kv heads, bf16 - {jax.devices()[0].device_kind}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seq", default="16384,65536")
+  ap.add_argument("--cases", default="causal,docs")
+  ap.add_argument("--head-dims", default="128")
+  ap.add_argument("--impls", default="ours,cudnn,tokamax_mosaic,tokamax_triton")
+  ap.add_argument("--passes", default="fwd,fwd_bwd")
+  ap.add_argument("--rounds", type=int, default=15)
+  ap.add_argument("--min-round-ms", type=float, default=20.0)
+  ap.add_argument("--max-dense-mask-seq", type=int, default=32768,
+                  help="cuDNN documents need an S x S mask: skip it above this length")
+  ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_attention"))
+  ap.add_argument("--check", action="store_true", help="compare outputs with cuDNN (causal)")
+  ap.add_argument("--variant", action="append", default=[],
+                  help="extra run of ours: 'label|fwd=128,64,8,3;dq=64,64,4,3;dkv=...|mo' "
+                       "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
+                       "memory_optimized_gqa_backward)")
+  args = ap.parse_args()
+
+  heads, kv_heads = 32, 8
+  variants = []
+  for spec in args.variant:
+    parts = spec.split("|")
+    variants.append((parts[0], parts[1] if len(parts) > 1 else "",
+                     len(parts) > 2 and parts[2] == "mo"))
+  wanted = args.impls.split(",") + [f"ours@{v[0]}" for v in variants]
+  passes = args.passes.split(",")
+  results = []
+  dev = jax.devices()[0]
+  print(f"device: {dev.device_kind}; versions: {versions()}", flush=True)
+  for d in map(int, args.head_dims.split(",")):
+    for seq in map(int, args.seq.split(",")):
+      for case in args.cases.split(","):
+        pos, seg, lengths = layout(case, seq, seed=seq)
+        pairs = kept_pairs(lengths)
+        flops_fwd = 4.0 * heads * d * pairs
+        scale = d ** -0.5
+        keys = jax.random.split(jax.random.PRNGKey(seq + d), 4)
+        q = jax.random.normal(keys[0], (1, seq, heads, d), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (1, seq, kv_heads, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (1, seq, kv_heads, d), jnp.bfloat16)
+        cot = jax.random.normal(keys[3], (1, seq, heads, d), jnp.bfloat16)
+        mask_ms = bench_mask_build(pos, seg, args.rounds)
+        results.append(dict(impl="ours_mask_build", seq=seq, case=case, head_dim=d,
+                            **{"pass": "mask"}, ms=mask_ms, tflops=None, pairs=pairs))
+        print(f"S={seq} {case} D={d}: mask build {mask_ms:.3f} ms; kept pairs {pairs:.3e}",
+              flush=True)
+        impls, _ = make_impls(case, pos, seg, heads, kv_heads, d, scale, variants)
+        outs = {}
+        for name in wanted:
+          fn = impls.get(name, f"unknown implementation {name}")
+          for p in passes:
+            row = dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs, ms=None,
+                       tflops=None, **{"pass": p})
+            if isinstance(fn, str):
+              row["error"] = fn
+              results.append(row)
+              print(f"  {name:15s} {p:8s} unavailable: {fn}", flush=True)
+              continue
+            if name == "cudnn" and case == "docs" and seq > args.max_dense_mask_seq:
+              row["error"] = (f"skipped: dense {seq}x{seq} mask above --max-dense-mask-seq "
+                              f"{args.max_dense_mask_seq}")
+              results.append(row)
+              print(f"  {name:15s} {p:8s} {row['error']}", flush=True)
+              continue
+            try:
+              if p == "fwd":
+                f = jax.jit(fn)
+              else:
+                f = jax.jit(jax.grad(
+                    lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
+                    argnums=(0, 1, 2)))
+              if p == "fwd" and args.check:
+                outs[name] = f(q, k, v)
+              tiles = getattr(fn, "tiles", None)
+              saved = os.environ.get("KVAX_TRITON_TILES")
+              if tiles:  # read while tracing: the first call below compiles this variant
+                os.environ["KVAX_TRITON_TILES"] = tiles
+                row["tiles"] = tiles
+              # Size the inner loop so one round lasts about --min-round-ms.
+              try:
+                t1 = time_fn(f, (q, k, v), 1, 1)
+              finally:
+                if saved is None:
+                  os.environ.pop("KVAX_TRITON_TILES", None)
+                else:
+                  os.environ["KVAX_TRITON_TILES"] = saved
+              inner = max(1, int(args.min_round_ms / max(t1, 1e-3)))
+              ms = time_fn(f, (q, k, v), args.rounds, inner)
+              flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
+              row.update(ms=ms, tflops=flops / ms / 1e9, inner=inner, rounds=args.rounds)
+              print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s", flush=True)
+            except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
+              row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+              print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
+              traceback.print_exc(limit=2)
+            results.append(row)
+        if args.check and "ours" in outs:
+          for other, o in outs.items():
+            if other != "ours":
+              a = outs["ours"].astype(jnp.float32)
+              b = o.astype(jnp.float32)
+              real = jnp.asarray(seg != PAD)[..., None, None]
+              err = float(jnp.linalg.norm(jnp.where(real, a - b, 0)) /
+                          jnp.linalg.norm(jnp.where(real, b, 0)))
+              print(f"  check: ours vs {other} rel-L2 {err:.2e} (non-padding rows)", flush=True)
+              results.append(dict(impl=f"check_vs_{other}", seq=seq, case=case, head_dim=d,
+                                  **{"pass": "check"}, rel_l2=err, ms=None))
+        del impls, outs
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              gpu=dev.device_kind, versions=versions(), command=" ".join(sys.argv),
+              env={k: v for k, v in os.environ.items() if k.startswith("KVAX_")},
+              layout="B=1, 32 q heads, 8 kv heads, bf16; docs = 12 random documents + 1000 pad",
+              flops="fwd 4*H*D*kept_pairs; fwd_bwd 3.5x that")
+  out.with_suffix(".json").write_text(json.dumps(dict(conditions=meta, results=results),
+                                                 indent=1))
+  plot(results, out.with_suffix(".png"))
+  # Summary table: ms and ratio against the peers.
+  print("\nseq   case   D    pass     ours ms   cudnn ms  tk_mosaic ms  tk_triton ms  "
+        "ours/cudnn speedup  vs best tokamax")
+  keys = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in results
+                 if r["pass"] in ("fwd", "fwd_bwd")})
+  for key in keys:
+    get = lambda n: next((r.get("ms") for r in results if r["impl"] == n and
+                          (r["seq"], r["case"], r["head_dim"], r["pass"]) == key), None)
+    o, c, tm, tt = get("ours"), get("cudnn"), get("tokamax_mosaic"), get("tokamax_triton")
+    fmt = lambda x: f"{x:9.3f}" if x else "      n/a"
+    best_tk = min([x for x in (tm, tt) if x], default=None)
+    print(f"{key[0]:6d} {key[1]:6s} {key[2]:4d} {key[3]:8s} {fmt(o)} {fmt(c)} {fmt(tm)}     "
+          f"{fmt(tt)}     {(c / o if o and c else float('nan')):6.2f}x            "
+          f"{(best_tk / o if o and best_tk else float('nan')):6.2f}x")
+
+
+if __name__ == "__main__":
+  main()
