@@ -32,7 +32,10 @@ class KvaxOptions:
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
   permute_tokens_for_load_balance: with a context-parallel mesh, whether tokens already
-    arrive in the load-balanced order (True when the input pipeline permuted them).
+    arrive in the load-balanced order (True when the input pipeline permuted them); the op
+    never permutes them itself.
+  query_specs / kv_specs: BSHD specs over `mesh` (mesh axis names per dimension); None lets
+    the op use its attention_specs context or defaults.
   """
 
   kernel: str = "auto"
@@ -42,6 +45,8 @@ class KvaxOptions:
   skip_pad_tokens: bool = True
   mesh: Any = None
   permute_tokens_for_load_balance: bool = False
+  query_specs: tuple | None = None
+  kv_specs: tuple | None = None
 
 
 def _check_tokens(name: str, x) -> jax.Array:
@@ -50,6 +55,15 @@ def _check_tokens(name: str, x) -> jax.Array:
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
   return x.astype(jnp.int32)
+
+
+def _mesh_kwargs(options: KvaxOptions) -> dict:
+  # Only a sharded call takes specs and the permutation flag; unsharded calls leave the
+  # library defaults alone.
+  if options.mesh is None:
+    return {}
+  return dict(mesh=options.mesh, query_specs=options.query_specs, kv_specs=options.kv_specs,
+              permute_tokens_for_load_balance=options.permute_tokens_for_load_balance)
 
 
 def prepare(query_positions: jax.Array,
@@ -82,7 +96,7 @@ def prepare(query_positions: jax.Array,
     masks[(causal, window)] = kvax_plugin.create_attention_mask(
         qp, qs, kp, ks, fwd_params=options.fwd_params, bwd_params=options.bwd_params,
         calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=options.skip_pad_tokens, causal=causal,
-        sliding_window=window, mesh=options.mesh)
+        sliding_window=window, **_mesh_kwargs(options))
   return PreparedAttention(qp, qs, kp, ks, masks, "kvax", options)
 
 
@@ -104,8 +118,7 @@ def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: Prepared
       logits_soft_cap=settings.logits_soft_cap, sinks=sinks, fwd_params=options.fwd_params,
       bwd_params=options.bwd_params,
       memory_optimized_gqa_backward=options.memory_optimized_gqa_backward,
-      permute_tokens_for_load_balance=options.permute_tokens_for_load_balance,
-      backend=options.kernel, mesh=options.mesh)
+      backend=options.kernel, **_mesh_kwargs(options))
 
 
 KVAX_BACKEND = AttentionBackend(

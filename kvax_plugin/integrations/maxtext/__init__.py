@@ -8,6 +8,7 @@ or, without install(), apply patches/maxtext/<version>/ to MaxText's source. The
 MaxText's own training entry point with the plugin installed.
 """
 
+from kvax_plugin.integrations.maxtext import mesh_rules
 from kvax_plugin.integrations.maxtext._install import install, is_installed, is_patched, uninstall
 from kvax_plugin.integrations.maxtext.seam import ATTENTION_NAME
 from kvax_plugin.integrations.maxtext.settings import (KVAX_CONFIG_FIELDS, kvax_config_class,
@@ -15,6 +16,6 @@ from kvax_plugin.integrations.maxtext.settings import (KVAX_CONFIG_FIELDS, kvax_
 from kvax_plugin.integrations.maxtext.versions import (SUPPORTED_MAXTEXT_VERSIONS,
                                                        MaxTextVersionError)
 
-__all__ = ["install", "uninstall", "is_installed", "is_patched", "ATTENTION_NAME",
+__all__ = ["mesh_rules", "install", "uninstall", "is_installed", "is_patched", "ATTENTION_NAME",
            "KVAX_CONFIG_FIELDS", "kvax_config_class", "options_from_config",
            "SUPPORTED_MAXTEXT_VERSIONS", "MaxTextVersionError"]

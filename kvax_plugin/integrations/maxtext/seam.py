@@ -110,12 +110,8 @@ def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   else:
     pos = positions.astype(jnp.int32)
-  sharded_mesh, permuted = mesh_rules.attention_mesh(config, mesh)
-  options = settings.options_from_config(config, sharded_mesh,
-                                         permuted_for_load_balance=permuted)
-  with mesh_rules.attention_specs_for(config, mesh, sharded_mesh):
-    return get_backend("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config),
-                                       options=options)
+  options = settings.options_from_config(config, **mesh_rules.mesh_and_specs(config, mesh))
+  return get_backend("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config), options=options)
 
 
 def decoder_entry(call):
@@ -250,8 +246,6 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
                                    batch, q_len)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
-  from kvax_plugin.integrations.maxtext import mesh_rules
-  with mesh_rules.attention_specs_for(op.config, op.mesh, prepared.options.mesh):
-    out = get_backend(prepared.backend).apply(query, key, value, prepared, layer_settings(op),
-                                              sinks=sinks)
+  out = get_backend(prepared.backend).apply(query, key, value, prepared, layer_settings(op),
+                                            sinks=sinks)
   return out, None, None

@@ -38,8 +38,11 @@ def config_value(config, name: str):
   return default if value is None else value
 
 
-def options_from_config(config, mesh=None, *, permuted_for_load_balance: bool = False) -> KvaxOptions:
-  """Backend options from a MaxText config; errors name the config key at fault."""
+def options_from_config(config, **mesh_fields) -> KvaxOptions:
+  """Backend options from a MaxText config (plus mesh / specs / permutation flag).
+
+  Errors name the config key at fault.
+  """
   params = {}
   for pass_ in ("fwd", "bwd"):
     q_key, kv_key = f"kvax_{pass_}_query_block_size", f"kvax_{pass_}_kv_block_size"
@@ -59,7 +62,7 @@ def options_from_config(config, mesh=None, *, permuted_for_load_balance: bool = 
       kernel=kernel, fwd_params=params["fwd"], bwd_params=params["bwd"],
       memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
       skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
-      mesh=mesh, permute_tokens_for_load_balance=permuted_for_load_balance)
+      **mesh_fields)
 
 
 @functools.cache
