@@ -1,0 +1,355 @@
+"""Sharding and context parallelism on 8 simulated CPU devices (tests/conftest.py sets the flag).
+
+The matrix: every (data, fsdp, tensor, context) mesh whose sizes multiply to 8, inputs in natural
+and in load-balanced (permuted) order, packed documents with padding; forward output and the
+gradients of query, key, value and sinks must equal the single-device jax-backend result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from kvax_plugin.attention import sharding
+from kvax_plugin.attention.api import attention, create_attention_mask, flash_attention
+from kvax_plugin.attention.block_mask import AttentionMask, mask_sparsity
+from kvax_plugin.attention.params import FlashAttentionParamsConfig
+
+NUM_DEVICES = 8
+try:
+  CPUS = jax.devices("cpu")
+except RuntimeError:  # no CPU backend at all
+  CPUS = []
+pytestmark = pytest.mark.skipif(
+    len(CPUS) < NUM_DEVICES,
+    reason=f"needs {NUM_DEVICES} CPU devices, jax started with {len(CPUS)}: XLA_FLAGS="
+    "--xla_force_host_platform_device_count=8 must be set before jax initialises "
+    "(tests/conftest.py does this unless something initialised jax earlier)")
+
+AXES = ("data", "fsdp", "tensor", "context")
+QUERY_SPECS = (("data", "fsdp"), "context", "tensor", None)
+KV_SPECS = (("data", "fsdp"), None, "tensor", None)
+# Small blocks so that S=256 spans several blocks per shard even at cp=8.
+FWD = FlashAttentionParamsConfig(query_block_size=32, kv_block_size=32)
+BWD = FlashAttentionParamsConfig(query_block_size=16, kv_block_size=32)
+B, S, H, K, D = 8, 256, 16, 8, 32
+
+
+def _mesh_shapes():
+  """All (data, fsdp, tensor, context) sizes, powers of two, whose product is 8."""
+  out = []
+  for e in itertools.product(range(4), repeat=4):
+    if sum(e) == 3:
+      out.append(tuple(2 ** x for x in e))
+  return out
+
+
+MESH_SHAPES = _mesh_shapes()
+CASES = [(shape, permuted) for shape in MESH_SHAPES
+         for permuted in ((False, True) if shape[3] > 1 else (False,))]
+
+
+def _mesh(shape, names=AXES):
+  return Mesh(np.array(CPUS[:NUM_DEVICES]).reshape(shape), names)
+
+
+def _documents(rng, batch, length):
+  """Packed documents per row, contiguous with per-document positions, then padding; one row
+  has a document split in two pieces around another (non-contiguous) and padding in the middle."""
+  seg = np.full((batch, length), -1, np.int32)
+  pos = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    pad = int(rng.integers(0, length // 4))
+    cuts = np.sort(rng.choice(np.arange(1, length - pad), size=int(rng.integers(1, 6)),
+                              replace=False))
+    bounds = [0, *cuts.tolist(), length - pad]
+    for d, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
+      seg[b, a:z] = d + 3 * b  # ids need not start at 0 nor be < S
+      pos[b, a:z] = np.arange(z - a)
+  # Row 0: document 100 in two pieces around document 101, padding in the middle.
+  seg[0] = -1
+  seg[0, 0:60], seg[0, 60:100], seg[0, 130:200] = 100, 101, 100
+  pos[0] = 0
+  pos[0, 0:60], pos[0, 60:100], pos[0, 130:200] = np.arange(60), np.arange(40), 60 + np.arange(70)
+  return pos, seg
+
+
+@pytest.fixture(scope="module")
+def data():
+  rng = np.random.default_rng(1234)
+  with jax.default_device(CPUS[0]):
+    pos, seg = _documents(rng, B, S)
+    arrays = dict(
+        q=jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32),
+        k=jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.float32),
+        v=jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.float32),
+        sinks=jnp.asarray(rng.standard_normal((H,)), jnp.float32),
+        w=jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32),  # output cotangent
+        pos=jnp.asarray(pos), seg=jnp.asarray(seg))
+  return arrays
+
+
+def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=None,
+         query_specs=QUERY_SPECS, kv_specs=KV_SPECS):
+  """(out, (dq, dk, dv, dsinks)) of one jitted mask + forward + backward, in natural order."""
+  cp = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in
+                                            sharding._normalise_spec(query_specs, "q")[1]]))
+  names = ("q", "k", "v", "w", "pos", "seg")
+  q, k, v, w, pos, seg = (d[n] for n in names)
+  if permuted:  # on the host (numpy): eager jax ops would compile a kernel per slice
+    q, k, v, w, pos, seg = sharding.permute_tokens_context_parallelism(
+        tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), cp)
+  kw = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs) if mesh is not None else {}
+
+  def step(q, k, v, sinks, w, pos, seg):
+    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
+                                 calc_bwd_mask=True, causal=causal, sliding_window=window,
+                                 permute_tokens_for_load_balance=permuted, **kw)
+
+    def loss(q, k, v, sinks):
+      out = flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=D ** -0.5,
+                            logits_soft_cap=soft_cap, sinks=sinks, backend="jax",
+                            permute_tokens_for_load_balance=permuted, **kw)
+      return jnp.sum(out * w), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    return out, grads
+
+  out, (dq, dk, dv, ds) = jax.jit(step)(q, k, v, d["sinks"], w, pos, seg)
+  out, dq, dk, dv, ds = (np.asarray(x) for x in (out, dq, dk, dv, ds))
+  if permuted:
+    out, dq, dk, dv = sharding.unpermute_tokens_context_parallelism((out, dq, dk, dv), cp)
+  return out, dq, dk, dv, ds
+
+
+@pytest.fixture(scope="module")
+def single_device(data):
+  with jax.default_device(CPUS[0]):
+    return _run(data)
+
+
+def _assert_same(got, want, label):
+  for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=f"{label}: {name}")
+
+
+def test_matrix_covers_every_split():
+  assert len(MESH_SHAPES) == 20 and all(np.prod(s) == 8 for s in MESH_SHAPES)
+  assert (8, 1, 1, 1) in MESH_SHAPES and (1, 1, 1, 8) in MESH_SHAPES and (2, 1, 2, 2) in MESH_SHAPES
+
+
+def test_reference_is_not_trivial(single_device):
+  out, dq, dk, dv, ds = single_device
+  # Padding rows are 0 and real rows are not: the comparison below checks real numbers.
+  assert np.abs(out).max() > 0.1 and np.abs(dk).max() > 0.1 and np.abs(ds).max() > 1e-3
+  assert np.all(out[0, 100:130] == 0)
+
+
+@pytest.mark.parametrize("shape,permuted", CASES,
+                         ids=[f"{'x'.join(map(str, s))}{'-perm' if p else ''}" for s, p in CASES])
+def test_sharded_equals_single_device(data, single_device, shape, permuted):
+  got = _run(data, mesh=_mesh(shape), permuted=permuted)
+  _assert_same(got, single_device, f"mesh {dict(zip(AXES, shape))} permuted={permuted}")
+
+
+@pytest.mark.parametrize("causal,window,soft_cap", [(True, 48, 30.0), (False, 40, None)])
+def test_window_softcap_noncausal(data, causal, window, soft_cap):
+  with jax.default_device(CPUS[0]):
+    want = _run(data, causal=causal, window=window, soft_cap=soft_cap)
+  got = _run(data, mesh=_mesh((1, 2, 1, 4)), permuted=True, causal=causal, window=window,
+             soft_cap=soft_cap)
+  _assert_same(got, want, f"causal={causal} window={window}")
+
+
+def test_context_over_two_mesh_axes(data, single_device):
+  """A context "axis" made of two mesh axes (like MaxText's context + context_autoregressive)."""
+  mesh = _mesh((2, 2, 2), ("data", "ctx_a", "ctx_b"))
+  got = _run(data, mesh=mesh, permuted=True, query_specs=("data", ("ctx_a", "ctx_b"), None, None),
+             kv_specs=("data", None, None, None))
+  _assert_same(got, single_device, "context over ('ctx_a', 'ctx_b')")
+
+
+def test_specs_from_context_manager_and_attention(data):
+  """attention() with a mesh and specs from attention_specs equals attention() on one device."""
+  mesh = _mesh((2, 1, 2, 2))
+  q, k, v, pos, seg = (data[n] for n in ("q", "k", "v", "pos", "seg"))
+  with jax.default_device(CPUS[0]):
+    want = attention(q, k, v, segment_ids=seg, positions=pos, backend="jax")
+  with sharding.attention_specs(QUERY_SPECS, KV_SPECS):
+    got = attention(q, k, v, segment_ids=seg, positions=pos, backend="jax", mesh=mesh)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_sharded_mask_layout_and_sparsity(data):
+  """Per-shard tables: [B, cp * n_local] sharded (batch, context); global sparsity still reads."""
+  mesh = _mesh((2, 1, 1, 4))
+  pos, seg = data["pos"], data["seg"]
+  m = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
+                            calc_bwd_mask=True, mesh=mesh, query_specs=QUERY_SPECS,
+                            permute_tokens_for_load_balance=False)
+  assert isinstance(m, sharding.ShardedAttentionMask) and isinstance(m, AttentionMask)
+  assert (m.spec.batch, m.spec.q_len, m.spec.kv_len) == (B, S, S)
+  assert m.layout.local_spec.q_len == S // 4 and m.layout.local_spec.batch == B // 2
+  assert m.fwd.lower.shape == (B, S // FWD.query_block_size)
+  assert m.dkv.lower.shape == (B, 4 * S // BWD.kv_block_size)
+  # Unpermuted, the forward tables of the shards tile the global table exactly.
+  plain = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD)
+  for got, want in zip(m.fwd, plain.fwd):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert mask_sparsity(m) == mask_sparsity(plain)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _small(d):
+  return (d[n] for n in ("q", "k", "v", "pos", "seg"))
+
+
+@pytest.mark.parametrize("query_specs,kv_specs,match", [
+    (QUERY_SPECS, (("data", "fsdp"), "context", "tensor", None), r"kv_specs\[1\]"),
+    (("data", "context", "tensor", "fsdp"), None, r"query_specs\[3\] \(head_dim\)"),
+    (QUERY_SPECS, ("data", None, "tensor", None), r"query_specs\[0\] and kv_specs\[0\] \(batch\)"),
+    (QUERY_SPECS, (("data", "fsdp"), None, None, None), r"\(heads\) must be equal"),
+    (("data", "context", "model", None), None, r"query_specs\[2\].*'model'"),
+    (("data", "data", None, None), None, r"more than once"),
+    (("data", None, None), None, r"4-entry spec"),
+    (("data", 3, None, None), None, r"query_specs\[1\] \(sequence\)"),
+])
+def test_spec_errors_name_the_argument(data, query_specs, kv_specs, match):
+  mesh = _mesh((2, 2, 1, 2))
+  pos, seg = data["pos"], data["seg"]
+  with pytest.raises((ValueError, TypeError), match=match):
+    create_attention_mask(pos, seg, pos, seg, mesh=mesh, query_specs=query_specs,
+                          kv_specs=kv_specs)
+
+
+def test_shape_errors(data):
+  q, k, v, pos, seg = _small(data)
+  # 8 kv heads over a tensor axis of 8 divides; 4 kv heads does not.
+  mesh = _mesh((1, 1, 8, 1))
+  with pytest.raises(ValueError, match=r"key/value heads \(4\).*kv_specs\[2\]"):
+    sharding.check_shapes(sharding.resolve_specs(QUERY_SPECS, KV_SPECS), mesh, batch=B, q_len=S,
+                          kv_len=S, heads=H, kv_heads=4)
+  mesh = _mesh((1, 1, 1, 8))
+  with pytest.raises(ValueError, match=r"divisible by 2 \* cp = 16"):
+    create_attention_mask(pos[:, :248], seg[:, :248], pos[:, :248], seg[:, :248], mesh=mesh,
+                          query_specs=QUERY_SPECS)
+  with pytest.raises(ValueError, match=r"batch \(4\).*query_specs\[0\]"):
+    sharding.check_shapes(sharding.resolve_specs(((("data", "fsdp", "tensor", "context")), None,
+                                                  None, None)), _mesh((2, 2, 2, 1)), batch=4,
+                          q_len=S, kv_len=S)
+  with pytest.raises(ValueError, match=r"no query_specs"):
+    create_attention_mask(pos, seg, pos, seg, mesh=mesh)
+
+
+def test_mask_mismatch_errors(data):
+  q, k, v, pos, seg = _small(data)
+  mesh = _mesh((1, 1, 2, 4))
+  plain = create_attention_mask(pos, seg, pos, seg)
+  with pytest.raises(TypeError, match=r"mask must come from create_attention_mask\(\.\.\., mesh"):
+    flash_attention(q, k, v, pos, seg, pos, seg, plain, backend="jax", mesh=mesh,
+                    query_specs=QUERY_SPECS)
+  m = create_attention_mask(pos, seg, pos, seg, mesh=mesh, query_specs=QUERY_SPECS,
+                            permute_tokens_for_load_balance=True)
+  with pytest.raises(ValueError, match=r"permute_tokens_for_load_balance=False differs"):
+    flash_attention(q, k, v, pos, seg, pos, seg, m, backend="jax", mesh=mesh,
+                    query_specs=QUERY_SPECS, permute_tokens_for_load_balance=False)
+  with pytest.raises(ValueError, match=r"built on a mesh with axes"):
+    flash_attention(q, k, v, pos, seg, pos, seg, m, backend="jax", mesh=_mesh((2, 1, 1, 4)),
+                    query_specs=QUERY_SPECS)
+
+
+def test_attention_specs_is_context_local():
+  q1 = ("data", "context", None, None)
+  q2 = (None, "context", "tensor", None)
+  assert sharding.current_attention_specs() is None
+  seen = {}
+
+  def other_thread():
+    seen["thread"] = sharding.current_attention_specs()
+    with sharding.attention_specs(q2):
+      seen["thread_inner"] = sharding.resolve_specs().query
+
+  with sharding.attention_specs(q1):
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert sharding.resolve_specs().query == (("data",), ("context",), (), ())
+    assert sharding.resolve_specs().kv == (("data",), (), (), ())  # derived from the query
+    with sharding.attention_specs(q2, (None, None, "tensor", None)):
+      assert sharding.resolve_specs().query[2] == ("tensor",)
+    assert sharding.resolve_specs().query == (("data",), ("context",), (), ())
+    # Explicit arguments win over the context.
+    assert sharding.resolve_specs(q2).query[0] == ()
+  assert sharding.current_attention_specs() is None
+  assert seen["thread"] is None and seen["thread_inner"][2] == ("tensor",)
+
+
+# ----------------------------------------------------------------------------- permutation
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_permutation_round_trip_and_chunk_order(cp):
+  x = np.arange(2 * 48 * cp).reshape(2, 48 * cp)
+  y = sharding.permute_tokens_context_parallelism(x, cp)
+  c = x.shape[1] // (2 * cp)
+  shards = y.reshape(2, cp, 2 * c)
+  for r in range(cp):  # rank r holds chunks r and 2cp-1-r
+    np.testing.assert_array_equal(shards[:, r, :c], x[:, r * c:(r + 1) * c])
+    np.testing.assert_array_equal(shards[:, r, c:], x[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c])
+  back = sharding.unpermute_tokens_context_parallelism(y, cp)
+  np.testing.assert_array_equal(back, x)
+  # Tuples (nested, with None), jax arrays, another axis.
+  z = jnp.asarray(np.arange(4 * 2 * cp * 3).reshape(4, 2 * cp, 3))
+  a, (b, none) = sharding.permute_tokens_context_parallelism((z, (z[:, :, 0], None)), cp)
+  assert none is None and isinstance(a, jax.Array)
+  np.testing.assert_array_equal(np.asarray(a[:, :, 0]), np.asarray(b))
+  zt = sharding.permute_tokens_context_parallelism(z.transpose(1, 0, 2), cp, axis=0)
+  np.testing.assert_array_equal(np.asarray(zt.transpose(1, 0, 2)), np.asarray(a))
+
+
+def test_permutation_errors():
+  with pytest.raises(ValueError, match=r"axis 1, length 10\) must be divisible by 2 \* cp = 4"):
+    sharding.permute_tokens_context_parallelism(np.zeros((1, 10)), 2)
+  with pytest.raises(ValueError, match=r"cp must be a positive int"):
+    sharding.permute_tokens_context_parallelism(np.zeros((1, 8)), 0)
+
+
+# ----------------------------------------------------------------------------- balance
+
+
+def test_balance_one_long_causal_document():
+  s, cp = 4096, 4
+  pos = np.arange(s, dtype=np.int32)[None]
+  seg = np.zeros((1, s), np.int32)
+  plain = sharding.context_parallel_balance(pos, seg, cp, permute=False)
+  perm = sharding.context_parallel_balance(pos, seg, cp, permute=True)
+  # Exact counts: contiguous shard r keeps sum_{i in shard} (i + 1) pairs.
+  n = s // cp
+  want = [sum(range(r * n + 1, (r + 1) * n + 1)) for r in range(cp)]
+  assert plain["kept_pairs"] == want
+  assert sum(perm["kept_pairs"]) == sum(want) == s * (s + 1) // 2
+  assert plain["kept_max_over_min"] > 6.5  # (2cp - 1) = 7 in the limit
+  assert perm["kept_max_over_min"] < 1.1
+  assert perm["visited_max_over_min"] < 1.1 < 5 < plain["visited_max_over_min"]
+
+
+def test_balance_counts_match_dense_mask():
+  rng = np.random.default_rng(7)
+  pos, seg = _documents(rng, 2, 256)
+  from kvax_plugin.attention.block_mask import dense_mask
+  for causal, window in ((True, None), (True, 20), (False, 20), (False, None)):
+    rep = sharding.context_parallel_balance(pos, seg, 2, permute=True, causal=causal,
+                                            sliding_window=window)
+    qpos, qseg = sharding.permute_tokens_context_parallelism((pos, seg), 2)
+    dense = np.asarray(dense_mask(jnp.asarray(qpos), jnp.asarray(qseg), jnp.asarray(pos),
+                                  jnp.asarray(seg), causal=causal, sliding_window=window))
+    want = [int(dense[:, :128].sum()), int(dense[:, 128:].sum())]
+    assert rep["kept_pairs"] == want, (causal, window)
