@@ -11,9 +11,9 @@ On CPU with small sizes (simulated devices; the jax backend):
 
 Defaults: 128k tokens (B=1) packed with 12 random-length documents and 1000 padding tokens,
 32 query heads, 8 kv heads, head dim 128, bfloat16, causal; cp = every visible device.
-The single-device run uses device 0 and inputs in natural order; the cp run uses a mesh
-("context",) over the first cp devices with inputs in the load-balanced order
-(permute_tokens_context_parallelism; --no_permute keeps natural order). Masks are built once
+The single-device run uses device 0 and inputs in natural order; the cp runs use a mesh
+("context",) over the first cp devices, once with inputs in the load-balanced order
+(permute_tokens_context_parallelism) and once in natural order (--orders picks). Masks are built once
 outside the timed region (as a training step builds one per step for every layer); their build
 time is reported apart. Timings: median of --iters runs after --warmup, each waited to completion.
 Agreement: cp results are un-permuted and compared with the single-device ones (output and
@@ -50,7 +50,8 @@ def _parse(argv):
   ap.add_argument("--head_dim", type=int, default=128)
   ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
   ap.add_argument("--backend", default="auto", choices=("auto", "jax", "triton", "reference"))
-  ap.add_argument("--no_permute", action="store_true", help="cp inputs in natural order")
+  ap.add_argument("--orders", default="permuted,natural",
+                  help="token orders of the cp runs: permuted (load-balanced) and/or natural")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--tol", type=float, default=None, help="rel L2 bound for `agree`")
@@ -97,7 +98,6 @@ def main(argv=None) -> dict:
   if cp > len(devices):
     raise SystemExit(f"--cp {cp} needs {cp} devices, {len(devices)} visible: {devices}")
   backend = resolve_backend(args.backend)
-  permute = not args.no_permute
   dtype = jnp.dtype(args.dtype)
   tol = args.tol if args.tol is not None else (1e-5 if dtype == jnp.float32 else 2e-2)
   b, s, h, kh, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
@@ -165,9 +165,6 @@ def main(argv=None) -> dict:
   def put_cp(x):  # batch replicated, sequence over "context", the rest whole
     return jax.device_put(x, NamedSharding(mesh, P(None, "context", *([None] * (x.ndim - 2)))))
 
-  cp_t, cp_res = run(mesh, specs, permute and cp > 1, put_cp)
-
-  # ---- agreement, on device 0 in float32
   @jax.jit
   def compare(a, ref):
     a32, r32 = a.astype(jnp.float32), ref.astype(jnp.float32)
@@ -175,42 +172,57 @@ def main(argv=None) -> dict:
     return (jnp.max(jnp.abs(diff)), jnp.sqrt(jnp.sum(diff * diff)),
             jnp.sqrt(jnp.sum(r32 * r32)), jnp.max(jnp.abs(r32)))
 
-  agreement = {}
-  for name, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):
-    got = jax.device_put(got, dev0)
-    if permute and cp > 1:
-      got = jax.jit(lambda x: unpermute_tokens_context_parallelism(x, cp))(got)
-    mx, dn, rn, rmax = (float(x) for x in compare(got, want))
-    agreement[name] = {"max_abs_diff": mx, "rel_l2": dn / rn if rn > 0 else float(dn > 0),
-                       "ref_max_abs": rmax}
-  agree = all(a["rel_l2"] <= tol for a in agreement.values())
+  unpermute = jax.jit(lambda x: unpermute_tokens_context_parallelism(x, cp))
+  pairs = None
+  runs = {}
+  for order in args.orders.split(","):
+    if order not in ("permuted", "natural"):
+      raise SystemExit(f"--orders takes permuted and/or natural, got {order!r}")
+    perm = order == "permuted" and cp > 1
+    cp_t, cp_res = run(mesh, specs, perm, put_cp)
+    # Agreement on device 0 in float32, cp results back in natural order.
+    agreement = {}
+    for name, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):
+      got = jax.device_put(got, dev0)
+      if perm:
+        got = unpermute(got)
+      mx, dn, rn, rmax = (float(x) for x in compare(got, want))
+      agreement[name] = {"max_abs_diff": mx, "rel_l2": dn / rn if rn > 0 else float(dn > 0),
+                         "ref_max_abs": rmax}
+    del cp_res
+    bal = context_parallel_balance(pos, seg, cp, permute=perm)
+    pairs = sum(bal["kept_pairs"])
+    runs[order] = {
+        "timing": cp_t,
+        "speedup": {"fwd": single_t["fwd_ms"] / cp_t["fwd_ms"],
+                    "fwd_bwd": single_t["fwd_bwd_ms"] / cp_t["fwd_bwd_ms"]},
+        "balance": {k: bal[k] for k in ("kept_pairs", "visited_blocks", "kept_max_over_min",
+                                         "visited_max_over_min")},
+        "agreement": agreement,
+        "agree": all(a["rel_l2"] <= tol for a in agreement.values()),
+    }
 
-  # ---- work: kept pairs (exact) -> effective TFLOP/s, and the per-device balance
-  bal = context_parallel_balance(pos, seg, cp, permute=permute and cp > 1)
-  pairs = sum(bal["kept_pairs"])
-  fwd_flops = 4.0 * h * d * pairs  # qk^T and pv, 2 flops per multiply-add
-  fb_flops = fwd_flops * 3.5  # backward counted as 2.5x the forward
+  # Work: exact kept pairs -> effective TFLOP/s (forward 4*H*D per pair, backward 2.5x that).
+  fwd_flops = 4.0 * h * d * pairs
+  fb_flops = fwd_flops * 3.5
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
-
+  for r in runs.values():
+    r["effective_tflops_total"] = {"fwd": tflops(fwd_flops, r["timing"]["fwd_ms"]),
+                                   "fwd_bwd": tflops(fb_flops, r["timing"]["fwd_bwd_ms"])}
   result = {
-      "benchmark": "context_parallel", "cp": cp, "backend": backend, "permuted": permute,
+      "benchmark": "context_parallel", "cp": cp, "backend": backend,
       "config": {k: getattr(args, k) for k in ("seq_len", "num_docs", "num_pad", "batch", "heads",
                                                "kv_heads", "head_dim", "dtype", "iters", "warmup",
                                                "seed")},
       "devices": [str(x) for x in devices[:cp]], "device_kind": devices[0].device_kind,
       "jax_version": jax.__version__, "python": platform.python_version(),
-      "single_device": single_t, "context_parallel": cp_t,
-      "speedup": {"fwd": single_t["fwd_ms"] / cp_t["fwd_ms"],
-                  "fwd_bwd": single_t["fwd_bwd_ms"] / cp_t["fwd_bwd_ms"]},
-      "effective_tflops": {
-          "single_fwd": tflops(fwd_flops, single_t["fwd_ms"]),
-          "single_fwd_bwd": tflops(fb_flops, single_t["fwd_bwd_ms"]),
-          "cp_fwd_total": tflops(fwd_flops, cp_t["fwd_ms"]),
-          "cp_fwd_bwd_total": tflops(fb_flops, cp_t["fwd_bwd_ms"])},
-      "kept_pairs": pairs,
-      "balance": {k: bal[k] for k in ("kept_pairs", "visited_blocks", "kept_max_over_min",
-                                       "visited_max_over_min")},
-      "agreement": agreement, "tolerance_rel_l2": tol, "agree": agree,
+      "kept_pairs": pairs, "tolerance_rel_l2": tol,
+      "single_device": {"timing": single_t,
+                        "effective_tflops": {"fwd": tflops(fwd_flops, single_t["fwd_ms"]),
+                                             "fwd_bwd": tflops(fb_flops,
+                                                               single_t["fwd_bwd_ms"])}},
+      "context_parallel": runs,
+      "agree": all(r["agree"] for r in runs.values()),
   }
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"context_parallel_cp{cp}_{s}.json")
@@ -218,17 +230,18 @@ def main(argv=None) -> dict:
     json.dump(result, f, indent=1)
 
   print(f"context parallelism cp={cp} vs 1 device, backend={backend}, {devices[0].device_kind}, "
-        f"S={s}, {args.num_docs} docs + {args.num_pad} pad, H={h} K={kh} D={d} {args.dtype}, "
-        f"permuted={permute}")
-  print(f"  {'':<10}{'mask ms':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}")
-  for name, t in (("1 device", single_t), (f"cp={cp}", cp_t)):
-    print(f"  {name:<10}{t['mask_ms']:>10.2f}{t['fwd_ms']:>10.2f}{t['fwd_bwd_ms']:>12.2f}")
-  print(f"  speed-up: fwd {result['speedup']['fwd']:.2f}x, "
-        f"fwd+bwd {result['speedup']['fwd_bwd']:.2f}x")
-  print(f"  balance (kept pairs max/min over devices): {bal['kept_max_over_min']:.2f}")
-  for name, a in agreement.items():
-    print(f"  {name}: max|diff| {a['max_abs_diff']:.3g}, rel L2 {a['rel_l2']:.3g}")
-  print(f"  agree (rel L2 <= {tol:g}): {agree}; wrote {path}")
+        f"S={s}, {args.num_docs} docs + {args.num_pad} pad, H={h} K={kh} D={d} {args.dtype}")
+  print(f"  {'':<16}{'mask ms':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}{'speed-up fwd':>14}"
+        f"{'fwd+bwd':>9}{'kept max/min':>14}{'rel L2 (max)':>14}")
+  t = single_t
+  print(f"  {'1 device':<16}{t['mask_ms']:>10.2f}{t['fwd_ms']:>10.2f}{t['fwd_bwd_ms']:>12.2f}")
+  for order, r in runs.items():
+    t = r["timing"]
+    worst = max(a["rel_l2"] for a in r["agreement"].values())
+    print(f"  {f'cp={cp} {order}':<16}{t['mask_ms']:>10.2f}{t['fwd_ms']:>10.2f}"
+          f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x{r['speedup']['fwd_bwd']:>8.2f}x"
+          f"{r['balance']['kept_max_over_min']:>14.2f}{worst:>14.3g}")
+  print(f"  agree (rel L2 <= {tol:g} for out, dq, dk, dv): {result['agree']}; wrote {path}")
   return result
 
 
