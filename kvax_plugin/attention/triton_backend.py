@@ -101,16 +101,23 @@ class _Launch:
 
 
 def _tuned(family: str, head_dim: int) -> _Launch:
-  """Tuned tiles per GPU family and (largest) head dim. Sources: benchmarks/NOTES.md."""
-  big = head_dim > 128
+  """Tuned tiles per GPU family and (largest) head dim.
+
+  Hopper numbers are the best of the sweeps recorded in benchmarks/NOTES.md (H200, 16k causal,
+  B=1, 32/8 heads, bf16); the H100 shares them (same SM, untested there). Rules the sweeps
+  showed: 8 warps only where a dot's M dimension gives each warpgroup 64 rows; more pipeline
+  stages pay at small head dims; at head dim 256 the dk/dv accumulators limit the kv tile to 64.
+  """
   if family in ("h100", "h200"):
-    if big:
-      return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(64, 64, 8, 2),
-                     dkv=_Tiles(32, 64, 8, 2))
-    return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(64, 64, 4, 3),
-                   dkv=_Tiles(64, 128, 8, 2))
-  # A100-class: 164 KB shared memory, no wgmma; smaller tiles.
-  if big:
+    if head_dim <= 64:
+      return _Launch(fwd=_Tiles(128, 64, 4, 4), dq=_Tiles(64, 64, 4, 4),
+                     dkv=_Tiles(64, 128, 8, 3))
+    if head_dim <= 128:
+      return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(64, 64, 4, 2),
+                     dkv=_Tiles(64, 128, 8, 3))
+    return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 8, 2))
+  # A100-class fallback (164 KB shared memory, no wgmma): smaller tiles, fewer stages. Untuned.
+  if head_dim > 128:
     return _Launch(fwd=_Tiles(64, 64, 4, 2), dq=_Tiles(64, 32, 4, 2), dkv=_Tiles(32, 64, 4, 2))
   return _Launch(fwd=_Tiles(128, 64, 4, 3), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 4, 2))
 
