@@ -1,0 +1,1 @@
+"""ml-collections configs for upstream model families: `--config=configs/<family>.py:<variant>`."""
