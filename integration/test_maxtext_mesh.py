@@ -1,0 +1,61 @@
+"""attention=kvax vs dot_product on simulated 4- and 8-device CPU meshes (fsdp, tensor, context).
+
+Each case runs in a subprocess (the host device count is fixed when JAX starts). The kvax op
+must actually be sharded there: a mesh, the specs MaxText's logical axis rules give, and the
+load-balance flag set because MaxText's pipeline (emulated by its own reorder function)
+permuted the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import report
+
+pytestmark = pytest.mark.maxtext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CASES = [
+    ("llama3-8b", 4, dict(ici_fsdp_parallelism=2, ici_context_parallelism=2,
+                          per_device_batch_size=0.5), ("fsdp", "context", None)),
+    ("gemma2-2b", 8, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2,
+                          ici_context_parallelism=2, per_device_batch_size=0.25,
+                          sliding_window_size=48), ("fsdp", "context", "tensor")),
+    ("deepseek3-tiny", 4, dict(ici_tensor_parallelism=2, ici_context_parallelism=2,
+                               per_device_batch_size=0.5), (None, "context", "tensor")),
+]
+
+
+@pytest.mark.parametrize("model,devices,mesh,spec", CASES,
+                         ids=[f"{m}-{d}dev" for m, d, _, _ in CASES])
+def test_mesh_parity(model, devices, mesh, spec):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
+                       f" --xla_force_host_platform_device_count={devices}").strip()}
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "maxtext_mesh_worker.py"), model,
+                         json.dumps(mesh)], capture_output=True, text=True, timeout=900, env=env)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("KVAX_RESULT ")]
+  assert proc.returncode == 0 and lines, (f"worker failed, rc={proc.returncode}:\n"
+                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+  r = json.loads(lines[-1][len("KVAX_RESULT "):])
+  report(f"[maxtext mesh] {model} on {r['devices']} devices "
+         f"{ {k: v for k, v in r['mesh'].items() if v > 1} }: loss dot_product="
+         f"{r['loss_dot_product']:.6f} kvax={r['loss_kvax']:.6f} | logits {r['logit_rel_diff']:.2e}"
+         f" | {r['num_grads']} grads, worst {r['worst_grad_rel_diff']:.2e} at {r['worst_grad']}"
+         f" | kvax q specs {r['query_specs']}")
+  assert r["devices"] == devices
+  assert r["kvax_sharded"], "kvax ran unsharded on a multi-device mesh"
+  assert r["permuted"], "MaxText permuted the tokens for load balance; kvax must be told"
+  want = tuple(spec)
+  got = eval(r["query_specs"])  # repr of a tuple of str / None, written by our worker
+  assert (got[0], got[1], got[2]) == want, f"query specs {got}, expected {want}"
+  assert r["grad_names_match"]
+  assert abs(r["loss_kvax"] - r["loss_dot_product"]) <= 1e-5 * abs(r["loss_dot_product"])
+  assert r["logit_rel_diff"] <= 1e-5
+  assert r["worst_grad_rel_diff"] <= 2e-3
