@@ -362,3 +362,35 @@ def test_balance_counts_match_dense_mask():
                                   jnp.asarray(seg), causal=causal, sliding_window=window))
     want = [int(dense[:, :128].sum()), int(dense[:, 128:].sum())]
     assert rep["kept_pairs"] == want, (causal, window)
+
+
+def test_forward_only_mask_passed_into_jit(data):
+  """A mask built eagerly without backward tables crosses a jit boundary as a pytree argument
+  and is reused by two layers inside lax.scan."""
+  mesh = _mesh((2, 1, 2, 2))
+  cp = 2
+  q, k, v, pos, seg = (np.asarray(data[n]) for n in ("q", "k", "v", "pos", "seg"))
+  q, k, v, pos, seg = sharding.permute_tokens_context_parallelism((q, k, v, pos, seg), cp)
+  with sharding.attention_specs(QUERY_SPECS, KV_SPECS):
+    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, mesh=mesh)
+    assert mask.dq is None and mask.layout.kv_permuted
+
+    def two_layers(q, k, v, sinks, mask):
+      def layer(x, _):
+        out = flash_attention(x, k, v, pos, seg, pos, seg, mask, scale=D ** -0.5, sinks=sinks,
+                              backend="jax", mesh=mesh)
+        return out, None
+      return jax.lax.scan(layer, q, None, length=2)[0]
+
+    out = _jit(two_layers, q, k, v, data["sinks"], mask)
+  with jax.default_device(CPUS[0]):
+    plain = create_attention_mask(data["pos"], data["seg"], data["pos"], data["seg"],
+                                  fwd_params=FWD)
+    want = _jit(lambda q: flash_attention(
+        flash_attention(q, data["k"], data["v"], data["pos"], data["seg"], data["pos"],
+                        data["seg"], plain, scale=D ** -0.5, sinks=data["sinks"],
+                        backend="jax"),
+        data["k"], data["v"], data["pos"], data["seg"], data["pos"], data["seg"], plain,
+        scale=D ** -0.5, sinks=data["sinks"], backend="jax"), data["q"])
+  got = sharding.unpermute_tokens_context_parallelism(np.asarray(out), cp)
+  np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5)
