@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -369,6 +370,8 @@ def packed_corpus_pipeline(cfg, holder: dict):
         config.data_sharding, config.global_batch_size_to_load,
         config.global_batch_size_to_train_on, config.max_target_length, mesh)
     window = int(getattr(config, "sliding_window_size", 0) or 0) or None
+    if window is not None and window >= config.max_target_length:
+      window = None  # the local mask equals the global one at this length: report it once
     if jax.process_index() not in loading:
       # Same as MaxText: hosts that hold no batch rows feed placeholders.
       return synthetic_data_processing.PlaceHolderDataIterator(config, mesh), None
@@ -642,6 +645,10 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
     print(f"kvax_plugin.launch: {cfg.family}:{cfg.variant} ({cfg.model}) attention={cfg.attention}"
           + (f" kvax backend={backend}" if backend else "") + f" on {platform}; output {out}",
           flush=True)
+    if importlib.util.find_spec("tensorboardX") is None:
+      # MaxText's summary writer is tensorboardX; without it MaxText silently writes nothing.
+      print("warning: tensorboardX is not installed, so MaxText writes no TensorBoard logs "
+            "(pip install tensorboardX)", file=sys.stderr, flush=True)
     progress = Progress(cfg, holder, total_steps=config.steps)
     print(f"model: {config.num_query_heads} query / {config.num_kv_heads} kv heads, head dim "
           f"{config.head_dim}, {config.num_decoder_layers} layers, emb {config.emb_dim}"

@@ -1,0 +1,269 @@
+"""kvax_plugin.launch and configs/: every family config loads, bad flags fail naming the flag,
+and a tiny MaxText training run on the packed corpus writes its pictures, TensorBoard events and
+finite, falling losses.
+
+Flag errors run the launcher in a subprocess (absl flags are process-global); the end-to-end run
+does too, so MaxText's patched state never leaks into other tests. CPU only; about a minute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
+# Keys that define attention: a tiny variant may change head counts (keeping the ratio) but none
+# of these.
+ATTENTION_KEYS = ("head_dim", "sliding_window_size", "attn_logits_soft_cap", "attention_sink",
+                  "attention_type", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "q_lora_rank", "kv_lora_rank")
+
+has_maxtext = importlib.util.find_spec("maxtext") is not None
+needs_maxtext = pytest.mark.skipif(not has_maxtext, reason="needs the [maxtext] extra")
+
+
+def load_family(family: str):
+  spec = importlib.util.spec_from_file_location(f"_kvax_cfg_{family}",
+                                                os.path.join(CONFIGS, f"{family}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def run_launcher(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+  # One CPU device, as a user's machine has (tests/conftest.py simulates 8 for the sharding tests).
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if "xla_force_host_platform_device_count" not in f)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  return subprocess.run([sys.executable, "-m", "kvax_plugin.launch", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def upstream_yml(model: str) -> dict:
+  import maxtext
+  import yaml
+  with open(os.path.join(os.path.dirname(maxtext.__file__), "configs", "models",
+                         f"{model}.yml")) as f:
+    return yaml.safe_load(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_variant_loads(family):
+  module = load_family(family)
+  assert "tiny" in module.VARIANTS and len(module.VARIANTS) >= 2
+  assert f"--config=configs/{family}.py:tiny" in module.__doc__  # the command line is shown
+  for variant in module.VARIANTS:
+    c = module.get_config(variant)
+    assert (c.family, c.variant) == (family, variant)
+    for field in ("model", "attention", "kvax", "mesh", "context_parallel_load_balance",
+                  "seq_len", "per_device_batch_size", "steps", "learning_rate", "data",
+                  "output_dir", "model_overrides"):
+      assert field in c, field
+    assert c.attention == "kvax" and c.kvax.backend == "auto"
+    assert set(c.mesh) >= {"ici_data", "ici_fsdp", "ici_tensor", "ici_context", "dcn_data"}
+    if variant != "tiny":
+      assert not c.model_overrides, "upstream sizes run MaxText's model yml unchanged"
+  assert module.get_config(None).variant == "tiny"  # no argument selects tiny
+
+
+@needs_maxtext
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_keeps_the_familys_attention(family):
+  module = load_family(family)
+  for variant in module.VARIANTS:
+    upstream_yml(module.get_config(variant).model)  # the model yml exists in MaxText
+  c = module.get_config("tiny")
+  up = upstream_yml(c.model)
+  over = c.model_overrides.to_dict()
+  assert not set(over) & set(ATTENTION_KEYS), "tiny must keep head dims, windows, caps, sinks, MLA"
+  q = over.get("base_num_query_heads", up["base_num_query_heads"])
+  kv = over.get("base_num_kv_heads", up["base_num_kv_heads"])
+  assert q * up["base_num_kv_heads"] == kv * up["base_num_query_heads"], "GQA ratio changed"
+  assert over["vocab_size"] >= 259  # the byte tokenizer's ids fit
+
+
+def test_unknown_variant_names_the_flag():
+  with pytest.raises(ValueError, match=r"--config=configs/llama3.py:huge.*tiny"):
+    load_family("llama3").get_config("huge")
+
+
+def test_translation_to_maxtext_keys():
+  from kvax_plugin import launch
+  c = load_family("gemma2").get_config("tiny")
+  with c.unlocked():
+    c.mesh.ici_tensor = 2
+    c.kvax.backend = "jax"
+  keys = launch.maxtext_keys(c, "cpu")
+  assert keys["model_name"] == "gemma2-2b" and keys["attention"] == "kvax"
+  assert keys["hardware"] == "cpu" and keys["skip_jax_distributed_system"] is True
+  assert keys["dtype"] == "float32"  # auto on CPU
+  assert keys["ici_tensor_parallelism"] == 2 and keys["max_target_length"] == c.seq_len
+  assert keys["kvax_backend"] == "jax" and keys["kvax_fwd_query_block_size"] == 64
+  assert keys["base_num_decoder_layers"] == 1 and keys["override_model_config"] is True
+  assert launch.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
+  argv = launch.maxtext_argv(keys)
+  assert argv[1].endswith("base.yml") and "packing=true" in argv
+  assert launch.parse_raw_overrides(["steps=3", "log_period=2"]) == {"steps": "3",
+                                                                      "log_period": "2"}
+  with pytest.raises(launch.FlagError, match="key=value"):
+    launch.parse_raw_overrides(["--steps", "3"])
+
+
+def test_packed_corpus_feeds_maxtext_features():
+  from kvax_plugin import launch
+  c = load_family("llama3").get_config("tiny")
+  hosts = [launch.PackedCorpus(c, seq_len=256, global_rows=4, host_index=h, host_count=2,
+                               sliding_window=64) for h in range(2)]
+  batches = [next(iter(corpus)) for corpus in hosts]
+  for b in batches:
+    assert set(b) == {"inputs", "inputs_segmentation", "inputs_position", "targets",
+                      "targets_segmentation", "targets_position"}
+    assert b["inputs"].shape == (2, 256) and b["inputs"].dtype == np.int32
+    seg, pos = b["inputs_segmentation"], b["inputs_position"]
+    assert seg.min() >= 0 and seg.max() >= 1  # 1..n documents, 0 padding
+    # Padding is a suffix; real segments count up 1, 2, ... along the row.
+    assert np.all(np.diff(np.where(seg == 0, seg.max() + 1, seg), axis=1) >= 0)
+    # Positions restart at 0 at every document boundary.
+    boundary = np.diff(seg, axis=1) != 0
+    assert np.all(pos[:, 1:][boundary & (seg[:, 1:] > 0)] == 0)
+  # The two hosts hold different rows of the same global batch.
+  assert not np.array_equal(batches[0]["inputs"], batches[1]["inputs"])
+  stats = hosts[0].stats[0]
+  assert set(stats.skipped) == {"global", "local"}
+  # 4 x 4 blocks of 64: causality alone skips the 6 blocks above the diagonal.
+  assert 6 / 16 <= stats.skipped["global"] < 1.0
+  assert stats.skipped["local"] >= stats.skipped["global"]
+  with pytest.raises(launch.FlagError, match="per_device_batch_size"):
+    launch.PackedCorpus(c, seq_len=256, global_rows=3, host_index=0, host_count=2,
+                        sliding_window=None)
+
+
+@needs_maxtext
+def test_hooks_restore_maxtext():
+  from maxtext.common import metric_logger
+  from maxtext.input_pipeline import input_pipeline_interface as ipi
+
+  from kvax_plugin import launch
+  c = load_family("llama3").get_config("tiny")
+  before = (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics)
+  progress = launch.Progress(c, {}, total_steps=3)
+  with launch.packed_corpus_pipeline(c, {}), launch.progress_hook(progress):
+    assert ipi.create_data_iterator is not before[0]
+    assert metric_logger.MetricLogger.write_metrics is not before[1]
+  assert (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad flags: exit status 2 and a message naming the flag
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--config=configs/llama4.py:tiny"], "--config=configs/llama4.py:tiny"),
+    (["--config=configs/llama3.py:huge"], "--config=configs/llama3.py:huge"),
+    (["--config=configs/llama3.py:tiny", "--config.kvax.blocks=3"], "--config.kvax.blocks"),
+    (["--config=configs/llama3.py:tiny", "--config.attention=sdpa"], "--config.attention"),
+    (["--config=configs/llama3.py:tiny", "--config.kvax.fwd_kv_block_size=48"],
+     "--config.kvax.fwd_kv_block_size"),
+    (["--config=configs/llama3.py:tiny", "stray"], "'stray'"),
+])
+def test_bad_flags_are_named(args, flag):
+  r = run_launcher(*args, "--dry_run", timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  error = [line for line in r.stderr.splitlines() if "kvax_plugin.launch: error:" in line]
+  assert error and flag in error[-1], r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
+def test_unknown_family_lists_the_families():
+  r = run_launcher("--config=configs/llama4.py:tiny", timeout=120)
+  assert r.returncode == 2 and "unknown family 'llama4'" in r.stderr
+  assert all(f in r.stderr for f in FAMILIES)
+
+
+def test_triton_without_gpu_is_backend_unavailable():
+  import kvax_plugin
+  from kvax_plugin import launch
+  from kvax_plugin.attention.api import triton_availability
+  if triton_availability()[0]:
+    pytest.skip("a usable GPU is present")
+  c = load_family("llama3").get_config("tiny")
+  with c.unlocked():
+    c.kvax.backend = "triton"
+  with pytest.raises(kvax_plugin.BackendUnavailableError, match="--config.kvax.backend=triton"):
+    launch.run(c, {}, dry_run=True)
+  r = run_launcher("--config=configs/llama3.py:tiny", "--config.kvax.backend=triton", "--dry_run",
+                   timeout=120)
+  assert r.returncode == 2 and "--config.kvax.backend=triton" in r.stderr
+
+
+def test_heads_check_names_the_flag():
+  from types import SimpleNamespace
+
+  from kvax_plugin import launch
+  c = load_family("llama3").get_config("tiny")
+  mt = SimpleNamespace(ici_tensor_parallelism=3, dcn_tensor_parallelism=1, num_query_heads=8,
+                       num_kv_heads=2, ici_data_parallelism=1, ici_fsdp_parallelism=-1,
+                       ici_context_parallelism=1, dcn_context_parallelism=1,
+                       dcn_data_parallelism=-1, max_target_length=1024)
+  with pytest.raises(launch.FlagError, match=r"--config.mesh.ici_tensor: .*\(3\).*8 query heads"):
+    launch.check_maxtext_config(mt, c, {})
+  mt.ici_tensor_parallelism = 4  # divides 8 query heads; 2 kv heads are replicated
+  launch.check_maxtext_config(mt, c, {})
+  mt.num_kv_heads = 6
+  mt.num_query_heads = 12
+  with pytest.raises(launch.FlagError, match="ici_tensor_parallelism=4: .*6 kv heads"):
+    launch.check_maxtext_config(mt, c, {"ici_tensor_parallelism": "4"})
+
+
+@needs_maxtext
+def test_heads_not_divisible_by_tensor_axis_end_to_end():
+  # The check reads MaxText's resolved config (model yml + config + raw keys), so raw head
+  # overrides count too; it runs before MaxText builds a mesh.
+  r = run_launcher("--config=configs/llama3.py:tiny", "--config.mesh.ici_tensor=4", "--dry_run",
+                   "--config.output_dir=/tmp/kvax_launch_test_dry", "base_num_query_heads=6",
+                   "base_num_kv_heads=2")
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "--config.mesh.ici_tensor" in r.stderr and "6 query heads" in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: MaxText's own train loop, a few steps
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_maxtext
+def test_tiny_launch_end_to_end(tmp_path):
+  out = tmp_path / "run"
+  r = run_launcher("--config=configs/llama3.py:tiny", "--config.steps=5", "--config.seq_len=256",
+                   f"--config.output_dir={out}", "log_period=2")
+  assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+  lines = [l for l in r.stdout.splitlines() if l.startswith("step ")]
+  assert len(lines) == 5 and "tok/s" in lines[0] and "blocks skipped" in lines[0]
+  assert "log_period=2 (config:" not in r.stdout  # not a config-derived key: nothing replaced
+  summary = json.loads((out / "summary.json").read_text())
+  losses = summary["losses"]
+  assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+  assert min(losses[1:]) < losses[0], losses  # lr 3e-3 on bytes: falls within a few steps
+  assert summary["kvax_backend"] == "jax" and summary["attention"] == "kvax"
+  assert 0.0 < summary["blocks_skipped"]["global"] < 1.0
+  for png in ("mask.png", "loss.png"):
+    data = (out / png).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+  events = summary["tensorboard_files"]
+  assert events and all(os.path.getsize(e) > 0 for e in events)
+  assert os.path.isfile(out / "maxtext.log") and "completed step" in (out / "maxtext.log").read_text()
