@@ -241,11 +241,15 @@ def test_spec_errors_name_the_argument(data, query_specs, kv_specs, match):
 
 def test_shape_errors(data):
   q, k, v, pos, seg = _small(data)
-  # 8 kv heads over a tensor axis of 8 divides; 4 kv heads does not.
+  # 16 or 4 kv heads over a tensor axis of 8 divide one way or the other; 12 does not.
   mesh = _mesh((1, 1, 8, 1))
-  with pytest.raises(ValueError, match=r"key/value heads \(4\).*kv_specs\[2\]"):
-    sharding.check_shapes(sharding.resolve_specs(QUERY_SPECS, KV_SPECS), mesh, batch=B, q_len=S,
-                          kv_len=S, heads=H, kv_heads=4)
+  specs = sharding.resolve_specs(QUERY_SPECS, KV_SPECS)
+  for kv_heads in (16, 8, 4, 1):
+    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=kv_heads)
+  with pytest.raises(ValueError, match=r"key/value heads \(12\).*kv_specs\[2\]"):
+    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=12)
+  with pytest.raises(ValueError, match=r"query heads \(12\).*query_specs\[2\]"):
+    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=12, kv_heads=4)
   mesh = _mesh((1, 1, 1, 8))
   with pytest.raises(ValueError, match=r"divisible by 2 \* cp = 16"):
     create_attention_mask(pos[:, :248], seg[:, :248], pos[:, :248], seg[:, :248], mesh=mesh,
@@ -394,3 +398,20 @@ def test_forward_only_mask_passed_into_jit(data):
         scale=D ** -0.5, sinks=data["sinks"], backend="jax"), data["q"])
   got = sharding.unpermute_tokens_context_parallelism(np.asarray(out), cp)
   np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+_FEWER_KV_WANT: dict = {}
+
+
+@pytest.mark.parametrize("shape,kv_heads", [((1, 1, 4, 2), 2), ((1, 1, 8, 1), 1),
+                                            ((2, 1, 4, 1), 1)])
+def test_fewer_kv_heads_than_tensor_shards(data, shape, kv_heads):
+  """GQA / MQA with tensor parallelism larger than the kv heads: kv heads are shared by shards."""
+  d = dict(data)
+  d["k"], d["v"] = d["k"][:, :, :kv_heads], d["v"][:, :, :kv_heads]
+  if kv_heads not in _FEWER_KV_WANT:  # one single-device run per kv head count
+    with jax.default_device(CPUS[0]):
+      _FEWER_KV_WANT[kv_heads] = _run(d)
+  want = _FEWER_KV_WANT[kv_heads]
+  got = _run(d, mesh=_mesh(shape), permuted=shape[3] > 1)
+  _assert_same(got, want, f"mesh {shape}, {kv_heads} kv heads")

@@ -16,6 +16,8 @@ A *spec* describes how one BSHD array is laid out over a `jax.sharding.Mesh`: a 
   them inside shard_map, so arrays that are already context-sharded (the usual case after the
   k/v projections) cross the network once, in the all-gather, and nowhere else.
 * heads: tensor parallelism; query and kv must use the same axes (the GQA grouping stays local).
+  With fewer kv heads than head shards (tensor size a multiple of the kv heads), key / value
+  enter whole over the head axes and each shard keeps the one kv head its query heads read.
 * head_dim: never sharded.
 
 Specs come from explicit `query_specs=` / `kv_specs=` arguments or, when those are None, from the
@@ -238,8 +240,18 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
                          "permute_tokens_for_load_balance=True (2*cp load-balancing chunks)")
   if heads is not None:
     _check_divisible("query heads", heads, "query_specs[2]", tp, specs.head_axes)
-  if kv_heads is not None:
-    _check_divisible("key/value heads", kv_heads, "kv_specs[2]", tp, specs.head_axes)
+  if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+    raise ValueError(
+        f"key/value heads ({kv_heads}) and the size of the head axes {specs.head_axes} ({tp}) "
+        "given in kv_specs[2] must divide one another: either every shard holds whole kv heads "
+        "or each kv head is shared by a whole number of shards")
+
+
+def _replicated_kv_heads(mesh, specs: AttentionSpecs, kv_heads: int) -> bool:
+  """Fewer kv heads than head shards (e.g. 4 kv heads, tensor parallelism 8): key / value are
+  then taken whole over the head axes and each shard slices the one kv head its query heads
+  read (check_shapes ensures the tensor size is a multiple of kv_heads)."""
+  return kv_heads % _axes_size(mesh, specs.head_axes) != 0
 
 
 # ----------------------------------------------------------------------------- permutation
@@ -500,6 +512,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   layout_mask = mask
 
   def per_shard(q, k, v, qp, qs, kp, ks, tables, s):
+    k, v = pick_kv_head(k), pick_kv_head(v)
     k, v = _gather_kv((k, v), specs.context_axes, cp, permuted, float_grad=True)
     kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, permuted, float_grad=False)
     local_mask = layout_mask.local(*tables)
@@ -508,6 +521,18 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
 
   bat, ctx, hd = (_entry(a) for a in (specs.batch_axes, specs.context_axes, specs.head_axes))
   x_spec = P(bat, ctx, hd, None)
+  kv_spec = x_spec
+  if _replicated_kv_heads(mesh, specs, kh):
+    # Each kv head serves tp / K consecutive head shards. kv enters whole over the head axes;
+    # shard t keeps kv head t // (tp / K). shard_map sums the kv gradients of the shards
+    # sharing a head (its transpose of the replicated input, in the input dtype).
+    kv_spec = P(bat, ctx, None, None)
+    shards_per_kv_head = _axes_size(mesh, specs.head_axes) // kh
+    head_axis = specs.head_axes if len(specs.head_axes) > 1 else specs.head_axes[0]
+    pick_kv_head = lambda x: jax.lax.dynamic_slice_in_dim(
+        x, jax.lax.axis_index(head_axis) // shards_per_kv_head, 1, axis=2)
+  else:
+    pick_kv_head = lambda x: x
   tok = P(bat, ctx)
   # Sinks in float32: shard_map sums their gradient over the batch / context shards (the axes
   # their spec leaves out), and that sum should not be rounded to bfloat16 on every shard.
@@ -516,7 +541,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                                         kv_segment_ids)]
   tables = (mask.fwd, mask.dq, mask.dkv)
   fn = jax.shard_map(per_shard, mesh=mesh,
-                     in_specs=(x_spec, x_spec, x_spec, tok, tok, tok, tok, tok, P(hd)),
+                     in_specs=(x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, P(hd)),
                      out_specs=x_spec, check_vma=False)
   return fn(query, key, value, *ints, tables, s)
 
