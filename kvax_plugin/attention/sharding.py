@@ -62,6 +62,8 @@ The kv-side gradients are summed over the context axis by the transpose of the a
 kernels accumulate in float32); the sum over shards is done in float32 (`KV_GRAD_REDUCE_DTYPE`)
 and rounded to the input dtype once. Sinks are passed to the backend in float32, so their
 gradient, summed over the batch and context shards by shard_map, is reduced in float32 too.
+When kv heads are shared by several head shards, shard_map's transpose sums those shards' kv
+gradients in the input dtype (tp / K terms, after the float32 context reduction).
 """
 
 from __future__ import annotations
