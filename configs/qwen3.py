@@ -25,7 +25,11 @@ VARIANTS = {
     "tiny": ("qwen3-0.6b", dict(
         # 4 query / 2 kv heads keeps qwen3-0.6b's 2:1 ratio, head dim 128 and q/k norms.
         base_emb_dim=256, base_mlp_dim=512, base_num_decoder_layers=2,
-        base_num_query_heads=4, base_num_kv_heads=2, **common.TINY_COMMON)),
+        base_num_query_heads=4, base_num_kv_heads=2,
+        # qwen3-0.6b ties its output to the embedding; with MaxText's unit-variance embedding
+        # init the tied logits start with std ~sqrt(emb_dim) (initial loss ~180). Dividing them
+        # by sqrt(emb_dim) starts near ln(vocab) instead; attention is untouched.
+        normalize_embedding_logits=True, **common.TINY_COMMON)),
     "0.6b": ("qwen3-0.6b", {}),
     "4b": ("qwen3-4b", {}),
     "8b": ("qwen3-8b", {}),

@@ -309,7 +309,6 @@ class PackedCorpus:
     self.sliding_window = sliding_window
     self.stats: list[BatchStats] = []
     self.first = None  # the first PackedBatch (host rows)
-    self._mask_fn = None
 
   def masks(self, batch) -> dict[str, Any]:
     """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}."""
@@ -424,7 +423,6 @@ class Progress:
     index = step - self.start_step
     stats = corpus.stats[index] if corpus is not None and index < len(corpus.stats) else None
     if stats is not None:
-      import jax
       # Every loading host packs the same number of real tokens per row on average; scale the
       # host's count to the global batch.
       real = stats.real_tokens * self._host_scale(stats)
@@ -435,7 +433,6 @@ class Progress:
       scalars["data/real_token_share"] = stats.real_tokens / (stats.rows * stats.seq_len)
       for name, share in skipped.items():
         scalars[f"kvax/blocks_skipped_{name}"] = share
-      del jax
     else:
       tokens_per_s, skipped = float("nan"), {}
     record = StepRecord(step, loss, seconds, tokens_per_s, skipped)
@@ -452,7 +449,7 @@ class Progress:
     skip = "/".join(f"{v:.0%}" for v in r.skipped.values()) or "n/a"
     names = "/".join(r.skipped) or "mask"
     return (f"step {r.step + 1:>{width}}/{self.total_steps}  loss {r.loss:7.4f}  "
-            f"{r.tokens_per_s:9,.0f} tok/s  {r.step_seconds:6.2f} s/step  "
+            f"{r.tokens_per_s:9,.0f} real tok/s  {r.step_seconds:6.2f} s/step  "
             f"blocks skipped ({names}) {skip}")
 
 
@@ -590,16 +587,16 @@ def print_summary(s: dict[str, Any], stream=None) -> None:
       f"== {s['family']}:{s['variant']} ({s['model']}), attention={s['attention']}"
       + (f" (kvax backend {s['kvax_backend']})" if s["kvax_backend"] else "")
       + f", {s['hardware']} x{s['devices']}",
-      f"   {s['steps']} steps of {s['global_batch']} x {s['seq_len']} tokens; "
-      f"{(s['real_token_share'] or 0):.1%} real tokens, {(s['documents_per_row'] or 0):.1f} "
-      "documents per row",
+      f"   {s['steps']} steps of {s['global_batch']} x {s['seq_len']} tokens"
+      + (f"; {s['real_token_share']:.1%} real tokens, {s['documents_per_row']:.1f} document "
+         "pieces per row" if s["real_token_share"] is not None else ""),
       f"   loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} (min {s['min_loss']:.4f})",
       f"   {s['mean_tokens_per_s']:,.0f} real tok/s, {s['mean_step_seconds']:.2f} s/step "
       f"(after step 1); blocks skipped: "
-      + ", ".join(f"{k} {v:.1%}" for k, v in s["blocks_skipped"].items()),
+      + (", ".join(f"{k} {v:.1%}" for k, v in s["blocks_skipped"].items()) or "n/a"),
       f"   wall: setup+compile {w['setup_and_compile']:.1f} s, training {w['training']:.1f} s, "
       f"total {w['total']:.1f} s",
-      f"   mask:        {', '.join(s['mask_png'])}",
+      f"   mask:        {', '.join(s['mask_png']) or 'n/a'}",
       f"   loss plot:   {s['loss_png']}",
       f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",
       f"   summary:     {s['summary_json']}   MaxText log: {s['maxtext_log']}",
@@ -658,7 +655,14 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
           + (", MLA" if str(config.attention_type) in ("mla", "AttentionType.MLA") else "")
           + f"; batch {config.global_batch_size_to_train_on} x {config.max_target_length}; "
           "compiling ...", flush=True)
-    with packed_corpus_pipeline(cfg, holder), progress_hook(progress):
+    # An explicit raw dataset_type is the user choosing MaxText's own pipeline: honour it (and
+    # say so) instead of replacing it with the corpus.
+    data = (contextlib.nullcontext() if "dataset_type" in raw
+            else packed_corpus_pipeline(cfg, holder))
+    if "dataset_type" in raw:
+      print(f"data: MaxText dataset_type={raw['dataset_type']} (the shipped corpus is not used; "
+            "no mask statistics)", flush=True)
+    with data, progress_hook(progress):
       mt_train.record_goodput(recorder, mt_train.RECORD_JOB_START_TIME)
       train_func = mt_train.get_train_func(config, recorder, argv)
       with mt_train.maybe_monitor_goodput(config):
