@@ -74,6 +74,10 @@ class FlagError(ValueError):
   """A flag (or raw MaxText key) has a value the launcher cannot run; the message names it."""
 
 
+class SetupError(RuntimeError):
+  """The environment lacks what the launcher needs (MaxText, a supported version of it)."""
+
+
 def _configs_dir() -> str:
   return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -129,10 +133,6 @@ def check_config(cfg) -> None:
     value = cfg.kvax[key]
     if not isinstance(value, int) or value < 16 or value & (value - 1):
       raise FlagError(f"--config.kvax.{key}={value!r}: must be a power of two >= 16")
-  yml = os.path.join(maxtext_dir(), "configs", "models", f"{cfg.model}.yml")
-  if not os.path.isfile(yml):
-    raise FlagError(f"--config.model={cfg.model!r}: MaxText has no configs/models/{cfg.model}.yml "
-                    f"(in {maxtext_dir()})")
   for key in ("seq_len", "per_device_batch_size", "steps", "log_every"):
     if not isinstance(cfg[key], int) or cfg[key] < 1:
       raise FlagError(f"--config.{key}={cfg[key]!r}: must be a positive int")
@@ -150,6 +150,19 @@ def check_config(cfg) -> None:
       raise FlagError(f"--config.mesh.{key}={value!r}: must be a positive int or -1")
   if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
     raise FlagError(f"--config.dtype={cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
+
+
+def check_model(cfg) -> None:
+  """MaxText is installed in a supported version and ships configs/models/<cfg.model>.yml."""
+  from kvax_plugin.integrations.maxtext import versions
+  try:
+    versions.check_version()
+  except (ImportError, versions.MaxTextVersionError) as e:
+    raise SetupError(f"the launcher trains through MaxText: {e}") from e
+  yml = os.path.join(maxtext_dir(), "configs", "models", f"{cfg.model}.yml")
+  if not os.path.isfile(yml):
+    raise FlagError(f"--config.model={cfg.model!r}: MaxText has no configs/models/{cfg.model}.yml "
+                    f"(in {maxtext_dir()})")
 
 
 def check_backend(cfg) -> str:
@@ -615,6 +628,7 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   check_config(cfg)
   platform = detect_platform() if cfg.hardware == "auto" else cfg.hardware
   backend = check_backend(cfg) if cfg.attention == "kvax" else None
+  check_model(cfg)
   keys = maxtext_keys(cfg, platform)
   replaced = {k: (keys[k], v) for k, v in raw.items() if k in keys and _argv_value(keys[k]) != v}
   keys.update(raw)
@@ -728,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (FlagError, kvax_plugin.BackendUnavailableError) as e:
     print(f"kvax_plugin.launch: error: {e}", file=sys.stderr)
     return 2
+  except SetupError as e:
+    print(f"kvax_plugin.launch: error: {e}", file=sys.stderr)
+    return 1
   return 0
 
 
