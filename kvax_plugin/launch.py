@@ -67,9 +67,6 @@ MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
 KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
              "bwd_kv_block_size", "memory_optimized_gqa_backward", "skip_pad_tokens")
 
-logger = logging.getLogger("kvax_plugin.launch")
-
-
 class FlagError(ValueError):
   """A flag (or raw MaxText key) has a value the launcher cannot run; the message names it."""
 
@@ -271,13 +268,15 @@ def check_maxtext_config(config, cfg, raw: dict[str, str]) -> None:
   if tensor > 1 and kv_heads >= tensor and kv_heads % tensor:
     raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {kv_heads} kv heads of "
                     f"{cfg.model} (as configured)")
-  n_dev = jax.device_count()
-  sizes = [config.ici_data_parallelism, config.ici_fsdp_parallelism,
-           config.ici_tensor_parallelism, config.ici_context_parallelism]
-  fixed = math.prod(s for s in sizes if s != -1)
-  if -1 not in sizes and fixed * jax.process_count() != n_dev and config.dcn_data_parallelism != -1:
-    raise FlagError(f"--config.mesh: the ici axes multiply to {fixed} but there are {n_dev} "
-                    "devices (set one axis to -1 to take the rest)")
+  # MaxText fills one -1 axis with what is left; the fixed axes must fit the devices of a slice.
+  ici = [int(a) for a in config.ici_parallelism]
+  per_slice = jax.device_count() // max(1, int(config.num_slices))
+  fixed = math.prod(a for a in ici if a != -1)
+  if (per_slice % fixed) if -1 in ici else (fixed != per_slice):
+    mesh = ", ".join(f"{f}={getattr(config, k)}" for f, k in MESH_KEYS.items()
+                     if f.startswith("ici"))
+    raise FlagError(f"--config.mesh ({mesh}): the fixed ici axes multiply to {fixed}, which does "
+                    f"not fit the {per_slice} devices here (set one axis to -1 to take the rest)")
   cp = config.ici_context_parallelism * max(1, config.dcn_context_parallelism)
   if cp > 1 and config.max_target_length % (2 * cp):
     raise FlagError(f"--config.seq_len={config.max_target_length}: context parallelism {cp} "

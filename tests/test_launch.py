@@ -212,23 +212,34 @@ def test_triton_without_gpu_is_backend_unavailable():
   assert r.returncode == 2 and "--config.kvax.backend=triton" in r.stderr
 
 
-def test_heads_check_names_the_flag():
+def test_mesh_checks_name_the_flag(monkeypatch):
   from types import SimpleNamespace
 
+  import jax
+
   from kvax_plugin import launch
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
   c = load_family("llama3").get_config("tiny")
-  mt = SimpleNamespace(ici_tensor_parallelism=3, dcn_tensor_parallelism=1, num_query_heads=8,
-                       num_kv_heads=2, ici_data_parallelism=1, ici_fsdp_parallelism=-1,
-                       ici_context_parallelism=1, dcn_context_parallelism=1,
-                       dcn_data_parallelism=-1, max_target_length=1024)
+
+  def maxtext_config(tensor, ici=None, **kw):
+    fields = dict(ici_tensor_parallelism=tensor, dcn_tensor_parallelism=1, num_query_heads=8,
+                  num_kv_heads=2, ici_data_parallelism=1, ici_fsdp_parallelism=-1,
+                  ici_context_parallelism=1, dcn_context_parallelism=1, num_slices=1,
+                  ici_parallelism=ici or [1, -1, tensor, 1], max_target_length=1024)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
   with pytest.raises(launch.FlagError, match=r"--config.mesh.ici_tensor: .*\(3\).*8 query heads"):
-    launch.check_maxtext_config(mt, c, {})
-  mt.ici_tensor_parallelism = 4  # divides 8 query heads; 2 kv heads are replicated
-  launch.check_maxtext_config(mt, c, {})
-  mt.num_kv_heads = 6
-  mt.num_query_heads = 12
+    launch.check_maxtext_config(maxtext_config(3), c, {})
+  launch.check_maxtext_config(maxtext_config(4), c, {})  # 2 kv heads < 4 are replicated: fine
   with pytest.raises(launch.FlagError, match="ici_tensor_parallelism=4: .*6 kv heads"):
-    launch.check_maxtext_config(mt, c, {"ici_tensor_parallelism": "4"})
+    launch.check_maxtext_config(maxtext_config(4, num_query_heads=12, num_kv_heads=6), c,
+                                {"ici_tensor_parallelism": "4"})
+  with pytest.raises(launch.FlagError, match=r"--config.mesh \(.*multiply to 2.*8 devices"):
+    launch.check_maxtext_config(maxtext_config(2, ici=[1, 1, 2, 1]), c, {})
+  with pytest.raises(launch.FlagError, match="--config.seq_len=1004: context parallelism 4"):
+    launch.check_maxtext_config(maxtext_config(1, ici_context_parallelism=4,
+                                               max_target_length=1004), c, {})
 
 
 @needs_maxtext
