@@ -18,21 +18,20 @@ from typing import Any
 
 import ml_collections
 
+# The launcher keeps the same list (kvax_plugin.launch.FAMILIES) to name families in errors.
 FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
-ATTENTIONS = ("kvax", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "autoselected")
-KVAX_BACKENDS = ("auto", "jax", "triton", "reference")
 
 # Shrinks that every tiny variant shares (MaxText keys). The byte tokenizer has 259 ids, so a
-# 512-entry vocabulary holds them with room to spare; float32 weights keep CPU steps exact.
+# 512-entry vocabulary holds them with room to spare (upstream vocabularies would spend most of
+# a tiny model's parameters and time on an embedding the bytes never use).
 TINY_COMMON = dict(vocab_size=512)
 
 
-def family_config(family: str, arg: str | None, variants: Mapping[str, tuple[str, dict[str, Any]]],
-                  *, tiny: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+def family_config(family: str, arg: str | None,
+                  variants: Mapping[str, tuple[str, dict[str, Any]]]) -> ml_collections.ConfigDict:
   """The config of `family`'s variant `arg` (None or "" selects "tiny").
 
   variants: name -> (MaxText model_name, MaxText key overrides for width/depth/experts).
-  tiny: fields of the returned config that differ for the tiny variant (seq_len, steps, ...).
   Raises ValueError naming the flag and the valid variants for an unknown `arg`.
   """
   if family not in FAMILIES:
@@ -111,7 +110,8 @@ def family_config(family: str, arg: str | None, variants: Mapping[str, tuple[str
   c.model_overrides = ml_collections.ConfigDict(dict(overrides))
 
   if variant == "tiny":
-    # CPU-sized run: short rows full of short documents, so the block mask has structure to skip.
+    # CPU-sized run. 64-token blocks give a 1024-token row a 16 x 16 block grid, fine enough
+    # for the mask to skip whole blocks between documents, not only above the diagonal.
     c.kvax.fwd_query_block_size = 64
     c.kvax.fwd_kv_block_size = 64
     c.kvax.bwd_query_block_size = 64
@@ -123,15 +123,5 @@ def family_config(family: str, arg: str | None, variants: Mapping[str, tuple[str
     c.steps = 40
     c.learning_rate = 3e-3
     c.data.max_doc_chars = 768
-    for key, value in (tiny or {}).items():
-      _set_path(c, key, value)
   return c
 
-
-def _set_path(c: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
-  *parents, leaf = dotted.split(".")
-  for p in parents:
-    c = c[p]
-  if leaf not in c:
-    raise KeyError(f"tiny override {dotted!r} names no config field")
-  c[leaf] = value
