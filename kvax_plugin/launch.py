@@ -626,6 +626,11 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   t0 = time.perf_counter()
   check_config(cfg)
   platform = detect_platform() if cfg.hardware == "auto" else cfg.hardware
+  if platform == "cpu" and cfg.attention not in ("kvax", "dot_product", "autoselected"):
+    # MaxText's fused kernels are Pallas TPU / Triton GPU / cuDNN programs: they fail on CPU
+    # deep inside tracing. Say so up front.
+    raise FlagError(f"--config.attention={cfg.attention}: MaxText runs this kernel only on "
+                    "GPU/TPU; on CPU use kvax or dot_product")
   backend = check_backend(cfg) if cfg.attention == "kvax" else None
   check_model(cfg)
   keys = maxtext_keys(cfg, platform)

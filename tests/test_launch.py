@@ -31,6 +31,11 @@ has_maxtext = importlib.util.find_spec("maxtext") is not None
 needs_maxtext = pytest.mark.skipif(not has_maxtext, reason="needs the [maxtext] extra")
 
 
+def has_gpu() -> bool:
+  import jax
+  return jax.default_backend() == "gpu"
+
+
 def load_family(family: str):
   spec = importlib.util.spec_from_file_location(f"_kvax_cfg_{family}",
                                                 os.path.join(CONFIGS, f"{family}.py"))
@@ -181,6 +186,9 @@ def test_hooks_restore_maxtext():
     (["--config=configs/llama3.py:tiny", "--config.kvax.fwd_kv_block_size=48"],
      "--config.kvax.fwd_kv_block_size"),
     (["--config=configs/llama3.py:tiny", "stray"], "'stray'"),
+    pytest.param(["--config=configs/llama3.py:tiny", "--config.attention=cudnn_flash_te"],
+                 "--config.attention=cudnn_flash_te", marks=pytest.mark.skipif(
+                     has_gpu(), reason="the kernel can run here")),
 ])
 def test_bad_flags_are_named(args, flag):
   r = run_launcher(*args, "--dry_run", timeout=120)
