@@ -11,10 +11,16 @@ from kvax_plugin.attention.block_mask import (AttentionMask, create_attention_ma
 from kvax_plugin.attention.compare import compare_with_reference
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
+from kvax_plugin.attention.sharding import (ShardedAttentionMask, attention_specs,
+                                            context_parallel_balance,
+                                            permute_tokens_context_parallelism,
+                                            unpermute_tokens_context_parallelism)
 
 __all__ = [
     "__version__", "PADDING_SEGMENT_ID", "FlashAttentionParamsConfig", "AttentionMask",
     "create_attention_mask", "flash_attention", "attention", "reference_attention",
     "compare_with_reference", "mask_sparsity", "draw_mask", "positions_from_segment_ids",
-    "resolve_backend", "BackendUnavailableError",
+    "resolve_backend", "BackendUnavailableError", "attention_specs", "ShardedAttentionMask",
+    "permute_tokens_context_parallelism", "unpermute_tokens_context_parallelism",
+    "context_parallel_balance",
 ]

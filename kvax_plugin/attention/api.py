@@ -48,7 +48,8 @@ def resolve_backend(backend: str) -> str:
   return backend
 
 
-def _backend_fn(name: str) -> Callable[..., jax.Array]:
+def backend_function(name: str) -> Callable[..., jax.Array]:
+  """The single-device implementation behind a resolved backend name ("jax"/"triton"/"reference")."""
   if name == "jax":
     from kvax_plugin.attention.jax_blockwise import flash_attention_jax
     return flash_attention_jax
@@ -140,8 +141,8 @@ def flash_attention(query: jax.Array,
   kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks)
   if name == "triton":
     kwargs["memory_optimized_gqa_backward"] = memory_optimized_gqa_backward
-  return _backend_fn(name)(query, key, value, query_positions, query_segment_ids, kv_positions,
-                           kv_segment_ids, mask, **kwargs)
+  return backend_function(name)(query, key, value, query_positions, query_segment_ids,
+                                kv_positions, kv_segment_ids, mask, **kwargs)
 
 
 def positions_from_segment_ids(segment_ids: jax.Array) -> jax.Array:

@@ -507,7 +507,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   _check_mask_layout(mask, specs, mesh, cp, permuted)
 
   from kvax_plugin.attention import api  # local import: api imports this module lazily too
-  backend_fn = api._backend_fn(backend)  # pylint: disable=protected-access
+  backend_fn = api.backend_function(backend)
   extra = {"memory_optimized_gqa_backward": memory_optimized_gqa_backward} \
       if backend == "triton" else {}
   has_sinks = sinks is not None
