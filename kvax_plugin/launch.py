@@ -86,6 +86,8 @@ def _configs_dir() -> str:
 
 def check_config_path(argv: Sequence[str]) -> None:
   """Name the family when --config points at no file (config_flags would defer a vague error)."""
+  if any(a in ("-h", "--help", "--helpshort", "--helpfull", "-?") for a in argv):
+    return  # help needs no config
   for i, arg in enumerate(argv):
     if arg == "--config" and i + 1 < len(argv):
       value = argv[i + 1]
