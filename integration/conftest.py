@@ -39,24 +39,23 @@ def _maxtext_required():
 
 
 @pytest.fixture(scope="session")
-def kvax_installed():
-  """install() for the session; uninstalled at the end so other tests see MaxText untouched."""
+def _uninstall_at_end():
+  yield
+  from kvax_plugin.integrations import maxtext as kvax_maxtext
+  kvax_maxtext.uninstall()  # leave MaxText untouched for whatever runs after this suite
+
+
+@pytest.fixture
+def kvax_installed(_uninstall_at_end):
+  """The plugin, installed (install() is idempotent; some tests uninstall it on purpose)."""
   from kvax_plugin.integrations import maxtext as kvax_maxtext
   kvax_maxtext.install()
-  yield kvax_maxtext
-  kvax_maxtext.uninstall()
-
-
-_REPORT: list[str] = []
-
-
-def report(line: str) -> None:
-  """Keep a result line (largest differences, losses) for the end-of-run summary."""
-  _REPORT.append(line)
+  return kvax_maxtext
 
 
 def pytest_terminal_summary(terminalreporter):
-  if _REPORT:
+  from maxtext_results import LINES
+  if LINES:
     terminalreporter.section("MaxText integration results")
-    for line in _REPORT:
+    for line in LINES:
       terminalreporter.write_line(line)

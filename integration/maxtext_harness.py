@@ -138,6 +138,21 @@ def flat_params(tree) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
 
 
+# Tolerances, float32 everywhere (differences are summation-order noise). Logits: max |diff| /
+# max |logit| over non-padding tokens. Gradients: max |diff| / max |grad| per parameter. The
+# token embedding of models with tied input/output embeddings (gemma2, qwen3) is the noisiest
+# tensor: its gradient sums large, cancelling terms over every position, and two correct kvax
+# backends ("jax" and the dense float32 "reference") differ there by 1.2e-3 on gemma2, as much
+# as kvax and dot_product do. Every other gradient agrees to ~1e-6.
+LOGIT_TOL = 1e-5
+GRAD_TOL = 1e-4
+EMBEDDING_GRAD_TOL = 5e-3
+
+
+def grad_tolerance(name: str) -> float:
+  return EMBEDDING_GRAD_TOL if "token_embedder" in name else GRAD_TOL
+
+
 def max_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
   """max |a - b| / (max |b| + tiny): a scale-free difference for whole tensors."""
   a = np.asarray(a, np.float64)

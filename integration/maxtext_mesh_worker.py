@@ -59,13 +59,14 @@ def main(model: str, mesh_overrides: dict) -> dict:
   logit_diff = H.max_rel_diff(got[1][keep], ref[1][keep])
   grad_diffs = {n: H.max_rel_diff(got[2][n], ref[2][n]) for n in ref[2]}
   worst = max(grad_diffs, key=grad_diffs.get)
+  over = {n: d for n, d in grad_diffs.items() if not d <= H.grad_tolerance(n)}
   register_backend(kvax_backend.KVAX_BACKEND, replace=True)
   if len(seen_options) != 1:
     raise AssertionError(f"expected one prepare per traced step, saw {len(seen_options)}")
   opts = seen_options[0]
   return dict(model=model, mesh=dict(mesh.shape), devices=jax.device_count(),
               loss_dot_product=ref[0], loss_kvax=got[0], logit_rel_diff=logit_diff,
-              worst_grad=worst, worst_grad_rel_diff=grad_diffs[worst], num_grads=len(grad_diffs),
+              worst_grad=worst, worst_grad_rel_diff=grad_diffs[worst], num_grads=len(grad_diffs), grads_over_tolerance=over, logit_tol=H.LOGIT_TOL,
               grad_names_match=sorted(ref[2]) == sorted(got[2]),
               kvax_sharded=opts.mesh is not None, query_specs=repr(opts.query_specs), kv_specs=repr(opts.kv_specs),
               permuted=opts.permute_tokens_for_load_balance)

@@ -41,7 +41,8 @@ def main(model: str, extra: dict) -> dict:
               installed=kvax_maxtext.is_installed(), trace_counts=dict(kvax_backend.TRACE_COUNTS),
               loss_dot_product=ref[0], loss_kvax=got[0],
               logit_rel_diff=H.max_rel_diff(got[1][keep], ref[1][keep]), worst_grad=worst,
-              worst_grad_rel_diff=diffs[worst])
+              worst_grad_rel_diff=diffs[worst],
+              grads_over_tolerance={n: d for n, d in diffs.items() if not d <= H.grad_tolerance(n)})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import report
+from maxtext_results import report
 
 pytestmark = pytest.mark.maxtext
 
@@ -96,4 +96,4 @@ def test_patched_maxtext_runs_kvax_without_install(patched_root, model, extra):
   assert r["patched"] and not r["installed"]
   assert r["trace_counts"]["prepare"] == 1 and r["trace_counts"]["mask_builds"] == 2
   assert abs(r["loss_kvax"] - r["loss_dot_product"]) <= 1e-5 * abs(r["loss_dot_product"])
-  assert r["logit_rel_diff"] <= 1e-5 and r["worst_grad_rel_diff"] <= 2e-3
+  assert r["logit_rel_diff"] <= 1e-5 and not r["grads_over_tolerance"], r["grads_over_tolerance"]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import report
+from maxtext_results import report
 
 pytestmark = pytest.mark.maxtext
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import report
+from maxtext_results import report
 
 pytestmark = pytest.mark.maxtext
 
