@@ -611,7 +611,7 @@ def print_summary(s: dict[str, Any], stream=None) -> None:
       f"   wall: setup+compile {w['setup_and_compile']:.1f} s, training {w['training']:.1f} s, "
       f"total {w['total']:.1f} s",
       f"   mask:        {', '.join(s['mask_png']) or 'n/a'}",
-      f"   loss plot:   {s['loss_png']}",
+      f"   loss plot:   {s['loss_png'] or 'n/a'}",
       f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",
       f"   summary:     {s['summary_json']}   MaxText log: {s['maxtext_log']}",
   ]
@@ -662,6 +662,12 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
     print(f"kvax_plugin.launch: {cfg.family}:{cfg.variant} ({cfg.model}) attention={cfg.attention}"
           + (f" kvax backend={backend}" if backend else "") + f" on {platform}; output {out}",
           flush=True)
+    can_draw = importlib.util.find_spec("matplotlib") is not None
+    if not can_draw:
+      # A bare GPU image may lack it (kvax-plugin's own install requires it): train anyway,
+      # and say now, not after the run, that there will be no pictures.
+      print("warning: matplotlib is not installed, so no mask.png / loss.png will be drawn "
+            "(pip install matplotlib)", file=sys.stderr, flush=True)
     if importlib.util.find_spec("tensorboardX") is None:
       # MaxText's summary writer is tensorboardX; without it MaxText silently writes nothing.
       print("warning: tensorboardX is not installed, so MaxText writes no TensorBoard logs "
@@ -695,8 +701,8 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   files = {
       "loss_png": plot_losses(progress.records, os.path.join(out, "loss.png"),
                               f"{cfg.family}:{cfg.variant} ({cfg.model}), attention="
-                              f"{cfg.attention}, packed corpus"),
-      "mask_png": draw_first_mask(corpus, out) if corpus is not None else [],
+                              f"{cfg.attention}, packed corpus") if can_draw else None,
+      "mask_png": draw_first_mask(corpus, out) if corpus is not None and can_draw else [],
       "tensorboard_dir": config.tensorboard_dir,
       "tensorboard_files": tensorboard_files(config),
       "maxtext_log": log_path,
