@@ -139,7 +139,8 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "") ->
   bp = spec.bwd_params
   if bp is None:
     dq = dkv = fwd
-  elif bp == DEFAULT_BWD_PARAMS:
+  elif bp == DEFAULT_BWD_PARAMS or bp == _as_params(tuned.dkv):
+    # Library defaults, or a mask built from default_params(): the tuned tiles of both kernels.
     dq = _Tiles(_fit(tuned.dq.block_m, bp.query_block_size),
                 _fit(tuned.dq.block_n, bp.kv_block_size), tuned.dq.num_warps,
                 tuned.dq.num_stages)
@@ -157,20 +158,85 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "") ->
   return _Launch(fwd, dq, dkv)
 
 
+def _as_params(t: _Tiles) -> FlashAttentionParamsConfig:
+  return FlashAttentionParamsConfig(query_block_size=t.block_m, kv_block_size=t.block_n,
+                                    num_warps=t.num_warps, num_stages=t.num_stages)
+
+
 def default_params(device_kind: str, head_dim: int
                    ) -> tuple[FlashAttentionParamsConfig, FlashAttentionParamsConfig]:
   """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200").
 
-  These are the tiles the kernels pick by themselves for a mask built with the library
-  defaults; building a mask with them gives the same speed. The bwd config carries the dq
-  kernel's tiles (the dk/dv kernel then uses the same block sizes).
+  The fwd config is the forward kernel's tiles; the bwd config is the dk/dv kernel's tiles
+  (the backward tables are built at its block sizes, and the dq kernel then uses its own tuned
+  tiles inside them). A mask built with the library defaults (no params) gets the same tiles
+  chosen automatically whenever they divide the default blocks; at head dim 128 the two coincide.
   """
   t = _tuned(_gpu_family(device_kind), head_dim)
-  fwd = FlashAttentionParamsConfig(query_block_size=t.fwd.block_m, kv_block_size=t.fwd.block_n,
-                                   num_warps=t.fwd.num_warps, num_stages=t.fwd.num_stages)
-  bwd = FlashAttentionParamsConfig(query_block_size=t.dkv.block_m, kv_block_size=t.dkv.block_n,
-                                   num_warps=t.dkv.num_warps, num_stages=t.dkv.num_stages)
-  return fwd, bwd
+  return _as_params(t.fwd), _as_params(t.dkv)
+
+
+def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_positions,
+                   kv_segment_ids, mask: AttentionMask, *, scale: float = 1.0,
+                   logits_soft_cap: float | None = None, sinks=None, backward: bool = True,
+                   candidates: list[str] | None = None, rounds: int = 5
+                   ) -> tuple[str, dict[str, float]]:
+  """Opt-in autotune: time tile candidates on these inputs; return (best, {candidate: ms}).
+
+  Candidates use the KVAX_TRITON_TILES format ("fwd=BM,BN,warps,stages;dq=...;dkv=...", ""
+  meaning the built-in choice) and must divide the mask's blocks. Apply the winner for later
+  traces with `os.environ["KVAX_TRITON_TILES"] = best` (the setting is read at trace time and is
+  part of the compiled function's static key). Each candidate is compiled and timed as a fresh
+  jitted forward (+ backward when `backward`), median of `rounds` calls.
+  """
+  import statistics
+  import time
+
+  spec = mask.spec
+  if candidates is None:
+    candidates = [""]
+    fq, fk = spec.fwd_params.query_block_size, spec.fwd_params.kv_block_size
+    for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 4, 4), (128, 64, 8, 3), (64, 64, 4, 3)):
+      if fq % bm == 0 and fk % bn == 0:
+        candidates.append(f"fwd={bm},{bn},{w},{st}")
+    if backward and spec.bwd_params is not None:
+      bq, bk = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
+      for dq_t, dkv_t in (((64, 64, 4, 2), (64, 128, 8, 3)), ((64, 64, 4, 4), (64, 128, 8, 2)),
+                          ((64, 64, 4, 2), (64, 64, 8, 2))):
+        if bq % dq_t[0] == 0 and bk % dq_t[1] == 0 and bq % dkv_t[0] == 0 and bk % dkv_t[1] == 0:
+          candidates.append("dq=%d,%d,%d,%d;dkv=%d,%d,%d,%d" % (dq_t + dkv_t))
+  ints = (query_positions, query_segment_ids, kv_positions, kv_segment_ids)
+
+  def forward(q, k, v):
+    return flash_attention_triton(q, k, v, *ints, mask, scale=scale,
+                                  logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+  def loss(q, k, v):
+    return jnp.sum(forward(q, k, v).astype(jnp.float32))
+
+  timings = {}
+  saved = os.environ.get("KVAX_TRITON_TILES")
+  try:
+    for cand in candidates:
+      os.environ["KVAX_TRITON_TILES"] = cand
+      fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else forward)
+      try:
+        jax.block_until_ready(fn(query, key, value))  # compile + warm up
+        times = []
+        for _ in range(rounds):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(query, key, value))
+          times.append((time.perf_counter() - t0) * 1e3)
+        timings[cand] = statistics.median(times)
+      except Exception:  # noqa: BLE001 - a candidate that fails to compile simply loses
+        timings[cand] = float("inf")
+  finally:
+    if saved is None:
+      os.environ.pop("KVAX_TRITON_TILES", None)
+    else:
+      os.environ["KVAX_TRITON_TILES"] = saved
+  best = min(timings, key=timings.get)
+  return best, timings
 
 
 # ----------------------------------------------------------------------------- launches

@@ -1,0 +1,100 @@
+"""The Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+Runs the very kernels backend="triton" launches on a GPU, via kvax_plugin.attention.compat's
+interpreter path (jax.pure_callback on numpy buffers, outputs poisoned with NaN first), inside
+jit and the custom VJP, and compares out / dq / dk / dv / dsinks with the float32 reference.
+Skipped when Triton is not installed (it is optional: the [gpu] extra). Runs in a subprocess
+because the interpreter must be switched on before Triton is first imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton is not installed (optional [gpu] extra)")
+
+_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from kvax_plugin.attention.api import positions_from_segment_ids
+    from kvax_plugin.attention.block_mask import create_attention_mask
+    from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
+    from kvax_plugin.attention.reference import reference_attention
+    from kvax_plugin.attention import triton_backend
+
+    def case(name, sq=100, skv=None, h=4, kh=2, dk=32, dv=None, dtype=jnp.float32, causal=True,
+             window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5):
+        skv = skv or sq; dv = dv or dk
+        ks = jax.random.split(jax.random.PRNGKey(sum(map(ord, name))), 6)
+        q = jax.random.normal(ks[0], (1, sq, h, dk)).astype(dtype)
+        k = jax.random.normal(ks[1], (1, skv, kh, dk)).astype(dtype)
+        v = jax.random.normal(ks[2], (1, skv, kh, dv)).astype(dtype)
+        if sq == skv:
+            qseg = jnp.sort(jax.random.randint(ks[3], (1, sq), 0, 3), axis=1).astype(jnp.int32)
+            qseg = qseg.at[:, -7:].set(-1)
+            kvseg, qpos = qseg, positions_from_segment_ids(qseg)
+            kvpos = qpos
+        else:
+            qseg, kvseg = jnp.zeros((1, sq), jnp.int32), jnp.zeros((1, skv), jnp.int32)
+            kvpos = jnp.arange(skv, dtype=jnp.int32)[None]
+            qpos = kvpos[:, skv - sq:]
+        s = jax.random.normal(ks[4], (h,)) if sinks else None
+        kw = {} if params is None else dict(fwd_params=params[0], bwd_params=params[1])
+        mask = create_attention_mask(qpos, qseg, kvpos, kvseg, calc_bwd_mask=True, causal=causal,
+                                     sliding_window=window, **kw)
+        cot = jax.random.normal(ks[5], (1, sq, h, dv))
+        ints = (qpos, qseg, kvpos, kvseg)
+        ours = lambda q, k, v, s: triton_backend.flash_attention_triton(
+            q, k, v, *ints, mask, scale=dk ** -0.5, logits_soft_cap=cap, sinks=s,
+            memory_optimized_gqa_backward=inplace)
+        ref = lambda q, k, v, s: reference_attention(
+            q, k, v, *ints, causal=causal, sliding_window=window, scale=dk ** -0.5,
+            logits_soft_cap=cap, sinks=s)
+        argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+        def run(fn, *a):
+            g = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums)(*a)
+            return (fn(*a),) + tuple(g)
+        f32 = lambda x: None if x is None else x.astype(jnp.float32)
+        mine = jax.jit(lambda *a: run(ours, *a))(q, k, v, s)
+        theirs = run(ref, f32(q), f32(k), f32(v), f32(s))
+        for n, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], mine, theirs):
+            a, b = f32(a), f32(b)
+            assert bool(jnp.all(jnp.isfinite(a))), (name, n, "not finite / unwritten")
+            err = float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
+            assert err < tol, (name, n, err)
+        print(name, "ok")
+
+    small = (P(32, 32, 4, 1), P(16, 32, 4, 1))
+    case("default_params_subdivided_tiles")
+    case("softcap_sinks_window", cap=5.0, sinks=True, window=9, params=small)
+    case("not_causal_mla_inplace", causal=False, dk=48, dv=32, inplace=True, params=small)
+    case("decode_fp16", sq=1, skv=77, dtype=jnp.float16, params=small, tol=2e-3)
+
+    # The opt-in autotune runs candidates end to end (timings are meaningless here).
+    seg = jnp.zeros((1, 40), jnp.int32); pos = jnp.arange(40, dtype=jnp.int32)[None]
+    m = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, fwd_params=small[0],
+                              bwd_params=small[1])
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 2, 16))
+    best, times = triton_backend.autotune_tiles(
+        x, x, x, pos, seg, pos, seg, m, rounds=1,
+        candidates=["", "fwd=16,16,4,1;dq=16,16,4,1;dkv=16,16,4,1"])
+    assert best in times and len(times) == 2 and all(t < float("inf") for t in times.values())
+    print("autotune ok")
+""")
+
+
+def test_kernels_in_triton_interpreter():
+  root = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
+             PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  assert proc.stdout.count(" ok") == 5, proc.stdout
