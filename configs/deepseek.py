@@ -1,12 +1,14 @@
-"""DeepSeek V2/V3, multi-head latent attention (MLA) and MoE: MaxText's upstream configs, trained with attention=kvax on packed text.
+"""DeepSeek V2/V3, multi-head latent attention (MLA) and MoE:
+MaxText's upstream configs, trained with attention=kvax on packed text.
 
     python -m kvax_plugin.launch --config=configs/deepseek.py:tiny
     python -m kvax_plugin.launch --config=configs/deepseek.py:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=configs/deepseek.py:v2-16b --config.seq_len=4096 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two
-CPU cores in a couple of minutes and keeps the family's attention (MLA: query/key head dim 192 (128 + 64 rope), value head dim 128, LoRA-compressed q and kv); the others
-are MaxText's configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
+Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
+cores in a couple of minutes and keeps the family's attention (MLA: query/key head dim 192 (128 +
+64 rope), value head dim 128, LoRA-compressed q and kv); the others are MaxText's
+configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
 --config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
 """
 

@@ -1,12 +1,14 @@
-"""Gemma 2 (Google): MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Gemma 2 (Google):
+MaxText's upstream configs, trained with attention=kvax on packed text.
 
     python -m kvax_plugin.launch --config=configs/gemma2.py:tiny
     python -m kvax_plugin.launch --config=configs/gemma2.py:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=configs/gemma2.py:2b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two
-CPU cores in a couple of minutes and keeps the family's attention (head dim 256 (128 in 27b), GQA 2:1, sliding window 4096 on every other layer, attention logits soft cap 50); the others
-are MaxText's configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
+Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
+cores in a couple of minutes and keeps the family's attention (head dim 256 (128 in 27b), GQA 2:1,
+sliding window 4096 on every other layer, attention logits soft cap 50); the others are MaxText's
+configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
 --config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
 """
 

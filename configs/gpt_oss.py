@@ -1,12 +1,14 @@
-"""gpt-oss (OpenAI), mixture of experts: MaxText's upstream configs, trained with attention=kvax on packed text.
+"""gpt-oss (OpenAI), mixture of experts:
+MaxText's upstream configs, trained with attention=kvax on packed text.
 
     python -m kvax_plugin.launch --config=configs/gpt_oss.py:tiny
     python -m kvax_plugin.launch --config=configs/gpt_oss.py:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=configs/gpt_oss.py:20b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two
-CPU cores in a couple of minutes and keeps the family's attention (head dim 64, GQA 8:1 (64/8 heads), sliding window 128 on every other layer, attention sinks); the others
-are MaxText's configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
+Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
+cores in a couple of minutes and keeps the family's attention (head dim 64, GQA 8:1 (64/8 heads),
+sliding window 128 on every other layer, attention sinks); the others are MaxText's
+configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
 --config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
 """
 

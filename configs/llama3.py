@@ -1,13 +1,15 @@
-"""Llama 3 (Meta): MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Llama 3 (Meta):
+MaxText's upstream configs, trained with attention=kvax on packed text.
 
     python -m kvax_plugin.launch --config=configs/llama3.py:tiny
     python -m kvax_plugin.launch --config=configs/llama3.py:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=configs/llama3.py:8b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two
-CPU cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads in 8b), global causal attention); the others
-are MaxText's configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
+cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads in
+8b), global causal attention); the others are MaxText's configs/models/<model_name>.yml unchanged,
+for GPUs. Any field can be set with --config.<field>=..., and raw MaxText keys can follow as
+key=value (they win over the config).
 """
 
 import os

@@ -1,12 +1,14 @@
-"""Mistral 7B: MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Mistral 7B:
+MaxText's upstream configs, trained with attention=kvax on packed text.
 
     python -m kvax_plugin.launch --config=configs/mistral.py:tiny
     python -m kvax_plugin.launch --config=configs/mistral.py:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=configs/mistral.py:7b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two
-CPU cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads); MaxText's mistral-7b.yml sets no sliding window); the others
-are MaxText's configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
+Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
+cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads);
+MaxText's mistral-7b.yml sets no sliding window); the others are MaxText's
+configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
 --config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
 """
 

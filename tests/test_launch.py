@@ -314,4 +314,4 @@ def test_tiny_launch_end_to_end(tmp_path):
   for tag in ("learning/loss", "perf/step_time_seconds", "kvax/blocks_skipped_global",
               "perf/real_tokens_per_sec", "data/real_token_share"):
     assert tags.get(tag) == 5, (tag, tags.get(tag))
-  assert os.path.isfile(out / "maxtext.log") and "completed step" in (out / "maxtext.log").read_text()
+  assert "completed step" in (out / "maxtext.log").read_text()  # MaxText's own log, kept
