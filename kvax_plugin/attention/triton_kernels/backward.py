@@ -148,7 +148,8 @@ def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPO
               tile, offs_m, offs_dk, offs_dv,
               SQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               Q_ROW: tl.constexpr, DO_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE: tl.constexpr,
+              SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
   # Works on transposed tiles ([kv, q]) so dk and dv come out of plain row-major dots.
   start = tile * BLOCK_M
@@ -261,15 +262,18 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
     for tile in range(lower, full_lower):
       dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
                          QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
-                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                         DOT_PRECISION)
     for tile in range(full_lower, full_upper):
       dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
                          QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
-                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False, DOT_PRECISION)
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
+                         DOT_PRECISION)
     for tile in range(full_upper, upper):
       dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
                          QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
-                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                         DOT_PRECISION)
   dk = dk * SCALE
   out_mask_k = in_kv[:, None] & (offs_dk[None, :] < DK)
   out_mask_v = in_kv[:, None] & (offs_dv[None, :] < DV)
