@@ -3,7 +3,9 @@
 # Finds python3.12 / python3.13 on PATH or through pyenv; stops with a clear message if none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=${KVAX_EXTRAS:-dev}
+# dev + maxtext: the integration suite (integration/, marked maxtext) runs against MaxText 0.2.5;
+# a fresh install of both took 3m20s on a 2-core machine without a pip cache.
+EXTRAS=${KVAX_EXTRAS:-dev,maxtext}
 
 find_python() {
   local c
