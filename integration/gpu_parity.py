@@ -65,11 +65,11 @@ def main():
       row["error"] = f"{type(e).__name__}: {e}"[:2000]
     print(json.dumps(row), flush=True)
     results.append(row)
-  meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-          "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-          "command": " ".join(sys.argv)}
-  with open(args.out, "w") as f:
-    json.dump({"conditions": meta, "results": results}, f, indent=1)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "command": " ".join(sys.argv)}
+    with open(args.out, "w") as f:  # after every model, so a time limit keeps what finished
+      json.dump({"conditions": meta, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
