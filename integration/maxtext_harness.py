@@ -90,7 +90,10 @@ class PackedBatch:
 
 def packed_batch(batch: int, seq_len: int, vocab: int, seed: int = 0, pad_fraction: float = 0.15,
                  min_doc: int = 5) -> PackedBatch:
-  """Several documents of random lengths per row, then padding (as MaxText's packing lays out)."""
+  """Several documents of random lengths per row, then padding (as MaxText's packing lays out).
+
+  Row 0 starts with a document of 0.6 * seq_len tokens, longer than the windows under test.
+  """
   rng = np.random.default_rng(seed)
   tokens = rng.integers(1, vocab, size=(batch, seq_len + 1)).astype(np.int32)
   seg = np.zeros((batch, seq_len), np.int32)
@@ -100,6 +103,9 @@ def packed_batch(batch: int, seq_len: int, vocab: int, seed: int = 0, pad_fracti
     start, doc = 0, 1
     while start < real:
       length = int(min(real - start, rng.integers(min_doc, max(min_doc + 1, seq_len // 3))))
+      if b == 0 and doc == 1:
+        # One long document, so sliding windows (gpt-oss: 128) cut inside a document.
+        length = int(0.6 * seq_len)
       seg[b, start:start + length] = doc
       pos[b, start:start + length] = np.arange(length)
       start += length
