@@ -42,7 +42,9 @@ COMMON = dict(
     sparse_matmul=False, capacity_factor=-1.0,
     # kvax blocks smaller than the default so short test sequences still hold several blocks
     kvax_fwd_query_block_size=32, kvax_fwd_kv_block_size=32, kvax_bwd_query_block_size=32,
-    kvax_bwd_kv_block_size=32, kvax_backend="jax",
+    kvax_bwd_kv_block_size=32,
+    # KVAX_IT_BACKEND=triton runs the same parity on a GPU with the Triton kernels.
+    kvax_backend=os.environ.get("KVAX_IT_BACKEND", "jax"),
 )
 
 

@@ -30,7 +30,7 @@ def _train(tmp_path, attention: str, model: str, extra: dict) -> dict:
               matmul_precision="highest", dataset_type="synthetic", packing="true",
               max_segments_per_seq=6, steps=STEPS, enable_checkpointing="false",
               base_output_directory=str(tmp_path), run_name=f"kvax_train_{attention}",
-              log_config="false", learning_rate=1e-3, kvax_backend="jax",
+              log_config="false", learning_rate=1e-3, kvax_backend=H.COMMON["kvax_backend"],
               kvax_fwd_query_block_size=32, kvax_fwd_kv_block_size=32,
               kvax_bwd_query_block_size=32, kvax_bwd_kv_block_size=32)
   args.update(extra)
