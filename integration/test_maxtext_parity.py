@@ -78,3 +78,27 @@ def test_kvax_matches_dot_product(kvax_installed, model_name, extra):
   assert not bad, f"gradients differ: {bad}"
   # Every gradient is really exercised (a zero gradient would compare equal trivially).
   assert all(np.any(grads_ref[n] != 0) for n in grads_ref if "attention" in n)
+
+
+@pytest.mark.parametrize("model_name,extra", [("gemma2-2b", {"sliding_window_size": 48})],
+                         ids=["gemma2-2b-window48"])
+def test_bfloat16_is_as_accurate_as_dot_product(kvax_installed, model_name, extra):
+  """In bfloat16 the two kernels differ by rounding; both must be as close to float32."""
+  import maxtext_harness as H
+  bf16 = dict(extra, dtype="bfloat16", matmul_precision="default")
+  _, batch, loss32, logits32, grads32, _ = _run(model_name, "dot_product", extra)
+  _, _, loss_dot, logits_dot, grads_dot, _ = _run(model_name, "dot_product", bf16)
+  _, _, loss_kvax, logits_kvax, grads_kvax, _ = _run(model_name, "kvax", bf16)
+  keep = np.asarray(batch.weights) > 0
+  err = {}
+  for name, logits, grads in (("dot_product", logits_dot, grads_dot),
+                              ("kvax", logits_kvax, grads_kvax)):
+    err[name] = (H.max_rel_diff(logits[keep], logits32[keep]),
+                 max(H.max_rel_diff(grads[n], grads32[n]) for n in grads32))
+  report(f"[maxtext bf16] {model_name} {extra}: loss f32={loss32:.6f} dot_product={loss_dot:.6f} "
+         f"kvax={loss_kvax:.6f} | vs float32 (logits, worst grad): dot_product "
+         f"{err['dot_product'][0]:.2e}, {err['dot_product'][1]:.2e}; kvax {err['kvax'][0]:.2e}, "
+         f"{err['kvax'][1]:.2e}")
+  for i in range(2):
+    assert err["kvax"][i] <= 2 * err["dot_product"][i] + 1e-3, err
+  assert abs(loss_kvax - loss32) <= 2 * abs(loss_dot - loss32) + 1e-3
