@@ -92,7 +92,7 @@ def apply(root: str | None = None, directory: str | None = None, *, dry_run: boo
   directory = directory or patches_dir()
   manifest = load_manifest(directory)
   current = state(root, directory)
-  want_from, want_to = ("patched", "upstream") if reverse else ("upstream", "patched")
+  want_to = "upstream" if reverse else "patched"
   bad = {t: s for t, s in current.items() if s not in ("upstream", "patched")}
   if bad:
     raise PatchError(f"MaxText files under {root} differ from MaxText {manifest['version']} "
@@ -111,7 +111,6 @@ def apply(root: str | None = None, directory: str | None = None, *, dry_run: boo
     wrong = {t: s for t, s in after.items() if s != want_to}
     if wrong:
       raise PatchError(f"after patching, hashes do not match the manifest: {wrong}")
-  del want_from
   return changed
 
 
