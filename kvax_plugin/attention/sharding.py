@@ -402,6 +402,34 @@ def _gather_kv(arrays, axes: AxisNames, cp: int, permuted: bool, *, float_grad: 
   return out
 
 
+def _call_shard_map(fn, mesh, in_specs, out_specs, args):
+  """shard_map(fn) on args laid out as in_specs, whatever their current layout.
+
+  shard_map rejects inputs whose sharding differs from in_specs (always so on meshes with
+  Explicit axes, e.g. from jax.make_mesh, when the caller passes plain single-device arrays), so
+  every argument is first moved to its spec: jax.reshard on Explicit meshes, a sharding
+  constraint otherwise. Inside jit both are layout annotations; eagerly they move the data.
+  """
+  from jax.sharding import AxisType, NamedSharding
+
+  explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+  def place(x, spec):
+    sharding = jax.tree.map(lambda p: NamedSharding(mesh, p), spec,
+                            is_leaf=lambda p: isinstance(p, P))
+    if explicit:
+      return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  @jax.jit
+  def run(*args):
+    placed = [place(a, spec) for a, spec in zip(args, in_specs)]
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*placed)
+
+  return run(*args)
+
+
 def create_attention_mask_sharded(query_positions: jax.Array,
                                   query_segment_ids: jax.Array,
                                   kv_positions: jax.Array,
@@ -446,8 +474,9 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   # check_vma=False: the outputs are replicated over the unmentioned (head) axes by construction.
-  fwd, dq, dkv = jax.shard_map(per_shard, mesh=mesh, in_specs=(tok, tok, tok, tok),
-                               out_specs=tok, check_vma=False)(*ints)
+  # Under jit, inputs laid out otherwise (e.g. eager arrays on one device) are resharded to the
+  # in_specs instead of being rejected by shard_map.
+  fwd, dq, dkv = _call_shard_map(per_shard, mesh, (tok, tok, tok, tok), tok, ints)
   local = local_specs[-1]
   if local.batch * dp != b or local.q_len * cp != sq or local.kv_len != skv:
     raise AssertionError(f"internal: local mask spec {local} does not tile the global problem")
@@ -542,10 +571,9 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   tables = (mask.fwd, mask.dq, mask.dkv)
-  fn = jax.shard_map(per_shard, mesh=mesh,
-                     in_specs=(x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, P(hd)),
-                     out_specs=x_spec, check_vma=False)
-  return fn(query, key, value, *ints, tables, s)
+  return _call_shard_map(per_shard, mesh,
+                         (x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, P(hd)), x_spec,
+                         (query, key, value, *ints, tables, s))
 
 
 # ----------------------------------------------------------------------------- balance report
