@@ -359,14 +359,15 @@ def _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_i
 # ----------------------------------------------------------------------------- reporting
 
 
-def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids, *,
-               causal: bool = True, sliding_window: int | None = None) -> jax.Array:
-  """The token-level mask, bool [B, Sq, Skv]. O(S^2): for tests, the reference and pictures."""
-  qs = query_segment_ids[:, :, None]
-  ks = kv_segment_ids[:, None, :]
-  qp = query_positions[:, :, None].astype(jnp.int32)
-  kp = kv_positions[:, None, :].astype(jnp.int32)
-  keep = (qs == ks) & (qs != PADDING_SEGMENT_ID)
+def token_keep(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool,
+               sliding_window: int | None) -> jax.Array:
+  """The token rule of section 2 on broadcastable arrays: does query token attend kv token?
+
+  The one definition shared by the dense mask (reference) and the JAX backend's masked blocks.
+  Window tests use saturating adds, so positions near int32 max cannot wrap.
+  """
+  qp, kp = q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
+  keep = (q_seg == kv_seg) & (q_seg != PADDING_SEGMENT_ID)
   if causal:
     keep &= kp <= qp
   if sliding_window is not None:
@@ -374,6 +375,14 @@ def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
     if not causal:
       keep &= kp < _sat_add(qp, sliding_window)
   return keep
+
+
+def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids, *,
+               causal: bool = True, sliding_window: int | None = None) -> jax.Array:
+  """The token-level mask, bool [B, Sq, Skv]. O(S^2): for tests, the reference and pictures."""
+  return token_keep(query_positions[:, :, None], query_segment_ids[:, :, None],
+                    kv_positions[:, None, :], kv_segment_ids[:, None, :], causal=causal,
+                    sliding_window=sliding_window)
 
 
 def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks
+from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks, token_keep
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 # Outer blocks processed together (vectorised) by lax.map: more is faster, costs memory.
@@ -46,16 +46,8 @@ def _pad_seq(x: jax.Array, block: int, fill) -> jax.Array:
 
 def _pair_mask(cfg: _Static, q_pos, q_seg, kv_pos, kv_seg) -> jax.Array:
   """bool [bq, bk] from the positions / segment ids of one query block and one kv block."""
-  qp, qs = q_pos[:, None], q_seg[:, None]
-  kp, ks = kv_pos[None, :], kv_seg[None, :]
-  keep = (qs == ks) & (qs != PADDING_SEGMENT_ID)
-  if cfg.causal:
-    keep &= kp <= qp
-  if cfg.window is not None:
-    keep &= (qp - kp) < cfg.window
-    if not cfg.causal:
-      keep &= (kp - qp) < cfg.window
-  return keep
+  return token_keep(q_pos[:, None], q_seg[:, None], kv_pos[None, :], kv_seg[None, :],
+                    causal=cfg.causal, sliding_window=cfg.window)
 
 
 def _logits(cfg: _Static, q_blk, k_blk):
