@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The launcher drives MaxText: install the [maxtext] extra with the dev tools.
-KVAX_EXTRAS="${KVAX_EXTRAS:-dev,maxtext}" bash scripts/bootstrap.sh
+KVAX_EXTRAS="${KVAX_EXTRAS:-dev,maxtext,gpu}" bash scripts/bootstrap.sh
 config=(--config=configs/llama3.py:tiny)
 for arg in "$@"; do
   case "$arg" in --config=*|--config) config=() ;; esac
