@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 # dev + maxtext + gpu: the integration suite (integration/, marked maxtext) runs against MaxText
 # 0.2.5, and triton + jax-triton let the kernels run on CPU through Triton's interpreter
 # (tests/test_triton_interpret.py); without a GPU, backend="auto" still resolves to "jax".
-# a fresh install of both took 3m20s on a 2-core machine without a pip cache.
+# A fresh install of dev + maxtext took 3m20s on a 2-core machine without a pip cache.
 EXTRAS=${KVAX_EXTRAS:-dev,maxtext,gpu}
 
 find_python() {
