@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 import jax
@@ -127,7 +128,73 @@ def _fit(tile: int, table_block: int) -> int:
   return min(tile, table_block)
 
 
-def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "") -> _Launch:
+def shared_memory_limit(device_kind: str) -> int:
+  """Bytes of shared memory one Triton program may use (opt-in maximum per block)."""
+  kind = device_kind.upper()
+  if _gpu_family(device_kind) in ("h100", "h200"):
+    return 232448  # 227 KiB (sm90)
+  if "A100" in kind or "A800" in kind:
+    return 166912  # 163 KiB (sm80)
+  return 101376  # 99 KiB (sm86 / sm89 and unknown parts: the safe choice)
+
+
+def shared_memory_bytes(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int) -> int:
+  """Estimated shared memory of one program of `kernel` ("fwd", "dq" or "dkv").
+
+  The operands a program keeps for its whole life (its own q / k,v tile) once, the operands its
+  loop streams (k,v for fwd and dq; q,dO for dk/dv) once per pipeline stage, and, for float32
+  inputs (exact "ieee" products, no wgmma), one [block_m, block_n] staging buffer per product
+  whose left operand comes from registers. Deliberately conservative: Triton 3.6 on an H200
+  refused the float32 head-dim-256 forward at 64x64, 3 stages, asking 345344 B, which matches
+  one buffer fewer than the stages; this counts one per stage (475136 B), and every tuned
+  16-bit configuration still fits (the tightest, head dim 128 forward 128x128x3: 229376 B).
+  """
+  dk, dv = _pow2(dk), _pow2(dv)
+  bm, bn = t.block_m, t.block_n
+  if kernel == "fwd":
+    once, streamed, staging = bm * dk, bn * (dk + dv), 1
+  elif kernel == "dq":
+    once, streamed, staging = bm * (dk + dv), bn * (dk + dv), 1
+  elif kernel == "dkv":
+    once, streamed, staging = bn * (dk + dv), bm * (dk + dv), 2
+  else:
+    raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+  extra = staging * bm * bn if itemsize >= 4 else 0
+  return itemsize * (once + t.num_stages * streamed + extra)
+
+
+def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
+                      limit: int) -> _Tiles:
+  """`t` with fewer pipeline stages, then smaller tiles, until its estimate fits `limit`.
+
+  Only launch details change: the tiles still divide the mask's blocks (halving powers of
+  two), so the result is the same attention. Shrinks the streamed (loop) dimension first.
+  """
+  loop_dim = "block_m" if kernel == "dkv" else "block_n"
+  other_dim = "block_n" if kernel == "dkv" else "block_m"
+  while shared_memory_bytes(kernel, t, itemsize, dk, dv) > limit:
+    if t.num_stages > 1:
+      t = dataclasses.replace(t, num_stages=t.num_stages - 1)
+    elif getattr(t, loop_dim) > 16:
+      t = dataclasses.replace(t, **{loop_dim: getattr(t, loop_dim) // 2})
+    elif getattr(t, other_dim) > 16:
+      t = dataclasses.replace(t, **{other_dim: getattr(t, other_dim) // 2})
+    else:
+      raise ValueError(
+          f"head dims ({dk}, {dv}) with {itemsize}-byte inputs need "
+          f"{shared_memory_bytes(kernel, t, itemsize, dk, dv)} B of shared memory in the "
+          f"{kernel} kernel even at 16x16 tiles, above this GPU's {limit} B")
+  if t.num_warps > 4 and min(t.block_m, t.block_n) < 64:
+    t = dataclasses.replace(t, num_warps=4)  # 8 warps need 64-row products (see _tuned)
+  return t
+
+
+def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
+                itemsize: int = 2) -> _Launch:
+  """Tiles of the three kernels for a mask's spec, fitted to the GPU's shared memory.
+
+  An override (KVAX_TRITON_TILES) is taken exactly as given: it is a benchmarking hook.
+  """
   tuned = _tuned(_gpu_family(device_kind), max(dk, dv))
   f = spec.fwd_params
   if f == DEFAULT_FWD_PARAMS:
@@ -149,13 +216,30 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "") ->
                  tuned.dkv.num_stages)
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
-  if override:
+  parts = dict(p.split("=", 1) for p in override.split(";") if p)
+  if parts.keys() & {"fwd", "dq", "dkv"}:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
-    # table's blocks.
-    parts = dict(p.split("=") for p in override.split(";") if p)
+    # table's blocks. Taken exactly as given.
     pick = lambda name, cur: _Tiles(*map(int, parts[name].split(","))) if name in parts else cur
-    fwd, dq, dkv = pick("fwd", fwd), pick("dq", dq), pick("dkv", dkv)
-  return _Launch(fwd, dq, dkv)
+    return _Launch(pick("fwd", fwd), pick("dq", dq), pick("dkv", dkv))
+  if device_kind == "cpu":
+    return _Launch(fwd, dq, dkv)  # the Triton interpreter: no shared memory to fit
+  limit = shared_memory_limit(device_kind)
+  fitted = _Launch(*(fit_shared_memory(name, t, itemsize, dk, dv, limit)
+                     for name, t in (("fwd", fwd), ("dq", dq), ("dkv", dkv))))
+  if fitted != _Launch(fwd, dq, dkv):
+    _log_refit(_Launch(fwd, dq, dkv), fitted, itemsize, dk, dv, device_kind)
+  return fitted
+
+
+@functools.lru_cache(maxsize=None)
+def _log_refit(asked: _Launch, used: _Launch, itemsize: int, dk: int, dv: int,
+               device_kind: str) -> None:
+  # Once per distinct case: a float32 model at head dim 256 would otherwise log every trace.
+  logging.getLogger(__name__).info(
+      "kvax triton: %d-byte inputs at head dims (%d, %d) on %s need less shared memory than "
+      "the tiles %s; using %s (same result, launch detail only)", itemsize, dk, dv, device_kind,
+      asked, used)
 
 
 def _as_params(t: _Tiles) -> FlashAttentionParamsConfig:
@@ -250,8 +334,23 @@ class _Static:
   causal: bool
   window: int  # 0: none
   gqa_inplace: bool
+  atomic_dq: bool  # deterministic_backward=False: dq by atomic adds in the dk/dv kernel
+  full_first: bool  # loop order of every kernel (see forward.py's FULL_FIRST)
   device_kind: str
   tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
+
+
+# Loop order of the kernels: the full run first, then both partial runs in one loop (True), or
+# the runs in table order, partial / full / partial (False). See benchmarks/NOTES.md.
+FULL_FIRST = False
+
+
+def _full_first(override: str) -> bool:
+  """FULL_FIRST, or the benchmarking override's "full_first=0|1" entry."""
+  for part in override.split(";"):
+    if part.startswith("full_first="):
+      return part.split("=", 1)[1] not in ("0", "false", "False")
+  return FULL_FIRST
 
 
 def _pow2(n: int) -> int:
@@ -283,7 +382,8 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   spec = mask.spec
-  tiles = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override).fwd
+  tiles = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override,
+                      jnp.dtype(q.dtype).itemsize).fwd
   tm, tn = spec.fwd_params.query_block_size, spec.fwd_params.kv_block_size
   _check_tiles("forward", tiles, tm, tn)
   out, lse = compat.triton_call(
@@ -297,7 +397,7 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
       TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
-      DOT_PRECISION=_dot_precision(q.dtype))
+      DOT_PRECISION=_dot_precision(q.dtype), FULL_FIRST=cfg.full_first)
   return out, lse
 
 
@@ -308,7 +408,8 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   g = h // kh
   spec = mask.spec
-  launch = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override)
+  launch = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override,
+                       jnp.dtype(q.dtype).itemsize)
   tm, tn = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
   _check_tiles("dq", launch.dq, tm, tn)
   _check_tiles("dk/dv", launch.dkv, tm, tn)
@@ -316,7 +417,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   common = dict(SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale,
                 SOFT_CAP=cfg.soft_cap, CAUSAL=cfg.causal, WINDOW=cfg.window,
                 BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), TABLE_M=tm, TABLE_N=tn,
-                DOT_PRECISION=_dot_precision(q.dtype))
+                DOT_PRECISION=_dot_precision(q.dtype), FULL_FIRST=cfg.full_first)
 
   delta_block = 64
   (delta,) = compat.triton_call(
@@ -325,26 +426,35 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
       grid=(_cdiv(sq, delta_block), b * h), num_warps=4, num_stages=1,
       SQ=sq, H=h, DV=dv, BLOCK_M=delta_block, BLOCK_DV=_pow2(dv))
 
-  t = launch.dq
-  (dq,) = compat.triton_call(
-      q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
-      kernel=bwd_kernel.attn_bwd_dq_kernel,
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-      grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
-      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
+  if not cfg.atomic_dq:
+    t = launch.dq
+    (dq,) = compat.triton_call(
+        q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
+        kernel=bwd_kernel.attn_bwd_dq_kernel,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
 
   t = launch.dkv
   inplace = cfg.gqa_inplace or g == 1
   out_heads = kh if inplace else h
   acc_dtype = k.dtype if inplace else jnp.float32
-  dk_buf, dv_buf = compat.triton_call(
+  # With atomic dq the dk/dv kernel also adds dq into a zeroed float32 buffer (third output);
+  # otherwise that output is a one-element placeholder the kernel never touches.
+  dq_acc_shape = (b, sq, h, dk) if cfg.atomic_dq else (1,)
+  dk_buf, dv_buf, dq_acc = compat.triton_call(
       q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dkv),
       kernel=bwd_kernel.attn_bwd_dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct((b, skv, out_heads, dk), acc_dtype),
-                 jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
+                 jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype),
+                 jax.ShapeDtypeStruct(dq_acc_shape, jnp.float32)],
+      zeroed_outputs=(2,) if cfg.atomic_dq else (),
       grid=(b * out_heads, _cdiv(skv, t.block_n)), num_warps=t.num_warps,
       num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
+      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, ATOMIC_DQ=cfg.atomic_dq,
+      **common)
+  if cfg.atomic_dq:
+    dq = dq_acc.astype(q.dtype)
   if inplace:
     dk_out, dv_out = dk_buf, dv_buf
   else:
@@ -402,21 +512,26 @@ def _device_kind() -> str:
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
-                           memory_optimized_gqa_backward: bool = False) -> jax.Array:
+                           memory_optimized_gqa_backward: bool = False,
+                           deterministic_backward: bool = True) -> jax.Array:
   """Attention over validated inputs with the Triton kernels.
 
   query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
   int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
+  deterministic_backward=False computes dq with atomic adds inside the dk/dv kernel (fewer
+  products, gradients no longer bitwise reproducible).
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
   h = query.shape[2]
+  override = os.environ.get("KVAX_TRITON_TILES", "")
   cfg = _Static(scale=float(scale),
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
+                gqa_inplace=bool(memory_optimized_gqa_backward),
+                atomic_dq=not deterministic_backward, full_first=_full_first(override),
+                device_kind=_device_kind(), tiles_override=override)
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

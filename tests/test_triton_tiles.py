@@ -1,0 +1,95 @@
+"""Launch settings of the Triton backend, on the CPU: tuned tiles, overrides, shared memory.
+
+The kernels' shared memory is only checked by Triton when it compiles them on a GPU, where a
+too-large request fails the whole jitted step (seen with MaxText's gemma2 in float32, head dim
+256). These tests pin the host-side fit that prevents it.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from kvax_plugin.attention import triton_backend as tb
+from kvax_plugin.attention.block_mask import create_attention_mask
+from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
+
+H200 = "NVIDIA H200"
+
+
+def _spec(fwd=None, bwd=None):
+  seg = jnp.zeros((1, 256), jnp.int32)
+  pos = jnp.arange(256, dtype=jnp.int32)[None]
+  kw = {}
+  if fwd is not None:
+    kw = dict(fwd_params=fwd, bwd_params=bwd)
+  return create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw).spec
+
+
+@pytest.mark.parametrize("family", ["h100", "h200"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tuned_16bit_tiles_fit_unchanged(family, head_dim):
+  tuned = tb._tuned(family, head_dim)
+  limit = tb.shared_memory_limit("NVIDIA H100 80GB HBM3" if family == "h100" else H200)
+  for name in ("fwd", "dq", "dkv"):
+    t = getattr(tuned, name)
+    assert tb.shared_memory_bytes(name, t, 2, head_dim, head_dim) <= limit, (name, t)
+    assert tb.fit_shared_memory(name, t, 2, head_dim, head_dim, limit) == t
+
+
+def test_refused_float32_config_is_over_the_limit():
+  # Triton refused this forward on an H200 (345344 B > 232448 B); the estimate must say so.
+  t = tb._Tiles(64, 64, 8, 3)
+  assert tb.shared_memory_bytes("fwd", t, 4, 256, 256) >= 345344
+  assert tb.shared_memory_limit(H200) == 232448
+
+
+def test_float32_head_dim_256_explicit_params_are_fitted():
+  # MaxText's gpu parity settings: explicit 64x64 blocks, 8 warps, 3 (fwd) / 2 (bwd) stages.
+  spec = _spec(P(64, 64, 8, 3), P(64, 64, 8, 2))
+  launch = tb._launch_for(spec, H200, 256, 256, itemsize=4)
+  limit = tb.shared_memory_limit(H200)
+  for name in ("fwd", "dq", "dkv"):
+    t = getattr(launch, name)
+    assert tb.shared_memory_bytes(name, t, 4, 256, 256) <= limit, (name, t)
+    assert 64 % t.block_m == 0 and 64 % t.block_n == 0, (name, t)  # still divide the table
+    assert t.num_stages >= 1
+    assert t.num_warps == 4 or min(t.block_m, t.block_n) >= 64
+  # bf16 at the same settings is left exactly as asked.
+  launch16 = tb._launch_for(spec, H200, 256, 256, itemsize=2)
+  assert launch16.fwd == tb._Tiles(64, 64, 8, 3)
+
+
+def test_fallback_gpu_gets_smaller_limit_and_fits():
+  spec = _spec()
+  for kind, limit in (("NVIDIA A100-SXM4-80GB", 166912), ("NVIDIA GeForce RTX 4090", 101376)):
+    assert tb.shared_memory_limit(kind) == limit
+    launch = tb._launch_for(spec, kind, 128, 128, itemsize=2)
+    for name in ("fwd", "dq", "dkv"):
+      assert tb.shared_memory_bytes(name, getattr(launch, name), 2, 128, 128) <= limit
+
+
+def test_override_is_exact_and_order_flag_parsed():
+  spec = _spec()
+  launch = tb._launch_for(spec, H200, 256, 256, override="fwd=64,64,8,3", itemsize=4)
+  assert launch.fwd == tb._Tiles(64, 64, 8, 3)  # benchmarking hook: taken as given
+  assert tb._full_first("full_first=1") is True
+  assert tb._full_first("fwd=128,64,8,3;full_first=0") is False
+  assert tb._full_first("") is tb.FULL_FIRST
+  # An order-only override still gets the fitted tiles.
+  assert tb._launch_for(spec, H200, 128, 128, override="full_first=1") == \
+      tb._launch_for(spec, H200, 128, 128)
+
+
+def test_unknown_kernel_name_raises():
+  with pytest.raises(ValueError, match="kernel"):
+    tb.shared_memory_bytes("bwd", tb._Tiles(64, 64, 4, 2), 2, 64, 64)
+
+
+def test_deterministic_backward_must_be_bool():
+  import kvax_plugin
+  seg = jnp.zeros((1, 32), jnp.int32)
+  pos = jnp.arange(32, dtype=jnp.int32)[None]
+  x = jnp.zeros((1, 32, 2, 16))
+  mask = create_attention_mask(pos, seg, pos, seg)
+  with pytest.raises(TypeError, match="deterministic_backward"):
+    kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
+                                deterministic_backward="no")
