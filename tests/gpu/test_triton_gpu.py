@@ -104,7 +104,10 @@ def _run(name, pos_q, seg_q, pos_kv, seg_kv, *, h=8, kh=2, dk=128, dv=None,
   finally:
     os.environ.pop("KVAX_TRITON_TILES") if saved is None else \
         os.environ.__setitem__("KVAX_TRITON_TILES", saved)
-  theirs = jax.jit(lambda *a: _grads(ref, *a, cot))(f32(q), f32(k), f32(v), f32(s))
+  # The reference in exact float32 products (XLA may otherwise use TF32 on the GPU, ~4e-4
+  # relative error, which would hide or fake float32 kernel errors).
+  with jax.default_matmul_precision("highest"):
+    theirs = jax.jit(lambda *a: _grads(ref, *a, cot))(f32(q), f32(k), f32(v), f32(s))
   # Padding rows: output and dq exactly zero.
   pad = np.asarray(seg_q) == -1
   if pad.any():
