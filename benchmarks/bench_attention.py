@@ -94,9 +94,8 @@ def time_fn(fn, args, rounds: int, inner: int) -> float:
 def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   """name -> forward function of (q, k, v) (or a string: why it is unavailable).
 
-  variants: (label, tiles, memory_optimized, deterministic) for extra runs of ours named
-  "ours@label"; tiles in the KVAX_TRITON_TILES format (which also takes "full_first=0|1"), set
-  while that variant is traced (see triton_backend).
+  variants: (label, tiles, memory_optimized) for extra runs of ours named "ours@label"; tiles in
+  the KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend).
   """
   impls = {}
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
@@ -104,15 +103,14 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # --- ours
   mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
 
-  def make_ours(memory_optimized, deterministic=True):
+  def make_ours(memory_optimized):
     def ours(q, k, v):
       return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
-                             memory_optimized_gqa_backward=memory_optimized,
-                             deterministic_backward=deterministic, backend="triton")
+                             memory_optimized_gqa_backward=memory_optimized, backend="triton")
     return ours
   impls["ours"] = make_ours(False)
-  for label, tiles, mo, det in variants:
-    impls[f"ours@{label}"] = make_ours(mo, det)
+  for label, tiles, mo in variants:
+    impls[f"ours@{label}"] = make_ours(mo)
     impls[f"ours@{label}"].tiles = tiles
 
   # --- cuDNN through jax.nn
@@ -212,22 +210,17 @@ def main():
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_attention"))
   ap.add_argument("--check", action="store_true", help="compare outputs with cuDNN (causal)")
   ap.add_argument("--variant", action="append", default=[],
-                  help="extra run of ours: 'label|fwd=128,64,8,3;dq=...;dkv=...;full_first=1|"
-                       "mo,atomic' (KVAX_TRITON_TILES format; the last field's flags turn on "
-                       "memory_optimized_gqa_backward (mo) and deterministic_backward=False "
-                       "(atomic))")
+                  help="extra run of ours: 'label|fwd=128,64,8,3;dq=64,64,4,3;dkv=...|mo' "
+                       "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
+                       "memory_optimized_gqa_backward)")
   args = ap.parse_args()
 
   heads, kv_heads = 32, 8
   variants = []
   for spec in args.variant:
     parts = spec.split("|")
-    flags = parts[2].split(",") if len(parts) > 2 else []
-    unknown = set(flags) - {"mo", "atomic", ""}
-    if unknown:
-      ap.error(f"--variant {spec!r}: unknown flags {sorted(unknown)} (expected mo, atomic)")
-    variants.append((parts[0], parts[1] if len(parts) > 1 else "", "mo" in flags,
-                     "atomic" not in flags))
+    variants.append((parts[0], parts[1] if len(parts) > 1 else "",
+                     len(parts) > 2 and parts[2] == "mo"))
   wanted = args.impls.split(",") + [f"ours@{v[0]}" for v in variants]
   passes = args.passes.split(",")
   results = []

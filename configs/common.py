@@ -63,8 +63,6 @@ def family_config(family: str, arg: str | None,
   c.kvax.bwd_kv_block_size = 128
   # Triton backward: accumulate dk/dv of a GQA group in place (less memory, a little slower).
   c.kvax.memory_optimized_gqa_backward = False
-  # False: dq by atomic adds in the dk/dv kernel (faster backward, not bitwise reproducible).
-  c.kvax.deterministic_backward = True
   # Skip blocks made only of padding (False visits them, masked: slower, same result).
   c.kvax.skip_pad_tokens = True
 

@@ -65,8 +65,7 @@ KVAX_BACKENDS = ("auto", "jax", "triton", "reference")
 MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
              for net in ("ici", "dcn") for axis in ("data", "fsdp", "tensor", "context")}
 KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
-             "bwd_kv_block_size", "memory_optimized_gqa_backward", "deterministic_backward",
-             "skip_pad_tokens")
+             "bwd_kv_block_size", "memory_optimized_gqa_backward", "skip_pad_tokens")
 
 class FlagError(ValueError):
   """A flag (or raw MaxText key) has a value the launcher cannot run; the message names it."""

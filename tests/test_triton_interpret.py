@@ -22,7 +22,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (optional [gpu] extra)")
 
 _SCRIPT = textwrap.dedent("""
-    import os
     import jax, jax.numpy as jnp, numpy as np
     from kvax_plugin.attention.api import positions_from_segment_ids
     from kvax_plugin.attention.block_mask import create_attention_mask
@@ -31,8 +30,7 @@ _SCRIPT = textwrap.dedent("""
     from kvax_plugin.attention import triton_backend
 
     def case(name, sq=100, skv=None, h=4, kh=2, dk=32, dv=None, dtype=jnp.float32, causal=True,
-             window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5,
-             deterministic=True, order=""):
+             window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5):
         skv = skv or sq; dv = dv or dk
         ks = jax.random.split(jax.random.PRNGKey(sum(map(ord, name))), 6)
         q = jax.random.normal(ks[0], (1, sq, h, dk)).astype(dtype)
@@ -55,7 +53,7 @@ _SCRIPT = textwrap.dedent("""
         ints = (qpos, qseg, kvpos, kvseg)
         ours = lambda q, k, v, s: triton_backend.flash_attention_triton(
             q, k, v, *ints, mask, scale=dk ** -0.5, logits_soft_cap=cap, sinks=s,
-            memory_optimized_gqa_backward=inplace, deterministic_backward=deterministic)
+            memory_optimized_gqa_backward=inplace)
         ref = lambda q, k, v, s: reference_attention(
             q, k, v, *ints, causal=causal, sliding_window=window, scale=dk ** -0.5,
             logits_soft_cap=cap, sinks=s)
@@ -64,9 +62,7 @@ _SCRIPT = textwrap.dedent("""
             g = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums)(*a)
             return (fn(*a),) + tuple(g)
         f32 = lambda x: None if x is None else x.astype(jnp.float32)
-        os.environ["KVAX_TRITON_TILES"] = order  # read at trace time
         mine = jax.jit(lambda *a: run(ours, *a))(q, k, v, s)
-        os.environ["KVAX_TRITON_TILES"] = ""
         theirs = run(ref, f32(q), f32(k), f32(v), f32(s))
         for n, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], mine, theirs):
             a, b = f32(a), f32(b)
@@ -80,15 +76,6 @@ _SCRIPT = textwrap.dedent("""
     case("softcap_sinks_window", cap=5.0, sinks=True, window=9, params=small)
     case("not_causal_mla_inplace", causal=False, dk=48, dv=32, inplace=True, params=small)
     case("decode_fp16", sq=1, skv=77, dtype=jnp.float16, params=small, tol=2e-3)
-    # dq by atomic adds inside the dk/dv kernel (deterministic_backward=False), with and
-    # without the in-place GQA loop; and the full-run-first loop order of every kernel.
-    case("atomic_dq_softcap_sinks", cap=5.0, sinks=True, window=9, params=small,
-         deterministic=False)
-    case("atomic_dq_inplace_sq_ne_skv", sq=37, skv=90, params=small, inplace=True,
-         deterministic=False)
-    case("full_first_window_sinks", sinks=True, window=9, params=small, order="full_first=1")
-    case("full_first_atomic_not_causal", causal=False, params=small, order="full_first=1",
-         deterministic=False)
 
     # The opt-in autotune runs candidates end to end (timings are meaningless here).
     seg = jnp.zeros((1, 40), jnp.int32); pos = jnp.arange(40, dtype=jnp.int32)[None]
@@ -110,4 +97,4 @@ def test_kernels_in_triton_interpreter():
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert proc.stdout.count(" ok") == 9, proc.stdout
+  assert proc.stdout.count(" ok") == 5, proc.stdout

@@ -67,29 +67,19 @@ def test_fallback_gpu_gets_smaller_limit_and_fits():
       assert tb.shared_memory_bytes(name, getattr(launch, name), 2, 128, 128) <= limit
 
 
-def test_override_is_exact_and_order_flag_parsed():
+def test_override_is_exact():
   spec = _spec()
   launch = tb._launch_for(spec, H200, 256, 256, override="fwd=64,64,8,3", itemsize=4)
   assert launch.fwd == tb._Tiles(64, 64, 8, 3)  # benchmarking hook: taken as given
-  assert tb._full_first("full_first=1") is True
-  assert tb._full_first("fwd=128,64,8,3;full_first=0") is False
-  assert tb._full_first("") is tb.FULL_FIRST
-  # An order-only override still gets the fitted tiles.
-  assert tb._launch_for(spec, H200, 128, 128, override="full_first=1") == \
-      tb._launch_for(spec, H200, 128, 128)
+
+
+def test_float32_products_stay_float32_accurate():
+  assert tb._dot_precision(jnp.float32, 128, 128) == "ieee"
+  assert tb._dot_precision(jnp.float32, 256, 256) == "tf32x3"
+  assert tb._dot_precision(jnp.float32, 192, 128) == "tf32x3"
+  assert tb._dot_precision(jnp.bfloat16, 256, 256) == "tf32"  # ignored for 16-bit inputs
 
 
 def test_unknown_kernel_name_raises():
   with pytest.raises(ValueError, match="kernel"):
     tb.shared_memory_bytes("bwd", tb._Tiles(64, 64, 4, 2), 2, 64, 64)
-
-
-def test_deterministic_backward_must_be_bool():
-  import kvax_plugin
-  seg = jnp.zeros((1, 32), jnp.int32)
-  pos = jnp.arange(32, dtype=jnp.int32)[None]
-  x = jnp.zeros((1, 32, 2, 16))
-  mask = create_attention_mask(pos, seg, pos, seg)
-  with pytest.raises(TypeError, match="deterministic_backward"):
-    kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
-                                deterministic_backward="no")

@@ -84,7 +84,6 @@ def flash_attention(query: jax.Array,
                     bwd_params: FlashAttentionParamsConfig | None = None,
                     assume_sequential_positions: bool = False,
                     memory_optimized_gqa_backward: bool = False,
-                    deterministic_backward: bool = True,
                     permute_tokens_for_load_balance: bool = True,
                     backend: str = "auto",
                     debug: bool = False,
@@ -105,10 +104,6 @@ def flash_attention(query: jax.Array,
     fwd_params, bwd_params: must equal the mask's when given.
     assume_sequential_positions: accepted for kvax compatibility; the tables are exact either way.
     memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
-    deterministic_backward: Triton only. True (default): dq and dk/dv each come from their own
-      kernel, bitwise reproducible. False: dq is added with float32 atomics inside the dk/dv
-      kernel (5 matrix products per tile pair instead of 7; run-to-run differences at the
-      rounding level). The JAX backend is always deterministic.
     permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
       the load-balanced order of permute_tokens_context_parallelism (the op never permutes
       itself); must match the mask's. See kvax_plugin.attention.sharding.
@@ -130,10 +125,6 @@ def flash_attention(query: jax.Array,
                           query_segment_ids, b, sq)
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
   validation.check_options(scale, logits_soft_cap, sinks, h)
-  for flag_name, flag in (("memory_optimized_gqa_backward", memory_optimized_gqa_backward),
-                          ("deterministic_backward", deterministic_backward)):
-    if not isinstance(flag, bool):
-      raise TypeError(f"{flag_name} must be a Python bool, got {flag!r}")
   name = resolve_backend(backend)
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
   if mesh is not None:
@@ -142,7 +133,6 @@ def flash_attention(query: jax.Array,
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         memory_optimized_gqa_backward=memory_optimized_gqa_backward,
-        deterministic_backward=deterministic_backward,
         permute_tokens_for_load_balance=permute_tokens_for_load_balance, backend=name,
         mesh=mesh, query_specs=query_specs, kv_specs=kv_specs)
   if debug:
@@ -151,7 +141,6 @@ def flash_attention(query: jax.Array,
   kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks)
   if name == "triton":
     kwargs["memory_optimized_gqa_backward"] = memory_optimized_gqa_backward
-    kwargs["deterministic_backward"] = deterministic_backward
   return backend_function(name)(query, key, value, query_positions, query_segment_ids,
                                 kv_positions, kv_segment_ids, mask, **kwargs)
 

@@ -85,21 +85,17 @@ def check() -> str:
 
 def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtypeStruct],
                 grid: tuple[int, ...], num_warps: int, num_stages: int,
-                zeroed_outputs: Sequence[int] = (), **constexprs: Any) -> tuple[jax.Array, ...]:
+                **constexprs: Any) -> tuple[jax.Array, ...]:
   """Launch `kernel[grid](*args, *outputs, **constexprs)` and return the outputs.
 
   Every kernel here takes its arrays first, then its outputs, then compile-time constants.
-  zeroed_outputs: indices of outputs set to zero before the launch (atomic accumulators);
-  every other output starts uninitialised.
   """
   keyword = check()
   out_shape = list(out_shape)
   if interpret_mode():
-    return _interpret_call(args, kernel, out_shape, grid, constexprs, tuple(zeroed_outputs))
+    return _interpret_call(args, kernel, out_shape, grid, constexprs)
   import jax_triton
   kwargs = {keyword: out_shape}
-  if zeroed_outputs:
-    kwargs["zeroed_outputs"] = tuple(zeroed_outputs)
   outs = jax_triton.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
                                 num_stages=num_stages, **kwargs, **constexprs)
   return tuple(outs) if isinstance(outs, (list, tuple)) else (outs,)
@@ -170,17 +166,13 @@ def _patch_interpreter_for_numpy2() -> None:
   interpreter._patch_lang_tensor = patched
 
 
-def _interpret_call(args, kernel, out_shape, grid, constexprs, zeroed=()):
+def _interpret_call(args, kernel, out_shape, grid, constexprs):
   _patch_interpreter_for_numpy2()
   def host(*arrays):
     ins = [_NumpyTensor(np.ascontiguousarray(a)) for a in arrays]
     outs = []
-    for i, s in enumerate(out_shape):
+    for s in out_shape:
       buf = np.empty(s.shape, s.dtype)
-      if i in zeroed:
-        buf.fill(0)
-        outs.append(buf)
-        continue
       # Poison: an element the kernel forgets to write shows up as NaN (or a huge int).
       buf.fill(np.nan if np.issubdtype(buf.dtype, np.floating) or buf.dtype.kind == "V" else
                np.iinfo(buf.dtype).max if np.issubdtype(buf.dtype, np.integer) else 0)

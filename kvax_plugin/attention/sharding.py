@@ -516,7 +516,6 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                             logits_soft_cap: float | None, sinks: jax.Array | None,
                             memory_optimized_gqa_backward: bool,
                             permute_tokens_for_load_balance: bool, backend: str, mesh,
-                            deterministic_backward: bool = True,
                             query_specs=None, kv_specs=None) -> jax.Array:
   """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
 
@@ -538,8 +537,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
 
   from kvax_plugin.attention import api  # local import: api imports this module lazily too
   backend_fn = api.backend_function(backend)
-  extra = {"memory_optimized_gqa_backward": memory_optimized_gqa_backward,
-           "deterministic_backward": deterministic_backward} if backend == "triton" else {}
+  extra = {"memory_optimized_gqa_backward": memory_optimized_gqa_backward} \
+      if backend == "triton" else {}
   has_sinks = sinks is not None
   layout_mask = mask
 

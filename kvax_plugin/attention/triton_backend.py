@@ -334,32 +334,26 @@ class _Static:
   causal: bool
   window: int  # 0: none
   gqa_inplace: bool
-  atomic_dq: bool  # deterministic_backward=False: dq by atomic adds in the dk/dv kernel
-  full_first: bool  # loop order of every kernel (see forward.py's FULL_FIRST)
   device_kind: str
   tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
-
-
-# Loop order of the kernels: the full run first, then both partial runs in one loop (True), or
-# the runs in table order, partial / full / partial (False). See benchmarks/NOTES.md.
-FULL_FIRST = False
-
-
-def _full_first(override: str) -> bool:
-  """FULL_FIRST, or the benchmarking override's "full_first=0|1" entry."""
-  for part in override.split(";"):
-    if part.startswith("full_first="):
-      return part.split("=", 1)[1] not in ("0", "false", "False")
-  return FULL_FIRST
 
 
 def _pow2(n: int) -> int:
   return 1 << (int(n) - 1).bit_length()
 
 
-def _dot_precision(dtype) -> str:
-  # float32 inputs: exact products (tf32 would cost ~3e-4 relative error); 16-bit: ignored.
-  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+def _dot_precision(dtype, dk: int, dv: int) -> str:
+  """Triton's input_precision for the kernels' products (ignored for 16-bit inputs).
+
+  float32 inputs need float32-accurate products (plain tf32 costs ~3e-4 relative error).
+  Up to head dim 128 "ieee" (CUDA-core FMAs) does it. Above, "ieee" was impractically slow on
+  an H200 (the 400-token float32 head-dim-256 GPU test ran past a 230 s limit and a MaxText
+  gemma2 parity step past 340 s), so "tf32x3" (three tensor-core tf32 products, float32-level
+  error) is used there.
+  """
+  if jnp.dtype(dtype) != jnp.float32:
+    return "tf32"
+  return "ieee" if max(dk, dv) <= 128 else "tf32x3"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -397,7 +391,7 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
       TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
-      DOT_PRECISION=_dot_precision(q.dtype), FULL_FIRST=cfg.full_first)
+      DOT_PRECISION=_dot_precision(q.dtype, dk, dv))
   return out, lse
 
 
@@ -417,7 +411,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   common = dict(SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale,
                 SOFT_CAP=cfg.soft_cap, CAUSAL=cfg.causal, WINDOW=cfg.window,
                 BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), TABLE_M=tm, TABLE_N=tn,
-                DOT_PRECISION=_dot_precision(q.dtype), FULL_FIRST=cfg.full_first)
+                DOT_PRECISION=_dot_precision(q.dtype, dk, dv))
 
   delta_block = 64
   (delta,) = compat.triton_call(
@@ -426,35 +420,26 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
       grid=(_cdiv(sq, delta_block), b * h), num_warps=4, num_stages=1,
       SQ=sq, H=h, DV=dv, BLOCK_M=delta_block, BLOCK_DV=_pow2(dv))
 
-  if not cfg.atomic_dq:
-    t = launch.dq
-    (dq,) = compat.triton_call(
-        q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
-        kernel=bwd_kernel.attn_bwd_dq_kernel,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
+  t = launch.dq
+  (dq,) = compat.triton_call(
+      q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
+      kernel=bwd_kernel.attn_bwd_dq_kernel,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+      grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
+      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
 
   t = launch.dkv
   inplace = cfg.gqa_inplace or g == 1
   out_heads = kh if inplace else h
   acc_dtype = k.dtype if inplace else jnp.float32
-  # With atomic dq the dk/dv kernel also adds dq into a zeroed float32 buffer (third output);
-  # otherwise that output is a one-element placeholder the kernel never touches.
-  dq_acc_shape = (b, sq, h, dk) if cfg.atomic_dq else (1,)
-  dk_buf, dv_buf, dq_acc = compat.triton_call(
+  dk_buf, dv_buf = compat.triton_call(
       q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dkv),
       kernel=bwd_kernel.attn_bwd_dkv_kernel,
       out_shape=[jax.ShapeDtypeStruct((b, skv, out_heads, dk), acc_dtype),
-                 jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype),
-                 jax.ShapeDtypeStruct(dq_acc_shape, jnp.float32)],
-      zeroed_outputs=(2,) if cfg.atomic_dq else (),
+                 jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
       grid=(b * out_heads, _cdiv(skv, t.block_n)), num_warps=t.num_warps,
       num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, ATOMIC_DQ=cfg.atomic_dq,
-      **common)
-  if cfg.atomic_dq:
-    dq = dq_acc.astype(q.dtype)
+      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
   if inplace:
     dk_out, dv_out = dk_buf, dv_buf
   else:
@@ -512,14 +497,11 @@ def _device_kind() -> str:
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
-                           memory_optimized_gqa_backward: bool = False,
-                           deterministic_backward: bool = True) -> jax.Array:
+                           memory_optimized_gqa_backward: bool = False) -> jax.Array:
   """Attention over validated inputs with the Triton kernels.
 
   query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
   int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
-  deterministic_backward=False computes dq with atomic adds inside the dk/dv kernel (fewer
-  products, gradients no longer bitwise reproducible).
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
@@ -529,9 +511,8 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                gqa_inplace=bool(memory_optimized_gqa_backward),
-                atomic_dq=not deterministic_backward, full_first=_full_first(override),
-                device_kind=_device_kind(), tiles_override=override)
+                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
+                tiles_override=override)
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -29,8 +29,6 @@ class KvaxOptions:
     request that cannot run raises, it is never replaced.
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
   memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
-  deterministic_backward: Triton only: False adds dq with atomics (faster backward, gradients
-    not bitwise reproducible); see kvax_plugin.flash_attention.
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
   permute_tokens_for_load_balance: with a context-parallel mesh, whether tokens already
@@ -44,7 +42,6 @@ class KvaxOptions:
   fwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   bwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   memory_optimized_gqa_backward: bool = False
-  deterministic_backward: bool = True
   skip_pad_tokens: bool = True
   mesh: Any = None
   permute_tokens_for_load_balance: bool = False
@@ -121,7 +118,6 @@ def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: Prepared
       logits_soft_cap=settings.logits_soft_cap, sinks=sinks, fwd_params=options.fwd_params,
       bwd_params=options.bwd_params,
       memory_optimized_gqa_backward=options.memory_optimized_gqa_backward,
-      deterministic_backward=options.deterministic_backward,
       backend=options.kernel, **_mesh_kwargs(options))
 
 

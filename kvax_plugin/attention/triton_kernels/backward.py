@@ -17,8 +17,7 @@ a soft cap: d(cap * tanh(x / cap)) / dx).
 import triton
 import triton.language as tl
 
-from kvax_plugin.attention.triton_kernels.common import (load_tile, pair_mask, partial_tile,
-                                                         scaled_logits)
+from kvax_plugin.attention.triton_kernels.common import load_tile, pair_mask, scaled_logits
 
 
 @triton.jit
@@ -84,10 +83,10 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                        TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, FULL_FIRST: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr):
   """Grid (B * H, cdiv(SQ, BLOCK_M)), heads fastest and heavy (last) query tiles first.
 
-  DQ [B, SQ, H, DK] in the query dtype. FULL_FIRST as in the forward kernel.
+  DQ [B, SQ, H, DK] in the query dtype.
   """
   pid_bh = tl.program_id(0)
   pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -127,29 +126,18 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
   KVSEG_b = KVSEG + b64 * SKV
 
   dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
-  if FULL_FIRST:
-    for tile in range(full_lower, full_upper):
-      dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b,
-                    tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
-                    BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False, DOT_PRECISION)
-    for i in range(0, (full_lower - lower) + (upper - full_upper)):
-      tile = partial_tile(i, lower, full_lower, full_upper)
-      dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b,
-                    tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
-                    BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
-  else:
-    for tile in range(lower, full_lower):
-      dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
-                    offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
-                    BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
-    for tile in range(full_lower, full_upper):
-      dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
-                    offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
-                    BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False, DOT_PRECISION)
-    for tile in range(full_upper, upper):
-      dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
-                    offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
-                    BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
+  for tile in range(lower, full_lower):
+    dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
+                  offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
+                  BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
+  for tile in range(full_lower, full_upper):
+    dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
+                  offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
+                  BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False, DOT_PRECISION)
+  for tile in range(full_upper, upper):
+    dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
+                  offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
+                  BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
   dq = dq * SCALE
   dq_ptrs = DQ + b64 * SQ * Q_ROW + h * DK + offs_m[:, None] * Q_ROW + offs_dk[None, :]
   tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None] & (offs_dk[None, :] < DK))
@@ -157,13 +145,12 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
 
 @triton.jit
 def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b, QSEG_b,
-              DQ_head, tile, offs_m, offs_dk, offs_dv,
+              tile, offs_m, offs_dk, offs_dv,
               SQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               Q_ROW: tl.constexpr, DO_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE: tl.constexpr,
               SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
-              WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              ATOMIC_DQ: tl.constexpr):
+              WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
   # Works on transposed tiles ([kv, q]) so dk and dv come out of plain row-major dots.
   start = tile * BLOCK_M
   qm = start + offs_m
@@ -196,20 +183,13 @@ def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPO
   if SOFT_CAP > 0:
     ds_t = ds_t * (1.0 - t_t * t_t)
   dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-  if ATOMIC_DQ:
-    # This tile's share of dq = scale * dS k, added into a float32 buffer other kv tiles add
-    # to as well: one product instead of the dq kernel's three, at the price of a summation
-    # order that varies between runs.
-    dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * SCALE
-    dq_ptrs = DQ_head + start.to(tl.int64) * Q_ROW + offs_m[:, None] * Q_ROW + offs_dk[None, :]
-    tl.atomic_add(dq_ptrs, dq, mask=in_q[:, None] & (offs_dk[None, :] < DK), sem="relaxed")
   return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                         LOWER, UPPER, FULL_LOWER, FULL_UPPER,
-                        DK_OUT, DV_OUT, DQ_ACC,
+                        DK_OUT, DV_OUT,
                         SQ: tl.constexpr, SKV: tl.constexpr, H: tl.constexpr,
                         KH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
@@ -217,16 +197,12 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                        GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        FULL_FIRST: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                        GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """Grid (B * (KH if GQA_INPLACE else H), cdiv(SKV, BLOCK_N)), heads fastest; under a causal
   mask the first kv tiles have the most work and run first.
 
   GQA_INPLACE: DK_OUT [B, SKV, KH, DK], DV_OUT [B, SKV, KH, DV] (the group summed in registers).
   Otherwise:   DK_OUT [B, SKV, H, DK], DV_OUT [B, SKV, H, DV] (one slice per query head).
-  ATOMIC_DQ: DQ_ACC [B, SQ, H, DK] float32, zeroed by the caller, receives dq by atomic adds
-  (the dq kernel is then not launched); otherwise DQ_ACC is an unused placeholder.
-  FULL_FIRST as in the forward kernel.
   """
   pid_bh = tl.program_id(0)
   pid_n = tl.program_id(1)
@@ -283,35 +259,21 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
     DO_head = DO + b64 * SQ * DO_ROW + h * DV
     LSE_h = LSE + (b64 * H + h) * SQ
     DELTA_h = DELTA + (b64 * H + h) * SQ
-    DQ_head = DQ_ACC + b64 * SQ * Q_ROW + h * DK
-    if FULL_FIRST:
-      for tile in range(full_lower, full_upper):
-        dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h,
-                           QPOS_b, QSEG_b, DQ_head, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV,
-                           Q_ROW, DO_ROW, BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL,
-                           WINDOW, False, DOT_PRECISION, ATOMIC_DQ)
-      for i in range(0, (full_lower - lower) + (upper - full_upper)):
-        tile = partial_tile(i, lower, full_lower, full_upper)
-        dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h,
-                           QPOS_b, QSEG_b, DQ_head, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV,
-                           Q_ROW, DO_ROW, BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL,
-                           WINDOW, True, DOT_PRECISION, ATOMIC_DQ)
-    else:
-      for tile in range(lower, full_lower):
-        dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h,
-                           QPOS_b, QSEG_b, DQ_head, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV,
-                           Q_ROW, DO_ROW, BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL,
-                           WINDOW, True, DOT_PRECISION, ATOMIC_DQ)
-      for tile in range(full_lower, full_upper):
-        dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h,
-                           QPOS_b, QSEG_b, DQ_head, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV,
-                           Q_ROW, DO_ROW, BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL,
-                           WINDOW, False, DOT_PRECISION, ATOMIC_DQ)
-      for tile in range(full_upper, upper):
-        dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h,
-                           QPOS_b, QSEG_b, DQ_head, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV,
-                           Q_ROW, DO_ROW, BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL,
-                           WINDOW, True, DOT_PRECISION, ATOMIC_DQ)
+    for tile in range(lower, full_lower):
+      dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
+                         QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                         DOT_PRECISION)
+    for tile in range(full_lower, full_upper):
+      dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
+                         QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
+                         DOT_PRECISION)
+    for tile in range(full_upper, upper):
+      dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
+                         QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
+                         BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                         DOT_PRECISION)
   dk = dk * SCALE
   out_mask_k = in_kv[:, None] & (offs_dk[None, :] < DK)
   out_mask_v = in_kv[:, None] & (offs_dv[None, :] < DV)

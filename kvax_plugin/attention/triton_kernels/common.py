@@ -58,13 +58,3 @@ def load_tile(ptrs, rows_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
     return tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
   else:
     return tl.load(ptrs)
-
-
-@triton.jit
-def partial_tile(i, lower, full_lower, full_upper):
-  """The i-th partially masked tile of a table row: [lower, full_lower) then [full_upper, upper).
-
-  Lets a kernel walk both partial runs in one loop after the full run (FULL_FIRST), so a row has
-  two software-pipelined loops instead of three (each loop start pays a pipeline fill).
-  """
-  return lower + i + (i >= full_lower - lower).to(tl.int32) * (full_upper - full_lower)

@@ -18,8 +18,7 @@ its lse +inf, as in the JAX backend.
 import triton
 import triton.language as tl
 
-from kvax_plugin.attention.triton_kernels.common import (load_tile, pair_mask, partial_tile,
-                                                         scaled_logits)
+from kvax_plugin.attention.triton_kernels.common import load_tile, pair_mask, scaled_logits
 
 
 @triton.jit
@@ -75,11 +74,8 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, FULL_FIRST: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr):
   """Grid (B * H, cdiv(SQ, BLOCK_M)). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32).
-
-  FULL_FIRST: walk the full run first, then both partial runs in one loop (two loops per row
-  instead of three); the online softmax does not depend on the order of the tiles.
 
   Heads vary fastest, so the query heads sharing a kv head run side by side (K/V tiles reused
   from L2), and query tiles run last-first: under a causal mask the last tiles have the most
@@ -127,34 +123,21 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
   acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-  if FULL_FIRST:
-    for tile in range(full_lower, full_upper):
-      acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
-                                tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW,
-                                BLOCK_N, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW,
-                                False, DOT_PRECISION)
-    for i in range(0, (full_lower - lower) + (upper - full_upper)):
-      tile = partial_tile(i, lower, full_lower, full_upper)
-      acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
-                                tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW,
-                                BLOCK_N, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW,
-                                True, DOT_PRECISION)
-  else:
-    for tile in range(lower, full_lower):
-      acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
-                                tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
-                                BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
-                                DOT_PRECISION)
-    for tile in range(full_lower, full_upper):
-      acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
-                                tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
-                                BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
-                                DOT_PRECISION)
-    for tile in range(full_upper, upper):
-      acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
-                                tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
-                                BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
-                                DOT_PRECISION)
+  for tile in range(lower, full_lower):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                              DOT_PRECISION)
+  for tile in range(full_lower, full_upper):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
+                              DOT_PRECISION)
+  for tile in range(full_upper, upper):
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
+                              tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
+                              BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
+                              DOT_PRECISION)
 
   nonempty = l_i > 0.0
   l_safe = tl.where(nonempty, l_i, 1.0)

@@ -24,9 +24,6 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
     "kvax_bwd_kv_block_size": (int, 128, "kvax backward key/value block size"),
     "kvax_memory_optimized_gqa_backward": (bool, False,
                                            "kvax (Triton): accumulate dk/dv over a GQA group in place"),
-    "kvax_deterministic_backward": (bool, True,
-                                    "kvax (Triton): False adds dq with atomics (faster, "
-                                    "not bitwise reproducible)"),
     "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of padding tokens"),
 }
 
@@ -64,7 +61,6 @@ def options_from_config(config, **mesh_fields) -> KvaxOptions:
   return KvaxOptions(
       kernel=kernel, fwd_params=params["fwd"], bwd_params=params["bwd"],
       memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
-      deterministic_backward=bool(config_value(config, "kvax_deterministic_backward")),
       skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
       **mesh_fields)
 
