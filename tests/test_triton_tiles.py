@@ -83,3 +83,17 @@ def test_float32_products_stay_float32_accurate():
 def test_unknown_kernel_name_raises():
   with pytest.raises(ValueError, match="kernel"):
     tb.shared_memory_bytes("bwd", tb._Tiles(64, 64, 4, 2), 2, 64, 64)
+
+
+def test_float32_head_dim_rule(monkeypatch):
+  from kvax_plugin.attention import api
+  assert api.triton_supports_inputs(jnp.float32, 128, 128)[0]
+  assert api.triton_supports_inputs(jnp.bfloat16, 256, 256)[0]
+  ok, why = api.triton_supports_inputs(jnp.float32, 192, 128)
+  assert not ok and "float32" in why and "(192, 128)" in why
+  # As if a supported GPU were present: auto moves to jax, an explicit request raises.
+  monkeypatch.setattr(api, "triton_availability", lambda: (True, "pretend GPU"))
+  assert api.resolve_backend_for("auto", jnp.float32, 256, 256) == "jax"
+  assert api.resolve_backend_for("auto", jnp.bfloat16, 256, 256) == "triton"
+  with pytest.raises(api.BackendUnavailableError, match="head dims"):
+    api.resolve_backend_for("triton", jnp.float32, 256, 256)

@@ -48,6 +48,34 @@ def resolve_backend(backend: str) -> str:
   return backend
 
 
+# float32 inputs: the Triton kernels need float32-accurate products, which at head dims above
+# 128 did not run on an H200 (shared memory, then impractically slow compiles; see
+# triton_backend._dot_precision and benchmarks/NOTES.md). bf16 / fp16 run at every head dim.
+TRITON_FLOAT32_MAX_HEAD_DIM = 128
+
+
+def triton_supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+  """(supported, reason) for the Triton kernels on inputs of this dtype and head dims."""
+  if jnp.dtype(dtype) == jnp.float32 and max(qk_head_dim, v_head_dim) > TRITON_FLOAT32_MAX_HEAD_DIM:
+    return False, (f"float32 inputs with head dims ({qk_head_dim}, {v_head_dim}) above "
+                   f"{TRITON_FLOAT32_MAX_HEAD_DIM} are not supported by the Triton kernels "
+                   "(use bfloat16 / float16 inputs, or backend=\"jax\")")
+  return True, ""
+
+
+def resolve_backend_for(backend: str, dtype, qk_head_dim: int, v_head_dim: int) -> str:
+  """resolve_backend, then the input rule: "auto" moves to "jax" for inputs the Triton kernels
+  do not support; an explicit "triton" raises, naming the inputs."""
+  name = resolve_backend(backend)
+  if name == "triton":
+    ok, why = triton_supports_inputs(dtype, qk_head_dim, v_head_dim)
+    if not ok:
+      if backend == "auto":
+        return "jax"
+      raise BackendUnavailableError(f'backend="triton" was requested but cannot run: {why}')
+  return name
+
+
 def backend_function(name: str) -> Callable[..., jax.Array]:
   """The single-device implementation behind a resolved backend name ("jax"/"triton"/"reference")."""
   if name == "jax":
@@ -125,7 +153,7 @@ def flash_attention(query: jax.Array,
                           query_segment_ids, b, sq)
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
   validation.check_options(scale, logits_soft_cap, sinks, h)
-  name = resolve_backend(backend)
+  name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3])
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
   if mesh is not None:
     from kvax_plugin.attention import sharding

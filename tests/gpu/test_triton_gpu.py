@@ -156,13 +156,6 @@ CASES = {
         lambda r: _same(*layouts.packed_documents(r, 1, 650, num_docs=3, pad_tail=5)),
         dict(params=(FlashAttentionParamsConfig(64, 64, 4, 2),
                      FlashAttentionParamsConfig(32, 64, 4, 2)))),
-    # float32 inputs (float32-accurate products): head dim 256 with MaxText's explicit 64x64
-    # blocks asked for more shared memory than an H200 has before the tiles were fitted.
-    "float32_d256_explicit_64": (
-        lambda r: _same(*layouts.packed_documents(r, 1, 400, num_docs=3, pad_tail=17)),
-        dict(h=4, kh=2, dk=256, dtype=jnp.float32, cap=30.0, window=64,
-             params=(FlashAttentionParamsConfig(64, 64, 8, 3),
-                     FlashAttentionParamsConfig(64, 64, 8, 2)))),
     "float32_d128": (
         lambda r: _same(*layouts.packed_documents(r, 1, 700, num_docs=4, pad_tail=9)),
         dict(dtype=jnp.float32, sinks=True)),
@@ -240,3 +233,16 @@ def test_explicit_backend_never_falls_back():
   from kvax_plugin.attention.api import resolve_backend
   assert resolve_backend("triton") == "triton"
   assert resolve_backend("auto") == "triton"
+
+
+def test_float32_above_head_dim_128_is_refused_explicitly_and_auto_uses_jax():
+  from kvax_plugin.attention.api import BackendUnavailableError
+  pos, seg = layouts.packed_documents(_rng(9), 1, 200, num_docs=2)
+  ints = tuple(jnp.asarray(x) for x in (pos, seg, pos, seg))
+  q, k, v, _, _ = _inputs(9, 1, 200, 200, 4, 2, 256, 256, jnp.float32, False)
+  mask = create_attention_mask(*ints)
+  with pytest.raises(BackendUnavailableError, match="float32"):
+    flash_attention(q, k, v, *ints, mask, backend="triton")
+  out = flash_attention(q, k, v, *ints, mask, backend="auto", debug=True)
+  ref = reference_attention(q, k, v, *ints)
+  assert _rel(out, ref) < 1e-5
