@@ -23,6 +23,9 @@ def main():
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                       help="activations dtype; bfloat16 is how models with head dims above 128 "
                            "run the Triton kernels (float32 at those head dims is refused)")
+  parser.add_argument("--kvax_backend", default="triton", choices=("triton", "jax"),
+                      help="jax: the same comparison with kvax's pure-JAX path on the GPU (a noise "
+                           "floor for bfloat16 runs)")
   parser.add_argument("--cpu_check", action="store_true",
                       help="run on CPU with the JAX backend (to check this script, not the GPU)")
   args = parser.parse_args()
@@ -40,6 +43,7 @@ def main():
   cases = [("llama3-8b", {}), ("mistral-7b", {}), ("gemma2-2b", {}),
            ("gemma2-2b", {"sliding_window_size": 48}), ("qwen3-0.6b", {}), ("gpt-oss-20b", {}),
            ("deepseek3-tiny", {})]
+  gpu.update(kvax_backend=args.kvax_backend)
   if args.dtype == "bfloat16":
     gpu.update(dtype="bfloat16", matmul_precision="default")
   if args.cpu_check:
@@ -72,7 +76,7 @@ def main():
     results.append(row)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "command": " ".join(sys.argv), "dtype": args.dtype}
+            "command": " ".join(sys.argv), "dtype": args.dtype, "kvax_backend": args.kvax_backend}
     with open(args.out, "w") as f:  # after every model, so a time limit keeps what finished
       json.dump({"conditions": meta, "results": results}, f, indent=1)
 
