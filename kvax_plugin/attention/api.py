@@ -48,9 +48,11 @@ def resolve_backend(backend: str) -> str:
   return backend
 
 
-# float32 inputs: the Triton kernels need float32-accurate products, which at head dims above
-# 128 did not run on an H200 (shared memory, then impractically slow compiles; see
-# triton_backend._dot_precision and benchmarks/NOTES.md). bf16 / fp16 run at every head dim.
+# float32 inputs: the Triton kernels need float32-accurate products. Above head dim 128 neither
+# way ran on an H200: exact "ieee" products were impractically slow (a 400-token test past
+# 230 s, a MaxText gemma2 step past 340 s) and "tf32x3" asked for 262144 B of shared memory
+# even at 64x64 / 64x32 tiles with one stage (benchmarks/NOTES.md). bf16 / fp16 run at every
+# head dim.
 TRITON_FLOAT32_MAX_HEAD_DIM = 128
 
 

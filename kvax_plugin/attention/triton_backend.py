@@ -342,18 +342,10 @@ def _pow2(n: int) -> int:
   return 1 << (int(n) - 1).bit_length()
 
 
-def _dot_precision(dtype, dk: int, dv: int) -> str:
-  """Triton's input_precision for the kernels' products (ignored for 16-bit inputs).
-
-  float32 inputs need float32-accurate products (plain tf32 costs ~3e-4 relative error).
-  Up to head dim 128 "ieee" (CUDA-core FMAs) does it. Above, "ieee" was impractically slow on
-  an H200 (the 400-token float32 head-dim-256 GPU test ran past a 230 s limit and a MaxText
-  gemma2 parity step past 340 s), so "tf32x3" (three tensor-core tf32 products, float32-level
-  error) is used there.
-  """
-  if jnp.dtype(dtype) != jnp.float32:
-    return "tf32"
-  return "ieee" if max(dk, dv) <= 128 else "tf32x3"
+def _dot_precision(dtype) -> str:
+  # float32 inputs: exact products (tf32 would cost ~3e-4 relative error); 16-bit: ignored.
+  # (float32 is limited to head dims <= 128: api.triton_supports_inputs says why.)
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -391,7 +383,7 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
       TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
-      DOT_PRECISION=_dot_precision(q.dtype, dk, dv))
+      DOT_PRECISION=_dot_precision(q.dtype))
   return out, lse
 
 
@@ -411,7 +403,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   common = dict(SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale,
                 SOFT_CAP=cfg.soft_cap, CAUSAL=cfg.causal, WINDOW=cfg.window,
                 BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), TABLE_M=tm, TABLE_N=tn,
-                DOT_PRECISION=_dot_precision(q.dtype, dk, dv))
+                DOT_PRECISION=_dot_precision(q.dtype))
 
   delta_block = 64
   (delta,) = compat.triton_call(
@@ -505,6 +497,10 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
+  from kvax_plugin.attention.api import triton_supports_inputs
+  ok, why = triton_supports_inputs(query.dtype, query.shape[3], value.shape[3])
+  if not ok:
+    raise ValueError(f"query: {why}")
   h = query.shape[2]
   override = os.environ.get("KVAX_TRITON_TILES", "")
   cfg = _Static(scale=float(scale),
