@@ -31,8 +31,6 @@ def main():
   args = parser.parse_args()
 
   import jax
-  import numpy as np
-  from flax import nnx
 
   import maxtext_harness as H
   from kvax_plugin.integrations import maxtext as kvax_maxtext
@@ -54,22 +52,10 @@ def main():
   for model_name, extra in cases:
     row = {"model": model_name, "extra": extra}
     try:
-      runs = {}
-      for attention in ("dot_product", "kvax"):
-        config = H.make_config(model_name, attention, extra={**gpu, **extra})
-        model, mesh = H.make_model(config)
-        batch = H.packed_batch(config.global_batch_size_to_train_on, config.max_target_length,
-                               config.vocab_size, seed=3)
-        with jax.set_mesh(mesh):
-          loss, logits, grads = H.value_and_grads(model, batch)
-        runs[attention] = (float(loss), np.asarray(logits), H.flat_params(grads))
-      keep = np.asarray(batch.weights) > 0
-      (l_ref, lg_ref, g_ref), (l_k, lg_k, g_k) = runs["dot_product"], runs["kvax"]
-      diffs = {n: H.max_rel_diff(g_k[n], g_ref[n]) for n in g_ref}
+      c = H.compare_with_dot_product(model_name, {**gpu, **extra}, seed=3)
+      diffs = c.pop("grad_diffs")
       worst = max(diffs, key=diffs.get)
-      row.update(loss_dot_product=l_ref, loss_kvax=l_k,
-                 logits_max_rel_diff=H.max_rel_diff(lg_k[keep], lg_ref[keep]),
-                 worst_grad=worst, worst_grad_max_rel_diff=diffs[worst], num_grads=len(diffs))
+      row.update(c, worst_grad=worst, worst_grad_max_rel_diff=diffs[worst], num_grads=len(diffs))
     except Exception as e:  # recorded, never hidden: the row says what failed
       row["error"] = f"{type(e).__name__}: {e}"[:2000]
     print(json.dumps(row), flush=True)

@@ -166,3 +166,25 @@ def max_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30)) if a.size else 0.0
+
+
+def compare_with_dot_product(model: str, extra: dict, seed: int) -> dict:
+  """Run `model` with attention=dot_product and attention=kvax on one packed batch; compare.
+
+  Returns loss_dot_product, loss_kvax, logits_max_rel_diff (non-padding tokens) and grad_diffs
+  ({parameter: max_rel_diff}); the two runs share the config overrides `extra` and the batch.
+  """
+  runs = {}
+  for attention in ("dot_product", "kvax"):
+    config = make_config(model, attention, extra=extra)
+    m, mesh = make_model(config)
+    batch = packed_batch(config.global_batch_size_to_train_on, config.max_target_length,
+                         config.vocab_size, seed=seed)
+    with jax.set_mesh(mesh):
+      loss, logits, grads = value_and_grads(m, batch)
+    runs[attention] = (float(loss), np.asarray(logits), flat_params(grads))
+  (l_ref, lg_ref, g_ref), (l_k, lg_k, g_k) = runs["dot_product"], runs["kvax"]
+  keep = np.asarray(batch.weights) > 0
+  return dict(loss_dot_product=l_ref, loss_kvax=l_k,
+              logits_max_rel_diff=max_rel_diff(lg_k[keep], lg_ref[keep]),
+              grad_diffs={n: max_rel_diff(g_k[n], g_ref[n]) for n in g_ref})
