@@ -41,7 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvax_plugin.attention.api import flash_attention  # noqa: E402
+from kvax_plugin.attention import triton_backend  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
+from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS,  # noqa: E402
+                                          FlashAttentionParamsConfig)
 
 PAD = -1
 
@@ -94,23 +97,35 @@ def time_fn(fn, args, rounds: int, inner: int) -> float:
 def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   """name -> forward function of (q, k, v) (or a string: why it is unavailable).
 
-  variants: (label, tiles, memory_optimized) for extra runs of ours named "ours@label"; tiles in
-  the KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend).
+  variants: (label, tiles, flags) for extra runs of ours named "ours@label"; tiles in the
+  KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend); flags: "mo"
+  (memory_optimized_gqa_backward), "bq=N" (backward tables at query block N instead of the
+  default, so the dq kernel may use N-row tiles).
   """
   impls = {}
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
 
   # --- ours
-  mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
+  def make_ours(flags=()):
+    bwd = None
+    for f in flags:
+      if f.startswith("bq="):
+        bwd = FlashAttentionParamsConfig(
+            query_block_size=int(f[3:]), kv_block_size=DEFAULT_BWD_PARAMS.kv_block_size,
+            num_warps=DEFAULT_BWD_PARAMS.num_warps, num_stages=DEFAULT_BWD_PARAMS.num_stages)
+    kw = {} if bwd is None else dict(bwd_params=bwd)
+    mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True, **kw)
+    mo = "mo" in flags
 
-  def make_ours(memory_optimized):
     def ours(q, k, v):
       return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
-                             memory_optimized_gqa_backward=memory_optimized, backend="triton")
+                             memory_optimized_gqa_backward=mo, backend="triton")
+    ours.mask, ours.mo, ours.tiles = mask, mo, ""
     return ours
-  impls["ours"] = make_ours(False)
-  for label, tiles, mo in variants:
-    impls[f"ours@{label}"] = make_ours(mo)
+  impls["ours"] = make_ours()
+  mask = impls["ours"].mask
+  for label, tiles, flags in variants:
+    impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
 
   # --- cuDNN through jax.nn
@@ -151,6 +166,35 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   except Exception as e:  # noqa: BLE001 - record why the peer is missing
     impls["tokamax_mosaic"] = impls["tokamax_triton"] = f"tokamax import failed: {e!r}"
   return impls, mask
+
+
+def time_parts(fn, pos, seg, q, k, v, cot, scale, rounds):
+  """ms of each kernel of ours alone: forward, delta, dq, dk/dv (+ the GQA group sum)."""
+  saved = os.environ.get("KVAX_TRITON_TILES")
+  os.environ["KVAX_TRITON_TILES"] = fn.tiles
+  try:
+    cfg = triton_backend.static_config(fn.mask, scale=scale, logits_soft_cap=None,
+                                       has_sinks=False, memory_optimized_gqa_backward=fn.mo)
+  finally:
+    if saved is None:
+      os.environ.pop("KVAX_TRITON_TILES", None)
+    else:
+      os.environ["KVAX_TRITON_TILES"] = saved
+  ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
+  sinks = jnp.zeros((q.shape[2],), jnp.float32)
+  mask = fn.mask
+  fwd = jax.jit(lambda q, k, v: triton_backend._forward(cfg, q, k, v, sinks, *ints, mask))
+  out, lse = fwd(q, k, v)
+  delta_fn = jax.jit(triton_backend._bwd_delta)
+  delta = delta_fn(out, cot)
+  dq = jax.jit(lambda q, k, v, lse, delta, do: triton_backend._bwd_dq(
+      cfg, q, k, v, *ints, mask, lse, delta, do))
+  dkv = jax.jit(lambda q, k, v, lse, delta, do: triton_backend._bwd_dkv(
+      cfg, q, k, v, *ints, mask, lse, delta, do))
+  ms = lambda f, args: time_fn(f, args, rounds, max(1, int(20.0 / max(time_fn(f, args, 1, 1),
+                                                                       1e-3))))
+  return dict(fwd=ms(fwd, (q, k, v)), delta=ms(delta_fn, (out, cot)),
+              dq=ms(dq, (q, k, v, lse, delta, cot)), dkv=ms(dkv, (q, k, v, lse, delta, cot)))
 
 
 def bench_mask_build(pos, seg, rounds):
@@ -212,15 +256,22 @@ def main():
   ap.add_argument("--variant", action="append", default=[],
                   help="extra run of ours: 'label|fwd=128,64,8,3;dq=64,64,4,3;dkv=...|mo' "
                        "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
-                       "memory_optimized_gqa_backward)")
+                       "memory_optimized_gqa_backward, |bq=128 builds the backward tables at "
+                       "query block 128; flags are comma-separated)")
+  ap.add_argument("--split", action="store_true",
+                  help="also time each kernel of ours (and its variants) alone: forward, "
+                       "delta, dq, dk/dv")
   args = ap.parse_args()
 
   heads, kv_heads = 32, 8
   variants = []
   for spec in args.variant:
     parts = spec.split("|")
-    variants.append((parts[0], parts[1] if len(parts) > 1 else "",
-                     len(parts) > 2 and parts[2] == "mo"))
+    flags = tuple(f for f in parts[2].split(",") if f) if len(parts) > 2 else ()
+    unknown = [f for f in flags if f != "mo" and not f.startswith("bq=")]
+    if unknown:
+      ap.error(f"--variant {spec!r}: unknown flags {unknown} (expected mo, bq=N)")
+    variants.append((parts[0], parts[1] if len(parts) > 1 else "", flags))
   wanted = args.impls.split(",") + [f"ours@{v[0]}" for v in variants]
   passes = args.passes.split(",")
   results = []
@@ -293,6 +344,18 @@ def main():
               print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
               traceback.print_exc(limit=2)
             results.append(row)
+          if args.split and name.startswith("ours") and not isinstance(fn, str):
+            try:
+              kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
+              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
+                                  **{"pass": "parts"}, parts_ms=kparts, tiles=fn.tiles))
+              print(f"  {name:15s} parts    " + "  ".join(f"{kk} {vv:.3f}"
+                                                          for kk, vv in kparts.items()) + " ms",
+                    flush=True)
+            except Exception as e:  # noqa: BLE001
+              print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
+                    flush=True)
+              traceback.print_exc(limit=2)
         if args.check and "ours" in outs:
           for other, o in outs.items():
             if other != "ours":

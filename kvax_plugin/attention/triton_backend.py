@@ -217,6 +217,10 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
   parts = dict(p.split("=", 1) for p in override.split(";") if p)
+  unknown = parts.keys() - {"fwd", "dq", "dkv", "ws"}
+  if unknown:
+    raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
+                     "(expected fwd, dq, dkv, ws)")
   if parts.keys() & {"fwd", "dq", "dkv"}:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
     # table's blocks. Taken exactly as given.
@@ -383,43 +387,72 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
       TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
-      DOT_PRECISION=_dot_precision(q.dtype))
+      DOT_PRECISION=_dot_precision(q.dtype), WARP_SPEC=_warp_specialized(cfg, "fwd"))
   return out, lse
 
 
-def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask,
-              out, lse, d_out):
-  _, bwd_kernel = _kernels()
+def _warp_specialized(cfg: _Static, kernel: str) -> bool:
+  """Benchmarking hook: "ws=fwd,dq,dkv" in KVAX_TRITON_TILES warp-specialises those kernels'
+  full-tile loops (tl.range(..., warp_specialize=True)); off unless asked."""
+  parts = dict(p.split("=", 1) for p in cfg.tiles_override.split(";") if p)
+  return kernel in parts.get("ws", "").split(",")
+
+
+def _bwd_common(cfg: _Static, q, k, v, mask: AttentionMask):
+  """(launch tiles, constexprs shared by the dq and dk/dv launches) for a backward."""
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
-  g = h // kh
   spec = mask.spec
   launch = _launch_for(spec, cfg.device_kind, dk, dv, cfg.tiles_override,
                        jnp.dtype(q.dtype).itemsize)
   tm, tn = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
   _check_tiles("dq", launch.dq, tm, tn)
   _check_tiles("dk/dv", launch.dkv, tm, tn)
-  d_out = d_out.astype(q.dtype)
   common = dict(SQ=sq, SKV=skv, H=h, KH=kh, DK=dk, DV=dv, SCALE=cfg.scale,
                 SOFT_CAP=cfg.soft_cap, CAUSAL=cfg.causal, WINDOW=cfg.window,
                 BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), TABLE_M=tm, TABLE_N=tn,
                 DOT_PRECISION=_dot_precision(q.dtype))
+  return launch, common
 
+
+def _bwd_delta(out, d_out):
+  """delta [B, H, Sq] float32 = rowsum(dO * O) per query and head."""
+  _, bwd_kernel = _kernels()
+  b, sq, h, dv = out.shape
   delta_block = 64
   (delta,) = compat.triton_call(
       out, d_out, kernel=bwd_kernel.attn_bwd_delta_kernel,
       out_shape=[jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
       grid=(_cdiv(sq, delta_block), b * h), num_warps=4, num_stages=1,
       SQ=sq, H=h, DV=dv, BLOCK_M=delta_block, BLOCK_DV=_pow2(dv))
+  return delta
 
+
+def _bwd_dq(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, lse,
+            delta, d_out):
+  """dq [B, Sq, H, Dqk] in q.dtype (d_out already in q.dtype)."""
+  _, bwd_kernel = _kernels()
+  launch, common = _bwd_common(cfg, q, k, v, mask)
+  b, sq, h, _ = q.shape
   t = launch.dq
   (dq,) = compat.triton_call(
       q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, *_table_args(mask.dq),
       kernel=bwd_kernel.attn_bwd_dq_kernel,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
       grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
-      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
+      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1],
+      WARP_SPEC=_warp_specialized(cfg, "dq"), **common)
+  return dq
 
+
+def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, lse,
+             delta, d_out):
+  """(dk [B, Skv, K, Dqk], dv [B, Skv, K, Dv]) in k.dtype / v.dtype."""
+  _, bwd_kernel = _kernels()
+  launch, common = _bwd_common(cfg, q, k, v, mask)
+  b, _, h, dk = q.shape
+  skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
+  g = h // kh
   t = launch.dkv
   inplace = cfg.gqa_inplace or g == 1
   out_heads = kh if inplace else h
@@ -431,14 +464,23 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
                  jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
       grid=(b * out_heads, _cdiv(skv, t.block_n)), num_warps=t.num_warps,
       num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
+      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace,
+      WARP_SPEC=_warp_specialized(cfg, "dkv"), **common)
   if inplace:
-    dk_out, dv_out = dk_buf, dv_buf
-  else:
-    # Per-query-head partial gradients, summed over each GQA group in a fixed order.
-    dk_out = dk_buf.reshape(b, skv, kh, g, dk).sum(axis=3).astype(k.dtype)
-    dv_out = dv_buf.reshape(b, skv, kh, g, dv).sum(axis=3).astype(v.dtype)
+    return dk_buf, dv_buf
+  # Per-query-head partial gradients, summed over each GQA group in a fixed order.
+  dk_out = dk_buf.reshape(b, skv, kh, g, dk).sum(axis=3).astype(k.dtype)
+  dv_out = dv_buf.reshape(b, skv, kh, g, dv).sum(axis=3).astype(v.dtype)
+  return dk_out, dv_out
 
+
+def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask,
+              out, lse, d_out):
+  d_out = d_out.astype(q.dtype)
+  delta = _bwd_delta(out, d_out)
+  ints = (q_pos, q_seg, kv_pos, kv_seg)
+  dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
+  dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
   if cfg.has_sinks:
     # d loss / d sink_h = -sum_rows exp(sink_h - lse) * delta (the sink's probability times D).
     p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
@@ -486,6 +528,18 @@ def _device_kind() -> str:
   return gpus[0].device_kind if gpus else "cpu"
 
 
+def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
+                  has_sinks: bool, memory_optimized_gqa_backward: bool = False) -> _Static:
+  """The launch-time constants of one attention call (also used by benchmarks/ to time the
+  backward kernels one by one). Reads KVAX_TRITON_TILES now: call it while tracing."""
+  return _Static(scale=float(scale),
+                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+                 has_sinks=has_sinks, causal=bool(mask.spec.causal),
+                 window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
+                 gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
+                 tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
+
+
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
@@ -502,13 +556,9 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
   if not ok:
     raise ValueError(f"query: {why}")
   h = query.shape[2]
-  override = os.environ.get("KVAX_TRITON_TILES", "")
-  cfg = _Static(scale=float(scale),
-                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
-                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
-                window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                tiles_override=override)
+  cfg = static_config(mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                      has_sinks=sinks is not None,
+                      memory_optimized_gqa_backward=memory_optimized_gqa_backward)
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
