@@ -24,6 +24,7 @@ A peer that fails records its error instead of a number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -44,7 +45,7 @@ from kvax_plugin.attention.api import flash_attention  # noqa: E402
 from kvax_plugin.attention import triton_backend  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS,  # noqa: E402
-                                          FlashAttentionParamsConfig)
+                                          DEFAULT_FWD_PARAMS)
 
 PAD = -1
 
@@ -99,21 +100,20 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
 
   variants: (label, tiles, flags) for extra runs of ours named "ours@label"; tiles in the
   KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend); flags: "mo"
-  (memory_optimized_gqa_backward), "bq=N" (backward tables at query block N instead of the
-  default, so the dq kernel may use N-row tiles).
+  (memory_optimized_gqa_backward), "bq=N" / "fq=N" (backward / forward tables at query block N
+  instead of the default, so the kernels may use N-row tiles).
   """
   impls = {}
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
 
   # --- ours
   def make_ours(flags=()):
-    bwd = None
+    kw = {}
     for f in flags:
       if f.startswith("bq="):
-        bwd = FlashAttentionParamsConfig(
-            query_block_size=int(f[3:]), kv_block_size=DEFAULT_BWD_PARAMS.kv_block_size,
-            num_warps=DEFAULT_BWD_PARAMS.num_warps, num_stages=DEFAULT_BWD_PARAMS.num_stages)
-    kw = {} if bwd is None else dict(bwd_params=bwd)
+        kw["bwd_params"] = dataclasses.replace(DEFAULT_BWD_PARAMS, query_block_size=int(f[3:]))
+      if f.startswith("fq="):
+        kw["fwd_params"] = dataclasses.replace(DEFAULT_FWD_PARAMS, query_block_size=int(f[3:]))
     mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True, **kw)
     mo = "mo" in flags
 
@@ -256,8 +256,8 @@ def main():
   ap.add_argument("--variant", action="append", default=[],
                   help="extra run of ours: 'label|fwd=128,64,8,3;dq=64,64,4,3;dkv=...|mo' "
                        "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
-                       "memory_optimized_gqa_backward, |bq=128 builds the backward tables at "
-                       "query block 128; flags are comma-separated)")
+                       "memory_optimized_gqa_backward, |bq=128 / |fq=256 build the backward / "
+                       "forward tables at that query block; flags are comma-separated)")
   ap.add_argument("--split", action="store_true",
                   help="also time each kernel of ours (and its variants) alone: forward, "
                        "delta, dq, dk/dv")
@@ -268,9 +268,9 @@ def main():
   for spec in args.variant:
     parts = spec.split("|")
     flags = tuple(f for f in parts[2].split(",") if f) if len(parts) > 2 else ()
-    unknown = [f for f in flags if f != "mo" and not f.startswith("bq=")]
+    unknown = [f for f in flags if f != "mo" and not f.startswith(("bq=", "fq="))]
     if unknown:
-      ap.error(f"--variant {spec!r}: unknown flags {unknown} (expected mo, bq=N)")
+      ap.error(f"--variant {spec!r}: unknown flags {unknown} (expected mo, bq=N, fq=N)")
     variants.append((parts[0], parts[1] if len(parts) > 1 else "", flags))
   wanted = args.impls.split(",") + [f"ours@{v[0]}" for v in variants]
   passes = args.passes.split(",")

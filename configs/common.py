@@ -56,12 +56,13 @@ def family_config(family: str, arg: str | None,
   # "reference" are explicit: a request that cannot run is an error, never a fallback.
   c.kvax.backend = "auto"
   # Block sizes (powers of two >= 16). Smaller blocks skip more of a packed-document mask but
-  # give the kernel less work per block; 128/128 forward and 64/128 backward suit H100/H200.
+  # give the kernel less work per block; 128/128 (the library defaults) suit H100/H200.
   c.kvax.fwd_query_block_size = 128
   c.kvax.fwd_kv_block_size = 128
-  c.kvax.bwd_query_block_size = 64
+  c.kvax.bwd_query_block_size = 128
   c.kvax.bwd_kv_block_size = 128
-  # Triton backward: accumulate dk/dv of a GQA group in place (less memory, a little slower).
+  # Triton backward: True always accumulates dk/dv of a GQA group in place (least memory);
+  # False does so whenever the grid is large enough to stay fast, else uses per-head buffers.
   c.kvax.memory_optimized_gqa_backward = False
   # Skip blocks made only of padding (False visits them, masked: slower, same result).
   c.kvax.skip_pad_tokens = True

@@ -52,7 +52,8 @@ def test_float32_head_dim_256_explicit_params_are_fitted():
     assert tb.shared_memory_bytes(name, t, 4, 256, 256) <= limit, (name, t)
     assert 64 % t.block_m == 0 and 64 % t.block_n == 0, (name, t)  # still divide the table
     assert t.num_stages >= 1
-    assert t.num_warps == 4 or min(t.block_m, t.block_n) >= 64
+    rows = t.block_n if name == "dkv" else t.block_m
+    assert t.num_warps == 4 or rows >= 64
   # bf16 at the same settings is left exactly as asked.
   launch16 = tb._launch_for(spec, H200, 256, 256, itemsize=2)
   assert launch16.fwd == tb._Tiles(64, 64, 8, 3)
@@ -95,3 +96,40 @@ def test_float32_head_dim_rule(monkeypatch):
   assert api.resolve_backend_for("auto", jnp.bfloat16, 256, 256) == "triton"
   with pytest.raises(api.BackendUnavailableError, match="head dims"):
     api.resolve_backend_for("triton", jnp.float32, 256, 256)
+
+
+def test_default_tables_get_the_tuned_backward_tiles():
+  # Library defaults (no params): 128-token backward query blocks, so the dq kernel runs on its
+  # tuned 128-row tiles and the dk/dv kernel on 64-row query tiles inside them.
+  launch = tb._launch_for(_spec(), H200, 128, 128, itemsize=2)
+  assert launch.fwd == tb._Tiles(128, 128, 8, 3)
+  assert launch.dq == tb._Tiles(128, 64, 8, 3)
+  assert launch.dkv == tb._Tiles(64, 128, 8, 3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_params_masks_run_the_tuned_tiles(head_dim):
+  fwd, bwd = tb.default_params(H200, head_dim)
+  tuned = tb._tuned("h200", head_dim)
+  for t in (tuned.dq, tuned.dkv):  # both backward kernels' tiles divide the bwd table blocks
+    assert bwd.query_block_size % t.block_m == 0 and bwd.kv_block_size % t.block_n == 0
+  launch = tb._launch_for(_spec(fwd, bwd), H200, head_dim, head_dim, itemsize=2)
+  assert launch == tuned
+
+
+def test_explicit_backward_params_are_taken_as_given():
+  launch = tb._launch_for(_spec(P(64, 64, 4, 2), P(32, 64, 4, 1)), H200, 128, 128, itemsize=2)
+  assert launch.dq == launch.dkv == tb._Tiles(32, 64, 4, 1)
+
+
+def test_gqa_inplace_rule():
+  # Explicit request or no group: always in place.
+  assert tb.gqa_inplace(True, 1, 1, 8, 1, 132)
+  assert tb.gqa_inplace(False, 1, 8, 1, 1, 132)
+  # Otherwise in place only while the kv-head grid fills the GPU 4 times over: 16k tokens,
+  # 8 kv heads, 128-token kv tiles gives 1024 programs >= 4 * 132; 2k tokens gives 128.
+  assert tb.gqa_inplace(False, 1, 8, 4, 128, 132)
+  assert not tb.gqa_inplace(False, 1, 8, 4, 16, 132)
+  assert tb.gqa_inplace(False, 8, 8, 4, 16, 132)
+  # The CPU interpreter (0 SMs) keeps the caller's choice, so tests reach both kernels' paths.
+  assert not tb.gqa_inplace(False, 64, 8, 4, 128, 0)

@@ -133,7 +133,10 @@ def flash_attention(query: jax.Array,
     sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
     fwd_params, bwd_params: must equal the mask's when given.
     assume_sequential_positions: accepted for kvax compatibility; the tables are exact either way.
-    memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
+    memory_optimized_gqa_backward: Triton only. True: always accumulate dk/dv over a GQA group
+      in place (no float32 per-query-head buffers). False: in place whenever the launch still
+      has enough programs to fill the GPU (it is also the faster way then), else per-head
+      buffers summed afterwards. Both are deterministic.
     permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
       the load-balanced order of permute_tokens_context_parallelism (the op never permutes
       itself); must match the mask's. See kvax_plugin.attention.sharding.

@@ -38,5 +38,5 @@ class FlashAttentionParamsConfig:
 # may choose other values through `default_params`; the mask records what it was built with.
 DEFAULT_FWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=128,
                                                 num_warps=8, num_stages=3)
-DEFAULT_BWD_PARAMS = FlashAttentionParamsConfig(query_block_size=64, kv_block_size=128,
+DEFAULT_BWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=128,
                                                 num_warps=8, num_stages=2)

@@ -107,20 +107,43 @@ def _tuned(family: str, head_dim: int) -> _Launch:
   Hopper numbers are the best of the sweeps recorded in benchmarks/NOTES.md (H200, 16k causal,
   B=1, 32/8 heads, bf16); the H100 shares them (same SM, untested there). Rules the sweeps
   showed: 8 warps only where a dot's M dimension gives each warpgroup 64 rows; more pipeline
-  stages pay at small head dims; at head dim 256 the dk/dv accumulators limit the kv tile to 64.
+  stages pay at small head dims; at head dim 256 the dk/dv accumulators limit the kv tile to 64;
+  at head dims 128 and 256 the dq kernel is fastest on 128-row tiles (two warpgroups share each
+  k/v tile), which is why the default backward tables use 128-token query blocks.
   """
   if family in ("h100", "h200"):
     if head_dim <= 64:
       return _Launch(fwd=_Tiles(128, 64, 4, 4), dq=_Tiles(64, 64, 4, 4),
                      dkv=_Tiles(64, 128, 8, 3))
     if head_dim <= 128:
-      return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(64, 64, 4, 2),
+      return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(128, 64, 8, 3),
                      dkv=_Tiles(64, 128, 8, 3))
-    return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 8, 2))
+    return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(128, 32, 8, 2), dkv=_Tiles(64, 64, 8, 2))
   # A100-class fallback (164 KB shared memory, no wgmma): smaller tiles, fewer stages. Untuned.
   if head_dim > 128:
     return _Launch(fwd=_Tiles(64, 64, 4, 2), dq=_Tiles(64, 32, 4, 2), dkv=_Tiles(32, 64, 4, 2))
   return _Launch(fwd=_Tiles(128, 64, 4, 3), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 4, 2))
+
+
+# SMs per GPU family, where jax does not report it (device.core_count).
+_SM_COUNT = {"h100": 132, "h200": 132, "fallback": 108}
+
+
+def gqa_inplace(memory_optimized: bool, batch: int, kv_heads: int, group: int, kv_tiles: int,
+                sm_count: int) -> bool:
+  """Whether the dk/dv launch accumulates a GQA group in place (one program per kv head).
+
+  In place needs no float32 per-query-head buffers and measured faster on an H200 (16k, 32/8
+  heads: dk/dv 8.25 vs 8.60 ms causal, 1.67 vs 1.81 ms documents), but it launches `group`
+  times fewer programs; below a few programs per SM the per-head launch keeps more SMs busy.
+  memory_optimized=True asks for in place regardless; sm_count 0 (the CPU interpreter) keeps
+  the caller's choice exactly, so both paths stay testable there.
+  """
+  if memory_optimized or group == 1:
+    return True
+  if sm_count <= 0:
+    return False
+  return batch * kv_heads * kv_tiles >= 4 * sm_count
 
 
 def _fit(tile: int, table_block: int) -> int:
@@ -184,7 +207,8 @@ def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
           f"head dims ({dk}, {dv}) with {itemsize}-byte inputs need "
           f"{shared_memory_bytes(kernel, t, itemsize, dk, dv)} B of shared memory in the "
           f"{kernel} kernel even at 16x16 tiles, above this GPU's {limit} B")
-  if t.num_warps > 4 and min(t.block_m, t.block_n) < 64:
+  rows = t.block_n if kernel == "dkv" else t.block_m  # the M dimension of the kernel's products
+  if t.num_warps > 4 and rows < 64:
     t = dataclasses.replace(t, num_warps=4)  # 8 warps need 64-row products (see _tuned)
   return t
 
@@ -206,7 +230,7 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
   bp = spec.bwd_params
   if bp is None:
     dq = dkv = fwd
-  elif bp == DEFAULT_BWD_PARAMS or bp == _as_params(tuned.dkv):
+  elif bp == DEFAULT_BWD_PARAMS or bp == _bwd_table_params(tuned):
     # Library defaults, or a mask built from default_params(): the tuned tiles of both kernels.
     dq = _Tiles(_fit(tuned.dq.block_m, bp.query_block_size),
                 _fit(tuned.dq.block_n, bp.kv_block_size), tuned.dq.num_warps,
@@ -217,10 +241,10 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
   parts = dict(p.split("=", 1) for p in override.split(";") if p)
-  unknown = parts.keys() - {"fwd", "dq", "dkv", "ws"}
+  unknown = parts.keys() - {"fwd", "dq", "dkv", "ws", "gqa"}
   if unknown:
     raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
-                     "(expected fwd, dq, dkv, ws)")
+                     "(expected fwd, dq, dkv, ws, gqa)")
   if parts.keys() & {"fwd", "dq", "dkv"}:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
     # table's blocks. Taken exactly as given.
@@ -246,6 +270,13 @@ def _log_refit(asked: _Launch, used: _Launch, itemsize: int, dk: int, dv: int,
       asked, used)
 
 
+def _bwd_table_params(t: _Launch) -> FlashAttentionParamsConfig:
+  """Backward table blocks that both backward kernels' tuned tiles divide (dk/dv's launch)."""
+  return FlashAttentionParamsConfig(query_block_size=max(t.dq.block_m, t.dkv.block_m),
+                                    kv_block_size=max(t.dq.block_n, t.dkv.block_n),
+                                    num_warps=t.dkv.num_warps, num_stages=t.dkv.num_stages)
+
+
 def _as_params(t: _Tiles) -> FlashAttentionParamsConfig:
   return FlashAttentionParamsConfig(query_block_size=t.block_m, kv_block_size=t.block_n,
                                     num_warps=t.num_warps, num_stages=t.num_stages)
@@ -255,13 +286,13 @@ def default_params(device_kind: str, head_dim: int
                    ) -> tuple[FlashAttentionParamsConfig, FlashAttentionParamsConfig]:
   """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200").
 
-  The fwd config is the forward kernel's tiles; the bwd config is the dk/dv kernel's tiles
-  (the backward tables are built at its block sizes, and the dq kernel then uses its own tuned
-  tiles inside them). A mask built with the library defaults (no params) gets the same tiles
-  chosen automatically whenever they divide the default blocks; at head dim 128 the two coincide.
+  The fwd config is the forward kernel's tiles; the bwd config gives blocks both backward
+  kernels' tiles divide (the dq and dk/dv kernels then use their own tuned tiles inside them).
+  A mask built with the library defaults (no params) gets the same tiles chosen automatically
+  whenever they divide the default blocks; at head dim 128 the two coincide.
   """
   t = _tuned(_gpu_family(device_kind), head_dim)
-  return _as_params(t.fwd), _as_params(t.dkv)
+  return _as_params(t.fwd), _bwd_table_params(t)
 
 
 def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_positions,
@@ -289,8 +320,8 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
         candidates.append(f"fwd={bm},{bn},{w},{st}")
     if backward and spec.bwd_params is not None:
       bq, bk = spec.bwd_params.query_block_size, spec.bwd_params.kv_block_size
-      for dq_t, dkv_t in (((64, 64, 4, 2), (64, 128, 8, 3)), ((64, 64, 4, 4), (64, 128, 8, 2)),
-                          ((64, 64, 4, 2), (64, 64, 8, 2))):
+      for dq_t, dkv_t in (((128, 64, 8, 3), (64, 128, 8, 3)), ((64, 64, 4, 2), (64, 128, 8, 3)),
+                          ((64, 64, 4, 4), (64, 128, 8, 2)), ((64, 64, 4, 2), (64, 64, 8, 2))):
         if bq % dq_t[0] == 0 and bk % dq_t[1] == 0 and bq % dkv_t[0] == 0 and bk % dkv_t[1] == 0:
           candidates.append("dq=%d,%d,%d,%d;dkv=%d,%d,%d,%d" % (dq_t + dkv_t))
   ints = (query_positions, query_segment_ids, kv_positions, kv_segment_ids)
@@ -339,6 +370,7 @@ class _Static:
   window: int  # 0: none
   gqa_inplace: bool
   device_kind: str
+  sm_count: int  # 0 on the CPU (Triton's interpreter)
   tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
 
 
@@ -391,11 +423,14 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   return out, lse
 
 
+def _override_parts(cfg: _Static) -> dict[str, str]:
+  return dict(p.split("=", 1) for p in cfg.tiles_override.split(";") if p)
+
+
 def _warp_specialized(cfg: _Static, kernel: str) -> bool:
   """Benchmarking hook: "ws=fwd,dq,dkv" in KVAX_TRITON_TILES warp-specialises those kernels'
   full-tile loops (tl.range(..., warp_specialize=True)); off unless asked."""
-  parts = dict(p.split("=", 1) for p in cfg.tiles_override.split(";") if p)
-  return kernel in parts.get("ws", "").split(",")
+  return kernel in _override_parts(cfg).get("ws", "").split(",")
 
 
 def _bwd_common(cfg: _Static, q, k, v, mask: AttentionMask):
@@ -454,7 +489,12 @@ def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attentio
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   g = h // kh
   t = launch.dkv
-  inplace = cfg.gqa_inplace or g == 1
+  inplace = gqa_inplace(cfg.gqa_inplace, b, kh, g, _cdiv(skv, t.block_n), cfg.sm_count)
+  forced = _override_parts(cfg).get("gqa")  # benchmarking hook: "gqa=inplace" / "gqa=perhead"
+  if forced is not None:
+    if forced not in ("inplace", "perhead"):
+      raise ValueError(f"KVAX_TRITON_TILES gqa={forced!r}: expected inplace or perhead")
+    inplace = forced == "inplace" or g == 1
   out_heads = kh if inplace else h
   acc_dtype = k.dtype if inplace else jnp.float32
   dk_buf, dv_buf = compat.triton_call(
@@ -520,12 +560,24 @@ def _attention_bwd(cfg, res, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _device_kind() -> str:
+def _gpu():
   try:
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
   except RuntimeError:
     gpus = []
-  return gpus[0].device_kind if gpus else "cpu"
+  return gpus[0] if gpus else None
+
+
+def _device_kind() -> str:
+  gpu = _gpu()
+  return gpu.device_kind if gpu is not None else "cpu"
+
+
+def _sm_count() -> int:
+  gpu = _gpu()
+  if gpu is None:
+    return 0
+  return int(getattr(gpu, "core_count", 0) or _SM_COUNT[_gpu_family(gpu.device_kind)])
 
 
 def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
@@ -537,7 +589,7 @@ def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float |
                  has_sinks=has_sinks, causal=bool(mask.spec.causal),
                  window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
                  gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                 tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
+                 sm_count=_sm_count(), tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
 
 
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,

@@ -28,7 +28,8 @@ class KvaxOptions:
   kernel: flash_attention's backend ("auto", "jax", "triton", "reference"); an explicit
     request that cannot run raises, it is never replaced.
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
-  memory_optimized_gqa_backward: Triton only: accumulate dk/dv over a GQA group in place.
+  memory_optimized_gqa_backward: Triton only: always accumulate dk/dv over a GQA group in place
+    (False: in place when the grid is large enough, see flash_attention).
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
   permute_tokens_for_load_balance: with a context-parallel mesh, whether tokens already

@@ -20,10 +20,11 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
                      '"jax", "triton" or "reference"; an explicit choice never falls back'),
     "kvax_fwd_query_block_size": (int, 128, "kvax forward query block size"),
     "kvax_fwd_kv_block_size": (int, 128, "kvax forward key/value block size"),
-    "kvax_bwd_query_block_size": (int, 64, "kvax backward query block size"),
+    "kvax_bwd_query_block_size": (int, 128, "kvax backward query block size"),
     "kvax_bwd_kv_block_size": (int, 128, "kvax backward key/value block size"),
     "kvax_memory_optimized_gqa_backward": (bool, False,
-                                           "kvax (Triton): accumulate dk/dv over a GQA group in place"),
+                                           "kvax (Triton): always accumulate dk/dv over a GQA group "
+                                           "in place (False: in place when the grid is large)"),
     "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of padding tokens"),
 }
 
