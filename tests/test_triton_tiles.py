@@ -133,3 +133,12 @@ def test_gqa_inplace_rule():
   assert tb.gqa_inplace(False, 8, 8, 4, 16, 132)
   # The CPU interpreter (0 SMs) keeps the caller's choice, so tests reach both kernels' paths.
   assert not tb.gqa_inplace(False, 64, 8, 4, 128, 0)
+
+
+def test_override_keys_are_checked():
+  spec = _spec()
+  with pytest.raises(ValueError, match="unknown keys"):
+    tb._launch_for(spec, H200, 128, 128, override="ws=fwd", itemsize=2)
+  # gqa= is a backward-launch hook: accepted here, tiles untouched.
+  assert tb._launch_for(spec, H200, 128, 128, override="gqa=perhead", itemsize=2) == \
+      tb._launch_for(spec, H200, 128, 128, itemsize=2)

@@ -241,10 +241,10 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
   parts = dict(p.split("=", 1) for p in override.split(";") if p)
-  unknown = parts.keys() - {"fwd", "dq", "dkv", "ws", "gqa"}
+  unknown = parts.keys() - {"fwd", "dq", "dkv", "gqa"}
   if unknown:
     raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
-                     "(expected fwd, dq, dkv, ws, gqa)")
+                     "(expected fwd, dq, dkv, gqa)")
   if parts.keys() & {"fwd", "dq", "dkv"}:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
     # table's blocks. Taken exactly as given.
@@ -419,18 +419,12 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       HAS_SINKS=cfg.has_sinks, CAUSAL=cfg.causal, WINDOW=cfg.window,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
       TABLE_M=tm, TABLE_N=tn, TABLE_ROWS=mask.fwd.lower.shape[1],
-      DOT_PRECISION=_dot_precision(q.dtype), WARP_SPEC=_warp_specialized(cfg, "fwd"))
+      DOT_PRECISION=_dot_precision(q.dtype))
   return out, lse
 
 
 def _override_parts(cfg: _Static) -> dict[str, str]:
   return dict(p.split("=", 1) for p in cfg.tiles_override.split(";") if p)
-
-
-def _warp_specialized(cfg: _Static, kernel: str) -> bool:
-  """Benchmarking hook: "ws=fwd,dq,dkv" in KVAX_TRITON_TILES warp-specialises those kernels'
-  full-tile loops (tl.range(..., warp_specialize=True)); off unless asked."""
-  return kernel in _override_parts(cfg).get("ws", "").split(",")
 
 
 def _bwd_common(cfg: _Static, q, k, v, mask: AttentionMask):
@@ -475,8 +469,7 @@ def _bwd_dq(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attention
       kernel=bwd_kernel.attn_bwd_dq_kernel,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
       grid=(b * h, _cdiv(sq, t.block_m)), num_warps=t.num_warps, num_stages=t.num_stages,
-      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1],
-      WARP_SPEC=_warp_specialized(cfg, "dq"), **common)
+      BLOCK_M=t.block_m, BLOCK_N=t.block_n, TABLE_ROWS=mask.dq.lower.shape[1], **common)
   return dq
 
 
@@ -504,8 +497,7 @@ def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attentio
                  jax.ShapeDtypeStruct((b, skv, out_heads, dv), acc_dtype)],
       grid=(b * out_heads, _cdiv(skv, t.block_n)), num_warps=t.num_warps,
       num_stages=t.num_stages, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace,
-      WARP_SPEC=_warp_specialized(cfg, "dkv"), **common)
+      TABLE_ROWS=mask.dkv.lower.shape[1], GQA_INPLACE=inplace, **common)
   if inplace:
     return dk_buf, dv_buf
   # Per-query-head partial gradients, summed over each GQA group in a fixed order.

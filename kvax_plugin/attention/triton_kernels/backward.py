@@ -83,7 +83,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                        TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr):
   """Grid (B * H, cdiv(SQ, BLOCK_M)), heads fastest and heavy (last) query tiles first.
 
   DQ [B, SQ, H, DK] in the query dtype.
@@ -130,7 +130,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
     dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
                   offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
                   BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
-  for tile in tl.range(full_lower, full_upper, warp_specialize=WARP_SPEC):
+  for tile in range(full_lower, full_upper):
     dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
                   offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
                   BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False, DOT_PRECISION)
@@ -197,8 +197,7 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                        GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        WARP_SPEC: tl.constexpr = False):
+                        GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """Grid (B * (KH if GQA_INPLACE else H), cdiv(SKV, BLOCK_N)), heads fastest; under a causal
   mask the first kv tiles have the most work and run first.
 
@@ -265,7 +264,7 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                          QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
                          BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
                          DOT_PRECISION)
-    for tile in tl.range(full_lower, full_upper, warp_specialize=WARP_SPEC):
+    for tile in range(full_lower, full_upper):
       dk, dv = _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPOS_b,
                          QSEG_b, tile, offs_m, offs_dk, offs_dv, SQ, DK, DV, Q_ROW, DO_ROW,
                          BLOCK_M, BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,

@@ -74,7 +74,7 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr = False):
+                    DOT_PRECISION: tl.constexpr):
   """Grid (B * H, cdiv(SQ, BLOCK_M)). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32).
 
   Heads vary fastest, so the query heads sharing a kv head run side by side (K/V tiles reused
@@ -128,7 +128,7 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                               tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
                               BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
                               DOT_PRECISION)
-  for tile in tl.range(full_lower, full_upper, warp_specialize=WARP_SPEC):
+  for tile in range(full_lower, full_upper):
     acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg,
                               tile, offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N,
                               BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, False,
