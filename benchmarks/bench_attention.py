@@ -2,6 +2,8 @@
 
     python benchmarks/bench_attention.py                      # the grid: 16k and 64k
     python benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn --cases causal
+    python benchmarks/bench_attention.py --seq 16384 --impls ours --split \
+        --variant 'dq64|dq=64,64,4,2' --variant 'perhead|gqa=perhead'   # tuning runs
 
 Cases: "causal" (one causal document) and "docs" (12 random-length causal documents followed by
 1000 padding tokens), B=1, 32 query heads, 8 kv heads, bf16, head dim 128 by default. Each
@@ -16,6 +18,9 @@ tokamax through its per-row k_start mask (each row may see keys from its documen
 causality); padding rows there attend to themselves (they cost nothing extra).
 Our mask build time is timed on its own and reported separately (it is built once per step and
 shared by all layers).
+
+--split also times each of our kernels alone (forward, delta, dq, dk/dv); --variant adds runs of
+ours with other launch tiles or tables (see --help); benchmarks/NOTES.md records what they showed.
 
 Writes benchmarks/results/<name>.json (conditions: GPU, versions, command, date) and a PNG plot.
 A peer that fails records its error instead of a number.
