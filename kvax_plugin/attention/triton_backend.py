@@ -213,6 +213,17 @@ def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
   return t
 
 
+def override_parts(override: str) -> dict[str, str]:
+  """KVAX_TRITON_TILES ("fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead") as a dict;
+  an unknown key is an error naming the variable."""
+  parts = dict(p.split("=", 1) for p in override.split(";") if p)
+  unknown = parts.keys() - {"fwd", "dq", "dkv", "gqa"}
+  if unknown:
+    raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
+                     "(expected fwd, dq, dkv, gqa)")
+  return parts
+
+
 def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
                 itemsize: int = 2) -> _Launch:
   """Tiles of the three kernels for a mask's spec, fitted to the GPU's shared memory.
@@ -240,11 +251,7 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
                  tuned.dkv.num_stages)
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
-  parts = dict(p.split("=", 1) for p in override.split(";") if p)
-  unknown = parts.keys() - {"fwd", "dq", "dkv", "gqa"}
-  if unknown:
-    raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
-                     "(expected fwd, dq, dkv, gqa)")
+  parts = override_parts(override)
   if parts.keys() & {"fwd", "dq", "dkv"}:
     # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
     # table's blocks. Taken exactly as given.
@@ -423,10 +430,6 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   return out, lse
 
 
-def _override_parts(cfg: _Static) -> dict[str, str]:
-  return dict(p.split("=", 1) for p in cfg.tiles_override.split(";") if p)
-
-
 def _bwd_common(cfg: _Static, q, k, v, mask: AttentionMask):
   """(launch tiles, constexprs shared by the dq and dk/dv launches) for a backward."""
   b, sq, h, dk = q.shape
@@ -483,7 +486,8 @@ def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attentio
   g = h // kh
   t = launch.dkv
   inplace = gqa_inplace(cfg.gqa_inplace, b, kh, g, _cdiv(skv, t.block_n), cfg.sm_count)
-  forced = _override_parts(cfg).get("gqa")  # benchmarking hook: "gqa=inplace" / "gqa=perhead"
+  # Benchmarking hook: KVAX_TRITON_TILES "gqa=inplace" / "gqa=perhead".
+  forced = override_parts(cfg.tiles_override).get("gqa")
   if forced is not None:
     if forced not in ("inplace", "perhead"):
       raise ValueError(f"KVAX_TRITON_TILES gqa={forced!r}: expected inplace or perhead")
