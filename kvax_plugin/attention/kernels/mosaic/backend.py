@@ -1,0 +1,243 @@
+"""The Mosaic GPU (Hopper) kernel backend: padding, launch choices and the custom VJP.
+
+Inputs are validated by the public op; this module pads them to what the kernels need
+(sequence lengths to the table blocks, head dims to multiples of 64), picks the launch
+(kv tile, pipeline depth) from the shared-memory budget, and wires forward and backward kernels
+into one differentiable function. Padded kv tokens carry the padding segment id and padded query
+rows a segment id no kv token has, so the kernels need no bounds checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
+from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
+from kvax_plugin.attention.params import PADDING_SEGMENT_ID
+
+SMEM_BUDGET = 227 * 1024  # sm90: 227 KiB of shared memory per CTA
+HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements
+DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256
+
+
+def device_supported(device) -> tuple[bool, str]:
+  """(ok, reason): Mosaic GPU kernels use wgmma and TMA, so they need compute capability 9.0."""
+  if device is None or device.platform != "gpu":
+    return False, "no GPU visible to JAX"
+  cc = getattr(device, "compute_capability", None)
+  if cc is None:
+    return False, f"unknown compute capability of {device.device_kind}"
+  if str(cc).split(".")[0] != "9":
+    return False, (f"{device.device_kind} has compute capability {cc}; the Mosaic GPU kernels "
+                   "need Hopper (9.0: H100 / H200)")
+  return True, ""
+
+
+def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+  """(ok, reason) for inputs of this dtype and head dims."""
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    return False, (f"dtype {jnp.dtype(dtype).name} is not supported by the Mosaic GPU kernels "
+                   "(bfloat16 / float16 only: wgmma has no float32 inputs)")
+  if max(qk_head_dim, v_head_dim) > MAX_HEAD_DIM:
+    return False, (f"head dims ({qk_head_dim}, {v_head_dim}) above {MAX_HEAD_DIM} are not "
+                   "supported by the Mosaic GPU kernels")
+  return True, ""
+
+
+def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
+  """(ok, reason): the kernels' tiles must divide the mask's table blocks."""
+  fq, fk = mask.spec.fwd_params.query_block_size, mask.spec.fwd_params.kv_block_size
+  if fq % fwd_kernels.TILE_Q or fk % 64:
+    return False, (f"the mask's forward blocks {fq}x{fk} must be multiples of "
+                   f"{fwd_kernels.TILE_Q}x64 for the Mosaic GPU kernels (build the mask with "
+                   "the default FlashAttentionParamsConfig or larger blocks)")
+  if mask.spec.bwd_params is not None:
+    bq, bk = mask.spec.bwd_params.query_block_size, mask.spec.bwd_params.kv_block_size
+    if bq % bwd_kernels.TILE_Q or bk % bwd_kernels.TILE_KV:
+      return False, (f"the mask's backward blocks {bq}x{bk} must be multiples of "
+                     f"{bwd_kernels.TILE_Q}x{bwd_kernels.TILE_KV} for the Mosaic GPU kernels")
+  return True, ""
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int, int]:
+  """(kv tile, stages): the largest kv tile, then the deepest ring, that fits shared memory."""
+  for bk in (128, 64):
+    if table_kv % bk:
+      continue
+    for stages in (2,):
+      if fwd_kernels.smem_bytes(bk, stages, dk, dv, itemsize) <= SMEM_BUDGET:
+        return bk, stages
+  raise ValueError(f"head dims ({dk}, {dv}) do not fit the Mosaic GPU forward kernel's shared "
+                   "memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  scale: float
+  soft_cap: float  # 0: none
+  has_sinks: bool
+  causal: bool
+  window: int  # 0: none
+  deterministic: bool
+  interpret: bool
+
+
+def _pad_axis(x, axis: int, size: int, value):
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+class _Padded:
+  """Inputs padded for the kernels (sequence to table blocks, head dims to 64)."""
+
+  def __init__(self, mask: AttentionMask, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+    spec = mask.spec
+    blocks_q = [spec.fwd_params.query_block_size]
+    blocks_kv = [spec.fwd_params.kv_block_size]
+    if spec.bwd_params is not None:
+      blocks_q.append(spec.bwd_params.query_block_size)
+      blocks_kv.append(spec.bwd_params.kv_block_size)
+    self.sq, self.skv = q.shape[1], k.shape[1]
+    self.dk, self.dv = q.shape[3], v.shape[3]
+    sq_p = _round_up(self.sq, int(np.lcm.reduce(blocks_q)))
+    skv_p = _round_up(self.skv, int(np.lcm.reduce(blocks_kv)))
+    dk_p = _round_up(self.dk, HEAD_DIM_MULTIPLE)
+    dv_p = _round_up(self.dv, HEAD_DIM_MULTIPLE)
+    self.q = _pad_axis(_pad_axis(q, 1, sq_p, 0), 3, dk_p, 0)
+    self.k = _pad_axis(_pad_axis(k, 1, skv_p, 0), 3, dk_p, 0)
+    self.v = _pad_axis(_pad_axis(v, 1, skv_p, 0), 3, dv_p, 0)
+    self.q_pos = _pad_axis(q_pos, 1, sq_p, 0)
+    q_seg = jnp.where(q_seg == PADDING_SEGMENT_ID, fwd_kernels.NO_SEGMENT, q_seg)
+    self.q_seg = _pad_axis(q_seg, 1, sq_p, fwd_kernels.NO_SEGMENT)
+    self.kv_pos = _pad_axis(kv_pos, 1, skv_p, 0)
+    self.kv_seg = _pad_axis(kv_seg, 1, skv_p, PADDING_SEGMENT_ID)
+
+  def unpad_q(self, x, d):
+    return x[:, :self.sq, :, :d]
+
+  def unpad_kv(self, x, d):
+    return x[:, :self.skv, :, :d]
+
+
+def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask):
+  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 natural-log (+inf: nothing attended)."""
+  p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+  spec = mask.spec
+  bk, stages = forward_launch(spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3],
+                              jnp.dtype(q.dtype).itemsize)
+  fcfg = fwd_kernels.FwdConfig(
+      block_kv=bk, stages=stages, table_q=spec.fwd_params.query_block_size,
+      table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
+      has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret)
+  out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
+                                      sinks, *mask.fwd)
+  return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
+
+
+def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask,
+              out, lse, d_out):
+  d_out = d_out.astype(q.dtype)
+  # delta = rowsum(dO * O): what softmax's Jacobian subtracts (FlashAttention-2, eq. in sec. 3.1)
+  delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+  d_out_p = _pad_axis(_pad_axis(d_out, 1, p.q.shape[1], 0), 3, p.v.shape[3], 0)
+  # Padded query rows: lse +inf makes their probabilities 0 whatever their logits.
+  lse_p = _pad_axis(lse, 2, p.q.shape[1], jnp.inf)
+  delta_p = _pad_axis(delta, 2, p.q.shape[1], 0.0)
+  spec = mask.spec
+  bcfg = bwd_kernels.BwdConfig(
+      table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
+      scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
+      with_dq=not cfg.deterministic, interpret=cfg.interpret)
+  dq, dk, dv = bwd_kernels.backward_call(
+      bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
+      mask.dkv, mask.dq)
+  dq = p.unpad_q(dq, p.dk).astype(q.dtype)
+  dk = p.unpad_kv(dk, p.dk).astype(k.dtype)
+  dv = p.unpad_kv(dv, p.dv).astype(v.dtype)
+  if cfg.has_sinks:
+    # d loss / d sink_h = -sum over rows of exp(sink_h - lse) * delta (the sink's probability
+    # times what the softmax Jacobian subtracts); rows with nothing attended have lse +inf.
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    dsinks = -jnp.sum(p_sink * delta, axis=(0, 2))
+  else:
+    dsinks = jnp.zeros_like(sinks)
+  return dq, dk, dv, dsinks.astype(sinks.dtype)
+
+
+def _int_zero_cotangent(x):
+  return None if x is None else np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
+  out, _ = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+  return out
+
+
+def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
+  out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+  return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
+
+
+def _attention_bwd(cfg, res, d_out):
+  q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse = res
+  if not mask.has_backward:
+    raise ValueError("mask has no backward tables: build it with "
+                     "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
+  dq, dk, dv, dsinks = _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
+                                 lse, d_out)
+  int_zero = lambda tree: jax.tree.map(_int_zero_cotangent, tree)
+  return (dq, dk, dv, dsinks, *map(_int_zero_cotangent, (q_pos, q_seg, kv_pos, kv_seg)),
+          int_zero(mask))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids, kv_positions,
+                           kv_segment_ids, mask: AttentionMask, *, scale: float,
+                           logits_soft_cap: float | None, sinks: jax.Array | None,
+                           deterministic_backward: bool = False,
+                           interpret: bool = False) -> jax.Array:
+  """Attention over validated inputs with the Mosaic GPU kernels (Hopper; or the CPU
+  interpreter with interpret=True, for tests).
+
+  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv] (bf16 / fp16), positions /
+  segment ids int32 [B, S], mask from create_attention_mask with blocks the kernels' tiles divide
+  (the defaults do). Returns [B, Sq, H, Dv] in query.dtype; differentiable in query, key, value
+  and sinks. deterministic_backward: dq from its own kernel (7 matrix products per tile pair)
+  instead of bulk reduce-adds into a float32 buffer (5 products, order-dependent rounding).
+  """
+  ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])
+  if not ok:
+    raise ValueError(f"query: {why}")
+  ok, why = supports_mask(mask)
+  if not ok:
+    raise ValueError(f"mask: {why}")
+  h = query.shape[2]
+  cfg = Static(scale=float(scale),
+               soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+               has_sinks=sinks is not None, causal=bool(mask.spec.causal),
+               window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
+               deterministic=bool(deterministic_backward), interpret=bool(interpret))
+  sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
+                                        kv_segment_ids)]
+  out = _attention(cfg, query, key, value, sinks_arr, *ints, mask)
+  return out

@@ -1,0 +1,453 @@
+"""Backward kernels for Hopper in Pallas Mosaic GPU, over the `dkv` and `dq` block tables.
+
+dk/dv kernel (one CTA = 128 kv rows of one kv head; consumers own 64 rows each):
+
+    warpgroup 2 (producer)   TMA-loads, for every query head of the GQA group and every query
+                             block of the CTA's `dkv` table row, Q + lse and dO + delta into a
+                             ring of shared-memory slots.
+    warpgroups 0, 1          per query block of 64 rows (FlashAttention-2, Algorithm 2, seen from
+                             the kv side):  S^T = K Q^T,  P^T = exp(S^T - lse),
+                             dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T o (dP^T - delta),
+                             dK += dS^T Q.
+                             With `with_dq`, also dQ_part = dS K (dS^T staged in shared memory
+                             and read transposed) and an asynchronous bulk reduce-add of dQ_part
+                             into a float32 dq buffer in global memory: 5 matrix products per
+                             tile pair instead of the 7 of a separate dq pass, at the price of an
+                             order-dependent float32 summation (not bitwise reproducible).
+
+The whole GQA group is walked inside the CTA, so dK / dV are summed over the group in registers
+(no per-query-head buffers, deterministic). With `with_dq=False` the dq kernel below computes dq
+deterministically: one CTA = 128 query rows of one query head walking its `dq` table row, as the
+forward does (S = Q K^T, P, dP = dO V^T, dS, dQ += dS K).
+
+Logits follow the forward: z = scale * q.k, or cap * tanh(scale * q.k / cap) with a soft cap
+(then dz/d(q.k) = scale * (1 - tanh^2)). lse is natural-log [B, H, Sq] (+inf for rows with
+nothing, whose probabilities are then 0); delta = rowsum(dO * O) [B, H, Sq].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
+                                                          _ROW, _smem, accumulate, pair_keep)
+
+TILE_Q = 64  # query rows per step of the dk/dv kernel
+TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
+DQ_TILE_Q = ROWS_PER_WG * CONSUMERS  # query rows per dq CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+  table_q: int  # the backward tables' query block (a multiple of 128)
+  table_kv: int  # their kv block (a multiple of 128)
+  scale: float
+  soft_cap: float  # 0: none
+  causal: bool
+  window: int  # 0: none
+  with_dq: bool  # dk/dv kernel also reduce-adds dq (else the dq kernel runs)
+  interpret: bool
+
+
+def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool) -> int:
+  kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
+  ring = stages * TILE_Q * ((dk + dv) * itemsize + 8)
+  dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4) if with_dq else 0
+  return kv + ring + dq + 1024
+
+
+def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
+  qdo = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
+  ring = stages * block_kv * (dk + dv) * itemsize
+  return qdo + ring + 1024
+
+
+def _logit_terms(cfg, st):
+  """(base-2 logits, d logit / d (q.k)) of raw products st; the derivative is None when it is
+  the constant scale."""
+  if cfg.soft_cap:
+    t = jnp.tanh(st * (cfg.scale / cfg.soft_cap))
+    return t * (cfg.soft_cap * LOG2E), (1.0 - t * t) * cfg.scale
+  return st * (cfg.scale * LOG2E), None
+
+
+def _interpret_params(cfg):
+  if cfg.interpret:
+    return dict(interpret=plgpu.InterpretGPUParams())
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
+def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos,
+             kv_seg, lower, upper, full_lower, full_upper):
+  """(dk [B, Skv, K, Dk], dv [B, Skv, K, Dv]) in k.dtype, and dq [B, Sq, H, Dk] float32 when
+  cfg.with_dq (else None). Inputs padded as for the forward."""
+  b, sq, h, dk = q.shape
+  skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
+  group = h // kh
+  rq = cfg.table_q // TILE_Q
+  rk = cfg.table_kv // TILE_KV
+  dtype = q.dtype
+  # The interpreter has no bulk reduce: there each consumer adds into its own buffer.
+  dq_copies = CONSUMERS if cfg.interpret else 1
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
+             kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
+             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+             k_ready, v_ready, q_ready, do_ready, q_free, do_free):
+    kv_head = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    tile = lax.axis_index("kv_tiles")
+    wg = lax.axis_index("wg")
+    row = tile // rk
+    lower = lo_ref[bi, row] * rq
+    upper = up_ref[bi, row] * rq
+    full_lower = flo_ref[bi, row] * rq
+    full_upper = fup_ref[bi, row] * rq
+    count = upper - lower
+
+    @pl.when(wg < CONSUMERS)
+    def consumer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(232, action="increase")
+      rows = pl.ds(tile * TILE_KV + wg * ROWS_PER_WG, ROWS_PER_WG)
+      my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], my_k, k_ready.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], my_v, v_ready.at[wg])
+      kv_pos = plgpu.load(kvpos_ref.at[bi, rows], layout=_ROW)
+      kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=_ROW)
+      dk_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
+      dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(k_ready.at[wg])
+      plgpu.barrier_wait(v_ready.at[wg])
+
+      def step(n, qi, head, carry, masked: bool):
+        dk_acc, dv_acc = carry
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(q_ready.at[slot])
+
+        def scores(ref):
+          plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
+          return ref[...]
+        st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
+        z2, dz = _logit_terms(cfg, st)
+        lse = plgpu.load(lse_smem.at[slot], layout=_COL)
+        pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
+        if masked:
+          cols = pl.ds(qi * TILE_Q, TILE_Q)
+          q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL)
+          q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL)
+          # pair_keep's first operand is the query side: here queries are the columns.
+          keep = _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, pt.shape)
+          pt = jnp.where(keep, pt, 0.0)
+        plgpu.barrier_wait(do_ready.at[slot])
+        dv_acc = accumulate(dv_acc, pt.astype(dtype), do_smem.at[slot], cfg.interpret)
+
+        def dprobs(ref):
+          plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
+          return ref[...]
+        dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
+        delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+        dst = dst * (cfg.scale if dz is None else dz)
+        ds16 = dst.astype(dtype)
+        dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
+        if cfg.with_dq:
+          my_ds = ds_smem.at[wg]
+          my_ds[...] = ds16
+          plgpu.commit_smem()
+
+          def dq_part(ref):
+            plgpu.wgmma(ref, my_ds.T, my_k)
+            return ref[...]
+          dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
+        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(do_free.at[slot])
+        if cfg.with_dq:
+          qrows = pl.ds(qi * TILE_Q, TILE_Q)
+          my_dq = dq_smem.at[wg]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read my_dq
+          if cfg.interpret:
+            target = dq_ref.at[wg, bi, qrows, head]
+            my_dq[...] = dq + target[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_dq, target)
+          else:
+            my_dq[...] = dq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[0, bi, qrows, head], reduction_op="add")
+        return dk_acc, dv_acc
+
+      def one_head(g, carry):
+        head = kv_head * group + g
+        base = g * count - lower
+
+        def run(lo, hi, carry, masked):
+          return lax.fori_loop(lo, hi, lambda qi, c: step(base + qi, qi, head, c, masked), carry)
+        carry = run(lower, full_lower, carry, True)
+        carry = run(full_lower, full_upper, carry, False)
+        return run(full_upper, upper, carry, True)
+
+      dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
+      if cfg.with_dq:
+        plgpu.wait_smem_to_gmem(0)
+      my_k[...] = dk_acc.astype(dtype)
+      my_v[...] = dv_acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, kv_head])
+      plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, kv_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def producer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(40, action="decrease")
+      total = group * count
+
+      @pl.loop(0, total)
+      def _(n):
+        safe = lax.max(count, 1)
+        head = kv_head * group + lax.div(n, safe)
+        qi = lower + lax.rem(n, safe)
+        slot = lax.rem(n, stages)
+        qrows = pl.ds(qi * TILE_Q, TILE_Q)
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(q_free.at[slot])
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, head], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, qrows], lse_smem.at[slot],
+                                q_ready.at[slot])
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(do_free.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[bi, qrows, head], do_smem.at[slot], do_ready.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[bi, head, qrows], delta_smem.at[slot],
+                                do_ready.at[slot])
+
+      @pl.loop(lax.max(0, total - stages), total)
+      def _(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(q_free.at[slot])
+        plgpu.barrier_wait(do_free.at[slot])
+
+  def entry(*refs):
+    scratch = (
+        _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
+        _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
+        _smem((stages, TILE_Q, dk), dtype),
+        _smem((stages, TILE_Q, dv), dtype),
+        plgpu.SMEM((stages, TILE_Q), jnp.float32),
+        plgpu.SMEM((stages, TILE_Q), jnp.float32),
+        _smem((CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if cfg.with_dq else None,
+        plgpu.SMEM((CONSUMERS, TILE_Q, dk), jnp.float32) if cfg.with_dq else None,
+    )
+    barriers = (
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    )
+    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+
+  out_types = (jax.ShapeDtypeStruct((b, skv, kh, dk), dtype),
+               jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
+  args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
+          full_upper)
+  launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
+                grid_names=("heads", "kv_tiles", "batch"), num_threads=CONSUMERS + 1,
+                thread_name="wg", **_interpret_params(cfg))
+  if cfg.with_dq:
+    dq_buf = jax.new_ref(jnp.zeros((dq_copies, b, sq, h, dk), jnp.float32))
+    dk_out, dv_out = plgpu.kernel(entry, **launch)(*args, dq_buf)
+    dq = jnp.sum(dq_buf[...], axis=0) if dq_copies > 1 else dq_buf[...][0]
+    return dq, dk_out, dv_out
+
+  def entry_no_dq(*refs):
+    n_in = len(args)
+    entry(*refs[:n_in], None, *refs[n_in:])
+  dk_out, dv_out = plgpu.kernel(entry_no_dq, **launch)(*args)
+  return None, dk_out, dv_out
+
+
+def _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, shape):
+  """keep[i, j] for kv rows i (layout _ROW vectors) and query columns j (_COL vectors)."""
+  qp = lax.broadcast_in_dim(q_pos, shape, [1])
+  qs = lax.broadcast_in_dim(q_seg, shape, [1])
+  kp = lax.broadcast_in_dim(kv_pos, shape, [0])
+  ks = lax.broadcast_in_dim(kv_seg, shape, [0])
+  keep = qs == ks
+  if cfg.causal:
+    keep = keep & (kp <= qp)
+  if cfg.window:
+    keep = keep & (qp - kp < cfg.window)
+    if not cfg.causal:
+      keep = keep & (kp - qp < cfg.window)
+  return keep
+
+
+def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, delta, q_pos,
+            q_seg, kv_pos, kv_seg, lower, upper, full_lower, full_upper):
+  """dq [B, Sq, H, Dk] in q.dtype, deterministic: one CTA per 128 query rows of one head."""
+  b, sq, h, dk = q.shape
+  kh, dv = k.shape[2], v.shape[3]
+  group = h // kh
+  bk = block_kv
+  rq = cfg.table_q // DQ_TILE_Q
+  rk = cfg.table_kv // bk
+  dtype = q.dtype
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
+             kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
+             q_smem, do_smem, k_smem, v_smem,
+             q_ready, k_ready, v_ready, k_free, v_free):
+    head = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
+        "q_tiles")
+    wg = lax.axis_index("wg")
+    row = tile // rq
+    lower = lo_ref[bi, row] * rk
+    upper = up_ref[bi, row] * rk
+    full_lower = flo_ref[bi, row] * rk
+    full_upper = fup_ref[bi, row] * rk
+
+    @pl.when(wg < CONSUMERS)
+    def consumer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(232, action="increase")
+      rows = pl.ds(tile * DQ_TILE_Q + wg * ROWS_PER_WG, ROWS_PER_WG)
+      my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], my_do, q_ready.at[wg])
+      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW)
+      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW)
+      lse = plgpu.load(lse_ref.at[bi, head, rows], layout=_ROW) * LOG2E
+      delta = plgpu.load(delta_ref.at[bi, head, rows], layout=_ROW)
+      acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(q_ready.at[wg])
+
+      def step(ki, acc, masked: bool):
+        slot = lax.rem(ki - lower, stages)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def scores(ref):
+          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+          return ref[...]
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        z2, dz = _logit_terms(cfg, s)
+        p = jnp.exp2(z2 - lax.broadcast_in_dim(lse, z2.shape, [0]))
+        if masked:
+          cols = pl.ds(ki * bk, bk)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL)
+          p = jnp.where(pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape), p, 0.0)
+        plgpu.barrier_wait(v_ready.at[slot])
+
+        def dprobs(ref):
+          plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
+          return ref[...]
+        dp = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+        ds = ds * (cfg.scale if dz is None else dz)
+        acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        return acc
+
+      acc = lax.fori_loop(lower, full_lower, lambda i, a: step(i, a, True), acc)
+      acc = lax.fori_loop(full_lower, full_upper, lambda i, a: step(i, a, False), acc)
+      acc = lax.fori_loop(full_upper, upper, lambda i, a: step(i, a, True), acc)
+      my_q[...] = acc.astype(dtype)  # Q is no longer read: its buffer stages dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def producer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(40, action="decrease")
+      kv_head = head // group
+
+      @pl.loop(lower, upper)
+      def _(ki):
+        n = ki - lower
+        slot = lax.rem(n, stages)
+        cols = pl.ds(ki * bk, bk)
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+      @pl.loop(lax.max(lower, upper - stages), upper)
+      def _(ki):
+        slot = lax.rem(ki - lower, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+  def entry(*refs):
+    scratch = (
+        _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
+        _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
+        _smem((stages, bk, dk), dtype),
+        _smem((stages, bk, dv), dtype),
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    )
+    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=jax.ShapeDtypeStruct((b, sq, h, dk), dtype),
+      grid=(h, sq // DQ_TILE_Q, b), grid_names=("heads", "q_tiles", "batch"),
+      num_threads=CONSUMERS + 1, thread_name="wg", **_interpret_params(cfg),
+  )(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
+    full_upper)
+
+
+SMEM_BUDGET = 227 * 1024
+
+
+def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                  dkv_table, dq_table):
+  """(dq, dk, dv) for padded inputs (dq float32 or q.dtype); dq from the dk/dv kernel's reduce-adds when
+  cfg.with_dq and it fits shared memory, else from the deterministic dq kernel."""
+  dk_dim, dv_dim = q.shape[3], v.shape[3]
+  itemsize = jnp.dtype(q.dtype).itemsize
+  with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True) <= SMEM_BUDGET
+  cfg = dataclasses.replace(cfg, with_dq=with_dq)
+  stages = next((s for s in (3, 2, 1)
+                 if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq) <= SMEM_BUDGET), None)
+  if stages is None:
+    raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
+                     "shared memory")
+  dq, dk, dv = dkv_call(cfg, stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                        *dkv_table)
+  if dq is None:
+    bk = 128 if cfg.table_kv % 128 == 0 and dq_smem_bytes(128, 2, dk_dim, dv_dim,
+                                                          itemsize) <= SMEM_BUDGET else 64
+    dq_stages = 2
+    if dq_smem_bytes(bk, dq_stages, dk_dim, dv_dim, itemsize) > SMEM_BUDGET:
+      raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
+                       "shared memory")
+    dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                 *dq_table)
+  return dq, dk, dv

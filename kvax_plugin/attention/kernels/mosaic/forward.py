@@ -1,0 +1,291 @@
+"""Forward kernel for Hopper in Pallas Mosaic GPU: FlashAttention over the block table.
+
+Structure (one CTA = one query tile of 2 x 64 rows of one query head):
+
+    warpgroup 2  (producer)  TMA-loads the K / V blocks of the tile's table row into a ring of
+                             `stages` shared-memory slots; it waits on a slot's "consumed"
+                             barrier before refilling it.
+    warpgroups 0, 1          (consumers) each own 64 query rows. Per kv block: S = Q K^T (wgmma),
+                             online softmax in base 2, O += P V (wgmma, P from registers).
+                             A schedule barrier makes the two consumers alternate, so one runs
+                             its softmax while the other's matrix products occupy the tensor
+                             cores (FlashAttention-3's ping-pong).
+
+Both consumers read the SAME row of the `fwd` table (the table's query block is a multiple of
+the 128-row tile), so they run the same number of steps and the barriers stay in lockstep. A
+table row lists kv blocks [lower, upper) with a full sub-range [full_lower, full_upper); the
+kernel walks three runs - masked, full, masked - and only the masked runs read positions and
+segment ids (straight from global memory, as row / column vectors in the wgmma layout). Blocks
+outside [lower, upper) are never loaded.
+
+Numerics follow the Triton kernel (triton_kernels/forward.py): logits in base 2, the running
+max starts at a finite -1e30 (or at the sink's logit, with weight 1), so a row that sees only
+masked entries keeps l = 0 and its output is 0 and its lse +inf; lse is stored in natural-log
+units, [B, H, Sq] float32, so both backends' residuals mean the same thing.
+
+The same kernel runs on the CPU through Pallas' Mosaic GPU interpreter (`interpret=True`),
+which is how the CPU test suite checks it; the only difference there is how the P V product
+is accumulated (the interpreter has no `run_state`, so it adds a fresh product instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+M_INIT = -1.0e30  # finite "minus infinity" for the running max: exp2(M_INIT - m) == 0
+ROWS_PER_WG = 64  # query rows per consumer warpgroup (one wgmma M tile)
+CONSUMERS = 2
+TILE_Q = ROWS_PER_WG * CONSUMERS
+# q_seg of padding query rows is rewritten to this id, which no kv token carries (real ids are
+# >= 0, padding -1), so the in-kernel test is a plain equality.
+NO_SEGMENT = -2
+
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a wgmma tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per kv column
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+  """Static description of one forward launch (hashable: part of the jit key)."""
+
+  block_kv: int
+  stages: int
+  table_q: int  # the table's query block (a multiple of TILE_Q)
+  table_kv: int  # the table's kv block (a multiple of block_kv)
+  scale: float
+  soft_cap: float  # 0: none
+  has_sinks: bool
+  causal: bool
+  window: int  # 0: none
+  interpret: bool
+
+
+def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
+  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer, the K/V ring, lse."""
+  q = CONSUMERS * ROWS_PER_WG * dk * itemsize
+  o = 0 if dv == dk else CONSUMERS * ROWS_PER_WG * dv * itemsize
+  ring = stages * block_kv * (dk + dv) * itemsize
+  return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
+
+
+def _smem(shape, dtype):
+  """A shared-memory buffer in the 128-byte swizzled, (8, 64)-tiled layout wgmma reads."""
+  elems = 128 // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
+                                               plgpu.SwizzleTransform(128)))
+
+
+def accumulate(acc, a, b, interpret: bool):
+  """acc + a @ b on the tensor cores (a: registers or shared memory, b: shared memory)."""
+  if interpret:
+    # The interpreter supports neither run_state nor register A operands: same product in jnp.
+    a_val = a if isinstance(a, jax.Array) else a[...]
+    return acc + jnp.dot(a_val, b[...], preferred_element_type=jnp.float32)
+
+  def product_into(ref):
+    plgpu.wgmma(ref, a, b)
+  return pl.run_state(product_into)(plgpu.ACC.init(acc))
+
+
+def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape):
+  """keep[i, j] for row vectors (q, layout _ROW) and column vectors (kv, layout _COL)."""
+  qp = lax.broadcast_in_dim(q_pos, shape, [0])
+  qs = lax.broadcast_in_dim(q_seg, shape, [0])
+  kp = lax.broadcast_in_dim(kv_pos, shape, [1])
+  ks = lax.broadcast_in_dim(kv_seg, shape, [1])
+  keep = qs == ks
+  if cfg.causal:
+    keep = keep & (kp <= qp)
+  if cfg.window:
+    keep = keep & (qp - kp < cfg.window)
+    if not cfg.causal:
+      keep = keep & (kp - qp < cfg.window)
+  return keep
+
+
+def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper,
+                 full_lower, full_upper):
+  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32.
+
+  Shapes must already be padded: Sq a multiple of cfg.table_q, Skv of cfg.table_kv, head dims
+  multiples of 64; q_seg with padding rows rewritten to NO_SEGMENT; tables int32 [B, rows].
+  """
+  b, sq, h, dk = q.shape
+  kh, dv = k.shape[2], v.shape[3]
+  group = h // kh
+  bk, stages = cfg.block_kv, cfg.stages
+  rq = cfg.table_q // TILE_Q
+  rk = cfg.table_kv // bk
+  dtype = q.dtype
+
+  def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
+             lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
+             q_smem, o_smem, k_smem, v_smem, lse_smem,
+             q_ready, k_ready, v_ready, k_free, v_free, turn):
+    head = lax.axis_index("heads")
+    bi = lax.axis_index("batch")
+    tile = lax.axis_index("q_tiles")
+    if cfg.causal:
+      # Last tiles first: under a causal mask they have the most work (shorter launch tail).
+      tile = (sq // TILE_Q) - 1 - tile
+    wg = lax.axis_index("wg")
+    row = tile // rq
+    lower = lo_ref[bi, row] * rk
+    upper = up_ref[bi, row] * rk
+    full_lower = flo_ref[bi, row] * rk
+    full_upper = fup_ref[bi, row] * rk
+
+    def take_turn():
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg < CONSUMERS)
+    def consumer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(232, action="increase")
+      q_base = tile * TILE_Q + wg * ROWS_PER_WG
+      rows = pl.ds(q_base, ROWS_PER_WG)
+      my_q = q_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
+      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW)
+      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW)
+      if cfg.has_sinks:
+        sink = sinks_ref[head] * LOG2E
+        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), sink, jnp.float32), _ROW)
+        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 1.0, jnp.float32), _ROW)
+      else:
+        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), M_INIT, jnp.float32), _ROW)
+        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), _ROW)
+      acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(q_ready.at[wg])
+      pl.when(wg == 1)(take_turn)
+
+      def step(ki, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(ki - lower, stages)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def logits(ref):
+          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+          take_turn()
+          return ref[...]
+        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+
+        if cfg.soft_cap == 0.0 and cfg.scale > 0.0:
+          # max(scale * qk) = scale * max(qk): the scale folds into one FMA inside exp2.
+          c = cfg.scale * LOG2E
+          s, mul = qk, c
+        else:
+          if cfg.soft_cap:
+            s = jnp.tanh(qk * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
+          else:
+            s = qk * (cfg.scale * LOG2E)
+          mul = 1.0
+        if masked:
+          cols = pl.ds(ki * bk, bk)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL)
+          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, s.shape)
+          s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * mul)
+        p = jnp.exp2(s * mul - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        alpha = jnp.exp2(m_i - m_new)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(dtype)
+        plgpu.barrier_arrive(turn)  # softmax done: the other consumer may use the tensor cores
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)
+        acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(lower, full_lower, lambda i, c: step(i, c, True), carry)
+      carry = lax.fori_loop(full_lower, full_upper, lambda i, c: step(i, c, False), carry)
+      acc, m_i, l_i = lax.fori_loop(full_upper, upper, lambda i, c: step(i, c, True), carry)
+      pl.when(wg == 0)(take_turn)
+
+      nonempty = l_i > 0.0
+      l_safe = jnp.where(nonempty, l_i, 1.0)
+      out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * LN2, jnp.inf)
+      my_o = my_q if o_smem is None else o_smem.at[wg]
+      my_o[...] = out.astype(dtype)
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def producer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(40, action="decrease")
+      kv_head = head // group
+
+      @pl.loop(lower, upper)
+      def _(ki):
+        n = ki - lower
+        slot = lax.rem(n, stages)
+        cols = pl.ds(ki * bk, bk)
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
+
+        @pl.when(n >= stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+      # Drain: observe the release of the last loads too, so every phase of the ring's
+      # barriers is waited on once (the interpreter checks this; on the GPU it is free, the
+      # producer has nothing else to do).
+      @pl.loop(lax.max(lower, upper - stages), upper)
+      def _(ki):
+        slot = lax.rem(ki - lower, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+  def entry(*refs):
+    scratch = (
+        _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
+        None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
+        _smem((stages, bk, dk), dtype),
+        _smem((stages, bk, dv), dtype),
+        plgpu.SMEM((CONSUMERS, ROWS_PER_WG), jnp.float32),
+    )
+    barriers = (
+        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS),
+    )
+    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+
+  params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
+      compiler_params=plgpu.CompilerParams(approx_math=True))
+  return plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
+                jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
+      grid=(h, sq // TILE_Q, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=CONSUMERS + 1,
+      thread_name="wg",
+      **params,
+  )(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
