@@ -102,20 +102,16 @@ def check_case(name, *, s, skv=None, h=4, kh=2, d=128, dv=None, causal=True, win
 
 CASES = [
     dict(name="causal_d128", s=1024),
-    dict(name="causal_d128_det", s=1024, det=True),
-    dict(name="docs_pad_d128", s=1000, segs=[3] * 300 + [0] * 1 + [9] * 400 + [2] * 150 + [-1] * 149),
     dict(name="docs_pad_d128_det", s=1000, det=True,
          segs=[3] * 300 + [0] * 1 + [9] * 400 + [2] * 150 + [-1] * 149),
-    dict(name="noncontig_bigids", s=512, segs=([7] * 64 + [2**30] * 64) * 4, h=4, kh=1),
-    dict(name="mqa_window_cap_sinks", s=768, h=8, kh=1, window=100, cap=30.0, sinks=True,
-         segs=[0] * 500 + [1] * 268),
-    dict(name="noncausal_window", s=512, causal=False, window=64, h=2, kh=2),
-    dict(name="d64", s=1024, d=64, h=8, kh=2),
+    dict(name="docs_pad_d128", s=1000,
+         segs=[3] * 300 + [0] * 1 + [9] * 400 + [2] * 150 + [-1] * 149),
+    dict(name="mqa_window_cap_sinks_noncontig", s=768, h=8, kh=1, window=100, cap=30.0,
+         sinks=True, segs=([0] * 100 + [2**30] * 156) * 3),
     dict(name="d256", s=512, d=256, h=4, kh=2),
-    dict(name="d256_det", s=512, d=256, h=4, kh=2, det=True),
     dict(name="mla_192_128", s=512, d=192, dv=128, h=4, kh=4),
-    dict(name="sq_ne_skv", s=256, skv=1280, h=4, kh=2),
-    dict(name="batch2_fp16", s=640, b=2, dtype=jnp.float16, segs=[0] * 200 + [1] * 440),
+    dict(name="sq_ne_skv_fp16", s=256, skv=1280, h=4, kh=2, dtype=jnp.float16),
+    dict(name="d64_noncausal_window", s=512, d=64, causal=False, window=64, h=2, kh=2),
 ]
 
 

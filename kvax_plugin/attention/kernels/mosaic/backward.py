@@ -119,8 +119,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       my_k, my_v = k_smem.at[wg], v_smem.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], my_k, k_ready.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], my_v, v_ready.at[wg])
-      kv_pos = plgpu.load(kvpos_ref.at[bi, rows], layout=_ROW)
-      kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=_ROW)
+      kv_pos = plgpu.load(kvpos_ref.at[bi, rows], layout=_ROW, optimized=False)
+      kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=_ROW, optimized=False)
       dk_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(k_ready.at[wg])
@@ -140,8 +140,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
         if masked:
           cols = pl.ds(qi * TILE_Q, TILE_Q)
-          q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL)
-          q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL)
+          q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
           # pair_keep's first operand is the query side: here queries are the columns.
           keep = _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, pt.shape)
           pt = jnp.where(keep, pt, 0.0)
@@ -328,10 +328,10 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       my_q, my_do = q_smem.at[wg], do_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], my_do, q_ready.at[wg])
-      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW)
-      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW)
-      lse = plgpu.load(lse_ref.at[bi, head, rows], layout=_ROW) * LOG2E
-      delta = plgpu.load(delta_ref.at[bi, head, rows], layout=_ROW)
+      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW, optimized=False)
+      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW, optimized=False)
+      lse = plgpu.load(lse_ref.at[bi, head, rows], layout=_ROW, optimized=False) * LOG2E
+      delta = plgpu.load(delta_ref.at[bi, head, rows], layout=_ROW, optimized=False)
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
@@ -347,8 +347,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         p = jnp.exp2(z2 - lax.broadcast_in_dim(lse, z2.shape, [0]))
         if masked:
           cols = pl.ds(ki * bk, bk)
-          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL)
-          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
           p = jnp.where(pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape), p, 0.0)
         plgpu.barrier_wait(v_ready.at[slot])
 
@@ -442,12 +442,14 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   dq, dk, dv = dkv_call(cfg, stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                         *dkv_table)
   if dq is None:
-    bk = 128 if cfg.table_kv % 128 == 0 and dq_smem_bytes(128, 2, dk_dim, dv_dim,
-                                                          itemsize) <= SMEM_BUDGET else 64
-    dq_stages = 2
-    if dq_smem_bytes(bk, dq_stages, dk_dim, dv_dim, itemsize) > SMEM_BUDGET:
+    # The largest kv tile, then the deepest ring, that fits (head dim 256: 64 x 1 stage).
+    fits = [(bk, st) for bk in (128, 64) for st in (2, 1)
+            if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim,
+                                                        itemsize) <= SMEM_BUDGET]
+    if not fits:
       raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
                        "shared memory")
+    bk, dq_stages = fits[0]
     dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                  *dq_table)
   return dq, dk, dv

@@ -156,8 +156,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       rows = pl.ds(q_base, ROWS_PER_WG)
       my_q = q_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
-      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW)
-      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW)
+      q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW, optimized=False)
+      q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW, optimized=False)
       if cfg.has_sinks:
         sink = sinks_ref[head] * LOG2E
         m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), sink, jnp.float32), _ROW)
@@ -193,8 +193,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           mul = 1.0
         if masked:
           cols = pl.ds(ki * bk, bk)
-          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL)
-          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, s.shape)
           s = jnp.where(keep, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1) * mul)
