@@ -1,0 +1,540 @@
+"""Token orders for context parallelism: natural, Llama 3, and a per-batch balanced order.
+
+Under context parallelism `cp`, rank r holds query tokens [r*S/cp, (r+1)*S/cp) of the row *as it
+arrives* and attends them against all S key/value tokens. A token order is a permutation of
+each row applied before sharding; it decides which tokens each rank owns. Positions and segment
+ids, never buffer indices, decide which pairs attend, so attention is exact in any order: the
+order only moves work between ranks, and the slowest rank sets the step time.
+
+    natural   rank r holds the r-th contiguous slice: a causal document puts most work on the
+              last ranks (rank r of one long document does 2r+1 units of work).
+    llama3    rank r holds chunks r and 2*cp-1-r of 2*cp chunks: perfect for one causal document
+              filling the row, blind to packed documents (two documents of 3/4 and 1/4 of the
+              row are 4x unbalanced at every cp).
+    balanced  computed per batch row from its positions and segment ids, below.
+
+Cost model
+----------
+What a rank pays is what its kernels do. The kernels walk, per query block, a contiguous range
+of kv blocks [lower, upper) of the gathered key/value (kvax_plugin.attention.block_mask), doing
+matrix work on every visited block (full blocks without mask math); flops are proportional to
+kept (q, kv) pairs only inside partially masked blocks. So a rank has two costs, and the order
+balances both:
+
+    kept pairs      exact (q, kv) pairs the mask keeps for the rank's queries, and
+    visited blocks  sum over the rank's query blocks of upper - lower.
+
+Both are additive over *units*: runs of `block` consecutive natural-order tokens, with `block`
+the query block size of the kernels (or a multiple of it). The balanced order moves whole units
+and keeps every rank's units in ascending natural order, and the sharded op puts the gathered
+key/value back in natural order. Then every query block of a rank is a natural-order block
+whose table row is the row it would have without context parallelism: a unit's cost does not
+depend on where it lands, the per-rank cost is the sum of its units' costs, and the tables stay
+as tight as in natural order (documents stay contiguous in the kv buffer, and a rank's units of
+one document stay adjacent in its local query buffer, which keeps the backward dkv ranges tight).
+Moving single tokens instead would mix distant documents inside one query block, and its kv
+range would span everything between them.
+
+Per unit, both costs come from each token's attended kv set, found in O(S log S): sort the row
+by (segment id, position), then two vectorised binary searches per token give the sorted range
+of its attended keys (same segment, position in the causal / sliding-window interval).
+    kept(unit)    = sum of the range lengths (exact for any layout);
+    visited(unit) = kv blocks between the natural index of the earliest and the latest attended
+                    key over the unit's tokens (exact for contiguous documents with increasing
+                    positions, where the sorted range is a natural-order range; an estimate
+                    otherwise: the order stays exact, only its balance is approximate).
+
+The assignment
+--------------
+Each rank must hold exactly n/cp of the n = S/block units (equal shards). Units are sorted by a
+combined cost c = kept / total_kept + visited / total_visited, heaviest first, and dealt in
+rounds of cp: in every round the heaviest unit of the round goes to the rank with the least
+load so far, the next to the next, and so on (longest-processing-time per round, which keeps
+the counts equal). For one causal document this is the Llama 3 idea with S/block chunks: each
+rank gets one unit of every cp-sized band of costs, heavy late units paired with light early
+ones. A long document is thereby cut into block-aligned pieces spread over all ranks; short
+documents (units of small, similar cost) are dealt whole, round-robin by cost. Rank loads
+differ by at most about the cost spread inside one round, a small fraction of a rank's load once
+a rank holds tens of units (S = 32k, block 128, cp = 8: 32 units per rank).
+
+The result is compared, in the same cost model, with the natural and the Llama 3 orders (the
+latter when S is a multiple of 2*cp*block), and the order with the smallest worst rank
+(max over both costs of max load / mean load) is returned, so "balanced" is never worse than
+the better of the two fixed orders by the model's measure.
+
+Complexity: sorting S tokens and S/block units, log2(S) gather passes, and n/cp rounds that sort
+cp loads: O(S log S) per row, jit-able (static shapes), vmapped over the batch.
+
+Conventions: an order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]], and its
+inverse satisfies natural[b, j] = permuted[b, inverse[b, j]] (apply_token_order /
+undo_token_order). This module imports only numpy, jax and params (a leaf).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvax_plugin.attention.params import PADDING_SEGMENT_ID
+
+ORDERS = ("natural", "llama3", "balanced")
+
+_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+# Swap steps after the dealing, per rank: each moves load from the heaviest rank to the lightest.
+_SWAP_STEPS_PER_RANK = 4
+
+
+class TokenOrder(NamedTuple):
+  """A per-row permutation and its inverse, both int32 [B, S].
+
+  permuted[b, i] = natural[b, order[b, i]];  natural[b, j] = permuted[b, inverse[b, j]].
+  """
+
+  order: jax.Array
+  inverse: jax.Array
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_order_name(order: str) -> str:
+  if order not in ORDERS:
+    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+  return order
+
+
+def _check_cp(cp) -> int:
+  if not isinstance(cp, (int, np.integer)) or isinstance(cp, bool) or cp < 1:
+    raise ValueError(f"cp must be a positive int, got {cp!r}")
+  return int(cp)
+
+
+def _check_block(name: str, value) -> int:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def _check_window(sliding_window) -> int | None:
+  if sliding_window is None:
+    return None
+  if (not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool)
+      or sliding_window < 1):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  return int(sliding_window)
+
+
+def _check_rows(positions, segment_ids):
+  for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+      raise ValueError(f"{name} must be a [batch, seq_len] array, got shape "
+                       f"{getattr(x, 'shape', type(x).__name__)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must hold integers (int32), got dtype {x.dtype}")
+  if tuple(positions.shape) != tuple(segment_ids.shape):
+    raise ValueError(f"positions {tuple(positions.shape)} and segment_ids "
+                     f"{tuple(segment_ids.shape)} must have the same shape")
+
+
+def _check_units(seq_len: int, cp: int, block: int) -> None:
+  if seq_len % (cp * block):
+    raise ValueError(
+        f"the sequence length ({seq_len}) must be a multiple of cp * block = {cp} * {block} = "
+        f"{cp * block}: every rank holds the same number of whole blocks of `block` tokens")
+
+
+# ----------------------------------------------------------------------------- fixed orders
+
+
+def natural_order(batch: int, seq_len: int) -> TokenOrder:
+  """The identity order, int32 [batch, seq_len] (order and inverse)."""
+  idx = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+  return TokenOrder(idx, idx)
+
+
+def llama3_chunk_order(cp: int) -> list[int]:
+  """Chunk order of the Llama 3 layout: rank r holds chunks r and 2*cp-1-r of 2*cp chunks."""
+  return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def llama3_order(batch: int, seq_len: int, cp: int) -> TokenOrder:
+  """The Llama 3 order as a TokenOrder, int32 [batch, seq_len] (seq_len a multiple of 2*cp)."""
+  cp = _check_cp(cp)
+  if seq_len % (2 * cp):
+    raise ValueError(f"the sequence length ({seq_len}) must be a multiple of 2 * cp = {2 * cp} "
+                     "for the llama3 order (2*cp chunks)")
+  chunk = seq_len // (2 * cp)
+  order = np.concatenate([np.arange(c * chunk, (c + 1) * chunk)
+                          for c in llama3_chunk_order(cp)]).astype(np.int32)
+  inverse = np.argsort(order).astype(np.int32)
+  bc = lambda x: jnp.broadcast_to(jnp.asarray(x), (batch, seq_len))
+  return TokenOrder(bc(order), bc(inverse))
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+def _sat_add(x: jax.Array, d: int) -> jax.Array:
+  """x + d for int32 x, clamped to the int32 range instead of wrapping (|d| < 2**31)."""
+  if d >= 0:
+    return jnp.where(x > _INT32_MAX - d, _INT32_MAX, x + d)
+  return jnp.where(x < _INT32_MIN - d, _INT32_MIN, x + d)
+
+
+def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool) -> jax.Array:
+  """For each query key, the number of sorted keys (seg, pos) below it (lexicographic):
+  strictly below when not inclusive (lower bound), at or below when inclusive (upper bound).
+  One row: sorted_* [S], q_* [M]; a vectorised binary search of ceil(log2(S + 1)) steps."""
+  n = sorted_seg.shape[0]
+  steps = max(1, math.ceil(math.log2(n + 1)))
+  lo = jnp.zeros(q_seg.shape, jnp.int32)
+  hi = jnp.full(q_seg.shape, n, jnp.int32)
+
+  def step(_, carry):
+    lo, hi = carry
+    active = lo < hi
+    mid = (lo + hi) // 2
+    ms = sorted_seg[jnp.minimum(mid, n - 1)]
+    mp = sorted_pos[jnp.minimum(mid, n - 1)]
+    below = (ms < q_seg) | ((ms == q_seg) & ((mp <= q_pos) if inclusive else (mp < q_pos)))
+    lo = jnp.where(active & below, mid + 1, lo)
+    hi = jnp.where(active & ~below, mid, hi)
+    return lo, hi
+
+  lo, _ = jax.lax.fori_loop(0, steps, step, (lo, hi))
+  return lo
+
+
+def _sort_by_segment_then_position(seg: jax.Array, pos: jax.Array) -> jax.Array:
+  """The permutation sorting one row by (segment id, position): two stable single-key sorts
+  (XLA's multi-operand lexsort is several times slower on CPU)."""
+  by_pos = jnp.argsort(pos, stable=True)
+  return by_pos[jnp.argsort(seg[by_pos], stable=True)].astype(jnp.int32)
+
+
+def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
+  """One row [S]: per query token, (count, first, last) of the kv tokens it attends.
+
+  count: exact number of attended kv tokens (int32); first / last: the natural indices of the
+  attended keys that come first / last in (segment, position) order (S and -1 when none).
+  The attended keys of a token are one range [lo, hi) of the row sorted by (segment, position).
+  Without a window its ends are run boundaries (the token's segment start, and the end of its
+  run of equal keys or of its segment), found by O(S) scans; with a window the lower (and, not
+  causal, the upper) end is a vectorised binary search.
+  """
+  pos = positions.astype(jnp.int32)
+  seg = segment_ids.astype(jnp.int32)
+  s = pos.shape[0]
+  idx = jnp.arange(s, dtype=jnp.int32)
+  perm = _sort_by_segment_then_position(seg, pos)
+  sseg, spos = seg[perm], pos[perm]
+  # Run boundaries in sorted order: segment runs and runs of equal (segment, position) keys.
+  new_seg = jnp.concatenate([jnp.ones((1,), bool), sseg[1:] != sseg[:-1]])
+  new_key = new_seg | jnp.concatenate([jnp.ones((1,), bool), spos[1:] != spos[:-1]])
+  seg_start = jax.lax.cummax(jnp.where(new_seg, idx, 0))
+  last_of_seg = jnp.concatenate([new_seg[1:], jnp.ones((1,), bool)])
+  last_of_key = jnp.concatenate([new_key[1:], jnp.ones((1,), bool)])
+  seg_end = jax.lax.cummin(jnp.where(last_of_seg, idx + 1, s), reverse=True)
+  key_end = jax.lax.cummin(jnp.where(last_of_key, idx + 1, s), reverse=True)
+  if window is None:
+    lo_sorted = seg_start
+  else:
+    lo_sorted = _search(sseg, spos, sseg, _sat_add(spos, -(window - 1)), inclusive=False)
+  if causal:
+    hi_sorted = key_end
+  elif window is None:
+    hi_sorted = seg_end
+  else:
+    hi_sorted = _search(sseg, spos, sseg, _sat_add(spos, window - 1), inclusive=True)
+  # Back from sorted to natural order (perm is a permutation: scatter its values).
+  lo = jnp.zeros((s,), jnp.int32).at[perm].set(lo_sorted)
+  hi = jnp.zeros((s,), jnp.int32).at[perm].set(hi_sorted)
+  count = jnp.where(seg == PADDING_SEGMENT_ID, 0, jnp.maximum(hi - lo, 0))
+  some = count > 0
+  first = jnp.where(some, perm[jnp.clip(lo, 0, s - 1)], s)
+  last = jnp.where(some, perm[jnp.clip(hi - 1, 0, s - 1)], -1)
+  return count, first, last
+
+
+def kept_pairs_per_token(positions, segment_ids, *, causal: bool = True,
+                         sliding_window: int | None = None) -> jax.Array:
+  """Exact number of kv tokens each query token attends (self-attention), int32 [B, S]."""
+  _check_rows(positions, segment_ids)
+  window = _check_window(sliding_window)
+  fn = jax.vmap(lambda p, s: _attended_ranges(p, s, bool(causal), window)[0])
+  return fn(jnp.asarray(positions), jnp.asarray(segment_ids))
+
+
+def _row_unit_costs(positions, segment_ids, block: int, kv_block: int, causal: bool,
+                    window: int | None):
+  """One row: (kept pairs, visited kv blocks) per unit of `block` tokens, float32 [S / block]."""
+  count, first, last = _attended_ranges(positions, segment_ids, causal, window)
+  n = positions.shape[0] // block
+  kept = count.astype(jnp.float32).reshape(n, block).sum(axis=1)
+  some = count.reshape(n, block) > 0
+  lo = jnp.min(jnp.where(some, first.reshape(n, block), _INT32_MAX), axis=1) // kv_block
+  hi = jnp.max(jnp.where(some, last.reshape(n, block), -1), axis=1) // kv_block + 1
+  visited = jnp.where(jnp.any(some, axis=1), hi - lo, 0).astype(jnp.float32)
+  return kept, visited
+
+
+def unit_costs(positions, segment_ids, *, block: int = 128, kv_block: int | None = None,
+               causal: bool = True, sliding_window: int | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+  """The cost model of the module docstring: (kept pairs, visited kv blocks) per unit.
+
+  positions, segment_ids: int [B, S] in natural order, S a multiple of `block`. Returns two
+  float32 [B, S / block] arrays: the kept (q, kv) pairs of each unit's queries, and the number
+  of kv blocks (of `kv_block` tokens, default `block`) its query block visits when key/value are
+  in natural order.
+  """
+  _check_rows(positions, segment_ids)
+  block = _check_block("block", block)
+  kv_block = block if kv_block is None else _check_block("kv_block", kv_block)
+  window = _check_window(sliding_window)
+  s = positions.shape[1]
+  if s % block:
+    raise ValueError(f"the sequence length ({s}) must be a multiple of block ({block})")
+  fn = jax.vmap(lambda p, g: _row_unit_costs(p, g, block, kv_block, bool(causal), window))
+  return fn(jnp.asarray(positions), jnp.asarray(segment_ids))
+
+
+# ----------------------------------------------------------------------------- assignment
+
+
+def _lpt_ranks(cost: jax.Array, cp: int) -> jax.Array:
+  """Rank of every unit, int32 [n]: units heaviest first, dealt in rounds of cp, each round's
+  heaviest to the currently lightest rank (equal counts: n/cp units per rank)."""
+  n = cost.shape[0]
+  heavy_first = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+  rounds = heavy_first.reshape(n // cp, cp)
+
+  def deal(loads, units):
+    ranks = jnp.argsort(loads, stable=True).astype(jnp.int32)  # lightest first
+    return loads.at[ranks].add(cost[units]), ranks
+
+  _, ranks = jax.lax.scan(deal, jnp.zeros((cp,), jnp.float32), rounds)
+  return jnp.zeros((n,), jnp.int32).at[rounds.reshape(-1)].set(ranks.reshape(-1))
+
+
+def _spread(loads: jax.Array) -> jax.Array:
+  """(max - min) / mean of per-rank loads; 0 when all are equal (or all zero)."""
+  mean = jnp.mean(loads)
+  return jnp.where(mean > 0, (jnp.max(loads) - jnp.min(loads)) / jnp.maximum(mean, 1e-30), 0.0)
+
+
+def _objective(loads):
+  """[2, C, cp] loads (mean 1) -> [C]: worst spread plus a small variance term that lets swaps
+  make progress where the worst rank is tied."""
+  spread = jnp.max(jnp.max(loads, axis=2) - jnp.min(loads, axis=2), axis=0)
+  return spread + 0.25 * jnp.sum(jnp.square(loads - 1.0), axis=(0, 2))
+
+
+def _refine_by_swaps(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: int,
+                     steps: int) -> jax.Array:
+  """Improve an assignment by up to `steps` unit swaps, balancing both costs at once.
+
+  Each step takes the cost whose spread (max - min rank load, in units of the mean load) is
+  worse, its heaviest rank X and its lightest rank Y. Candidate swaps move load out of X (unit
+  a of X against a unit b of any rank R) or into Y (unit b of Y against a unit a of any rank R):
+  swapping moves d = c_a - c_b from a's rank to b's, best when d is half their load gap, so per
+  (unit, other rank) the units whose cost is nearest that target (a searchsorted in the other
+  rank's sorted costs, and its neighbours) are candidates. Every candidate is scored by the
+  exact new objective, the worse spread of the two costs, and the best swap is applied if it
+  lowers the objective. Counts stay equal. O(n log n + n * cp) per step.
+  """
+  n = kept.shape[0]
+  per = n // cp
+  mean_k = jnp.maximum(jnp.sum(kept) / cp, 1e-30)
+  mean_v = jnp.maximum(jnp.sum(visited) / cp, 1e-30)
+  costs = jnp.stack([kept / mean_k, visited / mean_v])  # [2, n]: loads in units of the mean
+  rank_ids = jnp.arange(cp, dtype=jnp.int32)
+
+  def step(_, ranks):
+    loads = jnp.zeros((2, cp), jnp.float32).at[:, ranks].add(costs)
+    spreads = jnp.max(loads, axis=1) - jnp.min(loads, axis=1)
+    objective = _objective(loads[:, None, :])[0]
+    m = jnp.argmax(spreads)  # the cost to fix first
+    primary, lm = costs[m], loads[m]
+    x, y = jnp.argmax(lm), jnp.argmin(lm)
+    by_cost = jnp.argsort(primary, stable=True)
+    grouped = by_cost[jnp.argsort(ranks[by_cost], stable=True)].astype(jnp.int32).reshape(cp, per)
+    sorted_p = primary[grouped]  # [cp, per]
+    search = jax.vmap(jnp.searchsorted, in_axes=(0, 1), out_axes=1)  # rank r's costs, targets [., cp]
+
+    def around(targets):  # targets [per, cp] -> candidate units [per, cp, 4] of each rank
+      j = search(sorted_p, targets).astype(jnp.int32)
+      idx = jnp.clip(j[..., None] + jnp.arange(-2, 2), 0, per - 1)
+      return grouped[rank_ids[None, :, None], idx]
+
+    a_out = jnp.broadcast_to(grouped[x][:, None, None], (per, cp, 4))  # a in X, b in rank R
+    b_out = around(primary[grouped[x]][:, None] - (lm[x] - lm)[None, :] / 2)
+    b_in = jnp.broadcast_to(grouped[y][:, None, None], (per, cp, 4))  # b in Y, a in rank R
+    a_in = around(primary[grouped[y]][:, None] + (lm - lm[y])[None, :] / 2)
+    a = jnp.concatenate([a_out.reshape(-1), a_in.reshape(-1)])
+    b = jnp.concatenate([b_out.reshape(-1), b_in.reshape(-1)])
+    ra, rb = ranks[a], ranks[b]
+    d = costs[:, a] - costs[:, b]  # [2, C]: load moved from a's rank to b's
+    new = (loads[:, None, :] - d[..., None] * (rank_ids == ra[:, None])
+           + d[..., None] * (rank_ids == rb[:, None]))  # [2, C, cp]
+    obj = _objective(new)
+    obj = jnp.where(ra != rb, obj, jnp.inf)
+    best = jnp.argmin(obj)
+    swap = obj[best] < objective - 1e-6
+    ab, bb = a[best], b[best]
+    new_ranks = ranks.at[ab].set(ranks[bb]).at[bb].set(ranks[ab])
+    return jnp.where(swap, new_ranks, ranks)
+
+  return jax.lax.fori_loop(0, steps, step, ranks)
+
+
+def _fixed_ranks(n: int, cp: int, kind: str) -> np.ndarray:
+  """Rank of every unit under the natural or (n a multiple of 2*cp) the Llama 3 order."""
+  unit = np.arange(n)
+  if kind == "natural":
+    return (unit // (n // cp)).astype(np.int32)
+  chunk = unit // (n // (2 * cp))
+  return np.where(chunk < cp, chunk, 2 * cp - 1 - chunk).astype(np.int32)
+
+
+def _worst_rank(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: int) -> jax.Array:
+  """max over the two costs of (max rank load / mean rank load); 1.0 is perfect."""
+  def spread(c):
+    loads = jnp.zeros((cp,), jnp.float32).at[ranks].add(c)
+    mean = jnp.sum(loads) / cp
+    return jnp.where(mean > 0, jnp.max(loads) / jnp.maximum(mean, 1e-30), 1.0)
+  return jnp.maximum(spread(kept), spread(visited))
+
+
+def _row_balanced_units(kept, visited, cp: int, try_llama3: bool):
+  """One row: rank of every unit (int32 [n]) under the best of balanced / natural / llama3."""
+  n = kept.shape[0]
+  total_k, total_v = jnp.sum(kept), jnp.sum(visited)
+  cost = (kept / jnp.maximum(total_k, 1e-30)) + (visited / jnp.maximum(total_v, 1e-30))
+  dealt = _refine_by_swaps(_lpt_ranks(cost, cp), kept, visited, cp, _SWAP_STEPS_PER_RANK * cp)
+  candidates = [dealt, jnp.asarray(_fixed_ranks(n, cp, "natural"))]
+  if try_llama3:
+    candidates.append(jnp.asarray(_fixed_ranks(n, cp, "llama3")))
+  candidates = jnp.stack(candidates)
+  worst = jax.vmap(lambda r: _worst_rank(r, kept, visited, cp))(candidates)
+  return candidates[jnp.argmin(worst)]  # ties: the first, i.e. the computed assignment
+
+
+def _order_from_unit_ranks(ranks: jax.Array, block: int) -> TokenOrder:
+  """[B, n] unit ranks -> token order: rank 0's units, then rank 1's, ..., each ascending."""
+  b, n = ranks.shape
+  unit_order = jnp.argsort(ranks, axis=1, stable=True).astype(jnp.int32)
+  return _expand_unit_order(unit_order, block)
+
+
+def _expand_unit_order(unit_order: jax.Array, block: int) -> TokenOrder:
+  """A unit permutation [B, n] -> the token permutation [B, n * block] and its inverse."""
+  b, n = unit_order.shape
+  within = jnp.arange(block, dtype=jnp.int32)
+  order = (unit_order[:, :, None] * block + within).reshape(b, n * block)
+  rows = jnp.arange(b)[:, None]
+  inverse = jnp.zeros_like(order).at[rows, order].set(
+      jnp.broadcast_to(jnp.arange(n * block, dtype=jnp.int32), (b, n * block)))
+  return TokenOrder(order, inverse)
+
+
+def balanced_order(positions, segment_ids, cp: int, *, block: int = 128,
+                   kv_block: int | None = None, causal: bool = True,
+                   sliding_window: int | None = None) -> TokenOrder:
+  """The document-aware order of the module docstring, per batch row. jit-able.
+
+  positions, segment_ids: int [B, S] in natural order (padding = PADDING_SEGMENT_ID), S a
+  multiple of cp * block. block: the unit moved whole, the kernels' query block size (or a
+  multiple of every query block size in use, forward and backward); kv_block: the kernels'
+  forward kv block size (default block), used to count visited blocks. causal / sliding_window:
+  the mask the order balances (as in create_attention_mask). Returns a TokenOrder [B, S].
+  """
+  _check_rows(positions, segment_ids)
+  cp = _check_cp(cp)
+  block = _check_block("block", block)
+  kv_block = block if kv_block is None else _check_block("kv_block", kv_block)
+  window = _check_window(sliding_window)
+  b, s = positions.shape
+  _check_units(s, cp, block)
+  return _balanced_order(jnp.asarray(positions), jnp.asarray(segment_ids), cp=cp, block=block,
+                         kv_block=kv_block, causal=bool(causal), window=window)
+
+
+@functools.partial(jax.jit, static_argnames=("cp", "block", "kv_block", "causal", "window"))
+def _balanced_order(positions, segment_ids, *, cp, block, kv_block, causal, window):
+  kept, visited = jax.vmap(
+      lambda p, g: _row_unit_costs(p, g, block, kv_block, causal, window))(positions, segment_ids)
+  n = kept.shape[1]
+  try_llama3 = n % (2 * cp) == 0
+  ranks = jax.vmap(lambda k, v: _row_balanced_units(k, v, cp, try_llama3))(kept, visited)
+  return _order_from_unit_ranks(ranks, block)
+
+
+def token_order(positions, segment_ids, cp: int, *, order: str = "balanced", block: int = 128,
+                kv_block: int | None = None, causal: bool = True,
+                sliding_window: int | None = None) -> TokenOrder:
+  """The token order `order` ("natural", "llama3" or "balanced") for this batch, and its inverse.
+
+  positions, segment_ids: int [B, S] in natural order. The fixed orders ignore their values
+  (their shape alone decides); "balanced" is computed from them (see balanced_order).
+  """
+  _check_order_name(order)
+  _check_rows(positions, segment_ids)
+  cp = _check_cp(cp)
+  b, s = positions.shape
+  if order == "natural":
+    return natural_order(b, s)
+  if order == "llama3":
+    return llama3_order(b, s, cp)
+  return balanced_order(positions, segment_ids, cp, block=block, kv_block=kv_block, causal=causal,
+                        sliding_window=sliding_window)
+
+
+# ----------------------------------------------------------------------------- applying orders
+
+
+def _take(x, index: jax.Array, axis: int, name: str):
+  if x is None:
+    return None
+  ndim = len(x.shape)
+  ax = axis + ndim if axis < 0 else axis
+  if not 1 <= ax < ndim:
+    raise ValueError(f"axis {axis} must name a sequence axis after the batch axis of {name} "
+                     f"(shape {tuple(x.shape)})")
+  b, s = index.shape
+  if x.shape[0] != b or x.shape[ax] != s:
+    raise ValueError(f"{name} of shape {tuple(x.shape)} does not match the order [{b}, {s}] "
+                     f"(batch on axis 0, sequence on axis {axis})")
+  idx = index.reshape((b,) + (1,) * (ax - 1) + (s,) + (1,) * (ndim - ax - 1))
+  xp = np if isinstance(x, np.ndarray) and isinstance(index, np.ndarray) else jnp
+  return xp.take_along_axis(x, idx, axis=ax)
+
+
+def _map(fn, tree, label: str):
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(_map(fn, x, f"{label}[{i}]") for i, x in enumerate(tree))
+  if isinstance(tree, dict):
+    return {k: _map(fn, v, f"{label}[{k!r}]") for k, v in tree.items()}
+  return fn(tree, label)
+
+
+def apply_token_order(x_or_tree, order: TokenOrder, axis: int = 1):
+  """Natural -> permuted order along `axis` (batch on axis 0) for an array or a tuple / list /
+  dict of arrays (None passes through). Example: [B, S, H, D] activations, [B, S] ids."""
+  return _map(lambda x, n: _take(x, order.order, axis, n), x_or_tree, "x")
+
+
+def undo_token_order(x_or_tree, order: TokenOrder, axis: int = 1):
+  """Permuted -> natural order along `axis`: the exact inverse of apply_token_order."""
+  return _map(lambda x, n: _take(x, order.inverse, axis, n), x_or_tree, "x")
+
+
+__all__ = ["ORDERS", "TokenOrder", "natural_order", "llama3_order", "llama3_chunk_order",
+           "balanced_order", "token_order", "unit_costs", "kept_pairs_per_token",
+           "apply_token_order", "undo_token_order"]
