@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,7 @@ class Static:
   window: int  # 0: none
   deterministic: bool
   interpret: bool
+  paired: bool = True  # benchmarking hook: KVAX_MOSAIC_UNPAIRED=1 awaits every product alone
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -163,7 +165,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   bcfg = bwd_kernels.BwdConfig(
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
-      with_dq=not cfg.deterministic, interpret=cfg.interpret)
+      with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -235,7 +237,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-               deterministic=bool(deterministic_backward), interpret=bool(interpret))
+               deterministic=bool(deterministic_backward), interpret=bool(interpret),
+               paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

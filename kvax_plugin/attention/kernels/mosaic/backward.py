@@ -36,7 +36,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
-                                                          _ROW, _smem, accumulate, pair_keep)
+                                                          _ROW, _smem, accumulate, pair_keep,
+                                                          products_together)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -53,6 +54,7 @@ class BwdConfig:
   window: int  # 0: none
   with_dq: bool  # dk/dv kernel also reduce-adds dq (else the dq kernel runs)
   interpret: bool
+  paired: bool = True  # issue independent products together (one wgmma wait for two)
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool) -> int:
@@ -146,26 +148,37 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           keep = _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, pt.shape)
           pt = jnp.where(keep, pt, 0.0)
         plgpu.barrier_wait(do_ready.at[slot])
-        dv_acc = accumulate(dv_acc, pt.astype(dtype), do_smem.at[slot], cfg.interpret)
+        if cfg.paired:
+          dv_acc, dpt = products_together(
+              (dv_acc, pt.astype(dtype), do_smem.at[slot]),
+              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, TILE_Q)), cfg.interpret)
+        else:
+          dv_acc = accumulate(dv_acc, pt.astype(dtype), do_smem.at[slot], cfg.interpret)
 
-        def dprobs(ref):
-          plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
-          return ref[...]
-        dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
+          def dprobs(ref):
+            plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
+            return ref[...]
+          dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
         delta = plgpu.load(delta_smem.at[slot], layout=_COL)
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
         ds16 = dst.astype(dtype)
-        dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         if cfg.with_dq:
           my_ds = ds_smem.at[wg]
           my_ds[...] = ds16
           plgpu.commit_smem()
+          if cfg.paired:
+            dk_acc, dq = products_together((dk_acc, ds16, q_smem.at[slot]),
+                                           (None, my_ds.T, my_k, (TILE_Q, dk)), cfg.interpret)
+          else:
+            dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
 
-          def dq_part(ref):
-            plgpu.wgmma(ref, my_ds.T, my_k)
-            return ref[...]
-          dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
+            def dq_part(ref):
+              plgpu.wgmma(ref, my_ds.T, my_k)
+              return ref[...]
+            dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
+        else:
+          dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(q_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
         if cfg.with_dq:
@@ -338,11 +351,17 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       def step(ki, acc, masked: bool):
         slot = lax.rem(ki - lower, stages)
         plgpu.barrier_wait(k_ready.at[slot])
-
-        def scores(ref):
-          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
-          return ref[...]
-        s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        if cfg.paired:
+          plgpu.barrier_wait(v_ready.at[slot])
+          s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
+                                    (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
+                                    cfg.interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+        else:
+          def scores(ref):
+            plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+            return ref[...]
+          s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
         z2, dz = _logit_terms(cfg, s)
         p = jnp.exp2(z2 - lax.broadcast_in_dim(lse, z2.shape, [0]))
         if masked:
@@ -350,13 +369,14 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
           p = jnp.where(pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape), p, 0.0)
-        plgpu.barrier_wait(v_ready.at[slot])
+        if not cfg.paired:
+          plgpu.barrier_wait(v_ready.at[slot])
 
-        def dprobs(ref):
-          plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
-          return ref[...]
-        dp = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
-        plgpu.barrier_arrive(v_free.at[slot])
+          def dprobs(ref):
+            plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
+            return ref[...]
+          dp = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+          plgpu.barrier_arrive(v_free.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         ds = ds * (cfg.scale if dz is None else dz)
         acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
