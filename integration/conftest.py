@@ -18,6 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 HAVE_MAXTEXT = importlib.util.find_spec("maxtext") is not None
 REQUIRE_MAXTEXT = os.environ.get("KVAX_REQUIRE_MAXTEXT") == "1" or os.environ.get("CI") == "true"
 
+# Levanter's suite runs in its own environment (.venv-levanter, see scripts/test.sh).
+collect_ignore = ["levanter"]
+
 
 def pytest_collection_modifyitems(config, items):
   del config

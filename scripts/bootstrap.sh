@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 # (tests/test_triton_interpret.py); without a GPU, backend="auto" still resolves to "jax".
 # A fresh install of dev + maxtext took 3m20s on a 2-core machine without a pip cache.
 EXTRAS=${KVAX_EXTRAS:-dev,maxtext,gpu}
+# Another environment (scripts/bootstrap_levanter.sh: Levanter cannot share one with MaxText).
+VENV=${KVAX_VENV:-.venv}
+CONSTRAINTS=${KVAX_CONSTRAINTS:-constraints.txt}
 
 find_python() {
   local c
@@ -25,20 +28,20 @@ find_python() {
   return 1
 }
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   if ! PY=$(find_python); then
     echo "kvax-plugin needs Python >= 3.12 (jax >= 0.11, maxtext). None was found on PATH" >&2
     echo "(python3.12, python3.13) or under pyenv (\$PYENV_ROOT/versions/3.12*)." >&2
     echo "Install one (e.g. 'pyenv install 3.12') or set KVAX_PYTHON=/path/to/python3.12." >&2
     exit 1
   fi
-  echo "bootstrap: creating .venv with $PY ($("$PY" --version))"
-  rm -rf .venv
-  "$PY" -m venv .venv
+  echo "bootstrap: creating $VENV with $PY ($("$PY" --version))"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
 fi
-stamp=".venv/.installed-$(cat constraints.txt setup.cfg | sha1sum | cut -c1-12)-$EXTRAS"
+stamp="$VENV/.installed-$(cat "$CONSTRAINTS" setup.cfg | sha1sum | cut -c1-12)-$EXTRAS"
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[$EXTRAS]"
-  rm -f .venv/.installed-*; touch "$stamp"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+  rm -f "$VENV"/.installed-*; touch "$stamp"
 fi

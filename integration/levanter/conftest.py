@@ -1,0 +1,37 @@
+"""Integration tests against Levanter (marin-levanter), run in .venv-levanter (scripts/test.sh).
+
+Four simulated CPU devices for the mesh tests: XLA reads the flag when its CPU backend starts,
+so it is set here, before anything imports jax. Float32 matmuls run at full precision on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_FLAG = "--xla_force_host_platform_device_count=4"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kvax_levanter():
+  """The plugin, installed for the session and uninstalled at its end."""
+  from kvax_plugin.integrations import levanter as kvax_levanter
+  kvax_levanter.install()
+  yield kvax_levanter
+  kvax_levanter.uninstall()
+
+
+@pytest.fixture
+def seam_counts(kvax_levanter):
+  """seam.TRACE_COUNTS, zeroed (what the seam did while tracing, per test)."""
+  from kvax_plugin.integrations.levanter import seam
+  for k in seam.TRACE_COUNTS:
+    seam.TRACE_COUNTS[k] = 0
+  seam.SHARDED_SPECS.clear()
+  return seam.TRACE_COUNTS

@@ -1,0 +1,115 @@
+"""kvax settings for Levanter: which kvax kernel, and its block sizes.
+
+Levanter's model configs are frozen dataclasses parsed by draccus, which rejects unknown keys,
+so these settings do not live in the model config. They come, in this order, from:
+  1. `configure(...)` / `install(settings=...)` (or the launcher's --kvax.* flags),
+  2. the environment: KVAX_LEVANTER_BACKEND, KVAX_LEVANTER_BLOCK_SIZE,
+  3. the defaults below.
+The model config's own `flash_attention_block_size`, when set, is the block size for the
+query and key/value blocks of both passes unless a block size was configured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import kvax_plugin
+
+KERNELS = ("auto", "jax", "triton", "reference")
+ENV_BACKEND = "KVAX_LEVANTER_BACKEND"
+ENV_BLOCK_SIZE = "KVAX_LEVANTER_BLOCK_SIZE"
+
+
+def _check_block(name: str, value) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+    raise ValueError(f"{name}={value!r}: must be a power of two >= 16 (or None for kvax's default)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KvaxLevanterSettings:
+  """kvax options for every Levanter attention call with attn_backend=kvax.
+
+  kernel: "auto" (Triton on a supported GPU, else the pure-JAX kernel), "jax", "triton" or
+    "reference"; an explicit kernel never falls back to another.
+  block_size: query and key/value block size of both passes (power of two >= 16); None takes
+    the model config's flash_attention_block_size, and without one kvax's defaults.
+  memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
+  skip_pad_tokens: skip blocks made only of padding (False visits them, masked).
+  """
+
+  kernel: str = "auto"
+  block_size: int | None = None
+  memory_optimized_gqa_backward: bool = False
+  skip_pad_tokens: bool = True
+
+  def __post_init__(self):
+    if self.kernel not in KERNELS:
+      raise ValueError(f"kernel={self.kernel!r}: must be one of {KERNELS}")
+    _check_block("block_size", self.block_size)
+
+  def params(self, flash_block_size: int | None):
+    """(fwd_params, bwd_params) for the mask and the op; (None, None) means kvax's defaults.
+
+    flash_block_size: the model config's flash_attention_block_size (used when block_size is
+    None).
+    """
+    block = self.block_size if self.block_size is not None else flash_block_size
+    if block is None:
+      return None, None
+    _check_block("flash_attention_block_size", block)
+    fwd = kvax_plugin.FlashAttentionParamsConfig(query_block_size=block, kv_block_size=block)
+    bwd = kvax_plugin.FlashAttentionParamsConfig(query_block_size=block, kv_block_size=block,
+                                                 num_stages=2)
+    return fwd, bwd
+
+
+def from_environment() -> KvaxLevanterSettings:
+  """Settings from KVAX_LEVANTER_BACKEND / KVAX_LEVANTER_BLOCK_SIZE (defaults where unset)."""
+  kernel = os.environ.get(ENV_BACKEND, "auto") or "auto"
+  block = os.environ.get(ENV_BLOCK_SIZE)
+  if block:
+    try:
+      block = int(block)
+    except ValueError:
+      raise ValueError(f"{ENV_BLOCK_SIZE}={block!r}: must be an integer") from None
+  else:
+    block = None
+  try:
+    return KvaxLevanterSettings(kernel=kernel, block_size=block)
+  except ValueError as e:
+    raise ValueError(f"from the environment ({ENV_BACKEND} / {ENV_BLOCK_SIZE}): {e}") from None
+
+
+_LOCK = threading.Lock()
+_CURRENT: KvaxLevanterSettings | None = None
+
+
+def current() -> KvaxLevanterSettings:
+  """The settings in force (configure()'s, else the environment's, read on first use)."""
+  global _CURRENT
+  with _LOCK:
+    if _CURRENT is None:
+      _CURRENT = from_environment()
+    return _CURRENT
+
+
+def configure(settings: KvaxLevanterSettings | None = None, **changes) -> KvaxLevanterSettings:
+  """Set the settings (a whole KvaxLevanterSettings, or field=value changes to the current ones).
+
+  Returns the previous settings, so a caller can restore them. Takes effect the next time a
+  model is traced (settings are read when jit traces the decoder, not on every step).
+  """
+  global _CURRENT
+  if settings is not None and changes:
+    raise TypeError("configure() takes a KvaxLevanterSettings or field=value changes, not both")
+  if settings is not None and not isinstance(settings, KvaxLevanterSettings):
+    raise TypeError(f"settings must be a KvaxLevanterSettings, got {type(settings).__name__}")
+  previous = current()
+  new = settings if settings is not None else dataclasses.replace(previous, **changes)
+  with _LOCK:
+    _CURRENT = new
+  return previous
