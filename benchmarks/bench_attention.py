@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvax_plugin.attention.api import flash_attention  # noqa: E402
-from kvax_plugin.attention import triton_backend  # noqa: E402
+from kvax_plugin.attention.kernels.triton import backend as triton_backend  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS,  # noqa: E402
                                           DEFAULT_FWD_PARAMS)

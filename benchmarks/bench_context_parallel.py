@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
 
   from cp_layouts import random_documents
   from kvax_plugin.attention.api import create_attention_mask, flash_attention, resolve_backend
-  from kvax_plugin.attention.sharding import (context_parallel_balance,
+  from kvax_plugin.attention.context_parallel import (context_parallel_balance,
                                               permute_tokens_context_parallelism,
                                               unpermute_tokens_context_parallelism)
 

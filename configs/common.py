@@ -2,7 +2,8 @@
 
 A family file lists its variants as {name: (MaxText model_name, overrides)} and calls
 `family_config`. Every field below is documented where it is set; `python -m kvax_plugin.launch`
-translates them into MaxText keys (kvax_plugin/launch.py, `maxtext_overrides`).
+translates them into MaxText keys (`maxtext_keys` in
+kvax_plugin/integrations/maxtext/launch_keys.py).
 
 Why two kinds of variants. `tiny` keeps the family's attention exactly (head dim, query/kv head
 ratio, sliding window, soft cap, sinks, MLA dims) and shrinks only width, depth, vocabulary and

@@ -24,21 +24,21 @@ def main(model: str, mesh_overrides: dict) -> dict:
   from flax.linen import partitioning as nn_partitioning
 
   import maxtext_harness as H
-  from kvax_plugin.backends import kvax_backend
+  from kvax_plugin.providers import kvax_provider
   from kvax_plugin.integrations import maxtext as kvax_maxtext
 
   import dataclasses
-  from kvax_plugin.backends import register_backend
+  from kvax_plugin.providers import register_provider
 
   kvax_maxtext.install()
   results, seen_options = {}, []
 
   def recording_prepare(*args, **kwargs):
-    prepared = kvax_backend.prepare(*args, **kwargs)
+    prepared = kvax_provider.prepare(*args, **kwargs)
     seen_options.append(prepared.options)  # what the decoder entry resolved under the rules
     return prepared
 
-  register_backend(dataclasses.replace(kvax_backend.KVAX_BACKEND, prepare=recording_prepare),
+  register_provider(dataclasses.replace(kvax_provider.KVAX_PROVIDER, prepare=recording_prepare),
                    replace=True)
 
   for attention in ("dot_product", "kvax"):
@@ -60,7 +60,7 @@ def main(model: str, mesh_overrides: dict) -> dict:
   grad_diffs = {n: H.max_rel_diff(got[2][n], ref[2][n]) for n in ref[2]}
   worst = max(grad_diffs, key=grad_diffs.get)
   over = {n: d for n, d in grad_diffs.items() if not d <= H.grad_tolerance(n)}
-  register_backend(kvax_backend.KVAX_BACKEND, replace=True)
+  register_provider(kvax_provider.KVAX_PROVIDER, replace=True)
   if len(seen_options) != 1:
     raise AssertionError(f"expected one prepare per traced step, saw {len(seen_options)}")
   opts = seen_options[0]

@@ -19,7 +19,7 @@ def main(model: str, extra: dict) -> dict:
   import maxtext
   from maxtext.layers import attention_op
   import maxtext_harness as H
-  from kvax_plugin.backends import kvax_backend
+  from kvax_plugin.providers import kvax_provider
   from kvax_plugin.integrations import maxtext as kvax_maxtext
 
   # kvax_* keys in `extra` are declared by the patch (no install()).
@@ -27,7 +27,7 @@ def main(model: str, extra: dict) -> dict:
   diffs = c["grad_diffs"]
   worst = max(diffs, key=diffs.get)
   return dict(maxtext_file=maxtext.__file__, patched=bool(getattr(attention_op, "KVAX_PATCHED", False)),
-              installed=kvax_maxtext.is_installed(), trace_counts=dict(kvax_backend.TRACE_COUNTS),
+              installed=kvax_maxtext.is_installed(), trace_counts=dict(kvax_provider.TRACE_COUNTS),
               loss_dot_product=c["loss_dot_product"], loss_kvax=c["loss_kvax"],
               logit_rel_diff=c["logits_max_rel_diff"], worst_grad=worst,
               worst_grad_rel_diff=diffs[worst],

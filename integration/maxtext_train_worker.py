@@ -15,13 +15,13 @@ import sys
 
 def main() -> None:
   metrics_file, argv = sys.argv[1], sys.argv[2:]
-  from kvax_plugin.backends import kvax_backend
+  from kvax_plugin.providers import kvax_provider
   from kvax_plugin.integrations.maxtext import train
   train.main([sys.argv[0]] + argv + [f"metrics_file={metrics_file}"])
   with open(metrics_file) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   losses = [r["learning/loss"] for r in sorted(rows, key=lambda r: r["step"])]
-  print("KVAX_RESULT " + json.dumps(dict(losses=losses, trace_counts=dict(kvax_backend.TRACE_COUNTS))),
+  print("KVAX_RESULT " + json.dumps(dict(losses=losses, trace_counts=dict(kvax_provider.TRACE_COUNTS))),
         flush=True)
 
 

@@ -41,13 +41,13 @@ CASES = [("llama3-8b", None), ("mistral-7b", None), ("gemma2-2b", None),
                          ids=[m + ("" if e is None else "-window48") for m, e in CASES])
 def test_kvax_matches_dot_product(kvax_installed, model_name, extra):
   import maxtext_harness as H
-  from kvax_plugin.backends import kvax_backend
+  from kvax_plugin.providers import kvax_provider
 
-  before = dict(kvax_backend.TRACE_COUNTS)
+  before = dict(kvax_provider.TRACE_COUNTS)
   cfg, batch, loss_ref, logits_ref, grads_ref, params_ref = _run(model_name, "dot_product", extra)
-  assert kvax_backend.TRACE_COUNTS == before, "dot_product must not touch the kvax backend"
+  assert kvax_provider.TRACE_COUNTS == before, "dot_product must not touch the kvax backend"
   _, _, loss, logits, grads, params = _run(model_name, "kvax", extra)
-  assert kvax_backend.TRACE_COUNTS["apply"] > before.get("apply", 0), "kvax was not used"
+  assert kvax_provider.TRACE_COUNTS["apply"] > before.get("apply", 0), "kvax was not used"
 
   # The shrink kept every attention-defining key of the upstream yml.
   upstream = H.upstream_model_yml(model_name)

@@ -85,7 +85,7 @@ def test_kvax_config_keys(kvax_installed):
   config = H.make_config("llama3-8b", "kvax", extra=dict(kvax_backend="reference",
                                                          kvax_fwd_query_block_size=64))
   options = kvax_installed.options_from_config(config)
-  assert options.kernel == "reference" and options.fwd_params.query_block_size == 64
+  assert options.backend == "reference" and options.fwd_params.query_block_size == 64
   assert options.bwd_params.kv_block_size == 32
   with pytest.raises(Exception, match="'kvax_not_a_key' not in"):
     H.make_config("llama3-8b", "kvax", extra=dict(kvax_not_a_key=1))
@@ -161,18 +161,18 @@ def test_local_layer_without_window_is_an_error():
 def test_mask_is_built_once_per_step(kvax_installed, model_name, scan_layers, masks):
   """Trace one training step (forward + backward): one prepare, one build per window."""
   import maxtext_harness as H
-  from kvax_plugin.backends import kvax_backend
+  from kvax_plugin.providers import kvax_provider
 
   config = H.make_config(model_name, "kvax", seq_len=128,
                          extra=dict(scan_layers=scan_layers, base_num_decoder_layers=2))
   model, mesh = H.make_model(config)
   batch = H.packed_batch(config.global_batch_size_to_train_on, config.max_target_length,
                          config.vocab_size)
-  before = dict(kvax_backend.TRACE_COUNTS)
+  before = dict(kvax_provider.TRACE_COUNTS)
   with jax.set_mesh(mesh):
     loss, _, _ = H.value_and_grads(model, batch)  # nnx.jit: traced once, then run
   assert np.isfinite(float(loss))
-  counts = {k: kvax_backend.TRACE_COUNTS[k] - before.get(k, 0)
+  counts = {k: kvax_provider.TRACE_COUNTS[k] - before.get(k, 0)
             for k in ("prepare", "mask_builds", "apply")}
   layers = config.num_decoder_layers * (2 if model_name.startswith("gemma2") else 1)
   report(f"[mask once] {model_name} scan_layers={scan_layers} ({layers} attention layers): "

@@ -31,26 +31,38 @@ What happens:
      block mask, kvax_plugin.draw_mask) under the output directory, next to MaxText's own
      tensorboard/ folder. MaxText's full log is in maxtext.log there.
 
+This file is the flags -> checked config -> run path; the pieces it drives live with what they
+serve: the corpus stream in kvax_plugin/data/feeding.py, the MaxText key translation, hooks and
+run report in kvax_plugin/integrations/maxtext/ (launch_keys.py, training_hooks.py,
+run_report.py).
+
 Exit status: 0 after a finished run, 2 for a bad flag (the message names it), 1 otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import importlib.util
 import json
-import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
+
+import kvax_plugin
+from kvax_plugin.attention.kernels import BACKENDS as KVAX_BACKENDS
+from kvax_plugin.errors import FlagError, SetupError
+from kvax_plugin.integrations.maxtext import run_report
+from kvax_plugin.integrations.maxtext.launch_keys import (KVAX_KEYS, argv_value,
+                                                          check_maxtext_config, maxtext_argv,
+                                                          maxtext_dir, maxtext_keys, output_dir)
+from kvax_plugin.integrations.maxtext.training_hooks import (Progress, packed_corpus_pipeline,
+                                                             progress_hook, quiet_maxtext)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "configs/<family>.py:<variant>, e.g. configs/llama3.py:tiny",
@@ -60,19 +72,6 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False,
 
 FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
 ATTENTIONS = ("kvax", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "autoselected")
-KVAX_BACKENDS = ("auto", "jax", "triton", "reference")
-# config.mesh field -> MaxText key
-MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
-             for net in ("ici", "dcn") for axis in ("data", "fsdp", "tensor", "context")}
-KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
-             "bwd_kv_block_size", "memory_optimized_gqa_backward", "skip_pad_tokens")
-
-class FlagError(ValueError):
-  """A flag (or raw MaxText key) has a value the launcher cannot run; the message names it."""
-
-
-class SetupError(RuntimeError):
-  """The environment lacks what the launcher needs (MaxText, a supported version of it)."""
 
 
 def _configs_dir() -> str:
@@ -103,11 +102,6 @@ def check_config_path(argv: Sequence[str]) -> None:
           f"{', '.join(FAMILIES)}, as configs/<family>.py:<variant> (in {_configs_dir()})")
     return
   raise FlagError("--config is required, e.g. --config=configs/llama3.py:tiny")
-
-
-def maxtext_dir() -> str:
-  import maxtext
-  return os.path.dirname(maxtext.__file__)
 
 
 def detect_platform() -> str:
@@ -166,7 +160,6 @@ def check_model(cfg) -> None:
 
 def check_backend(cfg) -> str:
   """The kvax backend the run will use; an explicit one that cannot run here is an error."""
-  import kvax_plugin
   try:
     return kvax_plugin.resolve_backend(cfg.kvax.backend)
   except kvax_plugin.BackendUnavailableError as e:
@@ -184,438 +177,6 @@ def parse_raw_overrides(args: Sequence[str]) -> dict[str, str]:
                       "are --config.<field>=value")
     raw[key] = value
   return raw
-
-
-def output_dir(cfg) -> str:
-  return os.path.abspath(cfg.output_dir or os.path.join(
-      "outputs", f"{cfg.family}-{cfg.variant}-{cfg.attention}"))
-
-
-def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
-  """The MaxText keys (name -> value) the config translates to, before raw overrides."""
-  out = output_dir(cfg)
-  keys: dict[str, Any] = dict(
-      model_name=cfg.model,
-      # Our variants change model-yml keys (width, depth, experts) on purpose.
-      override_model_config=True,
-      attention=cfg.attention,
-      max_target_length=cfg.seq_len,
-      per_device_batch_size=cfg.per_device_batch_size,
-      steps=cfg.steps,
-      learning_rate=cfg.learning_rate,
-      warmup_steps_fraction=cfg.warmup_steps_fraction,
-      init_weights_seed=cfg.seed,
-      context_parallel_load_balance=cfg.context_parallel_load_balance,
-      # Our batches are packed (several documents per row); MaxText reads this flag for its
-      # context-parallel checks. dataset_type stays "synthetic" only to pass MaxText's data-key
-      # validation: the run replaces MaxText's iterator with the packed corpus (see module doc).
-      packing=True,
-      dataset_type="synthetic",
-      enable_checkpointing=False,
-      base_output_directory=os.path.dirname(out),
-      run_name=os.path.basename(out),
-      enable_tensorboard=True,
-      metrics_file=os.path.join(out, "metrics.jsonl"),
-      log_config=False,
-      dtype=("bfloat16" if platform == "gpu" else "float32") if cfg.dtype == "auto" else cfg.dtype,
-  )
-  if cfg.hardware == "auto":
-    # One process driving this host's devices: jax.distributed would wait for peers.
-    keys.update(hardware=platform, skip_jax_distributed_system=True)
-  else:
-    keys.update(hardware=cfg.hardware)
-  for field, key in MESH_KEYS.items():
-    keys[key] = cfg.mesh[field]
-  keys["kvax_backend"] = cfg.kvax.backend
-  for field in KVAX_KEYS:
-    keys[f"kvax_{field}"] = cfg.kvax[field]
-  keys.update(cfg.model_overrides.to_dict())
-  return keys
-
-
-def _argv_value(value: Any) -> str:
-  # MaxText parses key=value with OmegaConf's command-line grammar (YAML-like scalars).
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if isinstance(value, float):
-    return repr(value)
-  return str(value)
-
-
-def maxtext_argv(keys: dict[str, Any]) -> list[str]:
-  """argv for MaxText's train entry: program, base.yml, then key=value."""
-  return ["kvax_plugin.launch", os.path.join(maxtext_dir(), "configs", "base.yml")] + [
-      f"{k}={_argv_value(v)}" for k, v in keys.items()]
-
-
-def _flag_for(key: str, raw: dict[str, str]) -> str:
-  """The flag a user changes for MaxText key `key` (raw override, or --config field)."""
-  if key in raw:
-    return f"{key}={raw[key]}"
-  for field, mkey in MESH_KEYS.items():
-    if mkey == key:
-      return f"--config.mesh.{field}"
-  return f"--config.model_overrides.{key}"
-
-
-def check_maxtext_config(config, cfg, raw: dict[str, str]) -> None:
-  """Checks on MaxText's resolved config (head counts come from the model yml)."""
-  import jax
-  tensor = config.ici_tensor_parallelism * max(1, config.dcn_tensor_parallelism)
-  heads, kv_heads = config.num_query_heads, config.num_kv_heads
-  flag = _flag_for("ici_tensor_parallelism", raw)
-  if tensor > 1 and heads % tensor:
-    raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {heads} query heads of "
-                    f"{cfg.model} (as configured)")
-  if tensor > 1 and kv_heads >= tensor and kv_heads % tensor:
-    raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {kv_heads} kv heads of "
-                    f"{cfg.model} (as configured)")
-  # MaxText fills one -1 axis with what is left; the fixed axes must fit the devices of a slice.
-  ici = [int(a) for a in config.ici_parallelism]
-  per_slice = jax.device_count() // max(1, int(config.num_slices))
-  fixed = math.prod(a for a in ici if a != -1)
-  if (per_slice % fixed) if -1 in ici else (fixed != per_slice):
-    mesh = ", ".join(f"{f}={getattr(config, k)}" for f, k in MESH_KEYS.items()
-                     if f.startswith("ici"))
-    raise FlagError(f"--config.mesh ({mesh}): the fixed ici axes multiply to {fixed}, which does "
-                    f"not fit the {per_slice} devices here (set one axis to -1 to take the rest)")
-  cp = config.ici_context_parallelism * max(1, config.dcn_context_parallelism)
-  if cp > 1 and config.max_target_length % (2 * cp):
-    raise FlagError(f"--config.seq_len={config.max_target_length}: context parallelism {cp} "
-                    f"needs a multiple of {2 * cp} (two chunks per rank)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Data: the shipped corpus, packed, through MaxText's data loader
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class BatchStats:
-  """What the launcher learned about one batch while feeding it (host rows only)."""
-
-  real_tokens: int
-  rows: int
-  seq_len: int
-  documents: int
-  skipped: dict[str, float]  # mask name -> share of forward blocks skipped
-
-
-class PackedCorpus:
-  """Iterable of MaxText feature dicts (numpy) from kvax_plugin.data, one per step.
-
-  Every host packs the same global batch stream and keeps its own rows, so batches do not
-  depend on the number of hosts. Per batch, the kvax block mask is built (with the run's forward
-  block sizes, for the global and, if the model has one, the sliding-window mask) to report the
-  share of blocks skipped; `stats` grows by one entry per batch, `first` keeps the first batch.
-  """
-
-  def __init__(self, cfg, *, seq_len: int, global_rows: int, host_index: int, host_count: int,
-               sliding_window: int | None):
-    if global_rows % host_count:
-      raise FlagError(f"--config.per_device_batch_size: {global_rows} rows do not split over "
-                      f"{host_count} loading hosts")
-    self.cfg = cfg
-    self.seq_len = seq_len
-    self.global_rows = global_rows
-    self.rows = global_rows // host_count
-    self.host_index = host_index
-    self.sliding_window = sliding_window
-    self.stats: list[BatchStats] = []
-    self.first = None  # the first PackedBatch (host rows)
-
-  def masks(self, batch) -> dict[str, Any]:
-    """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}."""
-    import kvax_plugin
-    from kvax_plugin.data import to_kvax
-    pos, seg = to_kvax(batch)
-    params = kvax_plugin.FlashAttentionParamsConfig(
-        query_block_size=self.cfg.kvax.fwd_query_block_size,
-        kv_block_size=self.cfg.kvax.fwd_kv_block_size)
-    out = {"global": kvax_plugin.create_attention_mask(
-        pos, seg, pos, seg, fwd_params=params, skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)}
-    if self.sliding_window:
-      out["local"] = kvax_plugin.create_attention_mask(
-          pos, seg, pos, seg, fwd_params=params, sliding_window=self.sliding_window,
-          skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)
-    return out
-
-  def __iter__(self) -> Iterator[dict]:
-    import numpy as np
-
-    import kvax_plugin
-    from kvax_plugin.data import PackedBatch, batch_iterator, maxtext_features
-    d = self.cfg.data
-    stream = batch_iterator(self.seq_len, self.global_rows, seed=d.seed,
-                            window_batches=d.window_batches, min_chars=d.min_doc_chars,
-                            max_chars=d.max_doc_chars)
-    lo, hi = self.host_index * self.rows, (self.host_index + 1) * self.rows
-    for full in stream:
-      batch = PackedBatch(full.tokens[lo:hi], full.segment_ids[lo:hi], full.positions[lo:hi],
-                          full.pieces[lo:hi])
-      if self.first is None:
-        self.first = batch
-      skipped = {name: kvax_plugin.mask_sparsity(m)["skipped"]
-                 for name, m in self.masks(batch).items()}
-      self.stats.append(BatchStats(real_tokens=batch.num_real_tokens, rows=batch.num_seqs,
-                                   seq_len=batch.seq_len,
-                                   documents=int(sum(batch.segments_per_row())), skipped=skipped))
-      yield {k: np.asarray(v) for k, v in maxtext_features(batch).items()}
-
-
-@contextlib.contextmanager
-def packed_corpus_pipeline(cfg, holder: dict):
-  """Within the block, MaxText's create_data_iterator returns the packed corpus.
-
-  `holder["corpus"]` receives the PackedCorpus so the caller can read its statistics.
-  """
-  from maxtext.input_pipeline import input_pipeline_interface as ipi
-  from maxtext.input_pipeline import multihost_dataloading, synthetic_data_processing
-
-  original = ipi.create_data_iterator
-
-  def create_data_iterator(config, mesh):
-    import jax
-    if config.eval_interval > 0:
-      raise FlagError(f"eval_interval={config.eval_interval}: the shipped corpus has no eval "
-                      "split; leave eval_interval unset, or use a MaxText dataset_type for eval")
-    loading = ipi.get_process_loading_real_data(
-        config.data_sharding, config.global_batch_size_to_load,
-        config.global_batch_size_to_train_on, config.max_target_length, mesh)
-    window = int(getattr(config, "sliding_window_size", 0) or 0) or None
-    if window is not None and window >= config.max_target_length:
-      window = None  # the local mask equals the global one at this length: report it once
-    if jax.process_index() not in loading:
-      # Same as MaxText: hosts that hold no batch rows feed placeholders.
-      return synthetic_data_processing.PlaceHolderDataIterator(config, mesh), None
-    corpus = PackedCorpus(cfg, seq_len=config.max_target_length,
-                          global_rows=config.global_batch_size_to_load,
-                          host_index=loading.index(jax.process_index()), host_count=len(loading),
-                          sliding_window=window)
-    holder["corpus"] = corpus
-    return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
-
-  ipi.create_data_iterator = create_data_iterator
-  try:
-    yield
-  finally:
-    ipi.create_data_iterator = original
-
-
-# ----------------------------------------------------------------------------------------------
-# Progress: one line per step, extra TensorBoard scalars
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StepRecord:
-  step: int
-  loss: float
-  step_seconds: float
-  tokens_per_s: float  # real (non-padding) tokens per second, all devices
-  skipped: dict[str, float]
-
-
-class Progress:
-  """Receives MaxText's per-step train metrics; prints and records them."""
-
-  def __init__(self, cfg, holder: dict, total_steps: int, stream=None):
-    self.cfg = cfg
-    self.holder = holder
-    self.total_steps = total_steps
-    self.records: list[StepRecord] = []
-    self.stream = stream or sys.stdout
-    self.start_step = None
-
-  def on_train_metrics(self, metrics: dict, step: int) -> None:
-    scalars = metrics["scalar"]
-    loss = float(scalars["learning/loss"])
-    seconds = float(scalars.get("perf/step_time_seconds", float("nan")))
-    corpus = self.holder.get("corpus")
-    if self.start_step is None:
-      self.start_step = step
-    index = step - self.start_step
-    stats = corpus.stats[index] if corpus is not None and index < len(corpus.stats) else None
-    if stats is not None:
-      # Every loading host packs the same number of real tokens per row on average; scale the
-      # host's count to the global batch.
-      real = stats.real_tokens * self._host_scale(stats)
-      tokens_per_s = real / seconds if seconds > 0 else float("nan")
-      skipped = dict(stats.skipped)
-      # MaxText writes these scalars to TensorBoard with its own.
-      scalars["perf/real_tokens_per_sec"] = tokens_per_s
-      scalars["data/real_token_share"] = stats.real_tokens / (stats.rows * stats.seq_len)
-      for name, share in skipped.items():
-        scalars[f"kvax/blocks_skipped_{name}"] = share
-    else:
-      tokens_per_s, skipped = float("nan"), {}
-    record = StepRecord(step, loss, seconds, tokens_per_s, skipped)
-    self.records.append(record)
-    if (step + 1) % self.cfg.log_every == 0 or step == 0 or step + 1 == self.total_steps:
-      print(self.format(record), file=self.stream, flush=True)
-
-  def _host_scale(self, stats: BatchStats) -> float:
-    corpus = self.holder["corpus"]
-    return corpus.global_rows / max(1, stats.rows)
-
-  def format(self, r: StepRecord) -> str:
-    width = len(str(self.total_steps))
-    skip = "/".join(f"{v:.0%}" for v in r.skipped.values()) or "n/a"
-    names = "/".join(r.skipped) or "mask"
-    return (f"step {r.step + 1:>{width}}/{self.total_steps}  loss {r.loss:7.4f}  "
-            f"{r.tokens_per_s:9,.0f} real tok/s  {r.step_seconds:6.2f} s/step  "
-            f"blocks skipped ({names}) {skip}")
-
-
-@contextlib.contextmanager
-def progress_hook(progress: Progress):
-  """Within the block, MaxText's MetricLogger also hands train metrics to `progress`."""
-  from maxtext.common import metric_logger
-
-  original = metric_logger.MetricLogger.write_metrics
-
-  @functools.wraps(original)
-  def write_metrics(self, metrics, step, metric_type="train"):
-    if metric_type == "train" and metrics:
-      progress.on_train_metrics(metrics, int(step))
-    return original(self, metrics, step, metric_type)
-
-  metric_logger.MetricLogger.write_metrics = write_metrics
-  try:
-    yield
-  finally:
-    metric_logger.MetricLogger.write_metrics = original
-
-
-@contextlib.contextmanager
-def quiet_maxtext(log_path: str, enabled: bool):
-  """Send absl/MaxText INFO logs to `log_path` only (warnings still reach the console)."""
-  from absl import logging as absl_logging
-  os.makedirs(os.path.dirname(log_path), exist_ok=True)
-  file_handler = logging.FileHandler(log_path, mode="w")
-  file_handler.setLevel(logging.INFO)
-  file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-  root = logging.getLogger()
-  root.addHandler(file_handler)
-  absl_handler = absl_logging.get_absl_handler()
-  previous = absl_handler.level
-  if enabled:
-    absl_handler.setLevel(logging.WARNING)
-  try:
-    yield
-  finally:
-    absl_handler.setLevel(previous)
-    root.removeHandler(file_handler)
-    file_handler.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# Pictures and summary
-# ----------------------------------------------------------------------------------------------
-
-
-def plot_losses(records: Sequence[StepRecord], path: str, title: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot([r.step + 1 for r in records], [r.loss for r in records], marker="o", markersize=3)
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss (nats / token)")
-  ax.set_title(title, fontsize=9)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def draw_first_mask(corpus: PackedCorpus, out: str) -> list[str]:
-  """mask.png: the first batch's global causal block mask (mask_local.png: with the window).
-
-  The row drawn is the one holding the most documents, where skipping is most visible.
-  """
-  import kvax_plugin
-  row = max(range(corpus.first.num_seqs), key=lambda r: len(corpus.first.pieces[r]))
-  docs = len(corpus.first.pieces[row])
-  paths = []
-  for name, mask in corpus.masks(corpus.first).items():
-    path = os.path.join(out, "mask.png" if name == "global" else f"mask_{name}.png")
-    share = kvax_plugin.mask_sparsity(mask)["skipped"]
-    kvax_plugin.draw_mask(mask, path, batch_index=row, title=(
-        f"{name} mask, batch 1 row {row + 1} ({docs} document pieces): "
-        f"batch skips {share:.0%} of blocks"))
-    paths.append(path)
-  return paths
-
-
-def tensorboard_files(config) -> list[str]:
-  found = []
-  for root, _, files in os.walk(config.tensorboard_dir or ""):
-    found += [os.path.join(root, f) for f in files if f.startswith("events.out.tfevents")]
-  return sorted(found)
-
-
-def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, backend: str,
-              wall: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
-  recs = progress.records
-  timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
-  mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-  skipped = {}
-  if corpus is not None and corpus.stats:
-    for name in corpus.stats[0].skipped:
-      skipped[name] = mean([s.skipped[name] for s in corpus.stats])
-  return {
-      "family": cfg.family, "variant": cfg.variant, "model": cfg.model,
-      "attention": cfg.attention,
-      "kvax_backend": backend if cfg.attention == "kvax" else None,
-      "hardware": config.hardware, "devices": _device_count(),
-      "seq_len": config.max_target_length, "global_batch": config.global_batch_size_to_train_on,
-      "steps": len(recs),
-      "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
-      "min_loss": min(r.loss for r in recs) if recs else None,
-      "losses": [r.loss for r in recs],
-      "mean_step_seconds": mean([r.step_seconds for r in timed]),
-      "mean_tokens_per_s": mean([r.tokens_per_s for r in timed]),
-      "real_token_share": (mean([s.real_tokens / (s.rows * s.seq_len) for s in corpus.stats])
-                           if corpus is not None and corpus.stats else None),
-      "documents_per_row": (mean([s.documents / s.rows for s in corpus.stats])
-                            if corpus is not None and corpus.stats else None),
-      "blocks_skipped": skipped,
-      "kvax_fwd_blocks": [cfg.kvax.fwd_query_block_size, cfg.kvax.fwd_kv_block_size],
-      "wall_seconds": wall,
-      **files,
-  }
-
-
-def _device_count() -> int:
-  import jax
-  return jax.device_count()
-
-
-def print_summary(s: dict[str, Any], stream=None) -> None:
-  stream = stream or sys.stdout
-  w = s["wall_seconds"]
-  lines = [
-      "",
-      f"== {s['family']}:{s['variant']} ({s['model']}), attention={s['attention']}"
-      + (f" (kvax backend {s['kvax_backend']})" if s["kvax_backend"] else "")
-      + f", {s['hardware']} x{s['devices']}",
-      f"   {s['steps']} steps of {s['global_batch']} x {s['seq_len']} tokens"
-      + (f"; {s['real_token_share']:.1%} real tokens, {s['documents_per_row']:.1f} document "
-         "pieces per row" if s["real_token_share"] is not None else ""),
-      f"   loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} (min {s['min_loss']:.4f})",
-      f"   {s['mean_tokens_per_s']:,.0f} real tok/s, {s['mean_step_seconds']:.2f} s/step "
-      f"(after step 1); blocks skipped: "
-      + (", ".join(f"{k} {v:.1%}" for k, v in s["blocks_skipped"].items()) or "n/a"),
-      f"   wall: setup+compile {w['setup_and_compile']:.1f} s, training {w['training']:.1f} s, "
-      f"total {w['total']:.1f} s",
-      f"   mask:        {', '.join(s['mask_png']) or 'n/a'}",
-      f"   loss plot:   {s['loss_png'] or 'n/a'}",
-      f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",
-      f"   summary:     {s['summary_json']}   MaxText log: {s['maxtext_log']}",
-  ]
-  print("\n".join(lines), file=stream, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -636,13 +197,13 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   backend = check_backend(cfg) if cfg.attention == "kvax" else None
   check_model(cfg)
   keys = maxtext_keys(cfg, platform)
-  replaced = {k: (keys[k], v) for k, v in raw.items() if k in keys and _argv_value(keys[k]) != v}
+  replaced = {k: (keys[k], v) for k, v in raw.items() if k in keys and argv_value(keys[k]) != v}
   keys.update(raw)
   argv = maxtext_argv(keys)
   out = output_dir(cfg) if "base_output_directory" not in raw and "run_name" not in raw else None
   if replaced:
     print("raw MaxText overrides replace config-derived keys: " + ", ".join(
-        f"{k}={new} (config: {_argv_value(old)})" for k, (old, new) in replaced.items()))
+        f"{k}={new} (config: {argv_value(old)})" for k, (old, new) in replaced.items()))
 
   from kvax_plugin.integrations import maxtext as kvax_maxtext
   kvax_maxtext.install()
@@ -699,21 +260,22 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
     raise RuntimeError(f"MaxText ran no training step (steps={config.steps}); see {log_path}")
   first_step_done = sum(r.step_seconds for r in progress.records)
   files = {
-      "loss_png": plot_losses(progress.records, os.path.join(out, "loss.png"),
+      "loss_png": run_report.plot_losses(progress.records, os.path.join(out, "loss.png"),
                               f"{cfg.family}:{cfg.variant} ({cfg.model}), attention="
                               f"{cfg.attention}, packed corpus") if can_draw else None,
-      "mask_png": draw_first_mask(corpus, out) if corpus is not None and can_draw else [],
+      "mask_png": (run_report.draw_first_mask(corpus, out) if corpus is not None and can_draw
+                   else []),
       "tensorboard_dir": config.tensorboard_dir,
-      "tensorboard_files": tensorboard_files(config),
+      "tensorboard_files": run_report.tensorboard_files(config),
       "maxtext_log": log_path,
       "summary_json": os.path.join(out, "summary.json"),
   }
   wall = {"total": t_end - t0, "training": first_step_done,
           "setup_and_compile": max(0.0, (t_end - t0) - first_step_done)}
-  summary = summarize(cfg, config, progress, corpus, backend, wall, files)
+  summary = run_report.summarize(cfg, config, progress, corpus, backend, wall, files)
   with open(files["summary_json"], "w") as f:
     json.dump(summary, f, indent=2)
-  print_summary(summary)
+  run_report.print_summary(summary)
   bad = [r.step for r in progress.records if not math.isfinite(r.loss)]
   if bad:
     raise RuntimeError(f"non-finite loss at steps {bad[:5]}")
@@ -745,7 +307,6 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  import kvax_plugin
   argv = list(sys.argv if argv is None else argv)
   try:
     app.run(_main, argv=argv, flags_parser=_parse_flags)

@@ -109,19 +109,20 @@ def test_unknown_variant_names_the_flag():
 @needs_maxtext
 def test_translation_to_maxtext_keys():
   from kvax_plugin import launch
+  from kvax_plugin.integrations.maxtext import launch_keys
   c = load_family("gemma2").get_config("tiny")
   with c.unlocked():
     c.mesh.ici_tensor = 2
     c.kvax.backend = "jax"
-  keys = launch.maxtext_keys(c, "cpu")
+  keys = launch_keys.maxtext_keys(c, "cpu")
   assert keys["model_name"] == "gemma2-2b" and keys["attention"] == "kvax"
   assert keys["hardware"] == "cpu" and keys["skip_jax_distributed_system"] is True
   assert keys["dtype"] == "float32"  # auto on CPU
   assert keys["ici_tensor_parallelism"] == 2 and keys["max_target_length"] == c.seq_len
   assert keys["kvax_backend"] == "jax" and keys["kvax_fwd_query_block_size"] == 64
   assert keys["base_num_decoder_layers"] == 1 and keys["override_model_config"] is True
-  assert launch.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
-  argv = launch.maxtext_argv(keys)
+  assert launch_keys.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
+  argv = launch_keys.maxtext_argv(keys)
   assert argv[1].endswith("base.yml") and "packing=true" in argv
   assert launch.parse_raw_overrides(["steps=3", "log_period=2"]) == {"steps": "3",
                                                                       "log_period": "2"}
@@ -130,9 +131,10 @@ def test_translation_to_maxtext_keys():
 
 
 def test_packed_corpus_feeds_maxtext_features():
-  from kvax_plugin import launch
+  from kvax_plugin.data.feeding import PackedCorpus
+  from kvax_plugin.errors import FlagError
   c = load_family("llama3").get_config("tiny")
-  hosts = [launch.PackedCorpus(c, seq_len=256, global_rows=4, host_index=h, host_count=2,
+  hosts = [PackedCorpus(c, seq_len=256, global_rows=4, host_index=h, host_count=2,
                                sliding_window=64) for h in range(2)]
   batches = [next(iter(corpus)) for corpus in hosts]
   for b in batches:
@@ -153,9 +155,9 @@ def test_packed_corpus_feeds_maxtext_features():
   # 4 x 4 blocks of 64: causality alone skips the 6 blocks above the diagonal.
   assert 6 / 16 <= stats.skipped["global"] < 1.0
   assert stats.skipped["local"] >= stats.skipped["global"]
-  with pytest.raises(launch.FlagError, match="per_device_batch_size"):
-    launch.PackedCorpus(c, seq_len=256, global_rows=3, host_index=0, host_count=2,
-                        sliding_window=None)
+  with pytest.raises(FlagError, match="per_device_batch_size"):
+    PackedCorpus(c, seq_len=256, global_rows=3, host_index=0, host_count=2,
+                 sliding_window=None)
 
 
 @needs_maxtext
@@ -163,11 +165,11 @@ def test_hooks_restore_maxtext():
   from maxtext.common import metric_logger
   from maxtext.input_pipeline import input_pipeline_interface as ipi
 
-  from kvax_plugin import launch
+  from kvax_plugin.integrations.maxtext import training_hooks
   c = load_family("llama3").get_config("tiny")
   before = (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics)
-  progress = launch.Progress(c, {}, total_steps=3)
-  with launch.packed_corpus_pipeline(c, {}), launch.progress_hook(progress):
+  progress = training_hooks.Progress(c, {}, total_steps=3)
+  with training_hooks.packed_corpus_pipeline(c, {}), training_hooks.progress_hook(progress):
     assert ipi.create_data_iterator is not before[0]
     assert metric_logger.MetricLogger.write_metrics is not before[1]
   assert (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics) == before
@@ -207,8 +209,8 @@ def test_unknown_family_lists_the_families():
 def test_triton_without_gpu_is_backend_unavailable():
   import kvax_plugin
   from kvax_plugin import launch
-  from kvax_plugin.attention.api import triton_availability
-  if triton_availability()[0]:
+  from kvax_plugin.attention.kernels import availability
+  if availability("triton")[0]:
     pytest.skip("a usable GPU is present")
   c = load_family("llama3").get_config("tiny")
   with c.unlocked():
@@ -226,6 +228,7 @@ def test_mesh_checks_name_the_flag(monkeypatch):
   import jax
 
   from kvax_plugin import launch
+  from kvax_plugin.integrations.maxtext.launch_keys import check_maxtext_config
   monkeypatch.setattr(jax, "device_count", lambda: 8)
   c = load_family("llama3").get_config("tiny")
 
@@ -238,15 +241,15 @@ def test_mesh_checks_name_the_flag(monkeypatch):
     return SimpleNamespace(**fields)
 
   with pytest.raises(launch.FlagError, match=r"--config.mesh.ici_tensor: .*\(3\).*8 query heads"):
-    launch.check_maxtext_config(maxtext_config(3), c, {})
-  launch.check_maxtext_config(maxtext_config(4), c, {})  # 2 kv heads < 4 are replicated: fine
+    check_maxtext_config(maxtext_config(3), c, {})
+  check_maxtext_config(maxtext_config(4), c, {})  # 2 kv heads < 4 are replicated: fine
   with pytest.raises(launch.FlagError, match="ici_tensor_parallelism=4: .*6 kv heads"):
-    launch.check_maxtext_config(maxtext_config(4, num_query_heads=12, num_kv_heads=6), c,
-                                {"ici_tensor_parallelism": "4"})
+    check_maxtext_config(maxtext_config(4, num_query_heads=12, num_kv_heads=6), c,
+                         {"ici_tensor_parallelism": "4"})
   with pytest.raises(launch.FlagError, match=r"--config.mesh \(.*multiply to 2.*8 devices"):
-    launch.check_maxtext_config(maxtext_config(2, ici=[1, 1, 2, 1]), c, {})
+    check_maxtext_config(maxtext_config(2, ici=[1, 1, 2, 1]), c, {})
   with pytest.raises(launch.FlagError, match="--config.seq_len=1004: context parallelism 4"):
-    launch.check_maxtext_config(maxtext_config(1, ici_context_parallelism=4,
+    check_maxtext_config(maxtext_config(1, ici_context_parallelism=4,
                                                max_target_length=1004), c, {})
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from kvax_plugin.attention import sharding
+from kvax_plugin.attention import context_parallel
 from kvax_plugin.attention.api import attention, create_attention_mask, flash_attention
 from kvax_plugin.attention.block_mask import AttentionMask, mask_sparsity
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
@@ -106,11 +106,11 @@ def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=Non
          query_specs=QUERY_SPECS, kv_specs=KV_SPECS):
   """(out, (dq, dk, dv, dsinks)) of one jitted mask + forward + backward, in natural order."""
   cp = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in
-                                            sharding._normalise_spec(query_specs, "q")[1]]))
+                                            context_parallel._normalise_spec(query_specs, "q")[1]]))
   names = ("q", "k", "v", "w", "pos", "seg")
   q, k, v, w, pos, seg = (d[n] for n in names)
   if permuted:  # on the host (numpy): eager jax ops would compile a kernel per slice
-    q, k, v, w, pos, seg = sharding.permute_tokens_context_parallelism(
+    q, k, v, w, pos, seg = context_parallel.permute_tokens_context_parallelism(
         tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), cp)
   kw = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs) if mesh is not None else {}
 
@@ -131,7 +131,7 @@ def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=Non
   out, (dq, dk, dv, ds) = _jit(step, q, k, v, d["sinks"], w, pos, seg)
   out, dq, dk, dv, ds = (np.asarray(x) for x in (out, dq, dk, dv, ds))
   if permuted:
-    out, dq, dk, dv = sharding.unpermute_tokens_context_parallelism((out, dq, dk, dv), cp)
+    out, dq, dk, dv = context_parallel.unpermute_tokens_context_parallelism((out, dq, dk, dv), cp)
   return out, dq, dk, dv, ds
 
 
@@ -189,7 +189,7 @@ def test_specs_from_context_manager_and_attention(data):
   with jax.default_device(CPUS[0]):
     want = _jit(lambda q, k, v, seg, pos: attention(q, k, v, segment_ids=seg, positions=pos,
                                                     backend="jax"), q, k, v, seg, pos)
-  with sharding.attention_specs(QUERY_SPECS, KV_SPECS):
+  with context_parallel.attention_specs(QUERY_SPECS, KV_SPECS):
     got = _jit(lambda q, k, v, seg, pos: attention(q, k, v, segment_ids=seg, positions=pos,
                                                    backend="jax", mesh=mesh), q, k, v, seg, pos)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
@@ -202,7 +202,7 @@ def test_sharded_mask_layout_and_sparsity(data):
   m = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
                             calc_bwd_mask=True, mesh=mesh, query_specs=QUERY_SPECS,
                             permute_tokens_for_load_balance=False)
-  assert isinstance(m, sharding.ShardedAttentionMask) and isinstance(m, AttentionMask)
+  assert isinstance(m, context_parallel.ShardedAttentionMask) and isinstance(m, AttentionMask)
   assert (m.spec.batch, m.spec.q_len, m.spec.kv_len) == (B, S, S)
   assert m.layout.local_spec.q_len == S // 4 and m.layout.local_spec.batch == B // 2
   assert m.fwd.lower.shape == (B, S // FWD.query_block_size)
@@ -243,21 +243,22 @@ def test_shape_errors(data):
   q, k, v, pos, seg = _small(data)
   # 16 or 4 kv heads over a tensor axis of 8 divide one way or the other; 12 does not.
   mesh = _mesh((1, 1, 8, 1))
-  specs = sharding.resolve_specs(QUERY_SPECS, KV_SPECS)
+  specs = context_parallel.resolve_specs(QUERY_SPECS, KV_SPECS)
   for kv_heads in (16, 8, 4, 1):
-    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=kv_heads)
+    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24,
+                                  kv_heads=kv_heads)
   with pytest.raises(ValueError, match=r"key/value heads \(12\).*kv_specs\[2\]"):
-    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=12)
+    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=12)
   with pytest.raises(ValueError, match=r"query heads \(12\).*query_specs\[2\]"):
-    sharding.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=12, kv_heads=4)
+    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=12, kv_heads=4)
   mesh = _mesh((1, 1, 1, 8))
   with pytest.raises(ValueError, match=r"divisible by 2 \* cp = 16"):
     create_attention_mask(pos[:, :248], seg[:, :248], pos[:, :248], seg[:, :248], mesh=mesh,
                           query_specs=QUERY_SPECS)
   with pytest.raises(ValueError, match=r"batch \(4\).*query_specs\[0\]"):
-    sharding.check_shapes(sharding.resolve_specs(((("data", "fsdp", "tensor", "context")), None,
-                                                  None, None)), _mesh((2, 2, 2, 1)), batch=4,
-                          q_len=S, kv_len=S)
+    context_parallel.check_shapes(
+        context_parallel.resolve_specs(((("data", "fsdp", "tensor", "context")), None, None,
+                                        None)), _mesh((2, 2, 2, 1)), batch=4, q_len=S, kv_len=S)
   with pytest.raises(ValueError, match=r"no query_specs"):
     create_attention_mask(pos, seg, pos, seg, mesh=mesh)
 
@@ -282,26 +283,26 @@ def test_mask_mismatch_errors(data):
 def test_attention_specs_is_context_local():
   q1 = ("data", "context", None, None)
   q2 = (None, "context", "tensor", None)
-  assert sharding.current_attention_specs() is None
+  assert context_parallel.current_attention_specs() is None
   seen = {}
 
   def other_thread():
-    seen["thread"] = sharding.current_attention_specs()
-    with sharding.attention_specs(q2):
-      seen["thread_inner"] = sharding.resolve_specs().query
+    seen["thread"] = context_parallel.current_attention_specs()
+    with context_parallel.attention_specs(q2):
+      seen["thread_inner"] = context_parallel.resolve_specs().query
 
-  with sharding.attention_specs(q1):
+  with context_parallel.attention_specs(q1):
     t = threading.Thread(target=other_thread)
     t.start()
     t.join()
-    assert sharding.resolve_specs().query == (("data",), ("context",), (), ())
-    assert sharding.resolve_specs().kv == (("data",), (), (), ())  # derived from the query
-    with sharding.attention_specs(q2, (None, None, "tensor", None)):
-      assert sharding.resolve_specs().query[2] == ("tensor",)
-    assert sharding.resolve_specs().query == (("data",), ("context",), (), ())
+    assert context_parallel.resolve_specs().query == (("data",), ("context",), (), ())
+    assert context_parallel.resolve_specs().kv == (("data",), (), (), ())  # derived from the query
+    with context_parallel.attention_specs(q2, (None, None, "tensor", None)):
+      assert context_parallel.resolve_specs().query[2] == ("tensor",)
+    assert context_parallel.resolve_specs().query == (("data",), ("context",), (), ())
     # Explicit arguments win over the context.
-    assert sharding.resolve_specs(q2).query[0] == ()
-  assert sharding.current_attention_specs() is None
+    assert context_parallel.resolve_specs(q2).query[0] == ()
+  assert context_parallel.current_attention_specs() is None
   assert seen["thread"] is None and seen["thread_inner"][2] == ("tensor",)
 
 
@@ -311,28 +312,28 @@ def test_attention_specs_is_context_local():
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_permutation_round_trip_and_chunk_order(cp):
   x = np.arange(2 * 48 * cp).reshape(2, 48 * cp)
-  y = sharding.permute_tokens_context_parallelism(x, cp)
+  y = context_parallel.permute_tokens_context_parallelism(x, cp)
   c = x.shape[1] // (2 * cp)
   shards = y.reshape(2, cp, 2 * c)
   for r in range(cp):  # rank r holds chunks r and 2cp-1-r
     np.testing.assert_array_equal(shards[:, r, :c], x[:, r * c:(r + 1) * c])
     np.testing.assert_array_equal(shards[:, r, c:], x[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c])
-  back = sharding.unpermute_tokens_context_parallelism(y, cp)
+  back = context_parallel.unpermute_tokens_context_parallelism(y, cp)
   np.testing.assert_array_equal(back, x)
   # Tuples (nested, with None), jax arrays, another axis.
   z = jnp.asarray(np.arange(4 * 2 * cp * 3).reshape(4, 2 * cp, 3))
-  a, (b, none) = sharding.permute_tokens_context_parallelism((z, (z[:, :, 0], None)), cp)
+  a, (b, none) = context_parallel.permute_tokens_context_parallelism((z, (z[:, :, 0], None)), cp)
   assert none is None and isinstance(a, jax.Array)
   np.testing.assert_array_equal(np.asarray(a[:, :, 0]), np.asarray(b))
-  zt = sharding.permute_tokens_context_parallelism(z.transpose(1, 0, 2), cp, axis=0)
+  zt = context_parallel.permute_tokens_context_parallelism(z.transpose(1, 0, 2), cp, axis=0)
   np.testing.assert_array_equal(np.asarray(zt.transpose(1, 0, 2)), np.asarray(a))
 
 
 def test_permutation_errors():
   with pytest.raises(ValueError, match=r"axis 1, length 10\) must be divisible by 2 \* cp = 4"):
-    sharding.permute_tokens_context_parallelism(np.zeros((1, 10)), 2)
+    context_parallel.permute_tokens_context_parallelism(np.zeros((1, 10)), 2)
   with pytest.raises(ValueError, match=r"cp must be a positive int"):
-    sharding.permute_tokens_context_parallelism(np.zeros((1, 8)), 0)
+    context_parallel.permute_tokens_context_parallelism(np.zeros((1, 8)), 0)
 
 
 # ----------------------------------------------------------------------------- balance
@@ -342,8 +343,8 @@ def test_balance_one_long_causal_document():
   s, cp = 4096, 4
   pos = np.arange(s, dtype=np.int32)[None]
   seg = np.zeros((1, s), np.int32)
-  plain = sharding.context_parallel_balance(pos, seg, cp, permute=False)
-  perm = sharding.context_parallel_balance(pos, seg, cp, permute=True)
+  plain = context_parallel.context_parallel_balance(pos, seg, cp, permute=False)
+  perm = context_parallel.context_parallel_balance(pos, seg, cp, permute=True)
   # Exact counts: contiguous shard r keeps sum_{i in shard} (i + 1) pairs.
   n = s // cp
   want = [sum(range(r * n + 1, (r + 1) * n + 1)) for r in range(cp)]
@@ -359,9 +360,9 @@ def test_balance_counts_match_dense_mask():
   pos, seg = _documents(rng, 2, 256)
   from kvax_plugin.attention.block_mask import dense_mask
   for causal, window in ((True, None), (True, 20), (False, 20), (False, None)):
-    rep = sharding.context_parallel_balance(pos, seg, 2, permute=True, causal=causal,
+    rep = context_parallel.context_parallel_balance(pos, seg, 2, permute=True, causal=causal,
                                             sliding_window=window)
-    qpos, qseg = sharding.permute_tokens_context_parallelism((pos, seg), 2)
+    qpos, qseg = context_parallel.permute_tokens_context_parallelism((pos, seg), 2)
     dense = np.asarray(dense_mask(jnp.asarray(qpos), jnp.asarray(qseg), jnp.asarray(pos),
                                   jnp.asarray(seg), causal=causal, sliding_window=window))
     want = [int(dense[:, :128].sum()), int(dense[:, 128:].sum())]
@@ -374,8 +375,8 @@ def test_forward_only_mask_passed_into_jit(data):
   mesh = _mesh((2, 1, 2, 2))
   cp = 2
   q, k, v, pos, seg = (np.asarray(data[n]) for n in ("q", "k", "v", "pos", "seg"))
-  q, k, v, pos, seg = sharding.permute_tokens_context_parallelism((q, k, v, pos, seg), cp)
-  with sharding.attention_specs(QUERY_SPECS, KV_SPECS):
+  q, k, v, pos, seg = context_parallel.permute_tokens_context_parallelism((q, k, v, pos, seg), cp)
+  with context_parallel.attention_specs(QUERY_SPECS, KV_SPECS):
     mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, mesh=mesh)
     assert mask.dq is None and mask.layout.kv_permuted
 
@@ -396,7 +397,7 @@ def test_forward_only_mask_passed_into_jit(data):
                         backend="jax"),
         data["k"], data["v"], data["pos"], data["seg"], data["pos"], data["seg"], plain,
         scale=D ** -0.5, sinks=data["sinks"], backend="jax"), data["q"])
-  got = sharding.unpermute_tokens_context_parallelism(np.asarray(out), cp)
+  got = context_parallel.unpermute_tokens_context_parallelism(np.asarray(out), cp)
   np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5)
 
 

@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvax_plugin.attention import sharding
-from kvax_plugin.attention.api import create_attention_mask, flash_attention, triton_availability
+from kvax_plugin.attention import context_parallel
+from kvax_plugin.attention.api import create_attention_mask, flash_attention
+from kvax_plugin.attention.kernels import availability
 
 try:
   GPUS = jax.devices("gpu")
@@ -41,7 +42,7 @@ def _layout(rng, batch, length, num_docs, pad):
 
 @pytest.mark.parametrize("permuted", [False, True])
 def test_triton_context_parallel_matches_one_gpu(permuted):
-  ok, reason = triton_availability()
+  ok, reason = availability("triton")
   if not ok:
     pytest.skip(reason)
   cp = 2
@@ -69,8 +70,8 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
   args = [*host, sinks, pos, seg]
   want = jax.jit(lambda *a: step(*a, None, False))(*(jax.device_put(x, GPUS[0]) for x in args))
   mesh = Mesh(np.array(GPUS[:cp]), ("context",))
-  tok_args = sharding.permute_tokens_context_parallelism(args[:4] + args[5:], cp) if permuted \
-      else args[:4] + args[5:]
+  tok_args = (context_parallel.permute_tokens_context_parallelism(args[:4] + args[5:], cp)
+              if permuted else args[:4] + args[5:])
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context",
                                                            *([None] * (x.ndim - 2)))))
   q, k, v, w, p, sg = (put(x) for x in tok_args)
@@ -78,7 +79,7 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
   got_out, (dq, dk, dv, ds) = got
   got_list = [np.asarray(x.astype(jnp.float32)) for x in (got_out, dq, dk, dv)]
   if permuted:
-    got_list = sharding.unpermute_tokens_context_parallelism(got_list, cp)
+    got_list = context_parallel.unpermute_tokens_context_parallelism(got_list, cp)
   want_out, (wq, wk, wv, wsinks) = want
   for name, g, r in zip(("out", "dq", "dk", "dv"), got_list, (want_out, wq, wk, wv)):
     r = np.asarray(r.astype(jnp.float32))

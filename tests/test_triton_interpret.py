@@ -1,8 +1,8 @@
 """The Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
 
-Runs the very kernels backend="triton" launches on a GPU, via kvax_plugin.attention.compat's
-interpreter path (jax.pure_callback on numpy buffers, outputs poisoned with NaN first), inside
-jit and the custom VJP, and compares out / dq / dk / dv / dsinks with the float32 reference.
+Runs the very kernels backend="triton" launches on a GPU, via the interpreter path of
+kvax_plugin.attention.kernels.triton.compat (jax.pure_callback on numpy buffers, outputs poisoned
+with NaN first), inside jit and the custom VJP, and compares out / dq / dk / dv / dsinks with the float32 reference.
 Skipped when Triton is not installed (it is optional: the [gpu] extra). Runs in a subprocess
 because the interpreter must be switched on before Triton is first imported.
 """
@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
     from kvax_plugin.attention.block_mask import create_attention_mask
     from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
     from kvax_plugin.attention.reference import reference_attention
-    from kvax_plugin.attention import triton_backend
+    from kvax_plugin.attention.kernels.triton import backend as triton_backend
 
     def case(name, sq=100, skv=None, h=4, kh=2, dk=32, dv=None, dtype=jnp.float32, causal=True,
              window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5):

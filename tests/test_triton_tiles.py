@@ -8,7 +8,7 @@ too-large request fails the whole jitted step (seen with MaxText's gemma2 in flo
 import jax.numpy as jnp
 import pytest
 
-from kvax_plugin.attention import triton_backend as tb
+from kvax_plugin.attention.kernels.triton import backend as tb
 from kvax_plugin.attention.block_mask import create_attention_mask
 from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
 
@@ -85,17 +85,19 @@ def test_unknown_kernel_name_raises():
 
 
 def test_float32_head_dim_rule(monkeypatch):
-  from kvax_plugin.attention import api
-  assert api.triton_supports_inputs(jnp.float32, 128, 128)[0]
-  assert api.triton_supports_inputs(jnp.bfloat16, 256, 256)[0]
-  ok, why = api.triton_supports_inputs(jnp.float32, 192, 128)
+  from kvax_plugin.attention import kernels
+  assert kernels.supports_inputs("triton", jnp.float32, 128, 128)[0]
+  assert kernels.supports_inputs("triton", jnp.bfloat16, 256, 256)[0]
+  ok, why = kernels.supports_inputs("triton", jnp.float32, 192, 128)
   assert not ok and "float32" in why and "(192, 128)" in why
   # As if a supported GPU were present: auto moves to jax, an explicit request raises.
-  monkeypatch.setattr(api, "triton_availability", lambda: (True, "pretend GPU"))
-  assert api.resolve_backend_for("auto", jnp.float32, 256, 256) == "jax"
-  assert api.resolve_backend_for("auto", jnp.bfloat16, 256, 256) == "triton"
-  with pytest.raises(api.BackendUnavailableError, match="head dims"):
-    api.resolve_backend_for("triton", jnp.float32, 256, 256)
+  real = kernels.availability
+  monkeypatch.setattr(kernels, "availability",
+                      lambda name: (True, "pretend GPU") if name == "triton" else real(name))
+  assert kernels.resolve_backend_for("auto", jnp.float32, 256, 256) == "jax"
+  assert kernels.resolve_backend_for("auto", jnp.bfloat16, 256, 256) == "triton"
+  with pytest.raises(kernels.BackendUnavailableError, match="head dims"):
+    kernels.resolve_backend_for("triton", jnp.float32, 256, 256)
 
 
 def test_default_tables_get_the_tuned_backward_tiles():

@@ -1,1 +1,12 @@
-"""The attention op: block mask, reference, JAX and Triton backends, sharding."""
+"""The attention op, in layers (each imports only from the layers above it in this list):
+
+    params.py                 constants and FlashAttentionParamsConfig
+    block_mask.py             the block tables (AttentionMask) and their reporting
+    reference.py              the dense float32 reference; validation.py: argument checks
+    kernels/<leaf>            kernel backends (jax_blockwise, reference, triton/): the leaves
+    kernels/__init__.py       the registry: names, capabilities, devices, "auto"
+    context_parallel.py       sharding and context parallelism over a mesh
+    api.py, compare.py        the public op (create_attention_mask, flash_attention, attention)
+
+tests/test_layering.py checks the order and that the import graph has no cycle.
+"""

@@ -1,101 +1,82 @@
-"""Public entry points: flash_attention (with a prebuilt mask) and attention (one-off)."""
+"""Public entry points: create_attention_mask, flash_attention (with a prebuilt mask) and
+attention (one-off).
+
+The top of the attention package: it validates arguments (validation.py), picks a kernel
+backend through the registry (kernels/), and runs it on one device or, given a mesh, through
+context_parallel.py.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from kvax_plugin.attention import validation
-from kvax_plugin.attention.block_mask import AttentionMask, create_attention_mask
+from kvax_plugin.attention import block_mask, context_parallel, validation
+from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, backend_function,
+                                          backend_options, resolve_backend, resolve_backend_for)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 
-BACKENDS = ("auto", "jax", "triton", "reference")
+
+def create_attention_mask(query_positions: jax.Array,
+                          query_segment_ids: jax.Array,
+                          kv_positions: jax.Array,
+                          kv_segment_ids: jax.Array,
+                          *,
+                          fwd_params: FlashAttentionParamsConfig | None = None,
+                          bwd_params: FlashAttentionParamsConfig | None = None,
+                          calc_bwd_mask: bool = False,
+                          skip_pad_tokens: bool = True,
+                          causal: bool = True,
+                          sliding_window: int | None = None,
+                          mesh: Any = None,
+                          query_specs: Any = None,
+                          kv_specs: Any = None,
+                          permute_tokens_for_load_balance: bool = True) -> AttentionMask:
+  """Build the block mask once per step; pass it to `flash_attention` in every layer.
+
+  Args:
+    query_positions, query_segment_ids: int32 [B, Sq].
+    kv_positions, kv_segment_ids: int32 [B, Skv].
+    fwd_params / bwd_params: block sizes the tables are built for (defaults when None).
+    calc_bwd_mask: also build the dq and dkv tables the backward pass needs.
+    skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
+    causal: keep only kv_pos <= q_pos.
+    sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
+    mesh: shard the construction over a device mesh (see kvax_plugin.attention.context_parallel);
+      the result is then a ShardedAttentionMask with per-shard tables for
+      flash_attention(mesh=mesh).
+    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
+      `attention_specs` context).
+    permute_tokens_for_load_balance: with a context-parallel mesh, whether the tokens arrive in
+      the load-balanced order; must match the flash_attention call.
+
+  Returns:
+    An `AttentionMask` pytree holding O(B * S / block) int32 tables.
+  """
+  options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
+                 skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
+  if mesh is None:
+    return block_mask.create_attention_mask(query_positions, query_segment_ids, kv_positions,
+                                            kv_segment_ids, **options)
+  block_mask.check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+                               sliding_window)
+  return context_parallel.create_attention_mask_sharded(
+      query_positions, query_segment_ids, kv_positions, kv_segment_ids, mesh=mesh,
+      query_specs=query_specs, kv_specs=kv_specs,
+      permute_tokens_for_load_balance=permute_tokens_for_load_balance, **options)
 
 
-class BackendUnavailableError(RuntimeError):
-  """An explicitly requested backend cannot run here (never silently replaced)."""
-
-
-def triton_availability() -> tuple[bool, str]:
-  """(available, reason): whether backend="triton" can run in this process."""
-  try:
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  except RuntimeError:
-    gpus = []
-  if not gpus:
-    return False, f"no GPU visible to JAX (default backend: {jax.default_backend()})"
-  try:
-    triton_backend = importlib.import_module("kvax_plugin.attention.triton_backend")
-  except ImportError as e:
-    return False, f"the Triton backend could not be imported ({e}); install kvax-plugin[gpu]"
-  return triton_backend.device_supported(gpus[0])
-
-
-def resolve_backend(backend: str) -> str:
-  """Map "auto" to the best backend here; check an explicit request can run."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend == "auto":
-    return "triton" if triton_availability()[0] else "jax"
-  if backend == "triton":
-    ok, reason = triton_availability()
-    if not ok:
-      raise BackendUnavailableError(f'backend="triton" was requested but cannot run: {reason}. '
-                                    'Use backend="jax" (or "auto") to run without it.')
-  return backend
-
-
-# float32 inputs: the Triton kernels need float32-accurate products. Above head dim 128 neither
-# way ran on an H200: exact "ieee" products were impractically slow (a 400-token test past
-# 230 s, a MaxText gemma2 step past 340 s) and "tf32x3" asked for 262144 B of shared memory
-# even at 64x64 / 64x32 tiles with one stage (benchmarks/NOTES.md). bf16 / fp16 run at every
-# head dim.
-TRITON_FLOAT32_MAX_HEAD_DIM = 128
-
-
-def triton_supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
-  """(supported, reason) for the Triton kernels on inputs of this dtype and head dims."""
-  if jnp.dtype(dtype) == jnp.float32 and max(qk_head_dim, v_head_dim) > TRITON_FLOAT32_MAX_HEAD_DIM:
-    return False, (f"float32 inputs with head dims ({qk_head_dim}, {v_head_dim}) above "
-                   f"{TRITON_FLOAT32_MAX_HEAD_DIM} are not supported by the Triton kernels "
-                   "(use bfloat16 / float16 inputs, or backend=\"jax\")")
-  return True, ""
-
-
-def resolve_backend_for(backend: str, dtype, qk_head_dim: int, v_head_dim: int) -> str:
-  """resolve_backend, then the input rule: "auto" moves to "jax" for inputs the Triton kernels
-  do not support; an explicit "triton" raises, naming the inputs."""
-  name = resolve_backend(backend)
-  if name == "triton":
-    ok, why = triton_supports_inputs(dtype, qk_head_dim, v_head_dim)
-    if not ok:
-      if backend == "auto":
-        return "jax"
-      raise BackendUnavailableError(f'backend="triton" was requested but cannot run: {why}')
-  return name
-
-
-def backend_function(name: str) -> Callable[..., jax.Array]:
-  """The single-device implementation behind a resolved backend name ("jax"/"triton"/"reference")."""
-  if name == "jax":
-    from kvax_plugin.attention.jax_blockwise import flash_attention_jax
-    return flash_attention_jax
-  if name == "triton":
-    from kvax_plugin.attention.triton_backend import flash_attention_triton
-    return flash_attention_triton
-  return _reference_with_mask
-
-
-def _reference_with_mask(query, key, value, query_positions, query_segment_ids, kv_positions,
-                         kv_segment_ids, mask, *, scale, logits_soft_cap, sinks, **_):
-  from kvax_plugin.attention.reference import reference_attention
-  return reference_attention(query, key, value, query_positions, query_segment_ids, kv_positions,
-                             kv_segment_ids, causal=mask.spec.causal,
-                             sliding_window=mask.spec.sliding_window, scale=scale,
-                             logits_soft_cap=logits_soft_cap, sinks=sinks)
+def _features(query, key, value, mask: AttentionMask, logits_soft_cap, sinks) -> tuple[str, ...]:
+  """The entries of kernels.FEATURES a call needs (a backend must implement all of them)."""
+  needed = {"causal": mask.spec.causal, "sliding_window": mask.spec.sliding_window is not None,
+            "logits_soft_cap": logits_soft_cap is not None, "sinks": sinks is not None,
+            "gqa": query.shape[2] != key.shape[2],
+            "distinct_v_head_dim": value.shape[3] != query.shape[3],
+            "backward": mask.has_backward}
+  return tuple(name for name, used in needed.items() if used)
 
 
 def flash_attention(query: jax.Array,
@@ -139,8 +120,10 @@ def flash_attention(query: jax.Array,
       buffers summed afterwards. Both are deterministic.
     permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
       the load-balanced order of permute_tokens_context_parallelism (the op never permutes
-      itself); must match the mask's. See kvax_plugin.attention.sharding.
-    backend: "auto" (Triton on supported GPUs, else JAX), "jax", "triton" or "reference".
+      itself); must match the mask's. See kvax_plugin.attention.context_parallel.
+    backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
+      Triton on supported GPUs, else JAX), or a name of kernels.KERNEL_BACKENDS ("jax", "triton",
+      "reference"); an explicit name that cannot run raises BackendUnavailableError.
     debug: print the chosen backend and shapes at trace time.
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
       then come from create_attention_mask with the same mesh and specs.
@@ -158,11 +141,13 @@ def flash_attention(query: jax.Array,
                           query_segment_ids, b, sq)
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
   validation.check_options(scale, logits_soft_cap, sinks, h)
-  name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3])
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+  name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
+                             _features(query, key, value, mask, logits_soft_cap, sinks))
   if mesh is not None:
-    from kvax_plugin.attention import sharding
-    return sharding.flash_attention_sharded(
+    return context_parallel.flash_attention_sharded(
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         memory_optimized_gqa_backward=memory_optimized_gqa_backward,
@@ -171,9 +156,9 @@ def flash_attention(query: jax.Array,
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
           f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
-  kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks)
-  if name == "triton":
-    kwargs["memory_optimized_gqa_backward"] = memory_optimized_gqa_backward
+  kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks,
+                **backend_options(name,
+                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward))
   return backend_function(name)(query, key, value, query_positions, query_segment_ids,
                                 kv_positions, kv_segment_ids, mask, **kwargs)
 

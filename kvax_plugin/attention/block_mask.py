@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -254,7 +254,9 @@ def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: boo
   return BlockTable(*(jnp.moveaxis(x, 0, 1) for x in (lower, upper, full_lower, full_upper)))
 
 
-def _check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
+def check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+                      sliding_window=None) -> None:
+  """The argument checks of create_attention_mask (also run before a sharded build)."""
   named = {"query_positions": query_positions, "query_segment_ids": query_segment_ids,
            "kv_positions": kv_positions, "kv_segment_ids": kv_segment_ids}
   for name, x in named.items():
@@ -272,6 +274,9 @@ def _check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segm
   if query_positions.shape[0] != kv_positions.shape[0]:
     raise ValueError(f"batch of the query ({query_positions.shape[0]}) and of the key/value "
                      f"({kv_positions.shape[0]}) must match")
+  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                     or isinstance(sliding_window, bool) or sliding_window < 1):
+    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
 def create_attention_mask(query_positions: jax.Array,
@@ -284,12 +289,9 @@ def create_attention_mask(query_positions: jax.Array,
                           calc_bwd_mask: bool = False,
                           skip_pad_tokens: bool = True,
                           causal: bool = True,
-                          sliding_window: int | None = None,
-                          mesh: Any = None,
-                          query_specs: Any = None,
-                          kv_specs: Any = None,
-                          permute_tokens_for_load_balance: bool = True) -> AttentionMask:
-  """Build the block mask once per step; pass it to `flash_attention` in every layer.
+                          sliding_window: int | None = None) -> AttentionMask:
+  """The block tables of one device's problem (the public entry point with `mesh=` is
+  kvax_plugin.attention.api.create_attention_mask, which calls this per shard).
 
   Args:
     query_positions, query_segment_ids: int32 [B, Sq].
@@ -299,28 +301,12 @@ def create_attention_mask(query_positions: jax.Array,
     skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
     causal: keep only kv_pos <= q_pos.
     sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
-    mesh: shard the construction over a device mesh (see kvax_plugin.attention.sharding); the
-      result is then a ShardedAttentionMask with per-shard tables for flash_attention(mesh=mesh).
-    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
-      `attention_specs` context).
-    permute_tokens_for_load_balance: with a context-parallel mesh, whether the tokens arrive in
-      the load-balanced order; must match the flash_attention call.
 
   Returns:
     An `AttentionMask` pytree holding O(B * S / block) int32 tables.
   """
-  _check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids)
-  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                     or isinstance(sliding_window, bool) or sliding_window < 1):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-  if mesh is not None:
-    from kvax_plugin.attention import sharding  # local import: sharding needs the mesh machinery
-    return sharding.create_attention_mask_sharded(
-        query_positions, query_segment_ids, kv_positions, kv_segment_ids,
-        fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
-        skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window, mesh=mesh,
-        query_specs=query_specs, kv_specs=kv_specs,
-        permute_tokens_for_load_balance=permute_tokens_for_load_balance)
+  check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+                    sliding_window)
   fwd_params = fwd_params or DEFAULT_FWD_PARAMS
   if calc_bwd_mask:
     bwd_params = bwd_params or DEFAULT_BWD_PARAMS

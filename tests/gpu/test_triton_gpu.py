@@ -23,12 +23,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import layouts  # noqa: E402  (tests/layouts.py: the shared layout generators)
 
-from kvax_plugin.attention.api import flash_attention, triton_availability  # noqa: E402
+from kvax_plugin.attention.api import flash_attention  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.params import FlashAttentionParamsConfig  # noqa: E402
+from kvax_plugin.attention.kernels import availability  # noqa: E402
 from kvax_plugin.attention.reference import reference_attention  # noqa: E402
 
-_OK, _WHY = triton_availability()
+_OK, _WHY = availability("triton")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"Triton backend: {_WHY}")]
 
 TOL = {jnp.bfloat16: 1.5e-2, jnp.float16: 4e-3, jnp.float32: 1e-4}
@@ -217,7 +218,7 @@ def test_large_grid_in_place_gqa_matches_per_head(monkeypatch):
   """At 16k tokens and 32/8 heads the dk/dv launch sums each GQA group in place by default
   (enough programs); the per-head launch (forced through the benchmarking hook) must agree to
   bf16 rounding, and the 64k test above checks the in-place path against the reference."""
-  from kvax_plugin.attention import triton_backend as tb
+  from kvax_plugin.attention.kernels.triton import backend as tb
   s_len, h, kh, d = 16384, 32, 8, 128
   assert tb.gqa_inplace(False, 1, kh, h // kh, s_len // 128, tb._sm_count())
   pos, seg = layouts.packed_documents(_rng(3), 1, s_len, num_docs=12, pad_tail=1000)

@@ -1,4 +1,4 @@
-"""The seam between MaxText and the kvax backend: one mask per step, read by every layer.
+"""The seam between MaxText and the kvax provider: one mask per step, read by every layer.
 
 Why a context variable. MaxText runs its decoder layers under jax.checkpoint and lax.scan and
 passes each layer only the keyword arguments its signature declares, so a new argument (the
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kvax_plugin import PADDING_SEGMENT_ID
-from kvax_plugin.backends import LayerSettings, PreparedAttention, get_backend
+from kvax_plugin.providers import LayerSettings, PreparedAttention, get_provider
 from kvax_plugin.integrations.maxtext import settings
 
 ATTENTION_NAME = "kvax"  # the value of MaxText's `attention` config key that selects us
@@ -111,7 +111,7 @@ def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length
   else:
     pos = positions.astype(jnp.int32)
   options = settings.options_from_config(config, **mesh_rules.mesh_and_specs(config, mesh))
-  return get_backend("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config), options=options)
+  return get_provider("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config), options=options)
 
 
 def decoder_entry(call):
@@ -246,6 +246,6 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
                                    batch, q_len)
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
-  out = get_backend(prepared.backend).apply(query, key, value, prepared, layer_settings(op),
+  out = get_provider(prepared.provider).apply(query, key, value, prepared, layer_settings(op),
                                             sinks=sinks)
   return out, None, None

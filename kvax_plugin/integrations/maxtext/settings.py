@@ -1,4 +1,4 @@
-"""kvax settings as MaxText config keys, and their translation into backend options.
+"""kvax settings as MaxText config keys, and their translation into the kvax provider's options.
 
 MaxText's config rejects unknown keys, so the keys below reach it through a subclass of its
 MaxTextConfig (`kvax_config_class()`), which install() makes pyconfig's default. The patched
@@ -12,11 +12,13 @@ import functools
 from typing import Any
 
 import kvax_plugin
-from kvax_plugin.backends.kvax_backend import KvaxOptions
+from kvax_plugin.attention.kernels import BACKENDS
+from kvax_plugin.providers.kvax_provider import KvaxOptions
 
 # name -> (type, default, description). Block sizes: powers of two >= 16.
 KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
-    "kvax_backend": (str, "auto", 'kvax kernel: "auto" (Triton on a supported GPU, else JAX), '
+    "kvax_backend": (str, "auto", 'kvax kernel backend: "auto" (Triton on a supported GPU, else '
+                     'JAX), '
                      '"jax", "triton" or "reference"; an explicit choice never falls back'),
     "kvax_fwd_query_block_size": (int, 128, "kvax forward query block size"),
     "kvax_fwd_kv_block_size": (int, 128, "kvax forward key/value block size"),
@@ -40,7 +42,7 @@ def config_value(config, name: str):
 
 
 def options_from_config(config, **mesh_fields) -> KvaxOptions:
-  """Backend options from a MaxText config (plus mesh / specs / permutation flag).
+  """The kvax provider's options from a MaxText config (plus mesh / specs / permutation flag).
 
   Errors name the config key at fault.
   """
@@ -55,12 +57,11 @@ def options_from_config(config, **mesh_fields) -> KvaxOptions:
     params[pass_] = kvax_plugin.FlashAttentionParamsConfig(
         query_block_size=q, kv_block_size=kv, num_warps=defaults.num_warps,
         num_stages=defaults.num_stages if pass_ == "fwd" else 2)
-  kernel = config_value(config, "kvax_backend")
-  kernels = ("auto", "jax", "triton", "reference")
-  if kernel not in kernels:
-    raise ValueError(f"MaxText config kvax_backend={kernel!r}: must be one of {kernels}")
+  backend = config_value(config, "kvax_backend")
+  if backend not in BACKENDS:
+    raise ValueError(f"MaxText config kvax_backend={backend!r}: must be one of {BACKENDS}")
   return KvaxOptions(
-      kernel=kernel, fwd_params=params["fwd"], bwd_params=params["bwd"],
+      backend=backend, fwd_params=params["fwd"], bwd_params=params["bwd"],
       memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
       skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
       **mesh_fields)

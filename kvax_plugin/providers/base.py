@@ -1,8 +1,8 @@
-"""What an attention backend is: a name, a once-per-step `prepare`, and a per-layer `apply`.
+"""What an attention provider is: a name, a once-per-step `prepare`, and a per-layer `apply`.
 
-Integrations (MaxText, plain flax) talk to backends only through these types, so a model
+Integrations (MaxText, plain flax) talk to providers only through these types, so a model
 stack builds the expensive per-step state (the block mask) once at its decoder entry and
-every layer reuses it, whatever the backend.
+every layer reuses it, whatever the provider.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class PreparedAttention:
   """State built once per step and read by every layer.
 
   Token arrays use the kvax convention (PADDING_SEGMENT_ID = -1 marks padding). `masks`
-  maps LayerSettings.mask_key to the backend's mask for that (causal, window) pair. A
+  maps LayerSettings.mask_key to the provider's mask for that (causal, window) pair. A
   registered pytree, so it may cross jit / scan / checkpoint boundaries as an argument too.
   """
 
@@ -57,20 +57,20 @@ class PreparedAttention:
   kv_positions: jax.Array
   kv_segment_ids: jax.Array
   masks: Mapping[tuple[bool, int | None], Any]
-  backend: str
-  options: Any = None  # backend-specific static options (hashable)
+  provider: str
+  options: Any = None  # provider-specific static options (hashable)
 
   def tree_flatten(self):
     keys = tuple(sorted(self.masks, key=repr))
     children = (self.query_positions, self.query_segment_ids, self.kv_positions,
                 self.kv_segment_ids, tuple(self.masks[k] for k in keys))
-    return children, (keys, self.backend, self.options)
+    return children, (keys, self.provider, self.options)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    keys, backend, options = aux
+    keys, provider, options = aux
     qp, qs, kp, ks, masks = children
-    return cls(qp, qs, kp, ks, dict(zip(keys, masks)), backend, options)
+    return cls(qp, qs, kp, ks, dict(zip(keys, masks)), provider, options)
 
   def mask_for(self, settings: LayerSettings):
     try:
@@ -84,8 +84,8 @@ class PreparedAttention:
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBackend:
-  """A named backend.
+class AttentionProvider:
+  """A named attention provider.
 
   prepare(query_positions, query_segment_ids, kv_positions=None, kv_segment_ids=None, *,
           mask_keys, options) -> PreparedAttention

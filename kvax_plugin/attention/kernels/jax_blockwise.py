@@ -20,7 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks, token_keep
+from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
+
+# Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
+CAPABILITIES = Capabilities()
 
 # Outer blocks processed together (vectorised) by lax.map: more is faster, costs memory.
 _OUTER_BLOCKS_PER_STEP = 8

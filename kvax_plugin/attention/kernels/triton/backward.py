@@ -17,7 +17,7 @@ a soft cap: d(cap * tanh(x / cap)) / dx).
 import triton
 import triton.language as tl
 
-from kvax_plugin.attention.triton_kernels.common import load_tile, pair_mask, scaled_logits
+from kvax_plugin.attention.kernels.triton.common import load_tile, pair_mask, scaled_logits
 
 
 @triton.jit

@@ -18,7 +18,7 @@ its lse +inf, as in the JAX backend.
 import triton
 import triton.language as tl
 
-from kvax_plugin.attention.triton_kernels.common import load_tile, pair_mask, scaled_logits
+from kvax_plugin.attention.kernels.triton.common import load_tile, pair_mask, scaled_logits
 
 
 @triton.jit

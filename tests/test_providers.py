@@ -1,4 +1,4 @@
-"""The attention backend registry and the kvax backend (CPU, no MaxText needed)."""
+"""The attention provider registry and the kvax provider (CPU, no MaxText needed)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import kvax_plugin
-from kvax_plugin.backends import (AttentionBackend, LayerSettings, PreparedAttention,
-                                  available_backends, get_backend, register_backend)
-from kvax_plugin.backends import kvax_backend
+from kvax_plugin.providers import (AttentionProvider, LayerSettings, PreparedAttention,
+                                  available_providers, get_provider, register_provider)
+from kvax_plugin.providers import kvax_provider
 
 
 def _tokens():
@@ -27,33 +27,33 @@ def _tokens():
 
 
 def test_kvax_is_registered_and_advertised():
-  assert "kvax" in available_backends()
-  assert get_backend("kvax") is kvax_backend.KVAX_BACKEND
-  eps = importlib.metadata.entry_points(group="kvax_plugin.backends")
+  assert "kvax" in available_providers()
+  assert get_provider("kvax") is kvax_provider.KVAX_PROVIDER
+  eps = importlib.metadata.entry_points(group="kvax_plugin.providers")
   assert [ep.value for ep in eps if ep.name == "kvax"] == [
-      "kvax_plugin.backends.kvax_backend:KVAX_BACKEND"]
-  assert next(ep for ep in eps if ep.name == "kvax").load() is kvax_backend.KVAX_BACKEND
+      "kvax_plugin.providers.kvax_provider:KVAX_PROVIDER"]
+  assert next(ep for ep in eps if ep.name == "kvax").load() is kvax_provider.KVAX_PROVIDER
 
 
 def test_registry_errors_name_the_problem():
-  with pytest.raises(KeyError, match="unknown attention backend 'nope'.*kvax"):
-    get_backend("nope")
+  with pytest.raises(KeyError, match="unknown attention provider 'nope'.*kvax"):
+    get_provider("nope")
   with pytest.raises(ValueError, match="already registered"):
-    register_backend(dataclasses.replace(kvax_backend.KVAX_BACKEND, description="other"))
-  with pytest.raises(TypeError, match="AttentionBackend"):
-    register_backend("kvax")
+    register_provider(dataclasses.replace(kvax_provider.KVAX_PROVIDER, description="other"))
+  with pytest.raises(TypeError, match="AttentionProvider"):
+    register_provider("kvax")
 
 
 @pytest.mark.parametrize("window,cap,sinks", [(None, None, False), (24, 30.0, True)])
 def test_prepare_once_apply_matches_reference(window, cap, sinks):
   pos, seg = _tokens()
-  b = get_backend("kvax")
-  opts = kvax_backend.KvaxOptions(kernel="jax",
+  b = get_provider("kvax")
+  opts = kvax_provider.KvaxOptions(backend="jax",
                                   fwd_params=kvax_plugin.FlashAttentionParamsConfig(32, 32),
                                   bwd_params=kvax_plugin.FlashAttentionParamsConfig(16, 32))
-  before = dict(kvax_backend.TRACE_COUNTS)
+  before = dict(kvax_provider.TRACE_COUNTS)
   prepared = b.prepare(pos, seg, mask_keys=[(True, None), (True, window)], options=opts)
-  builds = kvax_backend.TRACE_COUNTS["mask_builds"] - before.get("mask_builds", 0)
+  builds = kvax_provider.TRACE_COUNTS["mask_builds"] - before.get("mask_builds", 0)
   assert builds == (1 if window is None else 2)
   assert isinstance(prepared, PreparedAttention)
   kq, kk, kv, ks = jax.random.split(jax.random.key(0), 4)
@@ -82,24 +82,24 @@ def test_prepare_once_apply_matches_reference(window, cap, sinks):
 
 def test_missing_mask_and_bad_settings_are_errors():
   pos, seg = _tokens()
-  prepared = get_backend("kvax").prepare(pos, seg)
+  prepared = get_provider("kvax").prepare(pos, seg)
   q = jnp.zeros((2, 96, 2, 16))
   with pytest.raises(KeyError, match="sliding_window=8.*prepare"):
-    get_backend("kvax").apply(q, q, q, prepared, LayerSettings(sliding_window=8))
+    get_provider("kvax").apply(q, q, q, prepared, LayerSettings(sliding_window=8))
   with pytest.raises(ValueError, match="sliding_window"):
     LayerSettings(sliding_window=0)
   with pytest.raises(ValueError, match="logits_soft_cap"):
     LayerSettings(logits_soft_cap=-1.0)
   with pytest.raises(TypeError, match="options"):
-    get_backend("kvax").prepare(pos, seg, options={"kernel": "jax"})
+    get_provider("kvax").prepare(pos, seg, options={"backend": "jax"})
 
 
 def test_explicit_triton_request_never_falls_back():
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present: the request is legitimate here")
   pos, seg = _tokens()
-  prepared = get_backend("kvax").prepare(pos, seg,
-                                         options=kvax_backend.KvaxOptions(kernel="triton"))
+  prepared = get_provider("kvax").prepare(pos, seg,
+                                         options=kvax_provider.KvaxOptions(backend="triton"))
   q = jnp.zeros((2, 96, 2, 16))
   with pytest.raises(kvax_plugin.BackendUnavailableError):
-    get_backend("kvax").apply(q, q, q, prepared, LayerSettings())
+    get_provider("kvax").apply(q, q, q, prepared, LayerSettings())

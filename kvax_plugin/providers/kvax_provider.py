@@ -1,4 +1,4 @@
-"""The `kvax` backend: our block-sparse FlashAttention behind the backend interface.
+"""The `kvax` provider: our block-sparse FlashAttention behind the provider interface.
 
 prepare() builds one AttentionMask per (causal, sliding_window) pair the model uses; apply()
 picks the layer's mask and calls flash_attention. It uses only kvax_plugin's public API.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import kvax_plugin
-from kvax_plugin.backends.base import AttentionBackend, LayerSettings, PreparedAttention
+from kvax_plugin.providers.base import AttentionProvider, LayerSettings, PreparedAttention
 
 # Trace-time counters (Python side effects run once per trace, not per executed step):
 # tests use them to check the mask is built once per step, launchers to report work done.
@@ -23,10 +23,10 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 
 @dataclasses.dataclass(frozen=True)
 class KvaxOptions:
-  """Static settings of the kvax backend (hashable: they live in the pytree's aux data).
+  """Static settings of the kvax provider (hashable: they live in the pytree's aux data).
 
-  kernel: flash_attention's backend ("auto", "jax", "triton", "reference"); an explicit
-    request that cannot run raises, it is never replaced.
+  backend: flash_attention's kernel backend ("auto", "jax", "triton", "reference"); an
+    explicit request that cannot run raises, it is never replaced.
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
   memory_optimized_gqa_backward: Triton only: always accumulate dk/dv over a GQA group in place
     (False: in place when the grid is large enough, see flash_attention).
@@ -39,7 +39,7 @@ class KvaxOptions:
     the op use its attention_specs context or defaults.
   """
 
-  kernel: str = "auto"
+  backend: str = "auto"
   fwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   bwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   memory_optimized_gqa_backward: bool = False
@@ -103,11 +103,14 @@ def prepare(query_positions: jax.Array,
 
 def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: PreparedAttention,
           settings: LayerSettings, *, sinks: jax.Array | None = None) -> jax.Array:
-  """One layer's attention over the prepared mask: [B, Sq, H, Dqk] x [B, Skv, K, D*] -> [B, Sq, H, Dv]."""
-  if not isinstance(prepared, PreparedAttention) or prepared.backend != "kvax":
-    raise TypeError("prepared must come from the kvax backend's prepare(), got "
-                    f"{type(prepared).__name__}"
-                    f"{'' if not isinstance(prepared, PreparedAttention) else ' of ' + prepared.backend}")
+  """One layer's attention over the prepared mask.
+
+  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv] -> [B, Sq, H, Dv].
+  """
+  if not isinstance(prepared, PreparedAttention) or prepared.provider != "kvax":
+    of = f" of {prepared.provider}" if isinstance(prepared, PreparedAttention) else ""
+    raise TypeError("prepared must come from the kvax provider's prepare(), got "
+                    f"{type(prepared).__name__}{of}")
   if not isinstance(settings, LayerSettings):
     raise TypeError(f"settings must be a LayerSettings, got {type(settings).__name__}")
   options: KvaxOptions = prepared.options
@@ -119,17 +122,9 @@ def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: Prepared
       logits_soft_cap=settings.logits_soft_cap, sinks=sinks, fwd_params=options.fwd_params,
       bwd_params=options.bwd_params,
       memory_optimized_gqa_backward=options.memory_optimized_gqa_backward,
-      backend=options.kernel, **_mesh_kwargs(options))
+      backend=options.backend, **_mesh_kwargs(options))
 
 
-KVAX_BACKEND = AttentionBackend(
+KVAX_PROVIDER = AttentionProvider(
     name="kvax", prepare=prepare, apply=apply,
     description="block-sparse FlashAttention over packed documents (Triton on GPU, JAX elsewhere)")
-
-
-def _register() -> None:
-  from kvax_plugin.backends import register_backend
-  register_backend(KVAX_BACKEND)
-
-
-_register()

@@ -1,5 +1,9 @@
 """Sharding and context parallelism (Llama 3 style) for the attention op.
 
+Layering: above the mask tables (block_mask) and the kernel backends (kernels/), below the
+public op (api.py), which calls `create_attention_mask_sharded` / `flash_attention_sharded` when
+it is given a mesh.
+
 Layout and specs
 ----------------
 A *spec* describes how one BSHD array is laid out over a `jax.sharding.Mesh`: a 4-sequence
@@ -80,6 +84,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kvax_plugin.attention import block_mask as bm
+from kvax_plugin.attention import kernels
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
@@ -522,7 +527,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
   segment ids [B, Skv] enter sharded (kv batch, query context, kv heads) and are all-gathered
   over the context axes per shard; `mask` from create_attention_mask with the same mesh, specs
-  and permute flag. `backend` is already resolved ("jax", "triton" or "reference").
+  and permute flag. `backend` is already resolved (a name of kernels.KERNEL_BACKENDS).
   Returns [B, Sq, H, Dv] sharded like the query.
   """
   specs = resolve_specs(query_specs, kv_specs)
@@ -535,10 +540,9 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                permuted=permuted)
   _check_mask_layout(mask, specs, mesh, cp, permuted)
 
-  from kvax_plugin.attention import api  # local import: api imports this module lazily too
-  backend_fn = api.backend_function(backend)
-  extra = {"memory_optimized_gqa_backward": memory_optimized_gqa_backward} \
-      if backend == "triton" else {}
+  backend_fn = kernels.backend_function(backend)
+  extra = kernels.backend_options(backend,
+                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward)
   has_sinks = sinks is not None
   layout_mask = mask
 

@@ -1,8 +1,8 @@
-"""backend="triton": the FlashAttention-2 kernels of triton_kernels/ called through jax-triton.
+"""backend="triton": the FlashAttention-2 kernels of this package called through jax-triton.
 
-Forward: one launch (triton_kernels/forward.py) writes the output and the log-sum-exp.
+Forward: one launch (forward.py) writes the output and the log-sum-exp.
 Backward (custom VJP): delta = rowsum(dO * O), then dq per query tile over the mask's `dq` table
-and dk / dv per kv tile over its `dkv` table (triton_kernels/backward.py); no atomics, so the
+and dk / dv per kv tile over its `dkv` table (backward.py); no atomics, so the
 gradients are bitwise reproducible. dsinks is a small reduction in JAX.
 
 Launch settings. The mask fixes the *table* block sizes; the kernels may use smaller tiles that
@@ -29,10 +29,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvax_plugin.attention import compat
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
+from kvax_plugin.attention.kernels.capabilities import Capabilities
+from kvax_plugin.attention.kernels.triton import compat
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
+
+# float32 inputs: the Triton kernels need float32-accurate products. Above head dim 128 neither
+# way ran on an H200: exact "ieee" products were impractically slow (a 400-token test past
+# 230 s, a MaxText gemma2 step past 340 s) and "tf32x3" asked for 262144 B of shared memory
+# even at 64x64 / 64x32 tiles with one stage (benchmarks/NOTES.md). bf16 / fp16 run at every
+# head dim.
+FLOAT32_MAX_HEAD_DIM = 128
+
+# What the registry (kernels/__init__.py) checks before choosing or accepting this backend.
+CAPABILITIES = Capabilities(float32_max_head_dim=FLOAT32_MAX_HEAD_DIM)
 
 # ----------------------------------------------------------------------------- devices
 
@@ -70,7 +81,7 @@ def device_supported(device) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def _kernels():
   """Import the kernel modules once (they import Triton)."""
-  from kvax_plugin.attention.triton_kernels import backward, forward
+  from kvax_plugin.attention.kernels.triton import backward, forward
   return forward, backward
 
 
@@ -387,7 +398,7 @@ def _pow2(n: int) -> int:
 
 def _dot_precision(dtype) -> str:
   # float32 inputs: exact products (tf32 would cost ~3e-4 relative error); 16-bit: ignored.
-  # (float32 is limited to head dims <= 128: api.triton_supports_inputs says why.)
+  # (float32 is limited to head dims <= 128: FLOAT32_MAX_HEAD_DIM says why.)
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
@@ -599,10 +610,9 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
-  from kvax_plugin.attention.api import triton_supports_inputs
-  ok, why = triton_supports_inputs(query.dtype, query.shape[3], value.shape[3])
+  ok, why = CAPABILITIES.supports(query.dtype, query.shape[3], value.shape[3])
   if not ok:
-    raise ValueError(f"query: {why}")
+    raise ValueError(f"query: {why} by the Triton kernels")
   h = query.shape[2]
   cfg = static_config(mask, scale=scale, logits_soft_cap=logits_soft_cap,
                       has_sinks=sinks is not None,

@@ -1,0 +1,192 @@
+"""The kernel backends of the attention op, registered in one place.
+
+A *kernel backend* (the `backend=` argument of flash_attention) is a single-device
+implementation with one calling convention:
+
+    fn(query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
+       mask, *, scale, logits_soft_cap, sinks, **options) -> [B, Sq, H, Dv]
+
+over inputs already validated by the public op (shapes, dtypes, head dims, mask). Each backend
+is a leaf module or package under this folder that imports only the mask tables
+(attention.block_mask), the params (attention.params), the dense reference, capabilities.py and
+its own files; tests/test_layering.py enforces that. The leaf's module declares what it supports
+as `CAPABILITIES` (a `Capabilities`). This module holds one `KernelBackend` record per name: where
+the implementation lives (imported on first use), which devices it needs and how to check one,
+and which extra options it takes. Everything that picks a backend asks here.
+
+Adding a backend = one new leaf + one entry in `KERNEL_BACKENDS` (+ its place in `AUTO_ORDER`).
+A leaf's module must import without its optional dependencies (Triton, a Mosaic toolchain):
+import those inside functions, so the registry can read CAPABILITIES and run the device check
+on any machine.
+
+"auto" walks `AUTO_ORDER` and takes the first backend that can run on this process's devices
+*and* supports the call (dtype, head dims, features). A backend that must be preferred only on
+some GPUs (say a Hopper-only kernel ahead of the portable Triton one) goes earlier in the order
+and says no in its `device_check` elsewhere, or in its `Capabilities` for the cases it lacks;
+"auto" then moves on to the next. An explicit name never moves: it runs or raises
+`BackendUnavailableError` naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from kvax_plugin.attention.kernels.capabilities import FEATURES, Capabilities
+
+
+class BackendUnavailableError(RuntimeError):
+  """An explicitly requested backend cannot run here (never silently replaced)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackend:
+  """One registry entry.
+
+  module / function: import path of the implementation (imported on first use); the module
+    also defines CAPABILITIES.
+  platforms: JAX platforms it needs a device of (() = runs wherever JAX runs).
+  device_check: name of a function in `module`, (jax.Device) -> (ok, reason), run on the first
+    device of `platforms` (None: any such device will do).
+  options: keyword options beyond the common convention the function accepts; the public op
+    passes only those.
+  install_hint: what to install when `module` cannot be imported.
+  """
+
+  name: str
+  module: str
+  function: str
+  description: str
+  platforms: tuple[str, ...] = ()
+  device_check: str | None = None
+  options: tuple[str, ...] = ()
+  install_hint: str = ""
+
+
+_PACKAGE = __name__
+
+KERNEL_BACKENDS: dict[str, KernelBackend] = {
+    "triton": KernelBackend(
+        name="triton", module=f"{_PACKAGE}.triton.backend", function="flash_attention_triton",
+        description="FlashAttention-2 Triton kernels through jax-triton (CUDA GPUs, sm80+)",
+        platforms=("gpu",), device_check="device_supported",
+        options=("memory_optimized_gqa_backward",), install_hint="install kvax-plugin[gpu]"),
+    "jax": KernelBackend(
+        name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",
+        description="blockwise online-softmax attention in plain JAX (any device)"),
+    "reference": KernelBackend(
+        name="reference", module=f"{_PACKAGE}.reference", function="reference_with_mask",
+        description="dense float32 reference, O(S^2) memory (tests and checks)"),
+}
+
+# "auto": the first of these that can run here and supports the call.
+AUTO_ORDER: tuple[str, ...] = ("triton", "jax")
+
+BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
+
+
+def _record(name: str) -> KernelBackend:
+  if name not in KERNEL_BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+  return KERNEL_BACKENDS[name]
+
+
+def _module(record: KernelBackend):
+  return importlib.import_module(record.module)
+
+
+def capabilities(name: str) -> Capabilities:
+  """The CAPABILITIES backend `name` declares (imports its module, not its optional deps)."""
+  return _module(_record(name)).CAPABILITIES
+
+
+def availability(name: str) -> tuple[bool, str]:
+  """(available, reason): whether backend `name` can run in this process."""
+  record = _record(name)
+  if not record.platforms:
+    return True, f"{name} runs on every JAX platform"
+  try:
+    devices = [d for d in jax.devices() if d.platform in record.platforms]
+  except RuntimeError:
+    devices = []
+  if not devices:
+    return False, (f"no {'/'.join(p.upper() for p in record.platforms)} visible to JAX (default "
+                   f"backend: {jax.default_backend()})")
+  try:
+    module = _module(record)
+  except ImportError as e:
+    return False, (f"the {name} backend could not be imported ({e})"
+                   + (f"; {record.install_hint}" if record.install_hint else ""))
+  if record.device_check is None:
+    return True, f"{devices[0]}"
+  return getattr(module, record.device_check)(devices[0])
+
+
+def resolve_backend(backend: str) -> str:
+  """Map "auto" to the first backend of AUTO_ORDER that runs here; check an explicit request
+  can run (BackendUnavailableError naming why, never a substitute)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "auto":
+    for name in AUTO_ORDER:
+      if availability(name)[0]:
+        return name
+    raise BackendUnavailableError(f"no backend of {AUTO_ORDER} can run here")
+  ok, reason = availability(backend)
+  if not ok:
+    others = [n for n in AUTO_ORDER if n != backend and not KERNEL_BACKENDS[n].platforms]
+    raise BackendUnavailableError(
+        f'backend="{backend}" was requested but cannot run: {reason}. Use backend='
+        f'"{others[0] if others else "auto"}" (or "auto") to run without it.')
+  return backend
+
+
+def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
+                    features: Iterable[str] = ()) -> tuple[bool, str]:
+  """(supported, reason) of backend `name`'s capabilities for these inputs."""
+  return capabilities(name).supports(dtype, qk_head_dim, v_head_dim, features)
+
+
+def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
+                        features: Iterable[str] = ()) -> str:
+  """The backend for one call. "auto": the first of AUTO_ORDER that runs here and supports the
+  inputs; an explicit name that cannot run them raises BackendUnavailableError naming them."""
+  features = tuple(features)
+  if backend == "auto":
+    if backend not in BACKENDS:  # pragma: no cover - "auto" always is
+      raise ValueError(backend)
+    for name in AUTO_ORDER:
+      if availability(name)[0] and supports_inputs(name, dtype, qk_head_dim, v_head_dim,
+                                                   features)[0]:
+        return name
+    raise BackendUnavailableError(
+        f"no backend of {AUTO_ORDER} can run {jnp.dtype(dtype).name} inputs with head dims "
+        f"({qk_head_dim}, {v_head_dim}) and features {features} here")
+  name = resolve_backend(backend)
+  ok, why = supports_inputs(name, dtype, qk_head_dim, v_head_dim, features)
+  if not ok:
+    raise BackendUnavailableError(
+        f'backend="{name}" was requested but cannot run: {why} by the {name} kernels'
+        + (' (use bfloat16 / float16 inputs, or backend="jax")' if name != "jax" else ""))
+  return name
+
+
+def backend_function(name: str) -> Callable[..., jax.Array]:
+  """The single-device implementation behind a resolved backend name."""
+  record = _record(name)
+  return getattr(_module(record), record.function)
+
+
+def backend_options(name: str, **options: Any) -> dict[str, Any]:
+  """The subset of `options` backend `name` accepts (the others do not apply to it)."""
+  accepted = _record(name).options
+  return {k: v for k, v in options.items() if k in accepted}
+
+
+__all__ = ["BackendUnavailableError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
+           "AUTO_ORDER", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
+           "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]

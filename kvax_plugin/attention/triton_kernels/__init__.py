@@ -1,1 +1,0 @@
-"""Triton kernels of the attention op (imported only by triton_backend, never at package import)."""

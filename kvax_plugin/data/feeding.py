@@ -1,0 +1,92 @@
+"""The shipped corpus as a stream of MaxText feature batches, with per-batch mask statistics.
+
+`PackedCorpus` packs kvax_plugin.data's corpus into rows (first-fit, segment ids 1..n / 0
+padding, per-document positions) and yields MaxText's feature dicts (numpy); while feeding, it
+builds the batch's kvax block masks to record the share of blocks they skip (`BatchStats`).
+The MaxText hook that hands it to MaxText's data loader is
+kvax_plugin.integrations.maxtext.training_hooks.packed_corpus_pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from kvax_plugin.errors import FlagError
+
+
+@dataclasses.dataclass
+class BatchStats:
+  """What the launcher learned about one batch while feeding it (host rows only)."""
+
+  real_tokens: int
+  rows: int
+  seq_len: int
+  documents: int
+  skipped: dict[str, float]  # mask name -> share of forward blocks skipped
+
+
+class PackedCorpus:
+  """Iterable of MaxText feature dicts (numpy) from kvax_plugin.data, one per step.
+
+  Every host packs the same global batch stream and keeps its own rows, so batches do not
+  depend on the number of hosts. Per batch, the kvax block mask is built (with the run's forward
+  block sizes, for the global and, if the model has one, the sliding-window mask) to report the
+  share of blocks skipped; `stats` grows by one entry per batch, `first` keeps the first batch.
+  """
+
+  def __init__(self, cfg, *, seq_len: int, global_rows: int, host_index: int, host_count: int,
+               sliding_window: int | None):
+    if global_rows % host_count:
+      raise FlagError(f"--config.per_device_batch_size: {global_rows} rows do not split over "
+                      f"{host_count} loading hosts")
+    self.cfg = cfg
+    self.seq_len = seq_len
+    self.global_rows = global_rows
+    self.rows = global_rows // host_count
+    self.host_index = host_index
+    self.sliding_window = sliding_window
+    self.stats: list[BatchStats] = []
+    self.first = None  # the first PackedBatch (host rows)
+
+  def masks(self, batch) -> dict[str, Any]:
+    """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}."""
+    import kvax_plugin
+    from kvax_plugin.data import to_kvax
+    pos, seg = to_kvax(batch)
+    params = kvax_plugin.FlashAttentionParamsConfig(
+        query_block_size=self.cfg.kvax.fwd_query_block_size,
+        kv_block_size=self.cfg.kvax.fwd_kv_block_size)
+    out = {"global": kvax_plugin.create_attention_mask(
+        pos, seg, pos, seg, fwd_params=params, skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)}
+    if self.sliding_window:
+      out["local"] = kvax_plugin.create_attention_mask(
+          pos, seg, pos, seg, fwd_params=params, sliding_window=self.sliding_window,
+          skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)
+    return out
+
+  def __iter__(self) -> Iterator[dict]:
+    import numpy as np
+
+    import kvax_plugin
+    from kvax_plugin.data import PackedBatch, batch_iterator, maxtext_features
+    d = self.cfg.data
+    stream = batch_iterator(self.seq_len, self.global_rows, seed=d.seed,
+                            window_batches=d.window_batches, min_chars=d.min_doc_chars,
+                            max_chars=d.max_doc_chars)
+    lo, hi = self.host_index * self.rows, (self.host_index + 1) * self.rows
+    for full in stream:
+      batch = PackedBatch(full.tokens[lo:hi], full.segment_ids[lo:hi], full.positions[lo:hi],
+                          full.pieces[lo:hi])
+      if self.first is None:
+        self.first = batch
+      skipped = {name: kvax_plugin.mask_sparsity(m)["skipped"]
+                 for name, m in self.masks(batch).items()}
+      self.stats.append(BatchStats(real_tokens=batch.num_real_tokens, rows=batch.num_seqs,
+                                   seq_len=batch.seq_len,
+                                   documents=int(sum(batch.segments_per_row())), skipped=skipped))
+      yield {k: np.asarray(v) for k, v in maxtext_features(batch).items()}
+
+
+__all__ = ["BatchStats", "PackedCorpus"]

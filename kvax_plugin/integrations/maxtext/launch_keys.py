@@ -1,0 +1,125 @@
+"""The launcher's config (configs/<family>.py) as MaxText keys, and checks on MaxText's result.
+
+`maxtext_keys` translates a checked launcher config into MaxText key -> value,
+`maxtext_argv` into the argv of MaxText's train entry point, and `check_maxtext_config` checks
+MaxText's resolved config (head counts come from its model yml) naming the flag to change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from kvax_plugin.errors import FlagError
+
+# config.mesh field -> MaxText key
+MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
+             for net in ("ici", "dcn") for axis in ("data", "fsdp", "tensor", "context")}
+KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
+             "bwd_kv_block_size", "memory_optimized_gqa_backward", "skip_pad_tokens")
+
+
+def maxtext_dir() -> str:
+  import maxtext
+  return os.path.dirname(maxtext.__file__)
+
+
+def output_dir(cfg) -> str:
+  return os.path.abspath(cfg.output_dir or os.path.join(
+      "outputs", f"{cfg.family}-{cfg.variant}-{cfg.attention}"))
+
+
+def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
+  """The MaxText keys (name -> value) the config translates to, before raw overrides."""
+  out = output_dir(cfg)
+  keys: dict[str, Any] = dict(
+      model_name=cfg.model,
+      # Our variants change model-yml keys (width, depth, experts) on purpose.
+      override_model_config=True,
+      attention=cfg.attention,
+      max_target_length=cfg.seq_len,
+      per_device_batch_size=cfg.per_device_batch_size,
+      steps=cfg.steps,
+      learning_rate=cfg.learning_rate,
+      warmup_steps_fraction=cfg.warmup_steps_fraction,
+      init_weights_seed=cfg.seed,
+      context_parallel_load_balance=cfg.context_parallel_load_balance,
+      # Our batches are packed (several documents per row); MaxText reads this flag for its
+      # context-parallel checks. dataset_type stays "synthetic" only to pass MaxText's data-key
+      # validation: the run replaces MaxText's iterator with the packed corpus
+      # (training_hooks.packed_corpus_pipeline).
+      packing=True,
+      dataset_type="synthetic",
+      enable_checkpointing=False,
+      base_output_directory=os.path.dirname(out),
+      run_name=os.path.basename(out),
+      enable_tensorboard=True,
+      metrics_file=os.path.join(out, "metrics.jsonl"),
+      log_config=False,
+      dtype=("bfloat16" if platform == "gpu" else "float32") if cfg.dtype == "auto" else cfg.dtype,
+  )
+  if cfg.hardware == "auto":
+    # One process driving this host's devices: jax.distributed would wait for peers.
+    keys.update(hardware=platform, skip_jax_distributed_system=True)
+  else:
+    keys.update(hardware=cfg.hardware)
+  for field, key in MESH_KEYS.items():
+    keys[key] = cfg.mesh[field]
+  keys["kvax_backend"] = cfg.kvax.backend
+  for field in KVAX_KEYS:
+    keys[f"kvax_{field}"] = cfg.kvax[field]
+  keys.update(cfg.model_overrides.to_dict())
+  return keys
+
+
+def argv_value(value: Any) -> str:
+  # MaxText parses key=value with OmegaConf's command-line grammar (YAML-like scalars).
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, float):
+    return repr(value)
+  return str(value)
+
+
+def maxtext_argv(keys: dict[str, Any]) -> list[str]:
+  """argv for MaxText's train entry: program, base.yml, then key=value."""
+  return ["kvax_plugin.launch", os.path.join(maxtext_dir(), "configs", "base.yml")] + [
+      f"{k}={argv_value(v)}" for k, v in keys.items()]
+
+
+def flag_for(key: str, raw: dict[str, str]) -> str:
+  """The flag a user changes for MaxText key `key` (raw override, or --config field)."""
+  if key in raw:
+    return f"{key}={raw[key]}"
+  for field, mkey in MESH_KEYS.items():
+    if mkey == key:
+      return f"--config.mesh.{field}"
+  return f"--config.model_overrides.{key}"
+
+
+def check_maxtext_config(config, cfg, raw: dict[str, str]) -> None:
+  """Checks on MaxText's resolved config (head counts come from the model yml)."""
+  import jax
+  tensor = config.ici_tensor_parallelism * max(1, config.dcn_tensor_parallelism)
+  heads, kv_heads = config.num_query_heads, config.num_kv_heads
+  flag = flag_for("ici_tensor_parallelism", raw)
+  if tensor > 1 and heads % tensor:
+    raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {heads} query heads of "
+                    f"{cfg.model} (as configured)")
+  if tensor > 1 and kv_heads >= tensor and kv_heads % tensor:
+    raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {kv_heads} kv heads of "
+                    f"{cfg.model} (as configured)")
+  # MaxText fills one -1 axis with what is left; the fixed axes must fit the devices of a slice.
+  ici = [int(a) for a in config.ici_parallelism]
+  per_slice = jax.device_count() // max(1, int(config.num_slices))
+  fixed = math.prod(a for a in ici if a != -1)
+  if (per_slice % fixed) if -1 in ici else (fixed != per_slice):
+    mesh = ", ".join(f"{f}={getattr(config, k)}" for f, k in MESH_KEYS.items()
+                     if f.startswith("ici"))
+    raise FlagError(f"--config.mesh ({mesh}): the fixed ici axes multiply to {fixed}, which does "
+                    f"not fit the {per_slice} devices here (set one axis to -1 to take the rest)")
+  cp = config.ici_context_parallelism * max(1, config.dcn_context_parallelism)
+  if cp > 1 and config.max_target_length % (2 * cp):
+    raise FlagError(f"--config.seq_len={config.max_target_length}: context parallelism {cp} "
+                    f"needs a multiple of {2 * cp} (two chunks per rank)")

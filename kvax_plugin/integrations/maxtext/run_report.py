@@ -1,0 +1,115 @@
+"""What a launcher run leaves behind: loss.png, mask.png, summary.json and the printed summary."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvax_plugin.data.feeding import PackedCorpus
+from kvax_plugin.integrations.maxtext.training_hooks import Progress, StepRecord
+
+
+def plot_losses(records: Sequence[StepRecord], path: str, title: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot([r.step + 1 for r in records], [r.loss for r in records], marker="o", markersize=3)
+  ax.set_xlabel("step")
+  ax.set_ylabel("training loss (nats / token)")
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def draw_first_mask(corpus: PackedCorpus, out: str) -> list[str]:
+  """mask.png: the first batch's global causal block mask (mask_local.png: with the window).
+
+  The row drawn is the one holding the most documents, where skipping is most visible.
+  """
+  import kvax_plugin
+  row = max(range(corpus.first.num_seqs), key=lambda r: len(corpus.first.pieces[r]))
+  docs = len(corpus.first.pieces[row])
+  paths = []
+  for name, mask in corpus.masks(corpus.first).items():
+    path = os.path.join(out, "mask.png" if name == "global" else f"mask_{name}.png")
+    share = kvax_plugin.mask_sparsity(mask)["skipped"]
+    kvax_plugin.draw_mask(mask, path, batch_index=row, title=(
+        f"{name} mask, batch 1 row {row + 1} ({docs} document pieces): "
+        f"batch skips {share:.0%} of blocks"))
+    paths.append(path)
+  return paths
+
+
+def tensorboard_files(config) -> list[str]:
+  found = []
+  for root, _, files in os.walk(config.tensorboard_dir or ""):
+    found += [os.path.join(root, f) for f in files if f.startswith("events.out.tfevents")]
+  return sorted(found)
+
+
+def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, backend: str,
+              wall: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+  recs = progress.records
+  timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
+  mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+  skipped = {}
+  if corpus is not None and corpus.stats:
+    for name in corpus.stats[0].skipped:
+      skipped[name] = mean([s.skipped[name] for s in corpus.stats])
+  return {
+      "family": cfg.family, "variant": cfg.variant, "model": cfg.model,
+      "attention": cfg.attention,
+      "kvax_backend": backend if cfg.attention == "kvax" else None,
+      "hardware": config.hardware, "devices": _device_count(),
+      "seq_len": config.max_target_length, "global_batch": config.global_batch_size_to_train_on,
+      "steps": len(recs),
+      "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
+      "min_loss": min(r.loss for r in recs) if recs else None,
+      "losses": [r.loss for r in recs],
+      "mean_step_seconds": mean([r.step_seconds for r in timed]),
+      "mean_tokens_per_s": mean([r.tokens_per_s for r in timed]),
+      "real_token_share": (mean([s.real_tokens / (s.rows * s.seq_len) for s in corpus.stats])
+                           if corpus is not None and corpus.stats else None),
+      "documents_per_row": (mean([s.documents / s.rows for s in corpus.stats])
+                            if corpus is not None and corpus.stats else None),
+      "blocks_skipped": skipped,
+      "kvax_fwd_blocks": [cfg.kvax.fwd_query_block_size, cfg.kvax.fwd_kv_block_size],
+      "wall_seconds": wall,
+      **files,
+  }
+
+
+def _device_count() -> int:
+  import jax
+  return jax.device_count()
+
+
+def print_summary(s: dict[str, Any], stream=None) -> None:
+  stream = stream or sys.stdout
+  w = s["wall_seconds"]
+  lines = [
+      "",
+      f"== {s['family']}:{s['variant']} ({s['model']}), attention={s['attention']}"
+      + (f" (kvax backend {s['kvax_backend']})" if s["kvax_backend"] else "")
+      + f", {s['hardware']} x{s['devices']}",
+      f"   {s['steps']} steps of {s['global_batch']} x {s['seq_len']} tokens"
+      + (f"; {s['real_token_share']:.1%} real tokens, {s['documents_per_row']:.1f} document "
+         "pieces per row" if s["real_token_share"] is not None else ""),
+      f"   loss {s['first_loss']:.4f} -> {s['last_loss']:.4f} (min {s['min_loss']:.4f})",
+      f"   {s['mean_tokens_per_s']:,.0f} real tok/s, {s['mean_step_seconds']:.2f} s/step "
+      f"(after step 1); blocks skipped: "
+      + (", ".join(f"{k} {v:.1%}" for k, v in s["blocks_skipped"].items()) or "n/a"),
+      f"   wall: setup+compile {w['setup_and_compile']:.1f} s, training {w['training']:.1f} s, "
+      f"total {w['total']:.1f} s",
+      f"   mask:        {', '.join(s['mask_png']) or 'n/a'}",
+      f"   loss plot:   {s['loss_png'] or 'n/a'}",
+      f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",
+      f"   summary:     {s['summary_json']}   MaxText log: {s['maxtext_log']}",
+  ]
+  print("\n".join(lines), file=stream, flush=True)

@@ -1,0 +1,161 @@
+"""Hooks the launcher sets on MaxText for the duration of one run (each restores on exit).
+
+    packed_corpus_pipeline   MaxText's create_data_iterator returns kvax_plugin.data's packed
+                             corpus (wrapped in MaxText's own MultiHostDataLoadIterator)
+    progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
+                             which prints one line per step and adds TensorBoard scalars
+    quiet_maxtext            absl / MaxText INFO logs go to a file only
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import sys
+
+from kvax_plugin.data.feeding import BatchStats, PackedCorpus
+from kvax_plugin.errors import FlagError
+
+
+@contextlib.contextmanager
+def packed_corpus_pipeline(cfg, holder: dict):
+  """Within the block, MaxText's create_data_iterator returns the packed corpus.
+
+  `holder["corpus"]` receives the PackedCorpus so the caller can read its statistics.
+  """
+  from maxtext.input_pipeline import input_pipeline_interface as ipi
+  from maxtext.input_pipeline import multihost_dataloading, synthetic_data_processing
+
+  original = ipi.create_data_iterator
+
+  def create_data_iterator(config, mesh):
+    import jax
+    if config.eval_interval > 0:
+      raise FlagError(f"eval_interval={config.eval_interval}: the shipped corpus has no eval "
+                      "split; leave eval_interval unset, or use a MaxText dataset_type for eval")
+    loading = ipi.get_process_loading_real_data(
+        config.data_sharding, config.global_batch_size_to_load,
+        config.global_batch_size_to_train_on, config.max_target_length, mesh)
+    window = int(getattr(config, "sliding_window_size", 0) or 0) or None
+    if window is not None and window >= config.max_target_length:
+      window = None  # the local mask equals the global one at this length: report it once
+    if jax.process_index() not in loading:
+      # Same as MaxText: hosts that hold no batch rows feed placeholders.
+      return synthetic_data_processing.PlaceHolderDataIterator(config, mesh), None
+    corpus = PackedCorpus(cfg, seq_len=config.max_target_length,
+                          global_rows=config.global_batch_size_to_load,
+                          host_index=loading.index(jax.process_index()), host_count=len(loading),
+                          sliding_window=window)
+    holder["corpus"] = corpus
+    return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
+
+  ipi.create_data_iterator = create_data_iterator
+  try:
+    yield
+  finally:
+    ipi.create_data_iterator = original
+
+
+@dataclasses.dataclass
+class StepRecord:
+  step: int
+  loss: float
+  step_seconds: float
+  tokens_per_s: float  # real (non-padding) tokens per second, all devices
+  skipped: dict[str, float]
+
+
+class Progress:
+  """Receives MaxText's per-step train metrics; prints and records them."""
+
+  def __init__(self, cfg, holder: dict, total_steps: int, stream=None):
+    self.cfg = cfg
+    self.holder = holder
+    self.total_steps = total_steps
+    self.records: list[StepRecord] = []
+    self.stream = stream or sys.stdout
+    self.start_step = None
+
+  def on_train_metrics(self, metrics: dict, step: int) -> None:
+    scalars = metrics["scalar"]
+    loss = float(scalars["learning/loss"])
+    seconds = float(scalars.get("perf/step_time_seconds", float("nan")))
+    corpus = self.holder.get("corpus")
+    if self.start_step is None:
+      self.start_step = step
+    index = step - self.start_step
+    stats = corpus.stats[index] if corpus is not None and index < len(corpus.stats) else None
+    if stats is not None:
+      # Every loading host packs the same number of real tokens per row on average; scale the
+      # host's count to the global batch.
+      real = stats.real_tokens * self._host_scale(stats)
+      tokens_per_s = real / seconds if seconds > 0 else float("nan")
+      skipped = dict(stats.skipped)
+      # MaxText writes these scalars to TensorBoard with its own.
+      scalars["perf/real_tokens_per_sec"] = tokens_per_s
+      scalars["data/real_token_share"] = stats.real_tokens / (stats.rows * stats.seq_len)
+      for name, share in skipped.items():
+        scalars[f"kvax/blocks_skipped_{name}"] = share
+    else:
+      tokens_per_s, skipped = float("nan"), {}
+    record = StepRecord(step, loss, seconds, tokens_per_s, skipped)
+    self.records.append(record)
+    if (step + 1) % self.cfg.log_every == 0 or step == 0 or step + 1 == self.total_steps:
+      print(self.format(record), file=self.stream, flush=True)
+
+  def _host_scale(self, stats: BatchStats) -> float:
+    corpus = self.holder["corpus"]
+    return corpus.global_rows / max(1, stats.rows)
+
+  def format(self, r: StepRecord) -> str:
+    width = len(str(self.total_steps))
+    skip = "/".join(f"{v:.0%}" for v in r.skipped.values()) or "n/a"
+    names = "/".join(r.skipped) or "mask"
+    return (f"step {r.step + 1:>{width}}/{self.total_steps}  loss {r.loss:7.4f}  "
+            f"{r.tokens_per_s:9,.0f} real tok/s  {r.step_seconds:6.2f} s/step  "
+            f"blocks skipped ({names}) {skip}")
+
+
+@contextlib.contextmanager
+def progress_hook(progress: Progress):
+  """Within the block, MaxText's MetricLogger also hands train metrics to `progress`."""
+  from maxtext.common import metric_logger
+
+  original = metric_logger.MetricLogger.write_metrics
+
+  @functools.wraps(original)
+  def write_metrics(self, metrics, step, metric_type="train"):
+    if metric_type == "train" and metrics:
+      progress.on_train_metrics(metrics, int(step))
+    return original(self, metrics, step, metric_type)
+
+  metric_logger.MetricLogger.write_metrics = write_metrics
+  try:
+    yield
+  finally:
+    metric_logger.MetricLogger.write_metrics = original
+
+
+@contextlib.contextmanager
+def quiet_maxtext(log_path: str, enabled: bool):
+  """Send absl/MaxText INFO logs to `log_path` only (warnings still reach the console)."""
+  from absl import logging as absl_logging
+  os.makedirs(os.path.dirname(log_path), exist_ok=True)
+  file_handler = logging.FileHandler(log_path, mode="w")
+  file_handler.setLevel(logging.INFO)
+  file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+  root = logging.getLogger()
+  root.addHandler(file_handler)
+  absl_handler = absl_logging.get_absl_handler()
+  previous = absl_handler.level
+  if enabled:
+    absl_handler.setLevel(logging.WARNING)
+  try:
+    yield
+  finally:
+    absl_handler.setLevel(previous)
+    root.removeHandler(file_handler)
+    file_handler.close()
