@@ -136,7 +136,7 @@ def bench(seq, results, rounds):
   v = jax.random.normal(ks[2], (1, seq, kh, d), jnp.bfloat16)
   do = jax.random.normal(ks[3], (1, seq, h, d), jnp.bfloat16)
   try:
-    from kvax_plugin.attention import triton_backend
+    from kvax_plugin.attention.kernels.triton import backend as triton_backend
   except Exception as e:  # noqa: BLE001
     triton_backend = None
     print("triton backend unavailable:", e)

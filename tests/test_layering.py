@@ -26,12 +26,13 @@ KERNELS = f"{ATTENTION}.kernels"
 ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (f"{ATTENTION}.params",),
     (f"{ATTENTION}.block_mask",),
-    (f"{ATTENTION}.reference", f"{ATTENTION}.validation", f"{KERNELS}.capabilities"),
+    (f"{ATTENTION}.reference", f"{ATTENTION}.validation", f"{ATTENTION}.token_order",
+     f"{KERNELS}.capabilities"),
     ("<kernel leaves>",),
     (KERNELS,),
     (f"{ATTENTION}.context_parallel",),
     (f"{ATTENTION}.api",),
-    (f"{ATTENTION}.compare",),
+    (f"{ATTENTION}.compare", f"{ATTENTION}.balance_report"),
 ]
 # What a kernel leaf may import besides its own files.
 KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.block_mask",

@@ -2,11 +2,14 @@
 
     params.py                 constants and FlashAttentionParamsConfig
     block_mask.py             the block tables (AttentionMask) and their reporting
-    reference.py              the dense float32 reference; validation.py: argument checks
-    kernels/<leaf>            kernel backends (jax_blockwise, reference, triton/): the leaves
+    reference.py              the dense float32 reference; validation.py: argument checks;
+                              token_order.py: context-parallel token orders
+    kernels/<leaf>            kernel backends (jax_blockwise, reference, triton/, mosaic/): the
+                              leaves
     kernels/__init__.py       the registry: names, capabilities, devices, "auto"
     context_parallel.py       sharding and context parallelism over a mesh
     api.py, compare.py        the public op (create_attention_mask, flash_attention, attention)
+    balance_report.py         per-rank work of a token order (benchmarks, tests)
 
 tests/test_layering.py checks the order and that the import graph has no cycle.
 """

@@ -145,7 +145,7 @@ def flash_attention(query: jax.Array,
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
   name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
-                             _features(query, key, value, mask, logits_soft_cap, sinks))
+                             _features(query, key, value, mask, logits_soft_cap, sinks), mask)
   if mesh is not None:
     return context_parallel.flash_attention_sharded(
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,

@@ -52,6 +52,8 @@ class KernelBackend:
   platforms: JAX platforms it needs a device of (() = runs wherever JAX runs).
   device_check: name of a function in `module`, (jax.Device) -> (ok, reason), run on the first
     device of `platforms` (None: any such device will do).
+  mask_check: name of a function in `module`, (AttentionMask) -> (ok, reason), for what the
+    mask's block sizes must allow (None: any mask).
   options: keyword options beyond the common convention the function accepts; the public op
     passes only those.
   install_hint: what to install when `module` cannot be imported.
@@ -63,6 +65,7 @@ class KernelBackend:
   description: str
   platforms: tuple[str, ...] = ()
   device_check: str | None = None
+  mask_check: str | None = None
   options: tuple[str, ...] = ()
   install_hint: str = ""
 
@@ -146,32 +149,37 @@ def resolve_backend(backend: str) -> str:
 
 
 def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
-                    features: Iterable[str] = ()) -> tuple[bool, str]:
-  """(supported, reason) of backend `name`'s capabilities for these inputs."""
-  return capabilities(name).supports(dtype, qk_head_dim, v_head_dim, features)
+                    features: Iterable[str] = (), mask: Any = None) -> tuple[bool, str]:
+  """(supported, reason) of backend `name`'s capabilities (and mask check) for these inputs."""
+  ok, why = capabilities(name).supports(dtype, qk_head_dim, v_head_dim, features)
+  if not ok:
+    return False, f"{why} by the {name} backend"
+  record = _record(name)
+  if mask is not None and record.mask_check is not None:
+    ok, why = getattr(_module(record), record.mask_check)(mask)
+  return ok, why
 
 
 def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
-                        features: Iterable[str] = ()) -> str:
+                        features: Iterable[str] = (), mask: Any = None) -> str:
   """The backend for one call. "auto": the first of AUTO_ORDER that runs here and supports the
-  inputs; an explicit name that cannot run them raises BackendUnavailableError naming them."""
+  inputs (and `mask`, when given); an explicit name that cannot run them raises
+  BackendUnavailableError naming them."""
   features = tuple(features)
   if backend == "auto":
-    if backend not in BACKENDS:  # pragma: no cover - "auto" always is
-      raise ValueError(backend)
     for name in AUTO_ORDER:
       if availability(name)[0] and supports_inputs(name, dtype, qk_head_dim, v_head_dim,
-                                                   features)[0]:
+                                                   features, mask)[0]:
         return name
     raise BackendUnavailableError(
         f"no backend of {AUTO_ORDER} can run {jnp.dtype(dtype).name} inputs with head dims "
         f"({qk_head_dim}, {v_head_dim}) and features {features} here")
   name = resolve_backend(backend)
-  ok, why = supports_inputs(name, dtype, qk_head_dim, v_head_dim, features)
+  ok, why = supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)
   if not ok:
     raise BackendUnavailableError(
-        f'backend="{name}" was requested but cannot run: {why} by the {name} kernels'
-        + (' (use bfloat16 / float16 inputs, or backend="jax")' if name != "jax" else ""))
+        f'backend="{name}" was requested but cannot run: {why} (change the inputs, or use '
+        'backend="auto" / "jax")')
   return name
 
 
