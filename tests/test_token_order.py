@@ -116,6 +116,25 @@ def test_balanced_under_jit_with_traced_inputs():
   np.testing.assert_array_equal(np.asarray(jitted.inverse), np.asarray(eager.inverse))
 
 
+def test_document_order():
+  rng = np.random.default_rng(2)
+  # The usual packing (ids increasing along the row, padding at the end): the natural order.
+  pos, seg = packed_documents(rng, 2, 128, num_docs=5, pad_tail=20)
+  np.testing.assert_array_equal(np.asarray(to.document_order(pos, seg)),
+                                np.tile(np.arange(128), (2, 1)))
+  # Anything else: documents contiguous, positions increasing, padding last, ties stable.
+  for name, (pos, seg) in _layouts(rng, 2, 160).items():
+    o = np.asarray(to.document_order(pos, seg))
+    for b in range(2):
+      np.testing.assert_array_equal(np.sort(o[b]), np.arange(160))
+      key = [(int(seg[b, i]) == -1, int(seg[b, i]), int(pos[b, i]), int(i)) for i in o[b]]
+      assert key == sorted(key), name
+  # A real id of int32 max stays apart from the padding.
+  seg = np.array([[INT32_MAX, -1, INT32_MAX, -1]], np.int32)
+  pos = np.array([[1, 0, 0, 0]], np.int32)
+  np.testing.assert_array_equal(np.asarray(to.document_order(pos, seg))[0], [2, 0, 1, 3])
+
+
 # ----------------------------------------------------------------------------- cost model
 
 

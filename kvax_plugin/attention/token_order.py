@@ -26,24 +26,27 @@ balances both:
 
 Both are additive over *units*: runs of `block` consecutive natural-order tokens, with `block`
 the query block size of the kernels (or a multiple of it). The balanced order moves whole units
-and keeps every rank's units in ascending natural order, and the sharded op puts the gathered
-key/value back in natural order. Then every query block of a rank is a natural-order block
-whose table row is the row it would have without context parallelism: a unit's cost does not
-depend on where it lands, the per-rank cost is the sum of its units' costs, and the tables stay
-as tight as in natural order (documents stay contiguous in the kv buffer, and a rank's units of
-one document stay adjacent in its local query buffer, which keeps the backward dkv ranges tight).
-Moving single tokens instead would mix distant documents inside one query block, and its kv
-range would span everything between them.
+and keeps every rank's units in ascending natural order. The sharded op, for this order, sorts
+the gathered key/value into *document order* (document_order: padding last, then by segment
+id, then position); for rows packed the usual way (contiguous documents, ids increasing along
+the row, padding at the end; MaxText's packing) that is simply the natural order. Then every
+query block of a rank is a natural-order block whose table row does not depend on which rank
+holds it: the per-rank cost is the sum of its units' costs, and the tables stay tight
+(documents are contiguous in the kv buffer, and a rank's units of one document stay adjacent
+in its local query buffer, which keeps the backward dkv ranges tight). Moving single tokens
+instead would mix distant documents inside one query block, whose kv range would then span
+everything between them. Because the op finds the kv arrangement from positions and segment
+ids alone, no permutation has to travel with the batch.
 
-Per unit, both costs come from each token's attended kv set. Sorted by (segment id, position),
-a token's attended keys are one range [lo, hi) of the row: lo is its segment's start (or, with
-a sliding window, a binary search for position - window + 1), hi the end of its run of equal
-keys (causal) or of its segment; run boundaries come from O(S) scans after one sort.
+Per unit, both costs come from each token's attended kv set, which in document order is one
+range [lo, hi): lo is the start of the token's segment (with a sliding window, a binary search
+for position - window + 1 inside it), hi the end of its run of equal keys (causal) or of its
+segment; the run boundaries come from O(S) scans after one sort.
     kept(unit)    = sum of the range lengths (exact for any layout);
-    visited(unit) = kv blocks between the natural index of the earliest and the latest attended
-                    key over the unit's tokens (exact for contiguous documents with increasing
-                    positions, where the sorted range is a natural-order range; an estimate
-                    otherwise: the order stays exact, only its balance is approximate).
+    visited(unit) = kv blocks from the one holding the unit's first attended key to the one
+                    holding its last (exact whenever the block tables are tight, as for
+                    contiguous documents with increasing positions; an estimate otherwise:
+                    the order stays exact, only its balance is approximate).
 
 The assignment
 --------------
@@ -204,14 +207,15 @@ def _sat_add(x: jax.Array, d: int) -> jax.Array:
   return jnp.where(x < _INT32_MIN - d, _INT32_MIN, x + d)
 
 
-def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool) -> jax.Array:
+def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool, start, stop) -> jax.Array:
   """For each query key, the number of sorted keys (seg, pos) below it (lexicographic):
   strictly below when not inclusive (lower bound), at or below when inclusive (upper bound).
-  One row: sorted_* [S], q_* [M]; a vectorised binary search of ceil(log2(S + 1)) steps."""
+  One row: sorted_* [S], q_* [M]; the answer is known to lie in [start, stop) (the query's
+  segment run). A vectorised binary search of ceil(log2(S + 1)) steps."""
   n = sorted_seg.shape[0]
   steps = max(1, math.ceil(math.log2(n + 1)))
-  lo = jnp.zeros(q_seg.shape, jnp.int32)
-  hi = jnp.full(q_seg.shape, n, jnp.int32)
+  lo = start.astype(jnp.int32)
+  hi = stop.astype(jnp.int32)
 
   def step(_, carry):
     lo, hi = carry
@@ -228,28 +232,46 @@ def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool) -> jax.Arr
   return lo
 
 
-def _sort_by_segment_then_position(seg: jax.Array, pos: jax.Array) -> jax.Array:
-  """The permutation sorting one row by (segment id, position): two stable single-key sorts
-  (XLA's multi-operand lexsort is several times slower on CPU)."""
-  by_pos = jnp.argsort(pos, stable=True)
-  return by_pos[jnp.argsort(seg[by_pos], stable=True)].astype(jnp.int32)
+def _document_order_row(seg: jax.Array, pos: jax.Array) -> jax.Array:
+  """One row: the stable permutation sorting by (padding last, segment id, position).
+
+  Three stable single-key sorts, least significant first (XLA's multi-operand sort is several
+  times slower on CPU). Padding is keyed apart from the ids, so a real id of int32 max cannot
+  mix with it.
+  """
+  order = jnp.argsort(pos, stable=True)
+  order = order[jnp.argsort(seg[order], stable=True)]
+  order = order[jnp.argsort(seg[order] == PADDING_SEGMENT_ID, stable=True)]
+  return order.astype(jnp.int32)
+
+
+def document_order(positions, segment_ids) -> jax.Array:
+  """The key/value arrangement the sharded op uses with the balanced order, int32 [B, S].
+
+  Row b sorted by (padding last, segment id, position), stably: documents become contiguous
+  with increasing positions, whatever order the tokens arrive in. For rows packed the usual way
+  (contiguous documents, ids increasing along the row, padding at the end) this is the
+  natural order. Index convention as TokenOrder.order: sorted[b, i] = x[b, result[b, i]].
+  """
+  _check_rows(positions, segment_ids)
+  return jax.vmap(_document_order_row)(jnp.asarray(segment_ids).astype(jnp.int32),
+                                       jnp.asarray(positions).astype(jnp.int32))
 
 
 def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
-  """One row [S]: per query token, (count, first, last) of the kv tokens it attends.
+  """One row [S]: per query token, (count, lo, hi) of the kv tokens it attends.
 
-  count: exact number of attended kv tokens (int32); first / last: the natural indices of the
-  attended keys that come first / last in (segment, position) order (S and -1 when none).
-  The attended keys of a token are one range [lo, hi) of the row sorted by (segment, position).
-  Without a window its ends are run boundaries (the token's segment start, and the end of its
-  run of equal keys or of its segment), found by O(S) scans; with a window the lower (and, not
-  causal, the upper) end is a vectorised binary search.
+  count: exact number of attended kv tokens (int32); the attended keys are exactly the range
+  [lo, hi) of the row in document order (_document_order_row). Without a window the ends are
+  run boundaries (the token's segment start, and the end of its run of equal keys or of its
+  segment), found by O(S) scans; with a window the lower (and, not causal, the upper) end is a
+  vectorised binary search. Padding queries get count 0.
   """
   pos = positions.astype(jnp.int32)
   seg = segment_ids.astype(jnp.int32)
   s = pos.shape[0]
   idx = jnp.arange(s, dtype=jnp.int32)
-  perm = _sort_by_segment_then_position(seg, pos)
+  perm = _document_order_row(seg, pos)
   sseg, spos = seg[perm], pos[perm]
   # Run boundaries in sorted order: segment runs and runs of equal (segment, position) keys.
   new_seg = jnp.concatenate([jnp.ones((1,), bool), sseg[1:] != sseg[:-1]])
@@ -259,24 +281,25 @@ def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
   last_of_key = jnp.concatenate([new_key[1:], jnp.ones((1,), bool)])
   seg_end = jax.lax.cummin(jnp.where(last_of_seg, idx + 1, s), reverse=True)
   key_end = jax.lax.cummin(jnp.where(last_of_key, idx + 1, s), reverse=True)
+  # Binary searches compare (segment, position) lexicographically: valid because padding (the
+  # only id sorted out of place) never searches (its count is zeroed below).
   if window is None:
     lo_sorted = seg_start
   else:
-    lo_sorted = _search(sseg, spos, sseg, _sat_add(spos, -(window - 1)), inclusive=False)
+    lo_sorted = _search(sseg, spos, sseg, _sat_add(spos, -(window - 1)), inclusive=False,
+                        start=seg_start, stop=seg_end)
   if causal:
     hi_sorted = key_end
   elif window is None:
     hi_sorted = seg_end
   else:
-    hi_sorted = _search(sseg, spos, sseg, _sat_add(spos, window - 1), inclusive=True)
+    hi_sorted = _search(sseg, spos, sseg, _sat_add(spos, window - 1), inclusive=True,
+                        start=seg_start, stop=seg_end)
   # Back from sorted to natural order (perm is a permutation: scatter its values).
   lo = jnp.zeros((s,), jnp.int32).at[perm].set(lo_sorted)
   hi = jnp.zeros((s,), jnp.int32).at[perm].set(hi_sorted)
   count = jnp.where(seg == PADDING_SEGMENT_ID, 0, jnp.maximum(hi - lo, 0))
-  some = count > 0
-  first = jnp.where(some, perm[jnp.clip(lo, 0, s - 1)], s)
-  last = jnp.where(some, perm[jnp.clip(hi - 1, 0, s - 1)], -1)
-  return count, first, last
+  return count, lo, hi
 
 
 def kept_pairs_per_token(positions, segment_ids, *, causal: bool = True,
@@ -291,13 +314,14 @@ def kept_pairs_per_token(positions, segment_ids, *, causal: bool = True,
 def _row_unit_costs(positions, segment_ids, block: int, kv_block: int, causal: bool,
                     window: int | None):
   """One row: (kept pairs, visited kv blocks) per unit of `block` tokens, float32 [S / block]."""
-  count, first, last = _attended_ranges(positions, segment_ids, causal, window)
+  count, lo, hi = _attended_ranges(positions, segment_ids, causal, window)
   n = positions.shape[0] // block
   kept = count.astype(jnp.float32).reshape(n, block).sum(axis=1)
   some = count.reshape(n, block) > 0
-  lo = jnp.min(jnp.where(some, first.reshape(n, block), _INT32_MAX), axis=1) // kv_block
-  hi = jnp.max(jnp.where(some, last.reshape(n, block), -1), axis=1) // kv_block + 1
-  visited = jnp.where(jnp.any(some, axis=1), hi - lo, 0).astype(jnp.float32)
+  # kv blocks of the document-ordered key/value between the unit's first and last attended key.
+  first = jnp.min(jnp.where(some, lo.reshape(n, block), _INT32_MAX), axis=1) // kv_block
+  last = jnp.max(jnp.where(some, hi.reshape(n, block) - 1, -1), axis=1) // kv_block
+  visited = jnp.where(jnp.any(some, axis=1), last - first + 1, 0).astype(jnp.float32)
   return kept, visited
 
 
@@ -309,7 +333,7 @@ def unit_costs(positions, segment_ids, *, block: int = 128, kv_block: int | None
   positions, segment_ids: int [B, S] in natural order, S a multiple of `block`. Returns two
   float32 [B, S / block] arrays: the kept (q, kv) pairs of each unit's queries, and the number
   of kv blocks (of `kv_block` tokens, default `block`) its query block visits when key/value are
-  in natural order.
+  in document order (document_order; the natural order for the usual packing).
   """
   _check_rows(positions, segment_ids)
   block = _check_block("block", block)
@@ -338,12 +362,6 @@ def _lpt_ranks(cost: jax.Array, cp: int) -> jax.Array:
 
   _, ranks = jax.lax.scan(deal, jnp.zeros((cp,), jnp.float32), rounds)
   return jnp.zeros((n,), jnp.int32).at[rounds.reshape(-1)].set(ranks.reshape(-1))
-
-
-def _spread(loads: jax.Array) -> jax.Array:
-  """(max - min) / mean of per-rank loads; 0 when all are equal (or all zero)."""
-  mean = jnp.mean(loads)
-  return jnp.where(mean > 0, (jnp.max(loads) - jnp.min(loads)) / jnp.maximum(mean, 1e-30), 0.0)
 
 
 def _objective(loads):
@@ -554,5 +572,5 @@ def undo_token_order(x_or_tree, order: TokenOrder, axis: int = 1):
 
 
 __all__ = ["ORDERS", "TokenOrder", "natural_order", "llama3_order", "llama3_chunk_order",
-           "balanced_order", "token_order", "unit_costs", "kept_pairs_per_token",
+           "balanced_order", "token_order", "document_order", "unit_costs", "kept_pairs_per_token",
            "apply_token_order", "undo_token_order"]
