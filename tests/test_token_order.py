@@ -79,10 +79,10 @@ def test_fixed_orders():
   np.testing.assert_array_equal(np.asarray(nat.inverse), np.tile(np.arange(8), (2, 1)))
 
 
-@pytest.mark.parametrize("cp,block", [(2, 16), (4, 8), (8, 16)])
-def test_balanced_moves_whole_blocks_ascending_per_rank(cp, block):
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balanced_moves_whole_blocks_ascending_per_rank(cp):
   rng = np.random.default_rng(7)
-  s = 512
+  s, block = 512, 16
   pos, seg = packed_documents(rng, 2, s, num_docs=6, pad_tail=50)
   o = np.asarray(to.balanced_order(pos, seg, cp, block=block).order)
   per_rank = s // cp
@@ -96,43 +96,25 @@ def test_balanced_moves_whole_blocks_ascending_per_rank(cp, block):
 
 
 def test_balanced_rows_are_independent_and_deterministic():
-  pos0, seg0 = balance_layouts(2048)["two docs 3/4 + 1/4"]
-  pos1, seg1 = balance_layouts(2048)["long + many short"]
+  pos0, seg0 = balance_layouts(512)["two docs 3/4 + 1/4"]
+  pos1, seg1 = balance_layouts(512)["long + many short"]
   pos, seg = np.concatenate([pos0, pos1]), np.concatenate([seg0, seg1])
-  both = np.asarray(to.balanced_order(pos, seg, 4, block=32).order)
-  np.testing.assert_array_equal(both[0], np.asarray(to.balanced_order(pos0, seg0, 4,
-                                                                      block=32).order)[0])
-  np.testing.assert_array_equal(both[1], np.asarray(to.balanced_order(pos1, seg1, 4,
-                                                                      block=32).order)[0])
-  np.testing.assert_array_equal(both, np.asarray(to.balanced_order(pos, seg, 4, block=32).order))
+  both = np.asarray(to.balanced_order(pos, seg, 4, block=16).order)
+  for row, (p, g) in enumerate(((pos0, seg0), (pos1, seg1))):
+    np.testing.assert_array_equal(both[row], np.asarray(to.balanced_order(
+        np.concatenate([p, p]), np.concatenate([g, g]), 4, block=16).order)[0])
+  np.testing.assert_array_equal(both, np.asarray(to.balanced_order(pos, seg, 4, block=16).order))
+  assert not np.array_equal(both[0], both[1])
 
 
 def test_balanced_under_jit_with_traced_inputs():
-  pos, seg = balance_layouts(1024)["12 docs + pad"]
-  eager = to.token_order(pos, seg, 4, order="balanced", block=32)
-  jitted = jax.jit(lambda p, s: to.token_order(p, s, 4, order="balanced", block=32))(
+  rng = np.random.default_rng(4)
+  pos, seg = packed_documents(rng, 2, 512, num_docs=6, pad_tail=50)
+  eager = to.token_order(pos, seg, 4, order="balanced", block=16)
+  jitted = jax.jit(lambda p, s: to.token_order(p, s, 4, order="balanced", block=16))(
       jnp.asarray(pos), jnp.asarray(seg))
   np.testing.assert_array_equal(np.asarray(jitted.order), np.asarray(eager.order))
   np.testing.assert_array_equal(np.asarray(jitted.inverse), np.asarray(eager.inverse))
-
-
-def test_document_order():
-  rng = np.random.default_rng(2)
-  # The usual packing (ids increasing along the row, padding at the end): the natural order.
-  pos, seg = packed_documents(rng, 2, 128, num_docs=5, pad_tail=20)
-  np.testing.assert_array_equal(np.asarray(to.document_order(pos, seg)),
-                                np.tile(np.arange(128), (2, 1)))
-  # Anything else: documents contiguous, positions increasing, padding last, ties stable.
-  for name, (pos, seg) in _layouts(rng, 2, 160).items():
-    o = np.asarray(to.document_order(pos, seg))
-    for b in range(2):
-      np.testing.assert_array_equal(np.sort(o[b]), np.arange(160))
-      key = [(int(seg[b, i]) == -1, int(seg[b, i]), int(pos[b, i]), int(i)) for i in o[b]]
-      assert key == sorted(key), name
-  # A real id of int32 max stays apart from the padding.
-  seg = np.array([[INT32_MAX, -1, INT32_MAX, -1]], np.int32)
-  pos = np.array([[1, 0, 0, 0]], np.int32)
-  np.testing.assert_array_equal(np.asarray(to.document_order(pos, seg))[0], [2, 0, 1, 3])
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -220,9 +202,9 @@ def test_fixed_orders_show_the_imbalance_the_issue_measured(balance_rows):
 # ----------------------------------------------------------------------------- the op
 
 
-@pytest.mark.parametrize("window", [None, 48])
-def test_attention_is_exact_in_any_order(window):
+def test_attention_is_exact_in_any_order():
   """Permuted inputs give the permuted outputs and gradients (JAX backend, float32)."""
+  window = 48
   rng = np.random.default_rng(5)
   b, s, h, k, d = 2, 256, 2, 1, 16
   pos, seg = packed_documents(rng, b, s, num_docs=5, pad_tail=30, one_token_docs=1)
