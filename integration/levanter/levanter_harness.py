@@ -49,7 +49,9 @@ def config(family: str, attn_backend: str, **extra):
   import draccus
   from levanter.models.lm_model import LmConfig
   fields = dict(type=family, max_seq_len=SEQ_LEN, attn_backend=attn_backend,
-                flash_attention_block_size=BLOCK, **FAMILIES[family], **extra)
+                flash_attention_block_size=BLOCK)
+  fields.update(FAMILIES[family])
+  fields.update(extra)
   # draccus has no decoder for OLMo 3's Sequence[str] layer_types: set it after decoding.
   layer_types = fields.pop("layer_types", None)
   cfg = draccus.decode(LmConfig, fields)

@@ -350,6 +350,10 @@ def kvax_attention(a: dict):
   query, scale = _scale(query, a["Key"], a["scaling_factor"])
   cap = a["logits_soft_cap"]
   cap = None if cap is None else float(cap)
+  if sinks is not None and cap is not None:
+    # Levanter puts the sink in as one more logit (a zero key plus the sink as bias) before its
+    # soft cap, so the sink is capped too; kvax adds sinks to the denominator uncapped.
+    sinks = cap * jnp.tanh(sinks / cap)
   mesh_kwargs = {}
   if prepared.mesh is not None:
     heads = axes.head_axes(prepared.mesh, layout, prepared.tokens)
