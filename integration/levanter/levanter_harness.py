@@ -1,4 +1,4 @@
-"""Levanter's own model configs, shrunk, run with attn_backend=vanilla and =kvax on packed documents.
+"""Levanter's own model configs, shrunk, run with attn_backend=vanilla and =kvax on packed docs.
 
 The configs come from Levanter's registry (draccus decodes {"type": "llama", ...} through
 LmConfig.register_subclass) with each family's defaults kept where they shape attention (Gemma 2's

@@ -55,7 +55,7 @@ def check_version(allow_unsupported_version: bool = False) -> str:
 
 
 def check_signature(label: str, expected_key: str, fn) -> None:
-  """Raise LevanterVersionError when `fn`'s parameters no longer contain the expected ones in order."""
+  """Raise LevanterVersionError when `fn` no longer has the expected parameters, in order."""
   fn = getattr(fn, "__kvax_original__", fn)
   params = tuple(inspect.signature(fn).parameters)
   expected = EXPECTED_SIGNATURES[expected_key]
