@@ -1,4 +1,4 @@
-"""Attention benchmark: ours (backend="triton") against cuDNN and tokamax, in one run.
+"""Attention benchmark: ours (backend="mosaic" and "triton") against cuDNN and tokamax, in one run.
 
     python benchmarks/bench_attention.py                      # the issue's grid: 16k and 64k
     python benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn --cases causal
@@ -129,6 +129,18 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     return ours
   impls["ours"] = make_ours()
   mask = impls["ours"].mask
+
+  # --- ours, Mosaic GPU (Hopper): fused-dq backward (default), deterministic, and the
+  # one-wait-per-product variant (KVAX_MOSAIC_UNPAIRED, read while tracing)
+  def make_mosaic(det=False, env=None):
+    def mosaic(q, k, v):
+      return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
+                             backend="mosaic", deterministic_backward=det)
+    mosaic.env = env or {}
+    return mosaic
+  impls["mosaic"] = make_mosaic()
+  impls["mosaic_det"] = make_mosaic(det=True)
+  impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -225,7 +237,8 @@ def plot(results, path):
   import matplotlib.pyplot as plt
   rows = [r for r in results if r.get("tflops") is not None]
   groups = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in rows})
-  impls = sorted({r["impl"] for r in rows}, key=lambda n: (n != "ours", n))
+  impls = sorted({r["impl"] for r in rows}, key=lambda n: (not n.startswith("mosaic"),
+                                                          n != "ours", n))
   fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 5))
   width = 0.8 / max(1, len(impls))
   for i, name in enumerate(impls):
@@ -250,7 +263,8 @@ def main():
   ap.add_argument("--seq", default="16384,65536")
   ap.add_argument("--cases", default="causal,docs")
   ap.add_argument("--head-dims", default="128")
-  ap.add_argument("--impls", default="ours,cudnn,tokamax_mosaic,tokamax_triton")
+  ap.add_argument("--impls", default="mosaic,mosaic_det,ours,cudnn,tokamax_mosaic,"
+                                     "tokamax_triton")
   ap.add_argument("--passes", default="fwd,fwd_bwd")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--min-round-ms", type=float, default=20.0)
@@ -327,18 +341,23 @@ def main():
               if p == "fwd" and args.check:
                 outs[name] = f(q, k, v)
               tiles = getattr(fn, "tiles", None)
-              saved = os.environ.get("KVAX_TRITON_TILES")
+              env = dict(getattr(fn, "env", {}))
               if tiles:  # read while tracing: the first call below compiles this variant
-                os.environ["KVAX_TRITON_TILES"] = tiles
+                env["KVAX_TRITON_TILES"] = tiles
                 row["tiles"] = tiles
+              if getattr(fn, "env", None):
+                row["env"] = fn.env
+              saved = {key_: os.environ.get(key_) for key_ in env}
+              os.environ.update(env)
               # Size the inner loop so one round lasts about --min-round-ms.
               try:
                 t1 = time_fn(f, (q, k, v), 1, 1)
               finally:
-                if saved is None:
-                  os.environ.pop("KVAX_TRITON_TILES", None)
-                else:
-                  os.environ["KVAX_TRITON_TILES"] = saved
+                for key_, val in saved.items():
+                  if val is None:
+                    os.environ.pop(key_, None)
+                  else:
+                    os.environ[key_] = val
               inner = max(1, int(args.min_round_ms / max(t1, 1e-3)))
               ms = time_fn(f, (q, k, v), args.rounds, inner)
               flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
@@ -384,19 +403,21 @@ def main():
                                                  indent=1))
   plot(results, out.with_suffix(".png"))
   # Summary table: ms and ratio against the peers.
-  print("\nseq   case   D    pass     ours ms   cudnn ms  tk_mosaic ms  tk_triton ms  "
-        "ours/cudnn speedup  vs best tokamax")
+  print("\nseq   case   D    pass   mosaic ms  triton ms   cudnn ms  tk_mosaic ms  "
+        "tk_triton ms  mosaic vs cudnn  vs best tokamax  vs triton")
   keys = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in results
                  if r["pass"] in ("fwd", "fwd_bwd")})
   for key in keys:
     get = lambda n: next((r.get("ms") for r in results if r["impl"] == n and
                           (r["seq"], r["case"], r["head_dim"], r["pass"]) == key), None)
     o, c, tm, tt = get("ours"), get("cudnn"), get("tokamax_mosaic"), get("tokamax_triton")
+    m = get("mosaic")
     fmt = lambda x: f"{x:9.3f}" if x else "      n/a"
+    ratio = lambda a, b: f"{b / a:6.2f}x" if a and b else "   n/a "
     best_tk = min([x for x in (tm, tt) if x], default=None)
-    print(f"{key[0]:6d} {key[1]:6s} {key[2]:4d} {key[3]:8s} {fmt(o)} {fmt(c)} {fmt(tm)}     "
-          f"{fmt(tt)}     {(c / o if o and c else float('nan')):6.2f}x            "
-          f"{(best_tk / o if o and best_tk else float('nan')):6.2f}x")
+    print(f"{key[0]:6d} {key[1]:6s} {key[2]:4d} {key[3]:8s} {fmt(m)} {fmt(o)} {fmt(c)} "
+          f"{fmt(tm)}     {fmt(tt)}      {ratio(m, c)}          {ratio(m, best_tk)}"
+          f"        {ratio(m, o)}")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ def family_config(family: str, arg: str | None,
 
   # kvax settings; they reach MaxText as its kvax_* keys (kvax_plugin.integrations.maxtext).
   c.kvax = ml_collections.ConfigDict()
-  # "auto": Triton on a supported GPU, else the JAX blockwise path. "triton" / "jax" /
-  # "reference" are explicit: a request that cannot run is an error, never a fallback.
+  # "auto": Mosaic GPU kernels on Hopper (16-bit inputs), Triton on other supported GPUs, else
+  # the JAX blockwise path. "mosaic" / "triton" / "jax" / "reference" are explicit: a request
+  # that cannot run is an error, never a fallback.
   c.kvax.backend = "auto"
   # Block sizes (powers of two >= 16). Smaller blocks skip more of a packed-document mask but
   # give the kernel less work per block; 128/128 (the library defaults) suit H100/H200.

@@ -97,6 +97,7 @@ def flash_attention(query: jax.Array,
                     memory_optimized_gqa_backward: bool = False,
                     permute_tokens_for_load_balance: bool = True,
                     backend: str = "auto",
+                    deterministic_backward: bool = False,
                     debug: bool = False,
                     mesh: Any = None,
                     query_specs: Any = None,
@@ -122,8 +123,13 @@ def flash_attention(query: jax.Array,
       the load-balanced order of permute_tokens_context_parallelism (the op never permutes
       itself); must match the mask's. See kvax_plugin.attention.context_parallel.
     backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
-      Triton on supported GPUs, else JAX), or a name of kernels.KERNEL_BACKENDS ("jax", "triton",
-      "reference"); an explicit name that cannot run raises BackendUnavailableError.
+      Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
+      of kernels.KERNEL_BACKENDS ("mosaic", "triton", "jax", "reference"); an explicit name
+      that cannot run raises BackendUnavailableError.
+    deterministic_backward: Mosaic only. False (default): dq is reduce-added into a float32
+      buffer by the dk/dv kernel (5 matrix products per tile pair; the float32 summation
+      order varies between runs). True: dq from its own kernel, bitwise reproducible. The
+      Triton backward is always deterministic.
     debug: print the chosen backend and shapes at trace time.
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
       then come from create_attention_mask with the same mesh and specs.
@@ -152,13 +158,15 @@ def flash_attention(query: jax.Array,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         memory_optimized_gqa_backward=memory_optimized_gqa_backward,
         permute_tokens_for_load_balance=permute_tokens_for_load_balance, backend=name,
-        mesh=mesh, query_specs=query_specs, kv_specs=kv_specs)
+        mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
+        deterministic_backward=deterministic_backward)
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
           f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
   kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks,
                 **backend_options(name,
-                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward))
+                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward,
+                                  deterministic_backward=deterministic_backward))
   return backend_function(name)(query, key, value, query_positions, query_segment_ids,
                                 kv_positions, kv_segment_ids, mask, **kwargs)
 

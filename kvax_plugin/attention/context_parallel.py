@@ -521,7 +521,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                             logits_soft_cap: float | None, sinks: jax.Array | None,
                             memory_optimized_gqa_backward: bool,
                             permute_tokens_for_load_balance: bool, backend: str, mesh,
-                            query_specs=None, kv_specs=None) -> jax.Array:
+                            query_specs=None, kv_specs=None,
+                            deterministic_backward: bool = False) -> jax.Array:
   """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
 
   query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
@@ -542,7 +543,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
 
   backend_fn = kernels.backend_function(backend)
   extra = kernels.backend_options(backend,
-                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward)
+                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward,
+                                  deterministic_backward=deterministic_backward)
   has_sinks = sinks is not None
   layout_mask = mask
 

@@ -78,6 +78,12 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         description="FlashAttention-2 Triton kernels through jax-triton (CUDA GPUs, sm80+)",
         platforms=("gpu",), device_check="device_supported",
         options=("memory_optimized_gqa_backward",), install_hint="install kvax-plugin[gpu]"),
+    "mosaic": KernelBackend(
+        name="mosaic", module=f"{_PACKAGE}.mosaic.backend", function="flash_attention_mosaic",
+        description="FlashAttention-3-style Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, "
+                    "warp-specialised producer / consumers)",
+        platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
+        options=("deterministic_backward",)),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",
         description="blockwise online-softmax attention in plain JAX (any device)"),
@@ -87,7 +93,9 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 }
 
 # "auto": the first of these that can run here and supports the call.
-AUTO_ORDER: tuple[str, ...] = ("triton", "jax")
+# Mosaic first: on Hopper it is the fastest of ours on every case measured (benchmarks/NOTES.md,
+# "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
+AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
 

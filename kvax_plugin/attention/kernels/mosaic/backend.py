@@ -18,14 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
 from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 SMEM_BUDGET = 227 * 1024  # sm90: 227 KiB of shared memory per CTA
-HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements
+HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements (smaller dims are padded)
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
+
+# wgmma takes 16-bit inputs here (no float32: auto routes float32 to Triton / JAX); head dims
+# are zero-padded to multiples of 64 inside, so any multiple of 16 up to 256 runs.
+CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=16, max_head_dim=256,
+                            head_dim_multiple=16)
 
 
 def device_supported(device) -> tuple[bool, str]:
