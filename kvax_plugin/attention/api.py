@@ -97,7 +97,7 @@ def flash_attention(query: jax.Array,
                     memory_optimized_gqa_backward: bool = False,
                     permute_tokens_for_load_balance: bool = True,
                     backend: str = "auto",
-                    deterministic_backward: bool = False,
+                    deterministic_backward: bool = True,
                     debug: bool = False,
                     mesh: Any = None,
                     query_specs: Any = None,
@@ -126,10 +126,11 @@ def flash_attention(query: jax.Array,
       Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
       of kernels.KERNEL_BACKENDS ("mosaic", "triton", "jax", "reference"); an explicit name
       that cannot run raises BackendUnavailableError.
-    deterministic_backward: Mosaic only. False (default): dq is reduce-added into a float32
-      buffer by the dk/dv kernel (5 matrix products per tile pair; the float32 summation
-      order varies between runs). True: dq from its own kernel, bitwise reproducible. The
-      Triton backward is always deterministic.
+    deterministic_backward: Mosaic only. True (default): dq from its own kernel, bitwise
+      reproducible (7 matrix products per tile pair). False: dq is bulk-reduce-added into a
+      float32 buffer by the dk/dv kernel (5 products; the float32 summation order varies
+      between runs). On an H200 True measured faster too (benchmarks/NOTES.md). The Triton
+      backward is always deterministic.
     debug: print the chosen backend and shapes at trace time.
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
       then come from create_attention_mask with the same mesh and specs.
