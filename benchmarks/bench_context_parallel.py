@@ -13,7 +13,7 @@ Defaults: 128k tokens (B=1) packed with 12 random-length documents and 1000 padd
 32 query heads, 8 kv heads, head dim 128, bfloat16, causal; cp = every visible device.
 The single-device run uses device 0 and inputs in natural order; the cp runs use a mesh
 ("context",) over the first cp devices, once with inputs in the load-balanced order
-(permute_tokens_context_parallelism) and once in natural order (--orders picks). Masks are built once
+(to_load_balanced_order) and once in natural order (--orders picks). Masks are built once
 outside the timed region (as a training step builds one per step for every layer); their build
 time is reported apart. Timings: median of --iters runs after --warmup, each waited to completion.
 Agreement: cp results are un-permuted and compared with the single-device ones (output and
@@ -90,8 +90,8 @@ def main(argv=None) -> dict:
   from cp_layouts import random_documents
   from kvax_plugin.attention.api import create_attention_mask, flash_attention, resolve_backend
   from kvax_plugin.attention.context_parallel import (context_parallel_balance,
-                                              permute_tokens_context_parallelism,
-                                              unpermute_tokens_context_parallelism)
+                                              to_load_balanced_order,
+                                              from_load_balanced_order)
 
   devices = jax.devices()
   cp = args.cp or len(devices)
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     names = ("q", "k", "v", "w")
     arrs = [host[n] for n in names] + [pos, seg]
     if perm:
-      arrs = permute_tokens_context_parallelism(tuple(arrs), cp)
+      arrs = to_load_balanced_order(tuple(arrs), cp)
     q, k, v, w, p, sg = (put(x) for x in arrs)
     build_mask, fwd, fwd_bwd = make_fns(mesh, specs, perm)
     mask_ms, _ = _median_ms(build_mask, (p, sg), max(3, args.iters // 4), 1)
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     return (jnp.max(jnp.abs(diff)), jnp.sqrt(jnp.sum(diff * diff)),
             jnp.sqrt(jnp.sum(r32 * r32)), jnp.max(jnp.abs(r32)))
 
-  unpermute = jax.jit(lambda x: unpermute_tokens_context_parallelism(x, cp))
+  unpermute = jax.jit(lambda x: from_load_balanced_order(x, cp))
   pairs = None
   runs = {}
   for order in args.orders.split(","):

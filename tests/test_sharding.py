@@ -110,7 +110,7 @@ def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=Non
   names = ("q", "k", "v", "w", "pos", "seg")
   q, k, v, w, pos, seg = (d[n] for n in names)
   if permuted:  # on the host (numpy): eager jax ops would compile a kernel per slice
-    q, k, v, w, pos, seg = context_parallel.permute_tokens_context_parallelism(
+    q, k, v, w, pos, seg = context_parallel.to_load_balanced_order(
         tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), cp)
   kw = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs) if mesh is not None else {}
 
@@ -131,7 +131,7 @@ def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=Non
   out, (dq, dk, dv, ds) = _jit(step, q, k, v, d["sinks"], w, pos, seg)
   out, dq, dk, dv, ds = (np.asarray(x) for x in (out, dq, dk, dv, ds))
   if permuted:
-    out, dq, dk, dv = context_parallel.unpermute_tokens_context_parallelism((out, dq, dk, dv), cp)
+    out, dq, dk, dv = context_parallel.from_load_balanced_order((out, dq, dk, dv), cp)
   return out, dq, dk, dv, ds
 
 
@@ -312,28 +312,28 @@ def test_attention_specs_is_context_local():
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_permutation_round_trip_and_chunk_order(cp):
   x = np.arange(2 * 48 * cp).reshape(2, 48 * cp)
-  y = context_parallel.permute_tokens_context_parallelism(x, cp)
+  y = context_parallel.to_load_balanced_order(x, cp)
   c = x.shape[1] // (2 * cp)
   shards = y.reshape(2, cp, 2 * c)
   for r in range(cp):  # rank r holds chunks r and 2cp-1-r
     np.testing.assert_array_equal(shards[:, r, :c], x[:, r * c:(r + 1) * c])
     np.testing.assert_array_equal(shards[:, r, c:], x[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c])
-  back = context_parallel.unpermute_tokens_context_parallelism(y, cp)
+  back = context_parallel.from_load_balanced_order(y, cp)
   np.testing.assert_array_equal(back, x)
   # Tuples (nested, with None), jax arrays, another axis.
   z = jnp.asarray(np.arange(4 * 2 * cp * 3).reshape(4, 2 * cp, 3))
-  a, (b, none) = context_parallel.permute_tokens_context_parallelism((z, (z[:, :, 0], None)), cp)
+  a, (b, none) = context_parallel.to_load_balanced_order((z, (z[:, :, 0], None)), cp)
   assert none is None and isinstance(a, jax.Array)
   np.testing.assert_array_equal(np.asarray(a[:, :, 0]), np.asarray(b))
-  zt = context_parallel.permute_tokens_context_parallelism(z.transpose(1, 0, 2), cp, axis=0)
+  zt = context_parallel.to_load_balanced_order(z.transpose(1, 0, 2), cp, axis=0)
   np.testing.assert_array_equal(np.asarray(zt.transpose(1, 0, 2)), np.asarray(a))
 
 
 def test_permutation_errors():
   with pytest.raises(ValueError, match=r"axis 1, length 10\) must be divisible by 2 \* cp = 4"):
-    context_parallel.permute_tokens_context_parallelism(np.zeros((1, 10)), 2)
+    context_parallel.to_load_balanced_order(np.zeros((1, 10)), 2)
   with pytest.raises(ValueError, match=r"cp must be a positive int"):
-    context_parallel.permute_tokens_context_parallelism(np.zeros((1, 8)), 0)
+    context_parallel.to_load_balanced_order(np.zeros((1, 8)), 0)
 
 
 # ----------------------------------------------------------------------------- balance
@@ -362,7 +362,7 @@ def test_balance_counts_match_dense_mask():
   for causal, window in ((True, None), (True, 20), (False, 20), (False, None)):
     rep = context_parallel.context_parallel_balance(pos, seg, 2, permute=True, causal=causal,
                                             sliding_window=window)
-    qpos, qseg = context_parallel.permute_tokens_context_parallelism((pos, seg), 2)
+    qpos, qseg = context_parallel.to_load_balanced_order((pos, seg), 2)
     dense = np.asarray(dense_mask(jnp.asarray(qpos), jnp.asarray(qseg), jnp.asarray(pos),
                                   jnp.asarray(seg), causal=causal, sliding_window=window))
     want = [int(dense[:, :128].sum()), int(dense[:, 128:].sum())]
@@ -375,7 +375,7 @@ def test_forward_only_mask_passed_into_jit(data):
   mesh = _mesh((2, 1, 2, 2))
   cp = 2
   q, k, v, pos, seg = (np.asarray(data[n]) for n in ("q", "k", "v", "pos", "seg"))
-  q, k, v, pos, seg = context_parallel.permute_tokens_context_parallelism((q, k, v, pos, seg), cp)
+  q, k, v, pos, seg = context_parallel.to_load_balanced_order((q, k, v, pos, seg), cp)
   with context_parallel.attention_specs(QUERY_SPECS, KV_SPECS):
     mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, mesh=mesh)
     assert mask.dq is None and mask.layout.kv_permuted
@@ -397,7 +397,7 @@ def test_forward_only_mask_passed_into_jit(data):
                         backend="jax"),
         data["k"], data["v"], data["pos"], data["seg"], data["pos"], data["seg"], plain,
         scale=D ** -0.5, sinks=data["sinks"], backend="jax"), data["q"])
-  got = context_parallel.unpermute_tokens_context_parallelism(np.asarray(out), cp)
+  got = context_parallel.from_load_balanced_order(np.asarray(out), cp)
   np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5)
 
 

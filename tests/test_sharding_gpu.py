@@ -70,7 +70,7 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
   args = [*host, sinks, pos, seg]
   want = jax.jit(lambda *a: step(*a, None, False))(*(jax.device_put(x, GPUS[0]) for x in args))
   mesh = Mesh(np.array(GPUS[:cp]), ("context",))
-  tok_args = (context_parallel.permute_tokens_context_parallelism(args[:4] + args[5:], cp)
+  tok_args = (context_parallel.to_load_balanced_order(args[:4] + args[5:], cp)
               if permuted else args[:4] + args[5:])
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context",
                                                            *([None] * (x.ndim - 2)))))
@@ -79,7 +79,7 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
   got_out, (dq, dk, dv, ds) = got
   got_list = [np.asarray(x.astype(jnp.float32)) for x in (got_out, dq, dk, dv)]
   if permuted:
-    got_list = context_parallel.unpermute_tokens_context_parallelism(got_list, cp)
+    got_list = context_parallel.from_load_balanced_order(got_list, cp)
   want_out, (wq, wk, wv, wsinks) = want
   for name, g, r in zip(("out", "dq", "dk", "dv"), got_list, (want_out, wq, wk, wv)):
     r = np.asarray(r.astype(jnp.float32))

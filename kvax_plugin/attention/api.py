@@ -24,18 +24,20 @@ def create_attention_mask(query_positions: jax.Array,
                           query_segment_ids: jax.Array,
                           kv_positions: jax.Array,
                           kv_segment_ids: jax.Array,
-                          *,
                           fwd_params: FlashAttentionParamsConfig | None = None,
                           bwd_params: FlashAttentionParamsConfig | None = None,
                           calc_bwd_mask: bool = False,
                           skip_pad_tokens: bool = True,
+                          mesh: Any = None,
+                          *,
                           causal: bool = True,
                           sliding_window: int | None = None,
-                          mesh: Any = None,
                           query_specs: Any = None,
                           kv_specs: Any = None,
                           permute_tokens_for_load_balance: bool = True) -> AttentionMask:
   """Build the block mask once per step; pass it to `flash_attention` in every layer.
+
+  The parameters up to `mesh` are kvax 0.1.0's, in its order; the rest are keyword-only.
 
   Args:
     query_positions, query_segment_ids: int32 [B, Sq].
@@ -87,22 +89,26 @@ def flash_attention(query: jax.Array,
                     kv_positions: jax.Array,
                     kv_segment_ids: jax.Array,
                     mask: AttentionMask,
-                    *,
                     scale: float = 1.0,
-                    logits_soft_cap: float | None = None,
-                    sinks: jax.Array | None = None,
+                    bias: jax.Array | None = None,
                     fwd_params: FlashAttentionParamsConfig | None = None,
                     bwd_params: FlashAttentionParamsConfig | None = None,
                     assume_sequential_positions: bool = False,
                     memory_optimized_gqa_backward: bool = False,
                     permute_tokens_for_load_balance: bool = True,
-                    backend: str = "auto",
-                    deterministic_backward: bool = True,
                     debug: bool = False,
                     mesh: Any = None,
+                    *,
+                    logits_soft_cap: float | None = None,
+                    sinks: jax.Array | None = None,
+                    backend: str = "auto",
+                    deterministic_backward: bool = True,
                     query_specs: Any = None,
                     kv_specs: Any = None) -> jax.Array:
   """Attention over packed documents, visiting only the blocks the mask lists.
+
+  The parameters up to `mesh` are kvax 0.1.0's, in its order and with its defaults (so `scale`
+  may be passed positionally); our extensions are keyword-only.
 
   Args:
     query: [B, Sq, H, Dqk]; key: [B, Skv, K, Dqk]; value: [B, Skv, K, Dv]; H a multiple of K.
@@ -111,6 +117,7 @@ def flash_attention(query: jax.Array,
     mask: from `create_attention_mask` on the same positions / segment ids (it carries causal and
       sliding_window); build it with calc_bwd_mask=True to take gradients.
     scale: multiplies q k^T (MaxText pre-scales the query and passes 1.0).
+    bias: not supported (as in kvax 0.1.0); anything but None raises NotImplementedError.
     logits_soft_cap: cap * tanh(logits / cap) before masking (Gemma 2).
     sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
     fwd_params, bwd_params: must equal the mask's when given.
@@ -120,7 +127,7 @@ def flash_attention(query: jax.Array,
       has enough programs to fill the GPU (it is also the faster way then), else per-head
       buffers summed afterwards. Both are deterministic.
     permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
-      the load-balanced order of permute_tokens_context_parallelism (the op never permutes
+      the load-balanced order of to_load_balanced_order (the op never permutes
       itself); must match the mask's. See kvax_plugin.attention.context_parallel.
     backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
       Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
@@ -141,6 +148,7 @@ def flash_attention(query: jax.Array,
     [B, Sq, H, Dv] in query.dtype.
   """
   del assume_sequential_positions  # the block tables never rely on it
+  validation.check_bias(bias)
   validation.check_qkv(query, key, value)
   b, sq, h, _ = query.shape
   skv = key.shape[1]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -48,12 +49,41 @@ _BUILD_CHUNK_ELEMENTS = 1 << 22
 
 
 class BlockTable(NamedTuple):
-  """One view of the block grid; every field is int32 [B, num_outer_blocks]."""
+  """One view of the block grid; every field is int32 [B, num_outer_blocks].
+
+  kvax 0.1.0 calls a view an AttentionMask with fields lower_bounds, upper_bounds,
+  lower_full_bounds, upper_full_bounds (in this order) and flatten() / unflatten(); those names
+  read the same arrays here, so code written against kvax's views runs unchanged.
+  """
 
   lower: jax.Array
   upper: jax.Array
   full_lower: jax.Array
   full_upper: jax.Array
+
+  @property
+  def lower_bounds(self) -> jax.Array:
+    return self.lower
+
+  @property
+  def upper_bounds(self) -> jax.Array:
+    return self.upper
+
+  @property
+  def lower_full_bounds(self) -> jax.Array:
+    return self.full_lower
+
+  @property
+  def upper_full_bounds(self) -> jax.Array:
+    return self.full_upper
+
+  def flatten(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(lower_bounds, upper_bounds, lower_full_bounds, upper_full_bounds), as kvax."""
+    return tuple(self)
+
+  @classmethod
+  def unflatten(cls, flat) -> "BlockTable":
+    return cls(*flat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +107,11 @@ class AttentionMask:
 
   A registered pytree: the tables are leaves, `spec` is static, so a mask passes through
   jit, lax.scan and jax.checkpoint and can be built once per step and reused in every layer.
+
+  It also reads like the tuple kvax 0.1.0's create_attention_mask returns: len() is 1 without
+  backward tables and 3 with them, and indexing / unpacking gives the views in kvax's order,
+  (fwd,) or (fwd, dq, dkv), each with kvax's field names (see BlockTable). The object itself
+  stays one pytree, so pass it (not a rebuilt tuple) to flash_attention.
   """
 
   spec: MaskSpec
@@ -103,6 +138,19 @@ class AttentionMask:
   @property
   def has_backward(self) -> bool:
     return self.dq is not None
+
+  def views(self) -> tuple[BlockTable, ...]:
+    """(fwd,) or (fwd, dq, dkv): the order of kvax's tuple of masks."""
+    return (self.fwd,) if self.dq is None else (self.fwd, self.dq, self.dkv)
+
+  def __len__(self) -> int:
+    return len(self.views())
+
+  def __getitem__(self, index):
+    return self.views()[index]
+
+  def __iter__(self):
+    return iter(self.views())
 
 
 class _BlockSummary(NamedTuple):
@@ -429,3 +477,72 @@ def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+# ----------------------------------------------------------------------------- kvax 0.1.0 helpers
+
+
+def _as_table(mask: "AttentionMask | BlockTable", name: str) -> BlockTable:
+  """A view (BlockTable) from either a view or a whole mask (its forward view)."""
+  if isinstance(mask, AttentionMask):
+    return mask.fwd
+  if isinstance(mask, BlockTable):
+    return mask
+  raise TypeError(f"{name} must be an AttentionMask or one of its views (mask[0], mask[1], "
+                  f"mask[2]), got {type(mask).__name__}")
+
+
+def calculate_mask_sparsity(mask: "AttentionMask | BlockTable", query_block_size: int,
+                            kv_block_size: int, query_seq_len: int, kv_seq_len: int) -> float:
+  """kvax's calculate_mask_sparsity: the share of blocks the view visits (1.0 = dense).
+
+  mask: a view (mask[0] is the forward one) or a whole mask (its forward view is read); the
+  block sizes and lengths are the ones the view was built for. For a context-parallel mask the
+  per-shard rows add up to the global ones, so the share is global too.
+  """
+  table = _as_table(mask, "mask")
+  batch = table.lower.shape[0]
+  visited = float(jnp.sum(table.upper - table.lower))
+  return visited / (query_seq_len // query_block_size) / (kv_seq_len // kv_block_size) / batch
+
+
+# Most rows / columns of blocks print_mask draws when fit_in_screen (as kvax).
+_PRINT_MAX_ROWS, _PRINT_MAX_COLUMNS = 32, 64
+
+
+def print_mask(mask: "AttentionMask | BlockTable", num_inner_blocks: int,
+               print_only_first_in_batch: bool = True, fit_in_screen: bool = True) -> str:
+  """kvax's print_mask: draw a view as text, one row per outer block ("██" full, "░░" visited
+  with mask math, "  " skipped), and log it at INFO on the `kvax_plugin` logger.
+
+  num_inner_blocks: columns (kv blocks for mask[0] / mask[1], query blocks for mask[2]).
+  fit_in_screen: average groups of blocks down to at most 32 x 64 cells; a cell is then full
+  or skipped only when every block in it is. Returns the text as well (kvax returns None).
+  """
+  table = _as_table(mask, "mask")
+  grid = table_to_grid(table, int(num_inner_blocks))  # [B, n_outer, n_inner] in {0, 1, 2}
+  rows = grid[:1] if print_only_first_in_batch else grid
+  text = ["Attention masks:"]
+  for g in rows:
+    g = g.astype(np.float64)
+    if fit_in_screen:
+      g = _average_cells(g, -(-g.shape[0] // _PRINT_MAX_ROWS),
+                         -(-g.shape[1] // _PRINT_MAX_COLUMNS))
+    cells = np.where(g == 2, "██", np.where(g == 0, "  ", "░░"))
+    text.append("  " + "==" * g.shape[1])
+    text += ["||" + "".join(row) + "||" for row in cells]
+    text.append("  " + "==" * g.shape[1])
+  out = "\n".join(text) + "\n"
+  logging.getLogger("kvax_plugin").info(out)
+  return out
+
+
+def _average_cells(grid: np.ndarray, row_step: int, col_step: int) -> np.ndarray:
+  """Mean of each row_step x col_step group of cells (the edges padded with skipped cells)."""
+  if row_step <= 1 and col_step <= 1:
+    return grid
+  r = -(-grid.shape[0] // row_step) * row_step
+  c = -(-grid.shape[1] // col_step) * col_step
+  padded = np.zeros((r, c))
+  padded[:grid.shape[0], :grid.shape[1]] = grid
+  return padded.reshape(r // row_step, row_step, c // col_step, col_step).mean(axis=(1, 3))

@@ -36,8 +36,10 @@ buffer indices, decide which pairs attend, so the kernels are correct for any to
 
 Load balance: with a causal mask and contiguous shards, rank r's queries see r+1 shards of keys,
 so the last rank does about 2*cp-1 times the work of the first (7x at cp=4).
-`permute_tokens_context_parallelism` cuts the sequence into 2*cp chunks and gives rank r chunks
-r and 2*cp-1-r, so every rank holds one early and one late chunk. The op never permutes the
+`to_load_balanced_order` cuts the sequence into 2*cp chunks and gives rank r chunks
+r and 2*cp-1-r, so every rank holds one early and one late chunk (kvax's spelling,
+`permute_tokens_context_parallelism(inputs, mesh)`, reads cp from the mesh and the specs). The
+op never permutes the
 query itself (MaxText does it in its input pipeline when context_parallel_load_balance is on):
 `permute_tokens_for_load_balance=True` on `create_attention_mask` / `flash_attention` declares that
 the inputs *arrive* permuted. The op then restores natural order for the gathered key/value (a
@@ -303,8 +305,8 @@ def _map_arrays(fn, x_or_tuple, label: str):
   return fn(x_or_tuple, label)
 
 
-def permute_tokens_context_parallelism(x_or_tuple, cp: int, axis: int = 1):
-  """Natural order -> load-balanced order for context parallelism `cp`.
+def to_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
+  """Natural order -> load-balanced order for context parallelism `cp` (given explicitly).
 
   The sequence axis (length a multiple of 2*cp) is cut into 2*cp chunks; the result holds, for
   r = 0..cp-1, chunk r followed by chunk 2*cp-1-r, so sharding it evenly over cp devices gives
@@ -315,9 +317,61 @@ def permute_tokens_context_parallelism(x_or_tuple, cp: int, axis: int = 1):
   return _map_arrays(lambda x, n: _reorder_chunks(x, cp, axis, False, n), x_or_tuple, "x")
 
 
-def unpermute_tokens_context_parallelism(x_or_tuple, cp: int, axis: int = 1):
-  """Inverse of `permute_tokens_context_parallelism` (load-balanced order -> natural order)."""
+def from_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
+  """Inverse of `to_load_balanced_order` (load-balanced order -> natural order)."""
   return _map_arrays(lambda x, n: _reorder_chunks(x, cp, axis, True, n), x_or_tuple, "x")
+
+
+def ambient_mesh():
+  """The mesh of the surrounding context, or None: `with jax.set_mesh(mesh)` (inside jit its
+  abstract mesh), else the older `with mesh:` context that kvax 0.1.0 reads."""
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # inside jit: only the abstract mesh is known there
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty:
+    return mesh
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # kvax's `with mesh:` is deprecated
+    from jax.interpreters import pxla
+    legacy = pxla.thread_resources.env.physical_mesh
+  return None if legacy.empty else legacy
+
+
+def context_size(mesh, query_specs: Any = None) -> int:
+  """The number of context-parallel ranks: the size of the query's sequence axes (explicit
+  query_specs, else the attention_specs context) on `mesh`."""
+  specs = resolve_specs(query_specs)
+  check_specs(specs, mesh)
+  return _axes_size(mesh, specs.context_axes)
+
+
+def _context_size_for(mesh, query_specs, fn: str) -> int:
+  mesh = ambient_mesh() if mesh is None else mesh
+  if mesh is None:
+    raise ValueError(f"{fn} reads the context size from a mesh: pass mesh= or call it inside "
+                     "`with jax.set_mesh(mesh):` (or `with mesh:`)")
+  return context_size(mesh, query_specs)
+
+
+def permute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = None):
+  """kvax 0.1.0's permutation: natural order -> load-balanced order along axis 1.
+
+  inputs: an array or a (nested) tuple / list of arrays [B, S, ...] (None entries pass
+  through); returns the same structure. The context size is the size of the query's sequence
+  axes (query_specs, else the attention_specs context) on `mesh` (None: the surrounding mesh
+  context), as in kvax; `to_load_balanced_order(x, cp)` takes it explicitly.
+  """
+  cp = _context_size_for(mesh, query_specs, "permute_tokens_context_parallelism")
+  return to_load_balanced_order(inputs, cp, axis=1)
+
+
+def unpermute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = None):
+  """kvax 0.1.0's inverse permutation (load-balanced order -> natural order) along axis 1;
+  arguments as permute_tokens_context_parallelism."""
+  cp = _context_size_for(mesh, query_specs, "unpermute_tokens_context_parallelism")
+  return from_load_balanced_order(inputs, cp, axis=1)
 
 
 # ----------------------------------------------------------------------------- the sharded mask
@@ -403,7 +457,7 @@ def _gather_kv(arrays, axes: AxisNames, cp: int, permuted: bool, *, float_grad: 
   else:
     out = [jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in arrays]
   if permuted:
-    out = unpermute_tokens_context_parallelism(out, cp, axis=1)
+    out = from_load_balanced_order(out, cp, axis=1)
   return out
 
 
@@ -627,7 +681,7 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
   b, s = positions.shape
   if s % (2 * cp if permute else cp):
     raise ValueError(f"sequence length {s} must be divisible by {2 * cp if permute else cp}")
-  qpos, qseg = ((permute_tokens_context_parallelism((positions, segment_ids), cp))
+  qpos, qseg = ((to_load_balanced_order((positions, segment_ids), cp))
                 if permute else (positions, segment_ids))
   n = s // cp
   kept, visited, full = [], [], []
@@ -653,6 +707,8 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
 
 
 __all__ = ["attention_specs", "current_attention_specs", "resolve_specs", "AttentionSpecs",
-           "ShardedAttentionMask", "ShardLayout", "permute_tokens_context_parallelism",
-           "unpermute_tokens_context_parallelism", "context_parallel_balance",
+           "ShardedAttentionMask", "ShardLayout", "to_load_balanced_order",
+           "from_load_balanced_order", "permute_tokens_context_parallelism",
+           "unpermute_tokens_context_parallelism", "ambient_mesh", "context_size",
+           "context_parallel_balance",
            "create_attention_mask_sharded", "flash_attention_sharded", "KV_GRAD_REDUCE_DTYPE"]

@@ -76,6 +76,15 @@ def check_mask(mask, batch: int, q_len: int, kv_len: int, fwd_params, bwd_params
                      "same params to create_attention_mask")
 
 
+def check_bias(bias) -> None:
+  """bias is accepted for kvax compatibility and, like kvax 0.1.0, not supported."""
+  if bias is not None:
+    raise NotImplementedError(
+        f"bias is not supported (got {type(bias).__name__} of shape {_shape(bias)}); pass "
+        "bias=None. Documents, causality and windows come from the segment ids, positions and "
+        "the mask (causal=, sliding_window=); a soft cap from logits_soft_cap=")
+
+
 def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> None:
   if not isinstance(scale, (int, float)) or isinstance(scale, bool):
     raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
