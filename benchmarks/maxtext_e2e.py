@@ -38,7 +38,7 @@ def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
   length, layout = label.split("-")
   seq = SEQ[length]
   run_dir = out_dir / f"{label}_{attention}"
-  cmd = [sys.executable, "-m", "kvax_plugin.launch", "--config=configs/llama3.py:8b",
+  cmd = [sys.executable, "-m", "kvax_plugin.launch", f"--config=configs/llama3.py:{args.variant}",
          f"--config.seq_len={seq}", f"--config.steps={args.steps}",
          f"--config.attention={attention}", f"--config.output_dir={run_dir}",
          "--config.log_every=1"]
@@ -47,7 +47,8 @@ def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
   if layout == "long":
     chars = 4 * seq  # every document longer than a row: one document per row
     cmd += [f"--config.data.min_doc_chars={chars}", f"--config.data.max_doc_chars={chars}"]
-  cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
+  if args.variant != "tiny":
+    cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
   row = dict(label=label, seq_len=seq, layout=layout, attention=attention,
              kvax_backend=args.kvax_backend if attention == "kvax" else None, command=" ".join(cmd))
   t0 = time.time()
@@ -77,15 +78,15 @@ def plot(rows, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   labels = sorted({r["label"] for r in rows}, key=lambda x: (SEQ[x.split("-")[0]], x))
-  atts = ["kvax", "flash", "cudnn_flash_jax"]
+  atts = sorted({r["attention"] for r in rows}, key=lambda a: (a != "kvax", a))
   fig, ax = plt.subplots(figsize=(8, 4))
-  width = 0.25
+  width = 0.8 / max(1, len(atts))
   for i, att in enumerate(atts):
     vals = []
     for lab in labels:
       r = next((r for r in rows if r["label"] == lab and r["attention"] == att), None)
       vals.append(r.get("tokens_per_s") or 0 if r else 0)
-    xs = [j + (i - 1) * width for j in range(len(labels))]
+    xs = [j + (i - (len(atts) - 1) / 2) * width for j in range(len(labels))]
     ax.bar(xs, [v / 1e3 for v in vals], width, label=att)
     for x, v in zip(xs, vals):
       if v:
@@ -106,6 +107,7 @@ def main():
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--vocab", type=int, default=512)
   ap.add_argument("--kvax_backend", default="mosaic")
+  ap.add_argument("--variant", default="8b", help="configs/llama3.py variant (tiny: CPU smoke)")
   ap.add_argument("--timeout", type=int, default=300)
   args = ap.parse_args()
   out_dir = Path(args.out_dir)
