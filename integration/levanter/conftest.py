@@ -18,11 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest  # noqa: E402
 
 
+# kvax blocks of 16 tokens: the tests' short rows (48 / 64 tokens) then span several blocks, so
+# full, partial and skipped blocks all occur.
+TEST_BLOCK = 16
+
+
 @pytest.fixture(scope="session")
 def kvax_levanter():
-  """The plugin, installed for the session and uninstalled at its end."""
+  """The plugin, installed for the session (kernel "auto", blocks of TEST_BLOCK), then removed."""
   from kvax_plugin.integrations import levanter as kvax_levanter
-  kvax_levanter.install()
+  kvax_levanter.install(settings=kvax_levanter.KvaxLevanterSettings(block_size=TEST_BLOCK))
   yield kvax_levanter
   kvax_levanter.uninstall()
 

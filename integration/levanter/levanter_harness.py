@@ -22,7 +22,6 @@ import numpy as np
 
 VOCAB = 96
 SEQ_LEN = 64
-BLOCK = 16  # flash_attention_block_size: kvax's block size, so a row spans 4 x 4 blocks
 
 # Family -> shrunk overrides of Levanter's registered config (the rest are the family's defaults).
 # Llama keeps Levanter's default remat of every scanned layer (the mask must survive it); the
@@ -48,8 +47,7 @@ def config(family: str, attn_backend: str, **extra):
   """Levanter's registered config for `family`, shrunk, with the given attn_backend string."""
   import draccus
   from levanter.models.lm_model import LmConfig
-  fields = dict(type=family, max_seq_len=SEQ_LEN, attn_backend=attn_backend,
-                flash_attention_block_size=BLOCK)
+  fields = dict(type=family, max_seq_len=SEQ_LEN, attn_backend=attn_backend)
   fields.update(FAMILIES[family])
   fields.update(extra)
   # draccus has no decoder for OLMo 3's Sequence[str] layer_types: set it after decoding.

@@ -92,23 +92,22 @@ def test_settings_errors_and_environment(monkeypatch):
     settings.KvaxLevanterSettings(kernel="cuda")
   with pytest.raises(ValueError, match="block_size=24"):
     settings.KvaxLevanterSettings(block_size=24)
-  with pytest.raises(ValueError, match="flash_attention_block_size=48"):
-    settings.KvaxLevanterSettings().params(48)
   monkeypatch.setenv(settings.ENV_BACKEND, "jax")
   monkeypatch.setenv(settings.ENV_BLOCK_SIZE, "32")
   s = settings.from_environment()
   assert (s.kernel, s.block_size) == ("jax", 32)
-  fwd, bwd = s.params(16)  # configured block size wins over the model's
+  fwd, bwd = s.params()
   assert fwd.query_block_size == fwd.kv_block_size == bwd.kv_block_size == 32
   monkeypatch.setenv(settings.ENV_BLOCK_SIZE, "big")
   with pytest.raises(ValueError, match="KVAX_LEVANTER_BLOCK_SIZE"):
     settings.from_environment()
   monkeypatch.delenv(settings.ENV_BLOCK_SIZE)
   monkeypatch.delenv(settings.ENV_BACKEND)
-  assert settings.KvaxLevanterSettings().params(None) == (None, None)
+  assert settings.KvaxLevanterSettings().params() == (None, None)
   previous = settings.configure(kernel="reference")
   try:
     assert settings.current().kernel == "reference"
+    assert settings.current().block_size == previous.block_size  # other fields kept
     with pytest.raises(TypeError):
       settings.configure(settings.KvaxLevanterSettings(), kernel="jax")
   finally:
@@ -173,3 +172,25 @@ def test_token_specs_context_and_indivisible():
     q_specs, kv_specs = axes.specs(axes.TokenSpecs(("replica", "data"), ("context",)), ("model",))
     assert q_specs == (("replica", "data"), "context", "model", None)
     assert kv_specs == (("replica", "data"), None, "model", None)
+
+
+def test_train_lm_launcher_parses_kvax(kvax_levanter, monkeypatch):
+  """The launcher hands its command line to Levanter's train_lm with kvax installed (train_lm's
+  main is replaced here by a stub that keeps the parsed config)."""
+  from kvax_plugin.integrations.levanter import train_lm as launcher
+  from levanter.layers.attention import AttentionBackend
+  from levanter.main import train_lm
+  seen = []
+
+  def stub(config):
+    seen.append(config)
+
+  stub.__annotations__ = {"config": train_lm.TrainLmConfig}  # Levanter reads the class off it
+
+  monkeypatch.setattr(train_lm, "main", stub)
+  monkeypatch.setattr("sys.argv", ["train_lm", "--model.type", "gemma2",
+                                   "--model.attn_backend", "kvax", "--trainer.num_train_steps", "3"])
+  launcher.main()
+  (config,) = seen
+  assert config.model.attn_backend is AttentionBackend.KVAX
+  assert config.trainer.num_train_steps == 3

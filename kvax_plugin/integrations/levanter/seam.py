@@ -169,10 +169,10 @@ def _token_arrays(mask, batch, length):
           kvax_plugin.positions_from_segment_ids(kv_seg), kv_seg)
 
 
-def prepare(mask, keys, batch, q_pos_axis, flash_block_size) -> Prepared:
+def prepare(mask, keys, batch, q_pos_axis) -> Prepared:
   """Positions, segment ids and one kvax block mask per key, for tokens [*batch, q_pos_axis]."""
   options = settings.current()
-  fwd, bwd = options.params(flash_block_size)
+  fwd, bwd = options.params()
   length = q_pos_axis.size
   qp, qs, kp, ks = _token_arrays(mask, batch, length)
   mesh = axes.current_mesh()
@@ -217,8 +217,7 @@ def _entry_scope(transformer, x, attn_mask) -> _Scope:
       return _Scope(transformer, None, layer_reason)
     keys.add(layer_key)
   try:
-    prepared = prepare(attn_mask, keys, batch, x.resolve_axis(Q_POS),
-                       getattr(config, "flash_attention_block_size", None))
+    prepared = prepare(attn_mask, keys, batch, x.resolve_axis(Q_POS))
   except axes.UnsupportedLayout as e:
     return _Scope(transformer, None, str(e))
   TRACE_COUNTS["entries"] += 1
@@ -338,7 +337,7 @@ def kvax_attention(a: dict):
   if prepared is None:
     note_once(f"attn_backend=kvax: {why_not}: building the block mask per call")
     try:
-      prepared = prepare(a["mask"], {key}, layout.batch, layout.q_pos, a["flash_block_size"])
+      prepared = prepare(a["mask"], {key}, layout.batch, layout.q_pos)
     except axes.UnsupportedLayout as e:
       TRACE_COUNTS["routed"] += 1
       note_once(f"attn_backend=kvax does not serve {e}; those calls use Levanter's default "

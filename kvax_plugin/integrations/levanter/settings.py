@@ -5,8 +5,9 @@ so these settings do not live in the model config. They come, in this order, fro
   1. `configure(...)` / `install(settings=...)` (or the launcher's --kvax.* flags),
   2. the environment: KVAX_LEVANTER_BACKEND, KVAX_LEVANTER_BLOCK_SIZE,
   3. the defaults below.
-The model config's own `flash_attention_block_size`, when set, is the block size for the
-query and key/value blocks of both passes unless a block size was configured here.
+A model config's `flash_attention_block_size` is not read: it sizes Levanter's own JAX flash /
+splash blocks (1024 / 512 by default there), far above what suits kvax's Triton kernels, whose
+defaults are tuned per GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class KvaxLevanterSettings:
   kernel: "auto" (Triton on a supported GPU, else the pure-JAX kernel), "jax", "triton" or
     "reference"; an explicit kernel never falls back to another.
   block_size: query and key/value block size of both passes (power of two >= 16); None takes
-    the model config's flash_attention_block_size, and without one kvax's defaults.
+    kvax's defaults.
   memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
   skip_pad_tokens: skip blocks made only of padding (False visits them, masked).
   """
@@ -51,16 +52,11 @@ class KvaxLevanterSettings:
       raise ValueError(f"kernel={self.kernel!r}: must be one of {KERNELS}")
     _check_block("block_size", self.block_size)
 
-  def params(self, flash_block_size: int | None):
-    """(fwd_params, bwd_params) for the mask and the op; (None, None) means kvax's defaults.
-
-    flash_block_size: the model config's flash_attention_block_size (used when block_size is
-    None).
-    """
-    block = self.block_size if self.block_size is not None else flash_block_size
+  def params(self):
+    """(fwd_params, bwd_params) for the mask and the op; (None, None) means kvax's defaults."""
+    block = self.block_size
     if block is None:
       return None, None
-    _check_block("flash_attention_block_size", block)
     fwd = kvax_plugin.FlashAttentionParamsConfig(query_block_size=block, kv_block_size=block)
     bwd = kvax_plugin.FlashAttentionParamsConfig(query_block_size=block, kv_block_size=block,
                                                  num_stages=2)

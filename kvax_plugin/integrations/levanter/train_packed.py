@@ -42,8 +42,9 @@ class StepLine:
             f"  {self.seconds * 1e3:7.1f} ms  blocks skipped {self.skipped:5.1%}")
 
 
-def levanter_batches(seq_len: int, batch_size: int, seed: int, block: int):
-  """(LmExample with a batch axis, real tokens, skipped share) from the shipped corpus."""
+def levanter_batches(seq_len: int, batch_size: int, seed: int, fwd_params=None):
+  """(LmExample with a batch axis, real tokens, skipped share of kvax blocks with fwd_params
+  (None: kvax's defaults)) from the shipped corpus."""
   import haliax as hax
   import jax.numpy as jnp
   import kvax_plugin
@@ -52,7 +53,6 @@ def levanter_batches(seq_len: int, batch_size: int, seed: int, block: int):
   from levanter.models.lm_model import LmExample
 
   batch_axis, pos = hax.Axis("batch", batch_size), hax.Axis("position", seq_len)
-  params = kvax_plugin.FlashAttentionParamsConfig(query_block_size=block, kv_block_size=block)
   for packed in batch_iterator(seq_len, batch_size, seed=seed):
     # kvax_plugin.data numbers segments 1.. with 0 on padding; Levanter 0.. with -1 on padding.
     seg = packed.segment_ids.astype(np.int32) - 1
@@ -64,7 +64,7 @@ def levanter_batches(seq_len: int, batch_size: int, seed: int, block: int):
                         attn_mask=AttentionMask.causal().with_segment_ids(named_seg))
     kseg = np.where(seg < 0, kvax_plugin.PADDING_SEGMENT_ID, seg)
     kpos = kvax_plugin.positions_from_segment_ids(jnp.asarray(kseg))
-    mask = kvax_plugin.create_attention_mask(kpos, kseg, kpos, kseg, fwd_params=params)
+    mask = kvax_plugin.create_attention_mask(kpos, kseg, kpos, kseg, fwd_params=fwd_params)
     yield example, int((seg >= 0).sum()), kvax_plugin.mask_sparsity(mask)["skipped"]
 
 
@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--seq_len", type=int, default=256)
   p.add_argument("--batch_size", type=int, default=4)
-  p.add_argument("--block", type=int, default=64, help="flash_attention_block_size (kvax blocks)")
+  p.add_argument("--block", type=int, default=None, help="kvax block size (default: kvax's)")
   p.add_argument("--width", type=int, default=1, help="multiplies hidden / mlp dims and heads")
   p.add_argument("--learning_rate", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
@@ -88,8 +88,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[StepLine]:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   from kvax_plugin.integrations import levanter as kvax_levanter
+  kvax_levanter.install()
+  previous = kvax_levanter.configure(kernel=args.kernel, block_size=args.block)
+  try:
+    return _train(args, kvax_levanter)
+  finally:
+    kvax_levanter.configure(previous)
+
+
+def _train(args, kvax_levanter) -> list[StepLine]:
   from kvax_plugin.integrations.levanter import seam
-  kvax_levanter.install(settings=kvax_levanter.KvaxLevanterSettings(kernel=args.kernel))
 
   import draccus
   import haliax as hax
@@ -104,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> list[StepLine]:
 
   sizes = {k: v * (args.width if k != "num_layers" else 1) for k, v in TINY.items()}
   model_cfg = draccus.decode(LmConfig, dict(
-      type=args.model, max_seq_len=args.seq_len, attn_backend=args.attn_backend,
-      flash_attention_block_size=args.block, **sizes))
+      type=args.model, max_seq_len=args.seq_len, attn_backend=args.attn_backend, **sizes))
   run_dir = os.path.abspath(args.out)
   trainer_cfg = TrainerConfig(
       num_train_steps=args.steps, train_batch_size=args.batch_size, seed=args.seed,
@@ -130,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> list[StepLine]:
     model_key, train_key = jax.random.split(jax.random.PRNGKey(args.seed))
     state = trainer.initial_state(
         train_key, model_init=lambda: model_cfg.model_type.init(vocab, model_cfg, key=model_key))
-    batches = levanter_batches(args.seq_len, args.batch_size, args.seed, args.block)
+    batches = levanter_batches(args.seq_len, args.batch_size, args.seed,
+                               kvax_levanter.current().params()[0])
     pending: collections.deque = collections.deque()  # (real tokens, skipped) of fed batches
 
     def examples():
