@@ -367,8 +367,8 @@ def kvax_attention(a: dict):
       prepared.q_segment_ids, prepared.kv_positions, prepared.kv_segment_ids,
       prepared.masks[key], scale=scale, logits_soft_cap=cap, sinks=sinks,
       fwd_params=prepared.fwd_params, bwd_params=prepared.bwd_params,
-      memory_optimized_gqa_backward=opts.memory_optimized_gqa_backward, backend=opts.kernel,
-      **mesh_kwargs)
+      memory_optimized_gqa_backward=opts.memory_optimized_gqa_backward,
+      deterministic_backward=opts.deterministic_backward, backend=opts.kernel, **mesh_kwargs)
   return layout.output(out)
 
 

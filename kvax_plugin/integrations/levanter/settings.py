@@ -18,7 +18,6 @@ import threading
 
 import kvax_plugin
 
-KERNELS = ("auto", "jax", "triton", "reference")
 ENV_BACKEND = "KVAX_LEVANTER_BACKEND"
 ENV_BLOCK_SIZE = "KVAX_LEVANTER_BLOCK_SIZE"
 
@@ -34,22 +33,28 @@ def _check_block(name: str, value) -> None:
 class KvaxLevanterSettings:
   """kvax options for every Levanter attention call with attn_backend=kvax.
 
-  kernel: "auto" (Triton on a supported GPU, else the pure-JAX kernel), "jax", "triton" or
-    "reference"; an explicit kernel never falls back to another.
+  kernel: a kvax backend name: "auto" (the fastest that runs here and supports the inputs),
+    "mosaic", "triton", "jax" or "reference"; an explicit kernel never falls back to another.
   block_size: query and key/value block size of both passes (power of two >= 16); None takes
     kvax's defaults.
   memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
+  deterministic_backward: Mosaic only, see kvax_plugin.flash_attention.
   skip_pad_tokens: skip blocks made only of padding (False visits them, masked).
   """
 
   kernel: str = "auto"
   block_size: int | None = None
   memory_optimized_gqa_backward: bool = False
+  deterministic_backward: bool = False
   skip_pad_tokens: bool = True
 
   def __post_init__(self):
-    if self.kernel not in KERNELS:
-      raise ValueError(f"kernel={self.kernel!r}: must be one of {KERNELS}")
+    try:
+      kvax_plugin.resolve_backend(self.kernel)
+    except kvax_plugin.BackendUnavailableError:
+      pass  # a kvax kernel, not runnable in this process: the call will say why
+    except ValueError as e:
+      raise ValueError(f"kernel={self.kernel!r}: {e}") from None
     _check_block("block_size", self.block_size)
 
   def params(self):

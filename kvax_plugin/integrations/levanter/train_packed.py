@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-# Levanter's registered config, shrunk to train in seconds per step on CPU (GPU: use --width).
+# Levanter's registered config, shrunk to train in seconds per step on CPU (the flags resize it).
 TINY = dict(hidden_dim=128, intermediate_dim=256, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
@@ -78,7 +78,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--seq_len", type=int, default=256)
   p.add_argument("--batch_size", type=int, default=4)
   p.add_argument("--block", type=int, default=None, help="kvax block size (default: kvax's)")
-  p.add_argument("--width", type=int, default=1, help="multiplies hidden / mlp dims and heads")
+  for name, default in TINY.items():
+    p.add_argument(f"--{name}", type=int, default=default)
+  p.add_argument("--head_dim", type=int, default=None, help="default: hidden_dim / num_heads")
+  p.add_argument("--mp", default="f32", help='Levanter mixed precision, e.g. "p=f32,c=bfloat16"')
   p.add_argument("--learning_rate", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="outputs/levanter", help="Levanter's log / checkpoint dir")
@@ -102,6 +105,7 @@ def _train(args, kvax_levanter) -> list[StepLine]:
   import draccus
   import haliax as hax
   import jax
+  import jmp
 
   from levanter.checkpoint import CheckpointerConfig
   from levanter.models.lm_model import LmConfig
@@ -110,12 +114,14 @@ def _train(args, kvax_levanter) -> list[StepLine]:
   from levanter.trainer import Trainer, TrainerConfig
   from kvax_plugin.data import VOCAB_SIZE
 
-  sizes = {k: v * (args.width if k != "num_layers" else 1) for k, v in TINY.items()}
+  sizes = {k: getattr(args, k) for k in TINY}
+  if args.head_dim is not None:
+    sizes["head_dim"] = args.head_dim
   model_cfg = draccus.decode(LmConfig, dict(
       type=args.model, max_seq_len=args.seq_len, attn_backend=args.attn_backend, **sizes))
   run_dir = os.path.abspath(args.out)
   trainer_cfg = TrainerConfig(
-      num_train_steps=args.steps, train_batch_size=args.batch_size, seed=args.seed,
+      mp=jmp.get_policy(args.mp), num_train_steps=args.steps, train_batch_size=args.batch_size, seed=args.seed,
       tracker=NoopConfig(), require_accelerator=False, log_dir=os.path.join(run_dir, "logs"),
       id="kvax-levanter", load_checkpoint=False, log_jaxprs=False, log_xla_hlo=False,
       checkpointer=CheckpointerConfig(base_path=os.path.join(run_dir, "checkpoints"),
