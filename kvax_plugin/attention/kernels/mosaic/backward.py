@@ -37,7 +37,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate, pair_keep,
-                                                          products_together)
+                                                          produce_kv_ring, products_together)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -395,29 +395,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     def producer():
       if not cfg.interpret:
         plgpu.set_max_registers(40, action="decrease")
-      kv_head = head // group
-
-      @pl.loop(lower, upper)
-      def _(ki):
-        n = ki - lower
-        slot = lax.rem(n, stages)
-        cols = pl.ds(ki * bk, bk)
-
-        @pl.when(n >= stages)
-        def _():
-          plgpu.barrier_wait(k_free.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
-
-        @pl.when(n >= stages)
-        def _():
-          plgpu.barrier_wait(v_free.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
-
-      @pl.loop(lax.max(lower, upper - stages), upper)
-      def _(ki):
-        slot = lax.rem(ki - lower, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+      produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
+                      v_smem, k_ready, v_ready, k_free, v_free, lower, upper, bk, stages)
 
   def entry(*refs):
     scratch = (

@@ -134,6 +134,38 @@ def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape):
   return keep
 
 
+def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, lower,
+                    upper, block_kv: int, stages: int):
+  """The producer warpgroup's loop: TMA-load kv blocks [lower, upper) of one kv head (k_rows /
+  v_rows: [Skv, D] views) into a ring of `stages` slots; block i goes to slot (i - lower) %
+  stages once the consumers have released that slot's previous block."""
+
+  @pl.loop(lower, upper)
+  def _(ki):
+    n = ki - lower
+    slot = lax.rem(n, stages)
+    rows = pl.ds(ki * block_kv, block_kv)
+
+    @pl.when(n >= stages)
+    def _():
+      plgpu.barrier_wait(k_free.at[slot])
+    plgpu.copy_gmem_to_smem(k_rows.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+    @pl.when(n >= stages)
+    def _():
+      plgpu.barrier_wait(v_free.at[slot])
+    plgpu.copy_gmem_to_smem(v_rows.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+  # Drain: observe the release of the last loads too, so every phase of the ring's barriers is
+  # waited on once (the interpreter checks this; on the GPU it is free, the producer has nothing
+  # else to do).
+  @pl.loop(lax.max(lower, upper - stages), upper)
+  def _(ki):
+    slot = lax.rem(ki - lower, stages)
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+
+
 def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper,
                  full_lower, full_upper):
   """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32.
@@ -254,32 +286,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     def producer():
       if not cfg.interpret:
         plgpu.set_max_registers(40, action="decrease")
-      kv_head = head // group
-
-      @pl.loop(lower, upper)
-      def _(ki):
-        n = ki - lower
-        slot = lax.rem(n, stages)
-        cols = pl.ds(ki * bk, bk)
-
-        @pl.when(n >= stages)
-        def _():
-          plgpu.barrier_wait(k_free.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, cols, kv_head], k_smem.at[slot], k_ready.at[slot])
-
-        @pl.when(n >= stages)
-        def _():
-          plgpu.barrier_wait(v_free.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, cols, kv_head], v_smem.at[slot], v_ready.at[slot])
-
-      # Drain: observe the release of the last loads too, so every phase of the ring's
-      # barriers is waited on once (the interpreter checks this; on the GPU it is free, the
-      # producer has nothing else to do).
-      @pl.loop(lax.max(lower, upper - stages), upper)
-      def _(ki):
-        slot = lax.rem(ki - lower, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+      produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
+                      v_smem, k_ready, v_ready, k_free, v_free, lower, upper, bk, stages)
 
   def entry(*refs):
     scratch = (
