@@ -85,13 +85,13 @@ def test_bad_options():
     _call(sinks=jnp.zeros((4,), jnp.int32))
   with pytest.raises(ValueError, match="backend must be one of"):
     _call(backend="cuda")
-  with pytest.raises(TypeError, match="scale must be a Python float"):
+  with pytest.raises(TypeError, match="scale must be a Python or NumPy real number, got Array"):
     _call(scale=jnp.ones(()))
 
 
 def test_bad_mask_arguments():
   _, _, _, pos, seg = _ok()
-  with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+  with pytest.raises(ValueError, match="sliding_window must be an integer >= 1, got 0"):
     kp.create_attention_mask(pos, seg, pos, seg, sliding_window=0)
   with pytest.raises(TypeError, match="query_segment_ids must hold integers"):
     kp.create_attention_mask(pos, seg.astype(jnp.float32), pos, seg)

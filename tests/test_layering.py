@@ -24,10 +24,11 @@ KERNELS = f"{ATTENTION}.kernels"
 # Layers of the attention package, lowest first: a module may import only modules of lower
 # layers (its own kernel leaf package aside). kvax_plugin.attention.__init__ is documentation.
 ATTENTION_LAYERS: list[tuple[str, ...]] = [
+    (f"{ATTENTION}.arguments",),
     (f"{ATTENTION}.params",),
     (f"{ATTENTION}.block_mask",),
-    (f"{ATTENTION}.reference", f"{ATTENTION}.validation", f"{ATTENTION}.token_order",
-     f"{KERNELS}.capabilities"),
+    (f"{ATTENTION}.validation",),
+    (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities"),
     ("<kernel leaves>",),
     (KERNELS,),
     (f"{ATTENTION}.context_parallel",),
@@ -130,7 +131,7 @@ def kernel_leaf(module: str) -> str | None:
 
 def layer_of(module: str) -> int | None:
   if kernel_leaf(module):
-    return 3
+    return ATTENTION_LAYERS.index(("<kernel leaves>",))
   for i, layer in enumerate(ATTENTION_LAYERS):
     if module in layer:
       return i

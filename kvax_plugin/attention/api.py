@@ -65,6 +65,7 @@ def create_attention_mask(query_positions: jax.Array,
                                             kv_segment_ids, **options)
   block_mask.check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                                sliding_window)
+  options = block_mask.normalize_mask_options(**options)
   return context_parallel.create_attention_mask_sharded(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, mesh=mesh,
       query_specs=query_specs, kv_specs=kv_specs,
@@ -155,12 +156,16 @@ def flash_attention(query: jax.Array,
   validation.check_tokens("query_positions", query_positions, "query_segment_ids",
                           query_segment_ids, b, sq)
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
-  validation.check_options(scale, logits_soft_cap, sinks, h)
+  scale, logits_soft_cap = validation.check_options(scale, logits_soft_cap, sinks, h)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
   name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
                              _features(query, key, value, mask, logits_soft_cap, sinks), mask)
+  if validation.is_empty(query, key):
+    # Batch, a length or the heads is 0: empty in, empty out; with Skv = 0 every row has
+    # nothing to attend, so it is 0 (README, "Degenerate sizes"). Gradients are zero.
+    return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)
   if mesh is not None:
     return context_parallel.flash_attention_sharded(
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
@@ -172,7 +177,7 @@ def flash_attention(query: jax.Array,
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
           f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
-  kwargs = dict(scale=float(scale), logits_soft_cap=logits_soft_cap, sinks=sinks,
+  kwargs = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                 **backend_options(name,
                                   memory_optimized_gqa_backward=memory_optimized_gqa_backward,
                                   deterministic_backward=deterministic_backward))

@@ -33,14 +33,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvax_plugin.attention import arguments
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
-                                          PADDING_SEGMENT_ID, FlashAttentionParamsConfig)
+                                          PADDING_SEGMENT_ID, FlashAttentionParamsConfig,
+                                          check_params)
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
@@ -234,10 +236,9 @@ def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
   if causal:
     may &= kg.pos_min <= qg.pos_max
   if window is not None:
-    # q_pos - kv_pos < w, written as q_pos < kv_pos + w with saturation (positions are int32).
-    may &= qg.pos_min < _sat_add(kg.pos_max, window)
+    may &= diff_below(qg.pos_min, kg.pos_max, window)  # some q_pos - kv_pos < w
     if not causal:
-      may &= kg.pos_min < _sat_add(qg.pos_max, window)
+      may &= diff_below(kg.pos_min, qg.pos_max, window)
   may = jnp.any(may, axis=(-2, -1))
 
   q0 = jax.tree.map(lambda x: x[..., 0], q)
@@ -246,15 +247,21 @@ def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
   if causal:
     full &= k0.pos_max <= q0.pos_min
   if window is not None:
-    full &= q0.pos_max < _sat_add(k0.pos_min, window)
+    full &= diff_below(q0.pos_max, k0.pos_min, window)  # every q_pos - kv_pos < w
     if not causal:
-      full &= k0.pos_max < _sat_add(q0.pos_min, window)
+      full &= diff_below(k0.pos_max, q0.pos_min, window)
   return may, full & may
 
 
-def _sat_add(x: jax.Array, w: int) -> jax.Array:
-  """x + w for int32 x and w > 0, clamped at INT32_MAX instead of wrapping."""
-  return jnp.where(x > _INT32_MAX - w, _INT32_MAX, x + w)
+def diff_below(a: jax.Array, b: jax.Array, w: int) -> jax.Array:
+  """a - b < w, exactly, for int32 a, b and a window 1 <= w < 2**32 (no int32 overflow).
+
+  When a >= b the difference lies in [0, 2**32 - 1] and is exact in uint32 arithmetic (the
+  subtraction wraps modulo 2**32); when a < b the difference is negative and below any w.
+  """
+  a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+  u = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return (a < b) | (u(a) - u(b) < jnp.uint32(w))
 
 
 def _ranges(may: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
@@ -322,9 +329,20 @@ def check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segme
   if query_positions.shape[0] != kv_positions.shape[0]:
     raise ValueError(f"batch of the query ({query_positions.shape[0]}) and of the key/value "
                      f"({kv_positions.shape[0]}) must match")
-  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                     or isinstance(sliding_window, bool) or sliding_window < 1):
-    raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  arguments.normalize_window(sliding_window)
+
+
+def normalize_mask_options(*, fwd_params, bwd_params, calc_bwd_mask, skip_pad_tokens, causal,
+                           sliding_window) -> dict[str, Any]:
+  """The options of create_attention_mask checked (errors name the argument) and normalised:
+  bools and ints from Python or NumPy values, sliding_window >= 2**32 as None."""
+  check_params("fwd_params", fwd_params)
+  check_params("bwd_params", bwd_params)
+  return dict(fwd_params=fwd_params, bwd_params=bwd_params,
+              calc_bwd_mask=arguments.as_bool("calc_bwd_mask", calc_bwd_mask),
+              skip_pad_tokens=arguments.as_bool("skip_pad_tokens", skip_pad_tokens),
+              causal=arguments.as_bool("causal", causal),
+              sliding_window=arguments.normalize_window(sliding_window))
 
 
 def create_attention_mask(query_positions: jax.Array,
@@ -348,13 +366,21 @@ def create_attention_mask(query_positions: jax.Array,
     calc_bwd_mask: also build the dq and dkv tables the backward pass needs.
     skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
     causal: keep only kv_pos <= q_pos.
-    sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
+    sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal);
+      a positive int (NumPy integers too). 2**32 or more excludes nothing and is stored as None.
 
   Returns:
-    An `AttentionMask` pytree holding O(B * S / block) int32 tables.
+    An `AttentionMask` pytree holding O(B * S / block) int32 tables. A batch or a length of 0
+    gives tables that visit nothing.
   """
   check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                     sliding_window)
+  options = normalize_mask_options(
+      fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
+      skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
+  fwd_params, bwd_params = options["fwd_params"], options["bwd_params"]
+  calc_bwd_mask, skip_pad_tokens = options["calc_bwd_mask"], options["skip_pad_tokens"]
+  causal, sliding_window = options["causal"], options["sliding_window"]
   fwd_params = fwd_params or DEFAULT_FWD_PARAMS
   if calc_bwd_mask:
     bwd_params = bwd_params or DEFAULT_BWD_PARAMS
@@ -364,9 +390,25 @@ def create_attention_mask(query_positions: jax.Array,
                   skip_pad_tokens=bool(skip_pad_tokens), fwd_params=fwd_params,
                   bwd_params=bwd_params if calc_bwd_mask else None)
 
+  if 0 in (spec.batch, spec.q_len, spec.kv_len):
+    return AttentionMask(spec, *_empty_tables(spec))  # nothing to attend: every range is empty
   fwd, dq, dkv = _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                                 spec=spec)
   return AttentionMask(spec, fwd, dq, dkv)
+
+
+def _empty_tables(spec: MaskSpec):
+  """(fwd, dq, dkv) tables that visit nothing, for a batch or a length of 0."""
+
+  def table(n_outer: int) -> BlockTable:
+    return BlockTable(*(jnp.zeros((spec.batch, n_outer), jnp.int32) for _ in range(4)))
+
+  f, b = spec.fwd_params, spec.bwd_params
+  fwd = table(num_blocks(spec.q_len, f.query_block_size))
+  if b is None:
+    return fwd, None, None
+  return (fwd, table(num_blocks(spec.q_len, b.query_block_size)),
+          table(num_blocks(spec.kv_len, b.kv_block_size)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -398,16 +440,16 @@ def token_keep(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool,
   """The token rule of section 2 on broadcastable arrays: does query token attend kv token?
 
   The one definition shared by the dense mask (reference) and the JAX backend's masked blocks.
-  Window tests use saturating adds, so positions near int32 max cannot wrap.
+  Window tests are exact for any int32 positions (no wrap-around), see `diff_below`.
   """
   qp, kp = q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
   keep = (q_seg == kv_seg) & (q_seg != PADDING_SEGMENT_ID)
   if causal:
     keep &= kp <= qp
   if sliding_window is not None:
-    keep &= qp < _sat_add(kp, sliding_window)
+    keep &= diff_below(qp, kp, sliding_window)
     if not causal:
-      keep &= kp < _sat_add(qp, sliding_window)
+      keep &= diff_below(kp, qp, sliding_window)
   return keep
 
 
@@ -434,6 +476,8 @@ def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
   nq = num_blocks(spec.q_len, spec.fwd_params.query_block_size)
   nk = num_blocks(spec.kv_len, spec.fwd_params.kv_block_size)
   total = spec.batch * nq * nk
+  if total == 0:  # a batch or a length of 0: no blocks at all
+    return {"blocks_total": 0.0, "visited": 0.0, "full": 0.0, "partial": 0.0, "skipped": 0.0}
   t = mask.fwd
   visited = float(jnp.sum(t.upper - t.lower))
   full = float(jnp.sum(t.full_upper - t.full_lower))
@@ -449,7 +493,17 @@ def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str
   import matplotlib.pyplot as plt
   from matplotlib.colors import ListedColormap
 
+  if not isinstance(mask, AttentionMask):
+    raise TypeError(f"mask must be an AttentionMask from create_attention_mask, got "
+                    f"{type(mask).__name__}")
+  views = ("fwd", "dq", "dkv")
+  if view not in views:
+    raise ValueError(f"view must be one of {views} (forward, backward dq, backward dk/dv "
+                     f"tables), got {view!r}")
   spec = mask.spec
+  batch_index = arguments.as_int("batch_index", batch_index, minimum=0)
+  if batch_index >= spec.batch:
+    raise ValueError(f"batch_index {batch_index} is out of range for a mask of batch {spec.batch}")
   table = getattr(mask, view)
   if table is None:
     raise ValueError(f"view={view!r} is absent: build the mask with calc_bwd_mask=True")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvax_plugin.attention.arguments import as_int
+
 # Segment id that marks a padding token: it attends to nothing and nothing attends to it.
 PADDING_SEGMENT_ID = -1
 
@@ -23,15 +25,16 @@ class FlashAttentionParamsConfig:
   num_stages: int = 3
 
   def __post_init__(self):
+    # NumPy integers are accepted and stored as Python ints (the config is hashed as static).
+    for name in ("query_block_size", "kv_block_size", "num_warps", "num_stages"):
+      minimum = 1 if name in ("num_warps", "num_stages") else None
+      value = as_int(f"FlashAttentionParamsConfig.{name}", getattr(self, name), minimum=minimum)
+      object.__setattr__(self, name, value)
     for name in ("query_block_size", "kv_block_size"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 16 or value & (value - 1):
+      if value < 16 or value & (value - 1):
         raise ValueError(
             f"FlashAttentionParamsConfig.{name} must be a power of two >= 16, got {value!r}")
-    for name in ("num_warps", "num_stages"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"FlashAttentionParamsConfig.{name} must be a positive int, got {value!r}")
 
 
 # Defaults used when the caller passes None. Backends with tuned per-GPU settings (Triton)
@@ -40,3 +43,12 @@ DEFAULT_FWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_s
                                                 num_warps=8, num_stages=3)
 DEFAULT_BWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=128,
                                                 num_warps=8, num_stages=2)
+
+
+def check_params(name: str, params) -> None:
+  """fwd_params / bwd_params: a FlashAttentionParamsConfig or None (a dict or tuple is an error
+  rather than a guess at which fields it means)."""
+  if params is not None and not isinstance(params, FlashAttentionParamsConfig):
+    raise TypeError(f"{name} must be a FlashAttentionParamsConfig or None, got "
+                    f"{type(params).__name__} {params!r}; build one with "
+                    "FlashAttentionParamsConfig(query_block_size=..., kv_block_size=..., ...)")

@@ -1,15 +1,21 @@
-"""Argument checks shared by every entry point: each error names the argument and what was expected."""
+"""Array checks shared by every entry point: each error names the argument and what was expected.
+
+Scalars (block sizes, scale, soft cap, window, flags) follow kvax_plugin.attention.arguments.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kvax_plugin.attention.arguments import normalize_logit_options
 from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.params import check_params
 
 # Head dims the kernels are built and tested for (qk and v separately): multiples of 16 in
 # [16, 256]; 192 / 128 is DeepSeek MLA.
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 16
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# float64 runs on the JAX and reference backends only (it computes in float64 there).
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
 def _shape(x):
@@ -22,14 +28,19 @@ def check_head_dim(name: str, dim: int) -> None:
                      f"{HEAD_DIM_MULTIPLE} in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
 
 
-def check_qkv(query, key, value) -> None:
-  """query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], H % K == 0."""
+def check_qkv(query, key, value, *, kernel_head_dims: bool = True) -> None:
+  """query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], H % K == 0.
+
+  kernel_head_dims: also require head dims the kernels support (the reference takes any).
+  Zero-size batch, lengths or heads (H = K = 0) are valid: the op returns an empty / zero output.
+  """
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if not hasattr(x, "shape") or len(x.shape) != 4:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype") or len(x.shape) != 4:
       raise ValueError(f"{name} must be a [batch, seq_len, heads, head_dim] array, got shape "
                        f"{_shape(x)}")
     if not any(x.dtype == d for d in FLOAT_DTYPES):
-      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+      raise TypeError(f"{name} must be float32, bfloat16, float16 (or float64 on the JAX and "
+                      f"reference backends), got {x.dtype}")
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
                     f"{value.dtype}")
@@ -42,16 +53,28 @@ def check_qkv(query, key, value) -> None:
   if key.shape[3] != dqk:
     raise ValueError(f"key head dim {key.shape[3]} must equal query head dim {dqk}")
   kh = key.shape[2]
-  if h % kh:
+  if kh == 0 and h:
+    raise ValueError(f"key/value have 0 heads but query has {h}: query heads must be a "
+                     "multiple of key/value heads")
+  if kh and h % kh:
     raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({kh})")
-  check_head_dim("query/key", dqk)
-  check_head_dim("value", value.shape[3])
+  if kernel_head_dims:
+    check_head_dim("query/key", dqk)
+    check_head_dim("value", value.shape[3])
+  elif dqk == 0 or value.shape[3] == 0:
+    raise ValueError(f"head dims must be >= 1, got query/key {dqk}, value {value.shape[3]}")
+
+
+def is_empty(query, key) -> bool:
+  """True when the op has no work: batch, a length or the query heads is 0 (output all-zero)."""
+  b, sq, h, _ = query.shape
+  return 0 in (b, sq, h, key.shape[1])
 
 
 def check_tokens(name_pos: str, positions, name_seg: str, segment_ids, batch: int,
                  length: int) -> None:
   for name, x in ((name_pos, positions), (name_seg, segment_ids)):
-    if not hasattr(x, "shape") or len(x.shape) != 2:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype") or len(x.shape) != 2:
       raise ValueError(f"{name} must be a [batch, seq_len] array, got shape {_shape(x)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise TypeError(f"{name} must hold integers (int32), got dtype {x.dtype}")
@@ -61,6 +84,8 @@ def check_tokens(name_pos: str, positions, name_seg: str, segment_ids, batch: in
 
 
 def check_mask(mask, batch: int, q_len: int, kv_len: int, fwd_params, bwd_params) -> None:
+  check_params("fwd_params", fwd_params)
+  check_params("bwd_params", bwd_params)
   if not isinstance(mask, AttentionMask):
     raise TypeError(f"mask must be an AttentionMask from create_attention_mask, got "
                     f"{type(mask).__name__}")
@@ -85,15 +110,13 @@ def check_bias(bias) -> None:
         "the mask (causal=, sliding_window=); a soft cap from logits_soft_cap=")
 
 
-def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> None:
-  if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-    raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
-  if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
-                                          and logits_soft_cap > 0):
-    raise ValueError(f"logits_soft_cap must be a positive float or None, got {logits_soft_cap!r}")
+def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> tuple[float, float | None]:
+  """Check scale / soft cap / sinks; returns (scale, soft cap) normalised for the backends."""
+  scale, cap = normalize_logit_options(scale, logits_soft_cap)
   if sinks is not None:
     if not hasattr(sinks, "shape") or tuple(sinks.shape) != (num_heads,):
       raise ValueError(f"sinks must have shape ({num_heads},) (one logit per query head), got "
                        f"{_shape(sinks)}")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise TypeError(f"sinks must be floating point, got {sinks.dtype}")
+  return scale, cap

@@ -6,8 +6,14 @@ blocks in [lower, upper), skips the mask math on full blocks, and keeps an onlin
 block from the saved log-sum-exp (Algorithm 2): dq per query block over the `dq` table,
 dk / dv per kv block over the `dkv` table, so no [Sq x Skv] array is ever stored.
 
-Arithmetic is float32 whatever the input dtype; outputs take the input dtypes.
+Arithmetic is float32 (float64 for float64 inputs); outputs take the input dtypes. Index
+arithmetic is int32 throughout, so it also runs with JAX_ENABLE_X64=1.
 Layout inside: query blocks [bq, K, G, D] with H = K * G (query head h = k * G + g).
+
+Non-finite inputs follow the reference (reference.py): a row is empty, and gives 0, exactly
+when its running sum l is 0; a NaN logit makes l NaN, so the test is `l == 0`, never `l > 0`
+(which reads NaN as "empty" and would return 0 for a diverged row). The sink joins the row
+after the loop, so it does not hide emptiness either.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 # Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
-CAPABILITIES = Capabilities()
+# float64 inputs compute in float64 (x64 users); the other dtypes in float32.
+CAPABILITIES = Capabilities(dtypes=("float32", "bfloat16", "float16", "float64"))
 
 # Outer blocks processed together (vectorised) by lax.map: more is faster, costs memory.
 _OUTER_BLOCKS_PER_STEP = 8
@@ -37,6 +44,7 @@ class _Static:
   has_sinks: bool
   causal: bool
   window: int | None
+  compute_dtype: np.dtype = np.dtype(np.float32)
 
 
 def _pad_seq(x: jax.Array, block: int, fill) -> jax.Array:
@@ -70,7 +78,10 @@ def _block_mask(cfg, is_full, q_pos, q_seg, kv_pos, kv_seg):
 
 def _slice_block(x: jax.Array, batch, index, block: int) -> jax.Array:
   """x[batch, index * block : (index + 1) * block] for x [B, S, ...] (no copy of x[batch])."""
-  start = [batch, index * block] + [0] * (x.ndim - 2)
+  # All start indices int32: under JAX_ENABLE_X64 a Python 0 would become int64, and
+  # dynamic_slice wants one index type.
+  i32 = lambda i: jnp.asarray(i, jnp.int32)
+  start = [i32(batch), i32(index) * block] + [i32(0)] * (x.ndim - 2)
   return jax.lax.dynamic_slice(x, start, (1, block) + x.shape[2:])[0]
 
 
@@ -88,17 +99,18 @@ def _table_rows(table: BlockTable):
 
 def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: BlockTable,
              bq: int, bk: int):
-  """Returns out [B, Sq, K, G, Dv] float32 and lse [B, Sq, K, G] float32 (+inf: empty row)."""
+  """Returns out [B, Sq, K, G, Dv] and lse [B, Sq, K, G] (+inf: empty row) in the compute dtype."""
   b, sq, kh, g, _ = q.shape
-  qp = _pad_seq(q.astype(jnp.float32), bq, 0)
-  kp = _pad_seq(k.astype(jnp.float32), bk, 0)
-  vp = _pad_seq(v.astype(jnp.float32), bk, 0)
+  ct = cfg.compute_dtype
+  qp = _pad_seq(q.astype(ct), bq, 0)
+  kp = _pad_seq(k.astype(ct), bk, 0)
+  vp = _pad_seq(v.astype(ct), bk, 0)
   kv_pos_p = _pad_seq(kv_pos, bk, 0)
   kv_seg_p = _pad_seq(kv_seg, bk, PADDING_SEGMENT_ID)
   nq = qp.shape[1] // bq
   batch_index = jnp.repeat(jnp.arange(b, dtype=jnp.int32), nq)
   lower, upper, full_lower, full_upper = _table_rows(table)
-  sink = sinks.astype(jnp.float32).reshape(kh, g, 1)
+  sink = sinks.astype(ct).reshape(kh, g, 1)
 
   def one_query_block(args):
     bi, q_blk, q_pos_blk, q_seg_blk, lo, hi, flo, fhi = args
@@ -117,17 +129,26 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: 
       acc = alpha[..., None] * acc + jnp.einsum("kgqt,tkd->kgqd", p, _slice_block(vp, bi, j, bk))
       return j + 1, m_new, l, acc
 
-    if cfg.has_sinks:  # the sink is one more logit in the row: start the running max there
-      m0 = jnp.broadcast_to(sink, (kh, g, bq))
-      l0 = jnp.ones((kh, g, bq), jnp.float32)
-    else:
-      m0 = jnp.full((kh, g, bq), -jnp.inf, jnp.float32)
-      l0 = jnp.zeros((kh, g, bq), jnp.float32)
-    acc0 = jnp.zeros((kh, g, bq, vp.shape[-1]), jnp.float32)
+    m0 = jnp.full((kh, g, bq), -jnp.inf, ct)
+    l0 = jnp.zeros((kh, g, bq), ct)
+    acc0 = jnp.zeros((kh, g, bq, vp.shape[-1]), ct)
     _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, (lo, m0, l0, acc0))
-    nonempty = l > 0
-    out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, l, 1.0)[..., None], 0.0)
-    lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), jnp.inf)
+    # Empty iff l == 0 (no kept pair, or only -inf logits); NaN in l is not empty.
+    nonempty = l != 0
+    if cfg.has_sinks:
+      # The sink is one more logit in the row's denominator: merge it now, as one more block.
+      m_all = jnp.maximum(m, sink)
+      m_all_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+      alpha = jnp.exp(m - m_all_safe)
+      l = alpha * l + jnp.exp(sink - m_all_safe)
+      acc = alpha[..., None] * acc
+      m = m_all
+    l_safe = jnp.where(nonempty, l, 1.0)
+    out = jnp.where(nonempty[..., None], acc / l_safe[..., None], 0.0)
+    # +inf marks an empty row for the backward; a non-empty row whose log-sum-exp is +inf (a
+    # +inf logit: its output is NaN) gets NaN instead, so its gradients are NaN, not 0.
+    lse = m + jnp.log(l_safe)
+    lse = jnp.where(nonempty, jnp.where(lse == jnp.inf, jnp.nan, lse), jnp.inf)
     return jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0)  # [bq, K, G, Dv], [bq, K, G]
 
   xs = (batch_index, _blocks(qp, bq), _blocks(_pad_seq(q_pos, bq, 0), bq),
@@ -172,7 +193,9 @@ def _backward_dq(cfg, q, k, v, do, lse, delta, q_pos, q_seg, kv_pos, kv_seg, tab
       return j + 1, dq + jnp.einsum("kgqt,tkd->qkgd", ds, k_blk) * cfg.scale
 
     _, dq = jax.lax.while_loop(lambda c: c[0] < hi, body, (lo, jnp.zeros_like(q_blk)))
-    return dq
+    # An empty row (lse = +inf) gets exactly 0, also when its zero ds met a non-finite k or
+    # scale in a visited block (0 * NaN).
+    return jnp.where((lse_blk == jnp.inf)[..., None], 0.0, dq)
 
   lower, upper, full_lower, full_upper = _table_rows(table)
   xs = (batch_index, _blocks(qp, bq), _blocks(dop, bq), _blocks(lsep, bq), _blocks(deltap, bq),
@@ -252,7 +275,7 @@ def _attention_bwd(cfg, res, d_out):
                      "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
   p = mask.spec.bwd_params
   bq, bk = p.query_block_size, p.kv_block_size
-  f32 = lambda x: x.astype(jnp.float32)
+  f32 = lambda x: x.astype(cfg.compute_dtype)  # float32, or float64 for float64 inputs
   do = f32(d_out)
   delta = jnp.sum(do * f32(out), axis=-1)  # D_i = rowsum(dO * O), [B, Sq, K, G]
   args = (cfg, f32(q), f32(k), f32(v), do, lse, delta, q_pos, q_seg, kv_pos, kv_seg)
@@ -281,7 +304,8 @@ def flash_attention_jax(query, key, value, query_positions, query_segment_ids, k
   kh = key.shape[2]
   cfg = _Static(scale=float(scale), soft_cap=None if logits_soft_cap is None
                 else float(logits_soft_cap), has_sinks=sinks is not None,
-                causal=mask.spec.causal, window=mask.spec.sliding_window)
+                causal=mask.spec.causal, window=mask.spec.sliding_window,
+                compute_dtype=np.dtype(jnp.promote_types(query.dtype, jnp.float32)))
   sinks_arr = (jnp.zeros((h,), jnp.float32) if sinks is None else sinks)
   q5 = query.reshape(b, sq, kh, h // kh, dqk)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,

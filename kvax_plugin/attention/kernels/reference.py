@@ -13,7 +13,7 @@ from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.reference import reference_attention
 
 # Every dtype, head dim and feature the public op accepts (dense float32 math).
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(dtypes=("float32", "bfloat16", "float16", "float64"))
 
 
 def reference_with_mask(query: jax.Array, key: jax.Array, value: jax.Array,

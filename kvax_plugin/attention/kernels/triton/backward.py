@@ -138,7 +138,9 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
     dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
                   offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
                   BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
-  dq = dq * SCALE
+  # An empty row (lse = +inf) gets exactly 0, also when its zero dS met a non-finite k or
+  # scale in a visited tile (0 * NaN).
+  dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * SCALE)
   dq_ptrs = DQ + b64 * SQ * Q_ROW + h * DK + offs_m[:, None] * Q_ROW + offs_dk[None, :]
   tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None] & (offs_dk[None, :] < DK))
 

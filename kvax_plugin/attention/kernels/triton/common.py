@@ -41,10 +41,18 @@ def pair_mask(q_pos, q_seg, kv_pos, kv_seg, CAUSAL: tl.constexpr, WINDOW: tl.con
   if CAUSAL:
     keep = keep & (kv_pos <= q_pos)
   if WINDOW > 0:
-    keep = keep & ((q_pos - kv_pos) < WINDOW)
+    keep = keep & diff_below(q_pos, kv_pos, WINDOW)
     if not CAUSAL:
-      keep = keep & ((kv_pos - q_pos) < WINDOW)
+      keep = keep & diff_below(kv_pos, q_pos, WINDOW)
   return keep
+
+
+@triton.jit
+def diff_below(a, b, W: tl.constexpr):
+  """a - b < W exactly for int32 a, b and 1 <= W < 2**32 (block_mask.diff_below): when a >= b
+  the difference is exact in wrapping uint32 arithmetic, when a < b it is below any W."""
+  d = a.to(tl.uint32, bitcast=True) - b.to(tl.uint32, bitcast=True)
+  return (a < b) | (d < W)
 
 
 @triton.jit

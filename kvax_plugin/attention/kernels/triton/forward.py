@@ -10,9 +10,12 @@ Everything else is skipped. The kernel's tiles may be smaller than the table's b
 divides TABLE_M, BLOCK_N divides TABLE_N), so tile shapes can be tuned per GPU and head dim
 without rebuilding the mask.
 
-Online softmax in base 2, running max starting at a finite -1e30 (or at the sink's logit), so a
-row that sees only masked entries keeps l = 0 and never computes inf - inf: its output is 0 and
-its lse +inf, as in the JAX backend.
+Online softmax in base 2, running max starting at the lowest finite float32, so a row that sees
+only masked entries (or -inf logits) keeps l = 0 and never computes inf - inf: its output is 0 and
+its lse +inf, as in the JAX backend. Non-finite inputs follow the reference (reference.py): a NaN
+logit makes l NaN, so emptiness is tested as l == 0 (l > 0 would read NaN as "empty" and hide a
+diverged row behind a 0); the sink joins after the loop for the same reason. The kernel never
+relies on max() propagating NaN (GPU max returns the non-NaN operand): NaN reaches l through p.
 """
 
 import triton
@@ -113,14 +116,8 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
   KVPOS_b = KVPOS + b64 * SKV
   KVSEG_b = KVSEG + b64 * SKV
 
-  if HAS_SINKS:
-    # The sink is one more logit in every row: start the running max there with weight 1.
-    sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-  else:
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+  m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.4028234663852886e38  # lowest finite float32
+  l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
   acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
   for tile in range(lower, full_lower):
@@ -139,10 +136,22 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                               BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
                               DOT_PRECISION)
 
-  nonempty = l_i > 0.0
+  nonempty = l_i != 0.0  # NaN counts as non-empty: a diverged row must show NaN
+  if HAS_SINKS:
+    # The sink is one more logit in the row's denominator (no value): merge it as a last tile.
+    sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+    m_all = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_all)
+    l_i = l_i * alpha + tl.exp2(sink - m_all)
+    acc = acc * alpha[:, None]
+    m_i = m_all
   l_safe = tl.where(nonempty, l_i, 1.0)
-  out = acc / l_safe[:, None]  # rows with l = 0 have acc = 0
-  lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+  # Empty rows are 0 even when acc is not: 0 * NaN from a masked value in a visited tile.
+  out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+  # +inf marks an empty row for the backward; a non-empty row whose log-sum-exp is +inf (a
+  # +inf logit: its output is NaN) stores NaN instead, so its gradients are NaN, not 0.
+  lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+  lse = tl.where(nonempty, tl.where(lse == float("inf"), float("nan"), lse), float("inf"))
   o_ptrs = O + b64 * SQ * O_ROW + h * DV + offs_m[:, None] * O_ROW + offs_dv[None, :]
   tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_q[:, None] & (offs_dv[None, :] < DV))
   tl.store(LSE + (b64 * H + h) * SQ + offs_m, lse, mask=in_q)
