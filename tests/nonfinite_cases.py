@@ -29,7 +29,7 @@ from kvax_plugin.attention.block_mask import create_attention_mask, dense_mask
 from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
 from kvax_plugin.attention.reference import reference_attention
 
-S, H, K, D = 48, 4, 2, 16
+S, H, K = 48, 4, 2
 G = H // K
 PARAMS = P(16, 16, 4, 1)
 NAN, INF = math.nan, math.inf
@@ -58,20 +58,20 @@ OPTION_CASES = {
 }
 
 
-def _inputs(batch: int, seed: int):
+def _inputs(batch: int, seed: int, dtype, d: int):
   ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (batch, S, H, D), jnp.float32)
-  k = jax.random.normal(ks[1], (batch, S, K, D), jnp.float32)
-  v = jax.random.normal(ks[2], (batch, S, K, D), jnp.float32)
+  q = jax.random.normal(ks[0], (batch, S, H, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (batch, S, K, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, S, K, d), jnp.float32).astype(dtype)
   sinks = jax.random.normal(ks[3], (H,), jnp.float32)
-  cot = jax.random.normal(ks[4], (batch, S, H, D), jnp.float32)
+  cot = jax.random.normal(ks[4], (batch, S, H, d), jnp.float32).astype(dtype)
   return {"q": q, "k": k, "v": v}, sinks, cot
 
 
 def _results(fn, arrays, cot):
   """(out, dq, dk, dv) as numpy float64, the gradients of sum(out * cot)."""
   out, vjp = jax.vjp(fn, arrays["q"], arrays["k"], arrays["v"])
-  dq, dk, dv = vjp(cot)
+  dq, dk, dv = vjp(cot.astype(out.dtype))
   return tuple(np.asarray(x, np.float64) for x in (out, dq, dk, dv))
 
 
@@ -120,12 +120,16 @@ def _check_row(name, exact, got, want, keep, grad_propagation, tol, failures):
 
 
 def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
-              tol: float = 2e-5, seed: int = 0) -> list[str]:
+              tol: float = 2e-5, seed: int = 0, dtype=jnp.float32, head_dim: int = 16,
+              params: P = PARAMS) -> list[str]:
   """Runs every poison case (one call) and the named option cases (default all).
 
   grad_propagation: check that non-finite rows reach dq / dk (the block backends do it through
   delta = rowsum(dO * O); the reference's autodiff does not for non-finite v).
+  dtype / head_dim / params: inputs and mask blocks, for backends with narrower support (the
+  reference always computes on the same inputs upcast to float32).
   """
+  d = head_dim
   keep = np.asarray(dense_mask(_POS[None], _SEG[None], _POS[None], _SEG[None]))[0]
   failures: list[str] = []
 
@@ -133,28 +137,29 @@ def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
     pos = jnp.asarray(np.tile(_POS, (batch, 1)))
     seg = jnp.asarray(np.tile(_SEG, (batch, 1)))
     ints = (pos, seg, pos, seg)
-    mask = create_attention_mask(*ints, fwd_params=PARAMS, bwd_params=PARAMS,
+    mask = create_attention_mask(*ints, fwd_params=params, bwd_params=params,
                                  calc_bwd_mask=True)
     n_scale, n_cap = validation.check_options(scale, cap, sinks, H)
     mine = lambda q, k, v: backend_fn(q, k, v, *ints, mask, scale=n_scale, logits_soft_cap=n_cap,
                                       sinks=sinks)
-    ref = lambda q, k, v: reference_attention(q, k, v, *ints, scale=scale, logits_soft_cap=cap,
-                                              sinks=sinks)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: reference_attention(f32(q), f32(k), f32(v), *ints, scale=scale,
+                                              logits_soft_cap=cap, sinks=sinks)
     return _results(jax.jit(mine), arrays, cot), _results(ref, arrays, cot)
 
   names = list(POISON_CASES)
-  arrays, _, cot = _inputs(len(names), seed)
+  arrays, _, cot = _inputs(len(names), seed, dtype, d)
   for i, name in enumerate(names):
     which, idx, value, _ = POISON_CASES[name]
     arrays[which] = arrays[which].at[(i,) + idx].set(value)
-  got, want = run(len(names), arrays, cot, D ** -0.5, None, None)
+  got, want = run(len(names), arrays, cot, d ** -0.5, None, None)
   for i, name in enumerate(names):
     _check_row(name, POISON_CASES[name][3], [x[i] for x in got], [x[i] for x in want], keep,
                grad_propagation, tol, failures)
 
   for name in (OPTION_CASES if option_cases is None else option_cases):
     opts = OPTION_CASES[name]
-    arrays, sinks, cot = _inputs(1, seed)
+    arrays, sinks, cot = _inputs(1, seed, dtype, d)
     if "poison" in opts:
       which, idx, value = opts["poison"]
       arrays[which] = arrays[which].at[(0,) + idx].set(value)
@@ -162,7 +167,7 @@ def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
       sinks = sinks.at[opts["sinks"][0]].set(opts["sinks"][1])
     else:
       sinks = None
-    got, want = run(1, arrays, cot, opts.get("scale", D ** -0.5), opts.get("cap"), sinks)
+    got, want = run(1, arrays, cot, opts.get("scale", d ** -0.5), opts.get("cap"), sinks)
     _check_row(name, True, [x[0] for x in got], [x[0] for x in want], keep, grad_propagation,
                tol, failures)
   return failures

@@ -110,3 +110,92 @@ def test_attention_one_off_rejects_mismatched_lengths():
     kp.attention(q, kv, kv, backend="jax")
   with pytest.raises(TypeError, match="segment_ids must hold integers"):
     kp.attention(q, q, q, segment_ids=np.zeros((1, 8), np.float32), backend="jax")
+
+
+def test_numpy_scalars_are_accepted_where_python_numbers_are():
+  p = P(np.int64(64), np.int32(32), np.int64(4), np.array(2))
+  assert p == P(64, 32, 4, 2) and hash(p) == hash(P(64, 32, 4, 2))
+  assert all(type(getattr(p, f)) is int for f in ("query_block_size", "kv_block_size",
+                                                  "num_warps", "num_stages"))
+  _, _, _, pos, seg = _ok()
+  mask = kp.create_attention_mask(pos, seg, pos, seg, fwd_params=p, sliding_window=np.int64(16),
+                                  causal=np.bool_(True))
+  assert mask.spec.sliding_window == 16 and type(mask.spec.sliding_window) is int
+  out = _call(mask=mask, fwd_params=P(64, 32, 4, 2), scale=np.float32(0.125),
+              logits_soft_cap=np.float32(30.0), backend="reference")
+  assert out.shape == (B, S, H, D)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(scale="0.1"), TypeError, "scale must be a Python or NumPy real number, got str '0.1'"),
+    (dict(scale=True), TypeError, "scale must be a Python or NumPy real number, got bool"),
+    (dict(logits_soft_cap=np.array([30.0])), TypeError,
+     r"logits_soft_cap must be a Python or NumPy real number, got ndarray of shape \(1,\)"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a positive float or None"),
+    (dict(fwd_params={"query_block_size": 64}), TypeError,
+     "fwd_params must be a FlashAttentionParamsConfig or None, got dict"),
+    (dict(bwd_params=(64, 64)), TypeError,
+     "bwd_params must be a FlashAttentionParamsConfig or None, got tuple"),
+])
+def test_bad_scalar_options_name_the_argument(kwargs, exc, match):
+  with pytest.raises(exc, match=match):
+    _call(backend="reference", **kwargs)
+
+
+def test_bad_mask_options_name_the_argument():
+  _, _, _, pos, seg = _ok()
+  make = lambda **kw: kp.create_attention_mask(pos, seg, pos, seg, **kw)
+  with pytest.raises(TypeError, match="FlashAttentionParamsConfig.query_block_size must be a "
+                     "Python or NumPy integer, got str '64'"):
+    P(query_block_size="64")
+  with pytest.raises(TypeError, match="kv_block_size must be a Python or NumPy integer, got "
+                     "float32"):
+    P(kv_block_size=np.float32(64))
+  with pytest.raises(ValueError, match="num_warps must be an integer >= 1, got 0"):
+    P(num_warps=0)
+  with pytest.raises(TypeError, match="sliding_window must be a Python or NumPy integer, got "
+                     "float 16.0"):
+    make(sliding_window=16.0)
+  with pytest.raises(TypeError, match="sliding_window must be a Python or NumPy integer, got "
+                     "bool"):
+    make(sliding_window=True)
+  with pytest.raises(TypeError, match="causal must be a bool, got str 'yes'"):
+    make(causal="yes")
+  with pytest.raises(TypeError, match="fwd_params must be a FlashAttentionParamsConfig or None, "
+                     "got dict"):
+    make(fwd_params={"query_block_size": 64})
+
+
+def test_draw_mask_and_balance_report_errors(tmp_path):
+  _, _, _, pos, seg = _ok()
+  mask = kp.create_attention_mask(pos, seg, pos, seg)
+  with pytest.raises(ValueError, match=r"view must be one of \('fwd', 'dq', 'dkv'\).*got 'bwd'"):
+    kp.draw_mask(mask, str(tmp_path / "m.png"), view="bwd")
+  with pytest.raises(ValueError, match="view='dq' is absent: build the mask with calc_bwd_mask"):
+    kp.draw_mask(mask, str(tmp_path / "m.png"), view="dq")
+  with pytest.raises(ValueError, match="batch_index 2 is out of range for a mask of batch 2"):
+    kp.draw_mask(mask, str(tmp_path / "m.png"), batch_index=2)
+  with pytest.raises(TypeError, match="mask must be an AttentionMask"):
+    kp.draw_mask({"fwd": None}, str(tmp_path / "m.png"))
+  with pytest.raises(ValueError, match="cp must be an integer >= 1, got 0"):
+    kp.context_parallel_balance(pos, seg, 0, permute=True)
+  with pytest.raises(TypeError, match="cp must be a Python or NumPy integer, got str"):
+    kp.context_parallel_balance(pos, seg, "2", permute=True)
+  with pytest.raises(ValueError, match="must both be .batch, seq_len. arrays of one shape"):
+    kp.context_parallel_balance(pos[0], seg[0], 2, permute=True)
+
+
+def test_reference_rejects_integer_and_malformed_inputs():
+  q, k, v, pos, seg = _ok()
+  ref = lambda q=q, k=k, v=v, **kw: kp.reference_attention(q, k, v, pos, seg, pos, seg, **kw)
+  with pytest.raises(TypeError, match="query must be float32, bfloat16, float16"):
+    ref(q=q.astype(jnp.int32), k=k.astype(jnp.int32), v=v.astype(jnp.int32))
+  with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple of key/value heads"):
+    ref(k=jnp.ones((B, S, 3, D)), v=jnp.ones((B, S, 3, D)))
+  with pytest.raises(TypeError, match="kv_segment_ids must hold integers"):
+    kp.reference_attention(q, k, v, pos, seg, pos, seg.astype(jnp.float32))
+  with pytest.raises(TypeError, match="scale must be a Python or NumPy real number"):
+    ref(scale=jnp.ones(()))
+  # Head dims the kernels do not support are fine for the reference.
+  x = jnp.ones((B, S, 2, 8))
+  assert kp.reference_attention(x, x, x, pos, seg, pos, seg).shape == (B, S, 2, 8)

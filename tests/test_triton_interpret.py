@@ -3,6 +3,7 @@
 Runs the very kernels backend="triton" launches on a GPU, via the interpreter path of
 kvax_plugin.attention.kernels.triton.compat (jax.pure_callback on numpy buffers, outputs poisoned
 with NaN first), inside jit and the custom VJP, and compares out / dq / dk / dv / dsinks with the float32 reference.
+NaN / inf inputs are checked against the contract of nonfinite_cases.py.
 Skipped when Triton is not installed (it is optional: the [gpu] extra). Runs in a subprocess
 because the interpreter must be switched on before Triton is first imported.
 """
@@ -87,14 +88,22 @@ _SCRIPT = textwrap.dedent("""
         candidates=["", "fwd=16,16,4,1;dq=16,16,4,1;dkv=16,16,4,1"])
     assert best in times and len(times) == 2 and all(t < float("inf") for t in times.values())
     print("autotune ok")
+
+    # NaN / inf follow the reference (tests/nonfinite_cases.py, on the PYTHONPATH).
+    import nonfinite_cases
+    failures = nonfinite_cases.run_cases(triton_backend.flash_attention_triton,
+                                         option_cases=["scale_nan", "sink_nan"])
+    assert not failures, " | ".join(failures)
+    print("nonfinite ok")
 """)
 
 
 def test_kernels_in_triton_interpreter():
   root = Path(__file__).resolve().parents[1]
   env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+             PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"),
+                                         os.environ.get("PYTHONPATH", "")]))
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert proc.stdout.count(" ok") == 5, proc.stdout
+  assert proc.stdout.count(" ok") == 6, proc.stdout

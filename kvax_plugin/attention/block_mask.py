@@ -488,11 +488,6 @@ def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
 def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str = "fwd",
               title: str | None = None) -> str:
   """Draw one batch row of a block table as a PNG (skipped / masked / full) and return the path."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from matplotlib.colors import ListedColormap
-
   if not isinstance(mask, AttentionMask):
     raise TypeError(f"mask must be an AttentionMask from create_attention_mask, got "
                     f"{type(mask).__name__}")
@@ -507,6 +502,11 @@ def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str
   table = getattr(mask, view)
   if table is None:
     raise ValueError(f"view={view!r} is absent: build the mask with calc_bwd_mask=True")
+  import matplotlib  # optional: only drawing needs it
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.colors import ListedColormap
+
   params = spec.fwd_params if view == "fwd" else spec.bwd_params
   if view == "dkv":
     n_inner = num_blocks(spec.q_len, params.query_block_size)

@@ -85,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from kvax_plugin.attention import arguments
 from kvax_plugin.attention import block_mask as bm
 from kvax_plugin.attention import kernels
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
@@ -676,8 +677,12 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
   keeps), `visited_blocks` / `full_blocks` (forward blocks the per-shard tables make the kernel
   visit, as the sharded op would build them) and the max / min ratios of both.
   """
+  cp = arguments.as_int("cp", cp, minimum=1)
   positions = np.asarray(positions)
   segment_ids = np.asarray(segment_ids)
+  if positions.ndim != 2 or positions.shape != segment_ids.shape:
+    raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} must both "
+                     "be [batch, seq_len] arrays of one shape")
   b, s = positions.shape
   if s % (2 * cp if permute else cp):
     raise ValueError(f"sequence length {s} must be divisible by {2 * cp if permute else cp}")

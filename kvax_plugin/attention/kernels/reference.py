@@ -12,7 +12,7 @@ from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.reference import reference_attention
 
-# Every dtype, head dim and feature the public op accepts (dense float32 math).
+# Every dtype, head dim and feature the public op accepts (dense float32 math; float64 in float64).
 CAPABILITIES = Capabilities(dtypes=("float32", "bfloat16", "float16", "float64"))
 
 
