@@ -8,7 +8,11 @@
 `--config` names a family file and a variant (configs/<family>.py:<variant>), `--config.<field>`
 changes a field of it (the config is locked: a misspelt field is an error), and trailing
 `key=value` arguments are raw MaxText keys, applied last (they win over the config; the run
-prints which config-derived keys they replaced). `--dry_run` prints the MaxText keys and exits.
+prints which config-derived keys they replaced). Raw keys get the same checks as the flags
+they override (attention kernel for this platform, kvax backend, positive steps), must be
+MaxText config keys, and scalar ones must parse as their type. The banner and summary.json
+report the attention kernel and kvax backend read back from MaxText's final config, i.e. what
+ran. `--dry_run` prints the banner (stderr) and the MaxText keys (stdout) and exits.
 
 What happens:
   1. The config is checked; a bad value is an error that names its flag (unknown family or
@@ -36,7 +40,8 @@ serve: the corpus stream in kvax_plugin/data/feeding.py, the MaxText key transla
 run report in kvax_plugin/integrations/maxtext/ (launch_keys.py, training_hooks.py,
 run_report.py).
 
-Exit status: 0 after a finished run, 2 for a bad flag (the message names it), 1 otherwise.
+Exit status: 0 after a finished run, 2 for a bad flag or raw key (one line naming it, also when
+MaxText's own config loader rejects a combination), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -95,13 +100,30 @@ def check_config_path(argv: Sequence[str]) -> None:
     else:
       continue
     path = value.split(":", 1)[0]
+    family = os.path.splitext(os.path.basename(path))[0]
+    families = (f"Families: {', '.join(FAMILIES)}, as configs/<family>.py:<variant> (in "
+                f"{_configs_dir()})")
     if not os.path.isfile(path):
-      family = os.path.splitext(os.path.basename(path))[0]
-      raise FlagError(
-          f"--config={value}: no config file {path!r} (unknown family {family!r}?). Families: "
-          f"{', '.join(FAMILIES)}, as configs/<family>.py:<variant> (in {_configs_dir()})")
+      raise FlagError(f"--config={value}: no config file {path!r} (unknown family {family!r}?). "
+                      + families)
+    check_family_file(value, path, families)
     return
   raise FlagError("--config is required, e.g. --config=configs/llama3.py:tiny")
+
+
+def check_family_file(value: str, path: str, families: str) -> None:
+  """A --config file must be a Python file defining get_config (read, not run: a README or a
+  helper module would otherwise fail inside config_flags with a syntax or attribute error)."""
+  import ast
+  try:
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read(), path)
+  except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+    raise FlagError(f"--config={value}: {path!r} is not a Python config file ({e}). "
+                    + families) from e
+  if not any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body):
+    raise FlagError(f"--config={value}: {path!r} is not a family config (it defines no "
+                    "get_config(variant)). " + families)
 
 
 def detect_platform() -> str:
@@ -160,11 +182,123 @@ def check_model(cfg) -> None:
 
 def check_backend(cfg) -> str:
   """The kvax backend the run will use; an explicit one that cannot run here is an error."""
+  return resolve_kvax_backend(cfg.kvax.backend, f"--config.kvax.backend={cfg.kvax.backend}")
+
+
+def resolve_kvax_backend(name: str, flag: str) -> str:
+  """`name` resolved ("auto" -> the backend that will run); errors name `flag`."""
+  if name not in KVAX_BACKENDS:
+    raise FlagError(f"{flag}: choose one of {KVAX_BACKENDS}")
   try:
-    return kvax_plugin.resolve_backend(cfg.kvax.backend)
+    return kvax_plugin.resolve_backend(name)
   except kvax_plugin.BackendUnavailableError as e:
-    raise kvax_plugin.BackendUnavailableError(
-        f"--config.kvax.backend={cfg.kvax.backend}: {e}") from e
+    raise kvax_plugin.BackendUnavailableError(f"{flag}: {e}") from e
+
+
+def check_attention(attention: str, platform: str, flag: str) -> None:
+  """An attention kernel the launcher knows, and one MaxText can run on this platform."""
+  if attention not in ATTENTIONS:
+    raise FlagError(f"{flag}: choose one of {ATTENTIONS}")
+  if platform == "cpu" and attention not in ("kvax", "dot_product", "autoselected"):
+    # MaxText's fused kernels are Pallas TPU / Triton GPU / cuDNN programs: they fail on CPU
+    # deep inside tracing. Say so up front.
+    raise FlagError(f"{flag}: MaxText runs this kernel only on GPU/TPU; on CPU use kvax or "
+                    "dot_product")
+
+
+# Raw keys with a meaning the launcher checks itself (a positive int), as for their --config twins.
+_RAW_POSITIVE_INTS = ("steps", "max_target_length", "log_period")
+
+
+def _attention_flag(cfg, raw: dict[str, str]) -> str:
+  return (f"attention={raw['attention']}" if "attention" in raw
+          else f"--config.attention={cfg.attention}")
+
+
+def _backend_flag(cfg, raw: dict[str, str], value: str) -> str:
+  return (f"kvax_backend={raw['kvax_backend']}" if "kvax_backend" in raw
+          else f"--config.kvax.backend={value}")
+
+
+def check_raw_overrides(cfg, raw: dict[str, str], platform: str) -> None:
+  """Raw keys get the launcher's checks too (no bypass): the attention kernel, the kvax
+  backend, and positive counts; each error names the raw key."""
+  if "attention" in raw:
+    check_attention(raw["attention"], platform, _attention_flag(cfg, raw))
+  attention = raw.get("attention", cfg.attention)
+  if attention == "kvax" and "kvax_backend" in raw:
+    resolve_kvax_backend(raw["kvax_backend"], _backend_flag(cfg, raw, raw["kvax_backend"]))
+  for key in _RAW_POSITIVE_INTS:
+    if key in raw:
+      try:
+        ok = int(raw[key]) >= 1
+      except ValueError:
+        ok = False
+      if not ok:
+        raise FlagError(f"{key}={raw[key]}: must be a positive integer")
+
+
+def what_maxtext_runs(config, cfg, raw: dict[str, str], platform: str) -> tuple[str, str | None]:
+  """(attention kernel, resolved kvax backend or None) read back from MaxText's final config:
+  what the run uses whatever the launcher config said (raw keys win). Errors name the flag."""
+  attention = str(config.attention)
+  check_attention(attention, platform, _attention_flag(cfg, raw))
+  if attention != "kvax":
+    return attention, None
+  chosen = str(config.kvax_backend)
+  return attention, resolve_kvax_backend(chosen, _backend_flag(cfg, raw, chosen))
+
+
+def _scalar_annotation(annotation) -> bool:
+  """Whether a config field's type is a plain scalar (bool / int / float / Literal, or a union
+  of those and None) whose value pydantic can check alone; other fields MaxText coerces itself."""
+  import types
+  import typing
+  origin = typing.get_origin(annotation)
+  if origin is typing.Literal:
+    return True
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return bool(args) and all(_scalar_annotation(a) for a in args)
+  return annotation in (bool, int, float)
+
+
+def check_raw_keys(raw: dict[str, str], config_class) -> None:
+  """Every raw key is a field of MaxText's config (nested models included, as MaxText reads
+  them), and a scalar field's value parses as its type: a mistake is one line naming the key
+  instead of a traceback from MaxText's config loader."""
+  import difflib
+
+  import omegaconf
+  import pydantic
+  fields = dict(config_class.model_fields)
+  for info in list(fields.values()):
+    sub = getattr(info.annotation, "model_fields", None)
+    if sub:
+      for name, sub_info in sub.items():
+        fields.setdefault(name, sub_info)
+  for key, value in raw.items():
+    if key not in fields:
+      close = difflib.get_close_matches(key, list(fields), n=3)
+      raise FlagError(f"{key}={value}: not a MaxText config key"
+                      + (f" (did you mean {' / '.join(close)}?)" if close else ""))
+    annotation = fields[key].annotation
+    if not _scalar_annotation(annotation):
+      continue
+    # MaxText reads key=value with OmegaConf's command-line grammar; "none" means None.
+    parsed = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.from_cli([f"{key}={value}"]))[key]
+    if isinstance(parsed, str) and parsed.lower() == "none":
+      parsed = None
+    try:
+      pydantic.TypeAdapter(annotation).validate_python(parsed)
+    except pydantic.ValidationError as e:
+      raise FlagError(f"{key}={value}: {e.errors()[0]['msg']}") from e
+
+
+def _one_line(e: BaseException) -> str:
+  lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+  text = " ".join(lines[:3]) if lines else type(e).__name__
+  return text if len(text) <= 300 else text[:297] + "..."
 
 
 def parse_raw_overrides(args: Sequence[str]) -> dict[str, str]:
@@ -187,14 +321,18 @@ def parse_raw_overrides(args: Sequence[str]) -> dict[str, str]:
 def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | None:
   """Check, translate and train; returns the summary (None for a dry run)."""
   t0 = time.perf_counter()
+  missing = [f for f in ("family", "variant", "model", "attention", "kvax", "mesh", "data")
+             if f not in cfg]
+  if missing:
+    raise FlagError(f"--config: the config has no {', '.join(missing)} field(s), so it is not a "
+                    "family config (configs/<family>.py builds one with "
+                    "configs.common.family_config)")
   check_config(cfg)
   platform = detect_platform() if cfg.hardware == "auto" else cfg.hardware
-  if platform == "cpu" and cfg.attention not in ("kvax", "dot_product", "autoselected"):
-    # MaxText's fused kernels are Pallas TPU / Triton GPU / cuDNN programs: they fail on CPU
-    # deep inside tracing. Say so up front.
-    raise FlagError(f"--config.attention={cfg.attention}: MaxText runs this kernel only on "
-                    "GPU/TPU; on CPU use kvax or dot_product")
-  backend = check_backend(cfg) if cfg.attention == "kvax" else None
+  check_attention(cfg.attention, platform, f"--config.attention={cfg.attention}")
+  if raw.get("attention", cfg.attention) == "kvax" and "kvax_backend" not in raw:
+    check_backend(cfg)
+  check_raw_overrides(cfg, raw, platform)
   check_model(cfg)
   keys = maxtext_keys(cfg, platform)
   replaced = {k: (keys[k], v) for k, v in raw.items() if k in keys and argv_value(keys[k]) != v}
@@ -206,7 +344,9 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
         f"{k}={new} (config: {argv_value(old)})" for k, (old, new) in replaced.items()))
 
   from kvax_plugin.integrations import maxtext as kvax_maxtext
+  from kvax_plugin.integrations.maxtext import settings as kvax_settings
   kvax_maxtext.install()
+  check_raw_keys(raw, kvax_settings.kvax_config_class())
   from maxtext.trainers.pre_train import train as mt_train
 
   out = out or os.path.join(keys["base_output_directory"], keys["run_name"])
@@ -215,14 +355,23 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   holder: dict[str, Any] = {}
   with quiet_maxtext(log_path, cfg.quiet):
     # MaxText's own initialisation: its config (our keys + raw overrides), validated by it.
-    config, recorder = mt_train.initialize(argv)
+    try:
+      config, recorder = mt_train.initialize(argv)
+    except (ValueError, TypeError, KeyError, AssertionError) as e:
+      # pydantic's ValidationError is a ValueError. The keys were checked above, so this is a
+      # rule across keys that MaxText enforces; say it in one line, naming the raw keys given.
+      given = " ".join(f"{k}={v}" for k, v in raw.items()) or "none"
+      raise FlagError(f"MaxText rejected the configuration: {_one_line(e)} (raw keys: {given})"
+                      ) from e
     check_maxtext_config(config, cfg, raw)
+    attention, backend = what_maxtext_runs(config, cfg, raw, platform)
+    banner = (f"kvax_plugin.launch: {cfg.family}:{cfg.variant} ({cfg.model}) attention={attention}"
+              + (f" kvax backend={backend}" if backend else "") + f" on {platform}; output {out}")
     if dry_run:
+      print(banner, file=sys.stderr, flush=True)
       print("\n".join(argv[1:]))
       return None
-    print(f"kvax_plugin.launch: {cfg.family}:{cfg.variant} ({cfg.model}) attention={cfg.attention}"
-          + (f" kvax backend={backend}" if backend else "") + f" on {platform}; output {out}",
-          flush=True)
+    print(banner, flush=True)
     can_draw = importlib.util.find_spec("matplotlib") is not None
     if not can_draw:
       # A bare GPU image may lack it (kvax-plugin's own install requires it): train anyway,
@@ -233,7 +382,7 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
       # MaxText's summary writer is tensorboardX; without it MaxText silently writes nothing.
       print("warning: tensorboardX is not installed, so MaxText writes no TensorBoard logs "
             "(pip install tensorboardX)", file=sys.stderr, flush=True)
-    progress = Progress(cfg, holder, total_steps=config.steps)
+    progress = Progress(cfg, holder, total_steps=config.steps, block_skipping=attention == "kvax")
     print(f"model: {config.num_query_heads} query / {config.num_kv_heads} kv heads, head dim "
           f"{config.head_dim}, {config.num_decoder_layers} layers, emb {config.emb_dim}"
           + (f", window {config.sliding_window_size}" if config.sliding_window_size else "")
@@ -262,7 +411,7 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   files = {
       "loss_png": run_report.plot_losses(progress.records, os.path.join(out, "loss.png"),
                               f"{cfg.family}:{cfg.variant} ({cfg.model}), attention="
-                              f"{cfg.attention}, packed corpus") if can_draw else None,
+                              f"{attention}, packed corpus") if can_draw else None,
       "mask_png": (run_report.draw_first_mask(corpus, out) if corpus is not None and can_draw
                    else []),
       "tensorboard_dir": config.tensorboard_dir,
@@ -272,7 +421,7 @@ def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | 
   }
   wall = {"total": t_end - t0, "training": first_step_done,
           "setup_and_compile": max(0.0, (t_end - t0) - first_step_done)}
-  summary = run_report.summarize(cfg, config, progress, corpus, backend, wall, files)
+  summary = run_report.summarize(cfg, config, progress, corpus, attention, backend, wall, files)
   with open(files["summary_json"], "w") as f:
     json.dump(summary, f, indent=2)
   run_report.print_summary(summary)
@@ -301,9 +450,24 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
       text = text.splitlines()[-1].split(": ", 1)[-1]
     raise FlagError(text) from e
   except (AttributeError, KeyError) as e:
-    field = next((a for a in argv if a.startswith("--config.")), "--config.<field>")
+    field = next((a for a in argv if a.startswith("--config.")), None)
+    if field is None:  # no field override: the config file itself is at fault
+      raise FlagError(f"--config={_config_arg(argv)}: loading it failed ({type(e).__name__}: "
+                      f"{e})") from e
     raise FlagError(f"{field.split('=')[0]}: no such config field ({e}); see the config file's "
                     "fields with --dry_run, or pass a raw MaxText key as key=value") from e
+  except Exception as e:  # noqa: BLE001 - an error raised by the config file's own code
+    raise FlagError(f"--config={_config_arg(argv)}: loading it failed ({type(e).__name__}: "
+                    f"{_one_line(e)})") from e
+
+
+def _config_arg(argv: Sequence[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+  return "?"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

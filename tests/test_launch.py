@@ -200,6 +200,114 @@ def test_bad_flags_are_named(args, flag):
   assert "Traceback" not in r.stderr
 
 
+def test_config_file_must_be_a_family_config(tmp_path):
+  from kvax_plugin import launch
+  with pytest.raises(launch.FlagError, match=r"--config=README.md: 'README.md' is not a Python "
+                     "config file"):
+    launch.check_config_path(["prog", "--config=README.md"])
+  with pytest.raises(launch.FlagError, match=r"--config=configs/common.py:tiny: .* is not a "
+                     r"family config \(it defines no get_config"):
+    launch.check_config_path(["prog", "--config=configs/common.py:tiny"])
+  with pytest.raises(launch.FlagError, match="the config has no family, variant"):
+    import ml_collections
+    launch.run(ml_collections.ConfigDict({"foo": 1}), {}, dry_run=True)
+  # A family-shaped file whose get_config fails: one line naming --config, not a traceback.
+  bad = tmp_path / "broken.py"
+  bad.write_text("def get_config(arg=None):\n  return undefined_name\n")
+  r = run_launcher(f"--config={bad}:tiny", "--dry_run", timeout=120)
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert f"--config={bad}:tiny: loading it failed (NameError" in r.stderr
+
+
+def test_raw_keys_get_the_launchers_checks():
+  import kvax_plugin
+  from kvax_plugin import launch
+  from kvax_plugin.attention.kernels import availability
+  c = load_family("llama3").get_config("tiny")
+  check = lambda **raw: launch.check_raw_overrides(c, raw, "cpu")  # noqa: E731
+  with pytest.raises(launch.FlagError, match="attention=cudnn_flash_te: MaxText runs this kernel "
+                     "only on GPU/TPU"):
+    check(attention="cudnn_flash_te")
+  with pytest.raises(launch.FlagError, match="attention=sdpa: choose one of"):
+    check(attention="sdpa")
+  for bad in ("abc", "0", "-3", "1.5"):
+    with pytest.raises(launch.FlagError, match=f"steps={bad}: must be a positive integer"):
+      check(steps=bad)
+  with pytest.raises(launch.FlagError, match="kvax_backend=cuda: choose one of"):
+    check(kvax_backend="cuda")
+  if not availability("triton")[0]:
+    with pytest.raises(kvax_plugin.BackendUnavailableError, match="kvax_backend=triton: "):
+      check(kvax_backend="triton")
+  check(attention="dot_product", kvax_backend="triton", steps="3")  # kvax unused: no check
+
+
+@needs_maxtext
+def test_raw_keys_must_be_maxtext_keys_of_the_right_type():
+  from kvax_plugin import launch
+  from kvax_plugin.integrations.maxtext import settings
+  cls = settings.kvax_config_class()
+  with pytest.raises(launch.FlagError, match="foo_bar=3: not a MaxText config key$"):
+    launch.check_raw_keys({"foo_bar": "3"}, cls)
+  with pytest.raises(launch.FlagError, match=r"stesp=3: not a MaxText config key \(did you mean "
+                     "steps"):
+    launch.check_raw_keys({"stesp": "3"}, cls)
+  with pytest.raises(launch.FlagError, match="hardware=tpux: Input should be 'tpu'"):
+    launch.check_raw_keys({"hardware": "tpux"}, cls)
+  with pytest.raises(launch.FlagError, match="per_device_batch_size=x: Input should be"):
+    launch.check_raw_keys({"per_device_batch_size": "x"}, cls)
+  with pytest.raises(launch.FlagError, match="kvax_memory_optimized_gqa_backward=maybe: "):
+    launch.check_raw_keys({"kvax_memory_optimized_gqa_backward": "maybe"}, cls)
+  launch.check_raw_keys({"steps": "3", "log_period": "2", "kvax_backend": "jax", "dtype":
+                         "bfloat16", "per_device_batch_size": "0.5", "dataset_type": "hf",
+                         "jax_cache_dir": "/tmp/x", "sliding_window_size": "4096",
+                         "logical_axis_rules": "[['x', 'y']]"}, cls)
+
+
+def test_summary_and_progress_report_what_maxtext_ran():
+  from types import SimpleNamespace
+
+  from kvax_plugin.integrations.maxtext import run_report, training_hooks
+  c = load_family("llama3").get_config("tiny")
+  config = SimpleNamespace(hardware="cpu", max_target_length=64, global_batch_size_to_train_on=2,
+                           kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
+  stats = SimpleNamespace(skipped={"global": 0.4}, real_tokens=100, rows=2, seq_len=64,
+                          documents=6)
+  corpus = SimpleNamespace(stats=[stats], global_rows=2)
+  for attention, backend in (("dot_product", None), ("kvax", "jax")):
+    progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=1,
+                                       block_skipping=attention == "kvax")
+    progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
+                                          "perf/step_time_seconds": 0.5}}, 0)
+    line = progress.format(progress.records[0])
+    summary = run_report.summarize(c, config, progress, corpus, attention, backend,
+                                   {"total": 1.0, "training": 0.5, "setup_and_compile": 0.5}, {})
+    assert summary["attention"] == attention and summary["kvax_backend"] == backend
+    if attention == "kvax":
+      assert "blocks skipped (global) 40%" in line and summary["blocks_skipped"] == {"global": 0.4}
+      assert summary["kvax_fwd_blocks"] == [64, 32]
+    else:  # the config said kvax; a raw key chose dot_product: no kvax numbers are reported
+      assert "blocks skipped" not in line and summary["blocks_skipped"] == {}
+      assert summary["kvax_fwd_blocks"] is None
+
+
+def test_run_reports_what_maxtext_config_says():
+  # Raw keys win over the launcher config; the banner and summary.json read the final MaxText
+  # config back (the end-to-end test checks the banner of a real run).
+  from types import SimpleNamespace
+
+  from kvax_plugin import launch
+  c = load_family("llama3").get_config("tiny")
+  final = lambda **kw: SimpleNamespace(**{"attention": "kvax", "kvax_backend": "auto", **kw})
+  assert launch.what_maxtext_runs(final(attention="dot_product"), c,
+                                  {"attention": "dot_product"}, "cpu") == ("dot_product", None)
+  assert launch.what_maxtext_runs(final(kvax_backend="jax"), c, {}, "cpu") == ("kvax", "jax")
+  assert launch.what_maxtext_runs(final(), c, {}, "cpu") == ("kvax", launch.resolve_kvax_backend(
+      "auto", "x"))
+  with pytest.raises(launch.FlagError, match="attention=cudnn_flash_te: MaxText runs this"):
+    launch.what_maxtext_runs(final(attention="cudnn_flash_te"), c,
+                             {"attention": "cudnn_flash_te"}, "cpu")
+
+
 def test_unknown_family_lists_the_families():
   r = run_launcher("--config=configs/llama4.py:tiny", timeout=120)
   assert r.returncode == 2 and "unknown family 'llama4'" in r.stderr
@@ -302,6 +410,7 @@ def test_tiny_launch_end_to_end(tmp_path):
   assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
   assert min(losses[1:]) < losses[0], losses  # lr 3e-3 on bytes: falls within a few steps
   assert summary["kvax_backend"] == "jax" and summary["attention"] == "kvax"
+  assert "attention=kvax kvax backend=jax on cpu" in r.stdout  # the banner, read back
   assert 0.0 < summary["blocks_skipped"]["global"] < 1.0
   for png in ("mask.png", "loss.png"):
     data = (out / png).read_bytes()

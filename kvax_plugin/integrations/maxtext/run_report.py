@@ -53,19 +53,21 @@ def tensorboard_files(config) -> list[str]:
   return sorted(found)
 
 
-def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, backend: str,
-              wall: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
+              backend: str | None, wall: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+  """The run's summary. `attention` / `backend`: what MaxText ran, read back from its final
+  config (raw keys may have changed the launcher config's choice)."""
   recs = progress.records
   timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
   mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
   skipped = {}
-  if corpus is not None and corpus.stats:
+  if corpus is not None and corpus.stats and attention == "kvax":
     for name in corpus.stats[0].skipped:
       skipped[name] = mean([s.skipped[name] for s in corpus.stats])
   return {
       "family": cfg.family, "variant": cfg.variant, "model": cfg.model,
-      "attention": cfg.attention,
-      "kvax_backend": backend if cfg.attention == "kvax" else None,
+      "attention": attention,
+      "kvax_backend": backend if attention == "kvax" else None,
       "hardware": config.hardware, "devices": _device_count(),
       "seq_len": config.max_target_length, "global_batch": config.global_batch_size_to_train_on,
       "steps": len(recs),
@@ -79,7 +81,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, back
       "documents_per_row": (mean([s.documents / s.rows for s in corpus.stats])
                             if corpus is not None and corpus.stats else None),
       "blocks_skipped": skipped,
-      "kvax_fwd_blocks": [cfg.kvax.fwd_query_block_size, cfg.kvax.fwd_kv_block_size],
+      "kvax_fwd_blocks": ([int(config.kvax_fwd_query_block_size),
+                           int(config.kvax_fwd_kv_block_size)] if attention == "kvax" else None),
       "wall_seconds": wall,
       **files,
   }

@@ -71,8 +71,12 @@ class StepRecord:
 class Progress:
   """Receives MaxText's per-step train metrics; prints and records them."""
 
-  def __init__(self, cfg, holder: dict, total_steps: int, stream=None):
+  def __init__(self, cfg, holder: dict, total_steps: int, stream=None,
+               block_skipping: bool = True):
+    # block_skipping: the run's attention is kvax (False: another kernel ran, so the data's
+    # mask statistics say nothing about the run and are not shown as its skipped blocks).
     self.cfg = cfg
+    self.block_skipping = block_skipping
     self.holder = holder
     self.total_steps = total_steps
     self.records: list[StepRecord] = []
@@ -93,7 +97,7 @@ class Progress:
       # host's count to the global batch.
       real = stats.real_tokens * self._host_scale(stats)
       tokens_per_s = real / seconds if seconds > 0 else float("nan")
-      skipped = dict(stats.skipped)
+      skipped = dict(stats.skipped) if self.block_skipping else {}
       # MaxText writes these scalars to TensorBoard with its own.
       scalars["perf/real_tokens_per_sec"] = tokens_per_s
       scalars["data/real_token_share"] = stats.real_tokens / (stats.rows * stats.seq_len)
@@ -114,9 +118,9 @@ class Progress:
     width = len(str(self.total_steps))
     skip = "/".join(f"{v:.0%}" for v in r.skipped.values()) or "n/a"
     names = "/".join(r.skipped) or "mask"
-    return (f"step {r.step + 1:>{width}}/{self.total_steps}  loss {r.loss:7.4f}  "
-            f"{r.tokens_per_s:9,.0f} real tok/s  {r.step_seconds:6.2f} s/step  "
-            f"blocks skipped ({names}) {skip}")
+    line = (f"step {r.step + 1:>{width}}/{self.total_steps}  loss {r.loss:7.4f}  "
+            f"{r.tokens_per_s:9,.0f} real tok/s  {r.step_seconds:6.2f} s/step")
+    return line + (f"  blocks skipped ({names}) {skip}" if self.block_skipping else "")
 
 
 @contextlib.contextmanager
