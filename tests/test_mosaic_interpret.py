@@ -116,3 +116,19 @@ def test_kernels_lower_for_cuda(dims, det):
 
   text = jax.jit(fwd_bwd).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
+  """The NaN / inf contract of tests/nonfinite_cases.py (shared with the jax and Triton tests),
+  on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq."""
+  import nonfinite_cases
+  from kvax_plugin.attention.params import FlashAttentionParamsConfig
+
+  def mosaic_fn(*args, **kwargs):
+    return mosaic.flash_attention_mosaic(*args, **kwargs, interpret=True)
+
+  failures = nonfinite_cases.run_cases(
+      mosaic_fn, option_cases=("scale_nan", "soft_cap_with_q_inf", "sink_nan"),
+      dtype=jnp.bfloat16, head_dim=64, tol=3e-2,
+      params=FlashAttentionParamsConfig(128, 128, 8, 2))
+  assert not failures, "\n".join(failures)

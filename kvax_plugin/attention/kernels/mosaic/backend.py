@@ -175,7 +175,12 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
-  dq = p.unpad_q(dq, p.dk).astype(q.dtype)
+  dq = p.unpad_q(dq, p.dk)
+  if dq.dtype == jnp.float32:
+    # The fused path's float32 sum: rows with nothing to attend get exactly 0 (a non-finite
+    # key may reach them through 0 * NaN in dS K); the dq kernel does this itself.
+    dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], 0.0, dq)
+  dq = dq.astype(q.dtype)
   dk = p.unpad_kv(dk, p.dk).astype(k.dtype)
   dv = p.unpad_kv(dv, p.dv).astype(v.dtype)
   if cfg.has_sinks:

@@ -162,6 +162,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         delta = plgpu.load(delta_smem.at[slot], layout=_COL)
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
+        if masked:
+          # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
+          dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
         if cfg.with_dq:
           my_ds = ds_smem.at[wg]
@@ -368,7 +371,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-          p = jnp.where(pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape), p, 0.0)
+          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape)
+          p = jnp.where(keep, p, 0.0)
         if not cfg.paired:
           plgpu.barrier_wait(v_ready.at[slot])
 
@@ -379,6 +383,9 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           plgpu.barrier_arrive(v_free.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         ds = ds * (cfg.scale if dz is None else dz)
+        if masked:
+          # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
+          ds = jnp.where(keep, ds, 0.0)
         acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
@@ -386,6 +393,9 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = lax.fori_loop(lower, full_lower, lambda i, a: step(i, a, True), acc)
       acc = lax.fori_loop(full_lower, full_upper, lambda i, a: step(i, a, False), acc)
       acc = lax.fori_loop(full_upper, upper, lambda i, a: step(i, a, True), acc)
+      # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
+      # reached them through 0 * NaN inside dS K.
+      acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
       my_q[...] = acc.astype(dtype)  # Q is no longer read: its buffer stages dq
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])

@@ -18,10 +18,11 @@ kernel walks three runs - masked, full, masked - and only the masked runs read p
 segment ids (straight from global memory, as row / column vectors in the wgmma layout). Blocks
 outside [lower, upper) are never loaded.
 
-Numerics follow the Triton kernel (triton_kernels/forward.py): logits in base 2, the running
-max starts at a finite -1e30 (or at the sink's logit, with weight 1), so a row that sees only
-masked entries keeps l = 0 and its output is 0 and its lse +inf; lse is stored in natural-log
-units, [B, H, Sq] float32, so both backends' residuals mean the same thing.
+Numerics follow the Triton kernel (kernels/triton/): logits in base 2, the running max starts at
+a finite -1e30, so a row that sees only masked entries keeps l = 0 and its output is 0 and its
+lse +inf; the sink joins the softmax after the loop; lse is stored in natural-log units,
+[B, H, Sq] float32, so both backends' residuals mean the same thing. NaN / inf inputs follow the
+reference (README, "NaN and inf"; tests/nonfinite_cases.py).
 
 The same kernel runs on the CPU through Pallas' Mosaic GPU interpreter (`interpret=True`),
 which is how the CPU test suite checks it; the only difference there is how the P V product
@@ -212,13 +213,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
       q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW, optimized=False)
       q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW, optimized=False)
-      if cfg.has_sinks:
-        sink = sinks_ref[head] * LOG2E
-        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), sink, jnp.float32), _ROW)
-        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 1.0, jnp.float32), _ROW)
-      else:
-        m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), M_INIT, jnp.float32), _ROW)
-        l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), _ROW)
+      m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), M_INIT, jnp.float32), _ROW)
+      l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
       pl.when(wg == 1)(take_turn)
@@ -270,10 +266,23 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       acc, m_i, l_i = lax.fori_loop(full_upper, upper, lambda i, c: step(i, c, True), carry)
       pl.when(wg == 0)(take_turn)
 
-      nonempty = l_i > 0.0
-      l_safe = jnp.where(nonempty, l_i, 1.0)
+      # The NaN / inf contract (README, "NaN and inf"): a row is empty iff l == 0 (l > 0 would
+      # read NaN as empty); empty rows are exactly 0 with lse +inf; the sink joins after the
+      # loop, so an empty row stays empty and a NaN sink reaches every other row; a non-empty
+      # row whose log-sum-exp overflows stores NaN, never the +inf that means "empty".
+      empty = l_i == 0.0
+      if cfg.has_sinks:
+        sink = sinks_ref[head] * LOG2E
+        m_f = jnp.maximum(m_i, sink)
+        alpha = jnp.exp2(m_i - m_f)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + jnp.exp2(sink - m_f)
+        m_i = m_f
+      l_safe = jnp.where(empty, 1.0, l_i)
       out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-      lse = jnp.where(nonempty, (m_i + jnp.log2(l_safe)) * LN2, jnp.inf)
+      out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
+      lse = (m_i + jnp.log2(l_safe)) * LN2
+      lse = jnp.where(empty, jnp.inf, jnp.where(lse == jnp.inf, jnp.nan, lse))
       my_o = my_q if o_smem is None else o_smem.at[wg]
       my_o[...] = out.astype(dtype)
       lse_smem.at[wg][...] = lse
