@@ -126,24 +126,29 @@ def forward_backward(model, tokens, mask, weight, targets):
   return loss, logits.array, grads
 
 
-def levanter_mesh(data: int, model: int, head_axis: str = "kv_head"):
-  """A mesh the way Levanter's TrainerConfig builds it (axes data, replica, model, replica_dcn),
-  with its compute and parameter axis mappings, plus `head_axis` -> model (Levanter's default
-  mapping shards only "heads" and "mlp" over model; attention's named head axes are "kv_head"
-  and "q_heads_per_group")."""
+def levanter_mesh(data: int, model: int, head_axis: str = "kv_head", context: int = 1):
+  """A mesh the way Levanter's TrainerConfig builds it (axes data, replica, model, replica_dcn,
+  and context when > 1), with its compute and parameter axis mappings, plus `head_axis` -> model
+  (Levanter's default mapping shards only "heads" and "mlp" over model; attention's named head
+  axes are "kv_head" and "q_heads_per_group") and, with a context axis, position -> context."""
   from levanter.utils.mesh import MeshConfig, create_mesh_from_axis_specs
-  devices = jax.devices()[:data * model]
-  cfg = MeshConfig(axes={"data": data, "replica": 1, "model": model},
-                   shared_mapping={head_axis: "model"})
+  devices = jax.devices()[:data * model * context]
+  axes = {"data": data, "replica": 1, "model": model}
+  compute = {}
+  if context > 1:
+    axes["context"] = context
+    compute["position"] = "context"
+  cfg = MeshConfig(axes=axes, shared_mapping={head_axis: "model"}, compute_mapping=compute)
   ici, dcn = cfg.axis_shapes(len(devices), 1)
   mesh = create_mesh_from_axis_specs(ici_axes=ici, dcn_axes=dcn, devices=devices)
   return mesh, cfg.resolved_compute_mapping, cfg.resolved_param_mapping
 
 
-def run(model, b: Batch, data: int = 1, model_axis: int = 1, head_axis: str = "kv_head"):
+def run(model, b: Batch, data: int = 1, model_axis: int = 1, head_axis: str = "kv_head",
+        context: int = 1):
   """forward_backward the way Levanter's Trainer runs a step: inside jax.set_mesh, params
   sharded by the parameter mapping, the step jitted under the compute mapping."""
-  mesh, compute_mapping, param_mapping = levanter_mesh(data, model_axis, head_axis)
+  mesh, compute_mapping, param_mapping = levanter_mesh(data, model_axis, head_axis, context)
   with hax.partitioning.set_mesh(mesh), hax.axis_mapping(param_mapping):
     sharded = hax.shard(model, param_mapping)
     inputs = hax.shard(named_inputs(b), compute_mapping)

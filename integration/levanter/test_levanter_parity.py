@@ -3,7 +3,7 @@
 Each family's registered config, shrunk (levanter_harness.FAMILIES), float32 on CPU, on packed
 documents with padding (fresh random layout per run; the seed is in every failure message):
 loss, logits on real tokens and every gradient leaf must agree. Once on one device, and for two
-families on a 4-device mesh (data 2 x model 2, kv heads sharded over model) built and mapped the
+families on 4-device meshes (data x model, heads sharded; data x context) built and mapped the
 way Levanter's Trainer does it. The seam's trace counters show where the block masks were built:
 at the decoder entry (once per decoder trace, one per causal / window combination), never
 inside a layer, and no call was routed away from kvax.
@@ -64,17 +64,28 @@ def test_one_device(family, batch, kvax_levanter, seam_counts):
   assert seam_counts["sharded_calls"] == 0  # one device: no shard_map
 
 
-@pytest.mark.parametrize("family,head_axis", [("llama", "kv_head"),
-                                              ("gemma2", "q_heads_per_group")])
-def test_four_device_mesh(family, head_axis, batch, kvax_levanter, seam_counts):
-  """data 2 x model 2: batch over data, heads over model. llama: its 2 kv heads mapped to model,
-  one per shard; gemma2: one kv head, its 4 query heads mapped to model, so both shards read
-  the same kv head."""
+BATCH_AXES = ("replica_dcn", "replica", "data")  # Levanter's default mapping of "batch"
+
+
+@pytest.mark.parametrize("family,model_axis,context,head_axis,spec", [
+    # data 2 x model 2: llama's 2 kv heads mapped to model, one per shard
+    ("llama", 2, 1, "kv_head", (BATCH_AXES, None, "model", None)),
+    # data 2 x model 2: gemma2's one kv head, its 4 query heads mapped to model: both shards
+    # read the same kv head
+    ("gemma2", 2, 1, "q_heads_per_group", (BATCH_AXES, None, "model", None)),
+    # data 2 x context 2: position mapped to Levanter's context axis; kvax all-gathers key /
+    # value over it (model has size 1 here)
+    ("llama", 1, 2, "kv_head", (BATCH_AXES, "context", "model", None)),
+])
+def test_four_device_mesh(family, model_axis, context, head_axis, spec, batch, kvax_levanter,
+                          seam_counts):
+  """A 4-device mesh (data 2 x model 2, or data 2 x context 2) built and mapped as Levanter's
+  Trainer does it; kvax runs inside shard_map with the specs read off the axis mapping."""
   model, ref = reference(family, batch)
   kvax_model = harness.init_like(model, harness.config(family, "kvax"))
-  got = harness.run(kvax_model, batch, data=2, model_axis=2, head_axis=head_axis)
+  got = harness.run(kvax_model, batch, data=2, model_axis=model_axis, head_axis=head_axis,
+                    context=context)
   _check(family, harness.compare(ref, got, batch), dict(seam_counts), batch)
   from kvax_plugin.integrations.levanter import seam
   assert seam_counts["sharded_calls"] == seam_counts["layer_calls"] >= 1
-  # Levanter's batch axis maps to (replica_dcn, replica, data); kv heads to model.
-  assert seam.SHARDED_SPECS == {(("replica_dcn", "replica", "data"), None, "model", None)}
+  assert seam.SHARDED_SPECS == {spec}
