@@ -142,7 +142,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="JSON file")
   p.add_argument("--kernel", default="triton", help="kvax kernel (triton, mosaic, auto, jax)")
-  p.add_argument("--families", default="llama,qwen3,gemma2,olmo3,mixtral")
+  p.add_argument("--families", default="llama,gemma2,olmo3,mixtral,qwen3",
+                 help="parity families, most distinct first (qwen3 shares llama's decoder)")
   p.add_argument("--parity_seq_len", type=int, default=256)
   p.add_argument("--parity_block", type=int, default=64)
   p.add_argument("--seq_len", type=int, default=16384)
