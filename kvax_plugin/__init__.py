@@ -4,8 +4,9 @@ Two doors to the same op:
   * `kvax_plugin.ops` and `kvax_plugin.utils` are kvax 0.1.0's modules (names, parameter order,
     defaults, return structures and conventions), so kvax code switches by changing its imports;
   * the names below are the native API (kvax_plugin.attention.api): the same signatures, but
-    mesh=None means one device and, under context parallelism, every token array (kv positions
-    and segment ids too) comes in the order the tokens arrive. README.md, "Migrating from kvax".
+    under context parallelism every token array (kv positions and segment ids too) comes in the
+    order the tokens arrive. With mesh=None both take the mask's mesh, or the surrounding one
+    when query specs are known, as kvax does. README.md, "Migrating from kvax".
 """
 
 from kvax_plugin import ops, utils
@@ -24,6 +25,7 @@ from kvax_plugin.attention.context_parallel import (ShardedAttentionMask, attent
                                                     unpermute_tokens_context_parallelism)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
+from kvax_plugin.attention.validation import check_mask_inputs
 
 __all__ = [
     "__version__", "ops", "utils", "PADDING_SEGMENT_ID", "FlashAttentionParamsConfig",
@@ -32,5 +34,5 @@ __all__ = [
     "calculate_mask_sparsity", "positions_from_segment_ids", "resolve_backend",
     "BackendUnavailableError", "attention_specs", "ShardedAttentionMask",
     "to_load_balanced_order", "from_load_balanced_order", "permute_tokens_context_parallelism",
-    "unpermute_tokens_context_parallelism", "context_parallel_balance",
+    "unpermute_tokens_context_parallelism", "context_parallel_balance", "check_mask_inputs",
 ]

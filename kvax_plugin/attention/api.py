@@ -49,7 +49,9 @@ def create_attention_mask(query_positions: jax.Array,
     sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
     mesh: shard the construction over a device mesh (see kvax_plugin.attention.context_parallel);
       the result is then a ShardedAttentionMask with per-shard tables for
-      flash_attention(mesh=mesh).
+      flash_attention(mesh=mesh); it records the mesh and specs. None: the surrounding mesh
+      (`with jax.set_mesh(mesh)`) when specs are known (query_specs= or attention_specs),
+      else one device.
     query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
       `attention_specs` context).
     permute_tokens_for_load_balance: with a context-parallel mesh, whether the tokens arrive in
@@ -60,6 +62,7 @@ def create_attention_mask(query_positions: jax.Array,
   """
   options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
+  mesh = context_parallel.mesh_for_mask(mesh, query_specs)
   if mesh is None:
     return block_mask.create_attention_mask(query_positions, query_segment_ids, kv_positions,
                                             kv_segment_ids, **options)
@@ -139,9 +142,12 @@ def flash_attention(query: jax.Array,
       float32 buffer by the dk/dv kernel (5 products; the float32 summation order varies
       between runs). On an H200 True measured faster too (benchmarks/NOTES.md). The Triton
       backward is always deterministic.
-    debug: print the chosen backend and shapes at trace time.
+    debug: print the chosen backend and shapes at trace time, and check that the mask was built
+      from these positions / segment ids (as kvax_plugin.check_mask_inputs() does).
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
-      then come from create_attention_mask with the same mesh and specs.
+      then come from create_attention_mask with the same mesh and specs. None: the mask's mesh
+      if it was built on one (and its specs, unless given), else the surrounding mesh when specs
+      are known (query_specs= or attention_specs), else one device.
     query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
       `attention_specs` context).
 
@@ -160,12 +166,18 @@ def flash_attention(query: jax.Array,
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+  if debug or validation.mask_input_checks_enabled():
+    validation.check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
+                                         kv_segment_ids)
   name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
                              _features(query, key, value, mask, logits_soft_cap, sinks), mask)
   if validation.is_empty(query, key):
     # Batch, a length or the heads is 0: empty in, empty out; with Skv = 0 every row has
     # nothing to attend, so it is 0 (README, "Degenerate sizes"). Gradients are zero.
     return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)
+  # The mask knows the mesh it was built on; a plain mask follows the surrounding mesh when
+  # query specs are known (context_parallel.mesh_for_call). A mismatch is an error below.
+  mesh, query_specs, kv_specs = context_parallel.mesh_for_call(mesh, mask, query_specs, kv_specs)
   if mesh is not None:
     return context_parallel.flash_attention_sharded(
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,

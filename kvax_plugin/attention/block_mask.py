@@ -114,20 +114,25 @@ class AttentionMask:
   backward tables and 3 with them, and indexing / unpacking gives the views in kvax's order,
   (fwd,) or (fwd, dq, dkv), each with kvax's field names (see BlockTable). The object itself
   stays one pytree, so pass it (not a rebuilt tuple) to flash_attention.
+
+  `fingerprint` (uint32 [B, 2], query side and kv side; see `token_fingerprint`) identifies the
+  positions / segment ids the mask was built from; flash_attention compares it with its own
+  inputs when input checks are on (kvax_plugin.check_mask_inputs, or debug=True).
   """
 
   spec: MaskSpec
   fwd: BlockTable
   dq: BlockTable | None = None
   dkv: BlockTable | None = None
+  fingerprint: jax.Array | None = None
 
   def tree_flatten(self):
-    return (self.fwd, self.dq, self.dkv), self.spec
+    return (self.fwd, self.dq, self.dkv, self.fingerprint), self.spec
 
   @classmethod
   def tree_unflatten(cls, spec, children):
-    fwd, dq, dkv = children
-    return cls(spec, fwd, dq, dkv)
+    fwd, dq, dkv, fingerprint = children
+    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint)
 
   @property
   def causal(self) -> bool:
@@ -390,11 +395,37 @@ def create_attention_mask(query_positions: jax.Array,
                   skip_pad_tokens=bool(skip_pad_tokens), fwd_params=fwd_params,
                   bwd_params=bwd_params if calc_bwd_mask else None)
 
+  fingerprint = mask_fingerprint(query_positions, query_segment_ids, kv_positions,
+                                 kv_segment_ids)
   if 0 in (spec.batch, spec.q_len, spec.kv_len):
-    return AttentionMask(spec, *_empty_tables(spec))  # nothing to attend: every range is empty
+    # Nothing to attend: every range is empty.
+    return AttentionMask(spec, *_empty_tables(spec), fingerprint=fingerprint)
   fwd, dq, dkv = _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                                 spec=spec)
-  return AttentionMask(spec, fwd, dq, dkv)
+  return AttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint)
+
+
+def token_fingerprint(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """uint32 [B]: a cheap hash of each row's (position, segment id) pairs, O(B * S).
+
+  A sum of mixed per-token hashes, so it does not depend on token order: a mask built in
+  natural order matches a call in context-parallel order (the mask's layout records the order
+  separately). Positions / segment ids of another batch give another value with overwhelming
+  probability; this is a guard against mixing up batches, not a cryptographic hash.
+  """
+  u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
+  h = (u(positions) * jnp.uint32(0x9E3779B1)) ^ (u(segment_ids) * jnp.uint32(0x85EBCA77)
+                                                 + jnp.uint32(0x27D4EB2F))
+  h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)  # spread the bits before the sum
+  h = (h ^ (h >> 12)) * jnp.uint32(0x297A2D39)
+  return jnp.sum(h ^ (h >> 15), axis=1, dtype=jnp.uint32)
+
+
+@jax.jit
+def mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
+  """uint32 [B, 2]: token_fingerprint of the query side and of the kv side."""
+  return jnp.stack([token_fingerprint(query_positions, query_segment_ids),
+                    token_fingerprint(kv_positions, kv_segment_ids)], axis=1)
 
 
 def _empty_tables(spec: MaskSpec):

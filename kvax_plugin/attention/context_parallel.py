@@ -340,6 +340,35 @@ def ambient_mesh():
   return None if legacy.empty else legacy
 
 
+def mesh_for_call(mesh, mask, query_specs=None, kv_specs=None) -> tuple[Any, Any, Any]:
+  """(mesh, query_specs, kv_specs) a flash_attention call runs with.
+
+  An explicit mesh wins (the mask must then match it). Without one: a mask built on a mesh
+  brings its mesh, and its specs unless the call or an attention_specs context gives some; a
+  plain mask runs on the surrounding mesh (`with jax.set_mesh(mesh)`) when specs are known
+  (query_specs= or attention_specs), as kvax does, else on one device. The mask check then
+  says what is missing (a mask built without a mesh for a sharded call, or the reverse).
+  """
+  lay = mask.layout if isinstance(mask, ShardedAttentionMask) else None
+  if mesh is None and lay is not None and lay.mesh is not None:
+    mesh = lay.mesh
+  elif mesh is None and (query_specs is not None or current_attention_specs() is not None):
+    mesh = ambient_mesh()
+  if (mesh is not None and lay is not None and lay.specs is not None and query_specs is None
+      and kv_specs is None and current_attention_specs() is None):
+    query_specs = tuple(_entry(a) for a in lay.specs.query)
+    kv_specs = tuple(_entry(a) for a in lay.specs.kv)
+  return mesh, query_specs, kv_specs
+
+
+def mesh_for_mask(mesh, query_specs=None) -> Any:
+  """The mesh create_attention_mask builds on: the explicit one, else the surrounding mesh when
+  specs are known (query_specs= or attention_specs), else None (one device)."""
+  if mesh is not None or (query_specs is None and current_attention_specs() is None):
+    return mesh
+  return ambient_mesh()
+
+
 def context_size(mesh, query_specs: Any = None) -> int:
   """The number of context-parallel ranks: the size of the query's sequence axes (explicit
   query_specs, else the attention_specs context) on `mesh`."""
@@ -388,6 +417,10 @@ class ShardLayout:
   context_size: int
   kv_permuted: bool  # inputs arrive load-balance permuted; gathered kv is put back in order
   local_spec: MaskSpec  # the per-shard problem: local batch and queries, gathered kv
+  # The mesh and specs it was built for: flash_attention(mesh=None) runs on them, and an
+  # explicit mesh must match (the mesh objects are hashable; a different one retraces).
+  mesh: Any = None
+  specs: AttentionSpecs | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -403,13 +436,13 @@ class ShardedAttentionMask(AttentionMask):
   layout: ShardLayout | None = None
 
   def tree_flatten(self):
-    return (self.fwd, self.dq, self.dkv), (self.spec, self.layout)
+    return (self.fwd, self.dq, self.dkv, self.fingerprint), (self.spec, self.layout)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     spec, layout = aux
-    fwd, dq, dkv = children
-    return cls(spec, fwd, dq, dkv, layout)
+    fwd, dq, dkv, fingerprint = children
+    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout)
 
   def local(self, fwd: BlockTable, dq: BlockTable | None,
             dkv: BlockTable | None) -> AttentionMask:
@@ -543,8 +576,9 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   spec = dataclasses.replace(local, batch=b, q_len=sq, kv_len=skv)
   layout = ShardLayout(mesh_axes=_mesh_axes(mesh), batch_axes=specs.batch_axes,
                        context_axes=specs.context_axes, context_size=cp, kv_permuted=permuted,
-                       local_spec=local)
-  return ShardedAttentionMask(spec, fwd, dq, dkv, layout)
+                       local_spec=local, mesh=mesh, specs=specs)
+  fingerprint = bm.mask_fingerprint(*ints)  # global, order-free: matches any call order
+  return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout)
 
 
 # ----------------------------------------------------------------------------- the sharded op
@@ -554,11 +588,16 @@ def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, permuted: boo
   if not isinstance(mask, ShardedAttentionMask):
     raise TypeError(
         f"mask must come from create_attention_mask(..., mesh=mesh) with the same mesh and specs "
-        f"when flash_attention runs on a mesh, got a {type(mask).__name__} built without a mesh")
+        f"when flash_attention runs on a mesh (mesh=, or the surrounding jax.set_mesh with "
+        f"query specs known), got a {type(mask).__name__} built without a mesh")
   lay = mask.layout
   if lay.mesh_axes != _mesh_axes(mesh):
     raise ValueError(f"mask was built on a mesh with axes {lay.mesh_axes}, flash_attention got "
                      f"{_mesh_axes(mesh)}: build the mask with the same mesh")
+  if (isinstance(lay.mesh, jax.sharding.Mesh) and isinstance(mesh, jax.sharding.Mesh)
+      and lay.mesh.device_ids.tolist() != mesh.device_ids.tolist()):
+    raise ValueError("mesh has the axes of the mask's mesh but other devices (or another device "
+                     "order): build the mask with the mesh flash_attention runs on")
   if lay.batch_axes != specs.batch_axes or lay.context_axes != specs.context_axes:
     raise ValueError(
         f"mask was built for batch axes {lay.batch_axes} and context axes {lay.context_axes}, "

@@ -5,10 +5,16 @@ Scalars (block sizes, scale, soft cap, window, flags) follow kvax_plugin.attenti
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvax_plugin.attention.arguments import normalize_logit_options
-from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.block_mask import AttentionMask, mask_fingerprint
 from kvax_plugin.attention.params import check_params
 
 # Head dims the kernels are built and tested for (qk and v separately): multiples of 16 in
@@ -120,3 +126,69 @@ def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> tuple[float,
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise TypeError(f"sinks must be floating point, got {sinks.dtype}")
   return scale, cap
+
+
+# ----------------------------------------------------------------------------- mask inputs
+
+# Off by default: the check costs a pass over the four int arrays per call (and, inside jit, a
+# host callback). KVAX_CHECK_MASK_INPUTS=1 turns it on for a whole process (e.g. a MaxText run).
+_CHECK_MASK_INPUTS: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "kvax_check_mask_inputs", default=None)
+
+
+def mask_input_checks_enabled() -> bool:
+  """Whether flash_attention compares each mask's fingerprint with its own inputs."""
+  enabled = _CHECK_MASK_INPUTS.get()
+  if enabled is None:
+    return os.environ.get("KVAX_CHECK_MASK_INPUTS", "0").lower() not in ("", "0", "false", "no")
+  return enabled
+
+
+@contextlib.contextmanager
+def check_mask_inputs(enabled: bool = True):
+  """Within the block, flash_attention checks that every mask was built from the positions /
+  segment ids it is called with (a debugging aid: a mask of another batch with the same shapes
+  otherwise gives wrong attention silently).
+
+  Eager calls raise ValueError at once; under jit the check runs as a host callback and a
+  mismatch fails the jitted call (a JaxRuntimeError carrying the same message). Costs
+  O(B * S) per call plus, under jit, one callback per call. Also on with
+  KVAX_CHECK_MASK_INPUTS=1 or flash_attention(debug=True).
+  """
+  token = _CHECK_MASK_INPUTS.set(bool(enabled))
+  try:
+    yield
+  finally:
+    _CHECK_MASK_INPUTS.reset(token)
+
+
+def _fingerprint_mismatch(built, got) -> str | None:
+  built, got = np.asarray(built), np.asarray(got)
+  rows = sorted({int(r) for r in np.argwhere(built != got)[:, 0]})
+  if not rows:
+    return None
+  sides = [name for i, name in enumerate(("query", "kv")) if np.any(built[:, i] != got[:, i])]
+  return (f"mask was built from other positions / segment ids than this call's "
+          f"({' and '.join(sides)} side, batch rows {rows[:8]}{'...' if len(rows) > 8 else ''}): build it with "
+          "create_attention_mask from the same query_positions, query_segment_ids, kv_positions "
+          "and kv_segment_ids (a mask is per batch)")
+
+
+def _raise_on_mismatch(built, got) -> None:
+  message = _fingerprint_mismatch(built, got)
+  if message:
+    raise ValueError(message)
+
+
+def check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
+                              kv_segment_ids) -> None:
+  """The mask's fingerprint against this call's tokens (see check_mask_inputs)."""
+  if mask.fingerprint is None:
+    return  # a mask assembled by hand (no fingerprint): nothing to compare
+  got = mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids)
+  built = mask.fingerprint
+  if isinstance(got, jax.core.Tracer) or isinstance(built, jax.core.Tracer):
+    jax.debug.callback(_raise_on_mismatch, built, got)
+  else:
+    _raise_on_mismatch(built, got)
+

@@ -1,0 +1,114 @@
+"""A mask knows what it was built for: the mesh (and specs) of a sharded mask, and a fingerprint
+of the positions / segment ids, checked on request. Runs on 4 of the 8 simulated CPU devices
+(tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvax_plugin as kp
+from kvax_plugin.attention import validation
+from kvax_plugin.attention.block_mask import token_fingerprint
+
+B, S, H, K, D = 2, 64, 2, 1, 16
+SPECS = ("data", "context", None, None)
+P = kp.FlashAttentionParamsConfig(16, 16)
+
+
+def _mesh(devices=None):
+  devices = jax.devices()[:4] if devices is None else devices
+  return jax.make_mesh((2, 2), ("data", "context"), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+@pytest.fixture(scope="module")
+def problem():
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(ks[0], (B, S, H, D))
+  k = jax.random.normal(ks[1], (B, S, K, D))
+  v = jax.random.normal(ks[2], (B, S, K, D))
+  seg = jnp.zeros((B, S), jnp.int32).at[:, 40:].set(1).at[1, 60:].set(-1)
+  pos = kp.positions_from_segment_ids(seg)
+  return q, k, v, pos, seg, kp.reference_attention(q, k, v, pos, seg, pos, seg)
+
+
+def _mask(pos, seg, **kw):
+  return kp.create_attention_mask(pos, seg, pos, seg, fwd_params=P, bwd_params=P,
+                                  permute_tokens_for_load_balance=False, **kw)
+
+
+def _call(q, k, v, pos, seg, mask, **kw):
+  return kp.flash_attention(q, k, v, pos, seg, pos, seg, mask, backend="jax",
+                            permute_tokens_for_load_balance=False, **kw)
+
+
+def test_sharded_mask_brings_its_mesh_and_specs(problem):
+  # Built on a mesh, called without mesh= (and outside any attention_specs): it runs sharded on
+  # the mask's mesh and specs instead of feeding per-shard tables to a single-device kernel.
+  q, k, v, pos, seg, ref = problem
+  mesh = _mesh()
+  mask = _mask(pos, seg, mesh=mesh, query_specs=SPECS)
+  assert isinstance(mask, kp.ShardedAttentionMask) and mask.layout.mesh is mesh
+  np.testing.assert_allclose(_call(q, k, v, pos, seg, mask), ref, atol=2e-6)
+  # An explicit mesh must be the mask's: same axes but other devices is an error naming it.
+  other = _mesh(jax.devices()[3::-1])
+  with pytest.raises(ValueError, match="mesh has the axes of the mask's mesh but other devices"):
+    _call(q, k, v, pos, seg, mask, mesh=other, query_specs=SPECS)
+
+
+def test_surrounding_mesh_as_kvax_does(problem):
+  # kvax's style: jax.set_mesh + attention_specs, no mesh= anywhere. The mask is built on the
+  # surrounding mesh; a mask built outside that context is refused, not run unsharded.
+  q, k, v, pos, seg, ref = problem
+  mesh = _mesh()
+  plain = _mask(pos, seg)
+  with jax.set_mesh(mesh), kp.attention_specs(SPECS):
+    mask = _mask(pos, seg)
+    assert isinstance(mask, kp.ShardedAttentionMask)
+    with pytest.raises(TypeError, match=r"mask must come from create_attention_mask\(\.\.\., "
+                       r"mesh=mesh\).*surrounding jax.set_mesh.*built without a mesh"):
+      _call(q, k, v, pos, seg, plain)
+  # Without specs the surrounding mesh is not used: one device, as before.
+  with jax.set_mesh(mesh):
+    assert not isinstance(_mask(pos, seg), kp.ShardedAttentionMask)
+
+
+def test_token_fingerprint_ignores_order_not_content():
+  rng = np.random.default_rng(0)
+  seg = np.sort(rng.integers(0, 4, (3, 50)), axis=1).astype(np.int32)
+  pos = np.asarray(kp.positions_from_segment_ids(jnp.asarray(seg)))
+  f = np.asarray(token_fingerprint(jnp.asarray(pos), jnp.asarray(seg)))
+  perm = rng.permutation(50)
+  np.testing.assert_array_equal(f, token_fingerprint(jnp.asarray(pos[:, perm]),
+                                                     jnp.asarray(seg[:, perm])))
+  seg2 = seg.copy()
+  seg2[1, 10:] = 7  # row 1: other document boundaries
+  pos2 = np.asarray(kp.positions_from_segment_ids(jnp.asarray(seg2)))
+  f2 = np.asarray(token_fingerprint(jnp.asarray(pos2), jnp.asarray(seg2)))
+  assert f2[0] == f[0] and f2[2] == f[2] and f2[1] != f[1]
+
+
+def test_mask_of_another_batch_is_caught_when_checks_are_on(problem, monkeypatch):
+  q, k, v, pos, seg, ref = problem
+  mask = _mask(pos, seg)
+  seg2 = seg.at[0, 20:].set(1)  # row 0: another document layout, same shapes
+  pos2 = kp.positions_from_segment_ids(seg2)
+  message = r"mask was built from other positions / segment ids .*batch rows \[0\]"
+  _call(q, k, v, pos2, seg2, mask)  # off by default: no check (the answer is then wrong)
+  with kp.check_mask_inputs():
+    with pytest.raises(ValueError, match=message):
+      _call(q, k, v, pos2, seg2, mask)
+    jitted = jax.jit(lambda p, s: _call(q, k, v, p, s, mask))
+    np.testing.assert_allclose(jitted(pos, seg), ref, atol=2e-6)  # same tokens: passes
+    with pytest.raises(Exception, match=message):  # a host callback fails the jitted call
+      jitted(pos2, seg2).block_until_ready()
+  with pytest.raises(ValueError, match=message):
+    _call(q, k, v, pos2, seg2, mask, debug=True)
+  monkeypatch.setenv("KVAX_CHECK_MASK_INPUTS", "1")
+  assert validation.mask_input_checks_enabled()
+  with kp.check_mask_inputs(False):
+    assert not validation.mask_input_checks_enabled()
