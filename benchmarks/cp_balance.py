@@ -8,7 +8,8 @@ and 1/4, power-law lengths with 5% padding, tiny documents, one long plus many s
 documents with padding) and every token order (natural, llama3, balanced; see
 kvax_plugin.attention.token_order), prints max / min over ranks of the exact kept pairs and of
 the forward blocks the per-rank tables make the kernel visit (kvax_plugin.attention.
-balance_report: the sharded op's tables, key/value in natural order). Targets for "balanced"
+context_parallel.context_parallel_balance: the sharded op's tables, key/value arranged as the
+op arranges them). Targets for "balanced"
 (issue 16): <= 1.05 kept, <= 1.10 visited. With --out_dir, writes cp_balance_<seq_len>.json
 and a plot cp_balance_<seq_len>.png there. CPU, about a minute at 32k.
 """
@@ -77,7 +78,7 @@ def main(argv=None) -> list[dict]:
   import jax
 
   from kvax_plugin.attention import token_order
-  from kvax_plugin.attention.balance_report import order_balance
+  from kvax_plugin.attention.context_parallel import context_parallel_balance
   from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
   params = FlashAttentionParamsConfig(query_block_size=args.q_block, kv_block_size=args.kv_block)
@@ -92,7 +93,7 @@ def main(argv=None) -> list[dict]:
     for cp in cps:
       cells = []
       for order in ORDERS:
-        r = order_balance(pos, seg, cp, order=order, fwd_params=params)
+        r = context_parallel_balance(pos, seg, cp, order=order, fwd_params=params)
         r["layout"] = name
         rows.append(r)
         cells.append(f"{r['kept_max_over_min']:>8.3f}|{r['visited_max_over_min']:<8.3f}")

@@ -118,6 +118,23 @@ def packed_batch(batch: int, seq_len: int, vocab: int, seed: int = 0, pad_fracti
                      jnp.asarray((seg > 0).astype(np.float32)))
 
 
+def to_maxtext_batch(batch: PackedBatch) -> dict:
+  """The keys MaxText's input pipeline yields (and its reorder permutes)."""
+  return dict(inputs=batch.tokens, targets=batch.targets, inputs_position=batch.positions,
+              targets_position=batch.positions, inputs_segmentation=batch.segment_ids,
+              targets_segmentation=batch.segment_ids)
+
+
+def from_maxtext_batch(d: dict) -> PackedBatch:
+  """Back from MaxText's keys; through the host, so the arrays are uncommitted again (a reorder
+  may have placed them on one device, which a jit over the mesh would reject)."""
+  host = {k: np.asarray(v) for k, v in d.items()}
+  seg = host["targets_segmentation"]
+  return PackedBatch(jnp.asarray(host["inputs"]), jnp.asarray(host["targets"]),
+                     jnp.asarray(host["inputs_position"]), jnp.asarray(host["inputs_segmentation"]),
+                     jnp.asarray((seg > 0).astype(np.float32)))
+
+
 def loss_and_logits(model, batch: PackedBatch):
   logits = model(batch.tokens, batch.positions, batch.segment_ids, enable_dropout=False)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -4,8 +4,10 @@ Run as a subprocess (the device count is fixed when JAX starts):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python integration/maxtext_mesh_worker.py \
         MODEL '{"ici_fsdp_parallelism": 2, ...}'
 Prints one JSON line: losses, the largest logit / gradient differences, and how the kvax op
-was sharded. Tokens are permuted by MaxText's own load-balancing function when context
-parallelism is on, as its input pipeline does, and both kernels see the same permuted batch.
+was sharded and which token order it was told. When MaxText reorders batches (load-balanced
+context parallelism), the batch goes through the reorder callable MaxText's setup_train_loop
+builds with attention=kvax (kvax_context_parallel_order: the balanced order by default), and
+both kernels see that same reordered batch.
 """
 
 from __future__ import annotations
@@ -41,19 +43,42 @@ def main(model: str, mesh_overrides: dict) -> dict:
   register_provider(dataclasses.replace(kvax_provider.KVAX_PROVIDER, prepare=recording_prepare),
                    replace=True)
 
+  from kvax_plugin.attention import token_order as orders
+  from kvax_plugin.integrations.maxtext import batch_order
+  kvax_config = H.make_config(model, "kvax", extra=dict(mesh_overrides))
+  natural = None
   for attention in ("dot_product", "kvax"):
     config = H.make_config(model, attention, extra=dict(mesh_overrides))
     m, mesh = H.make_model(config)
     batch = H.packed_batch(config.global_batch_size_to_train_on, config.max_target_length,
                            config.vocab_size, seed=1)
-    cp = kvax_maxtext.mesh_rules.permuted_for_load_balance(config, mesh)
-    if cp:
-      from maxtext.utils import max_utils
-      cp_size = max_utils.reordered_cp_size(config, mesh)
-      batch = jax.tree.map(lambda x: max_utils.reorder_sequence(x, cp_size), batch)
+    natural = batch
+    from maxtext.utils import max_utils, maxtext_utils
+    cp_size = max_utils.reordered_cp_size(config, mesh)
+    if cp_size > 1:
+      # What setup_train_loop does under install() with attention=kvax (the kvax run's config
+      # decides, and the dot_product run sees the same batch).
+      from maxtext.common.common_types import ReorderStrategy
+      with batch_order.reorder_hook(kvax_config):
+        reorder = maxtext_utils.get_reorder_callable(cp_size, config.shard_mode,
+                                                     ReorderStrategy.DUAL_CHUNK_SWAP,
+                                                     config.hardware)
+      batch = H.from_maxtext_batch(reorder(H.to_maxtext_batch(batch)))
     with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
       loss, logits, grads = H.value_and_grads(m, batch)
     results[attention] = (float(loss), np.asarray(logits), H.flat_params(grads))
+  # Which permutation the batch carries: compare with the orders computed here.
+  seq_len = kvax_config.max_target_length
+  kvax_seg = np.where(np.asarray(natural.segment_ids) == 0, -1, np.asarray(natural.segment_ids))
+  unit, kv_block = batch_order.unit_blocks(kvax_config)
+  carried = []  # the orders whose permutation of the natural batch is the batch both kernels saw
+  for name in ("natural", "llama3", "balanced"):
+    if cp_size > 1 or name == "natural":
+      tok = orders.token_order(np.asarray(natural.positions), kvax_seg, max(cp_size, 1),
+                               order=name, block=unit, kv_block=kv_block)
+      if np.array_equal(np.asarray(orders.apply_token_order(natural.tokens, tok)),
+                        np.asarray(batch.tokens)):
+        carried.append(name)
   ref, got = results["dot_product"], results["kvax"]
   keep = np.asarray(batch.weights) > 0
   logit_diff = H.max_rel_diff(got[1][keep], ref[1][keep])
@@ -69,7 +94,7 @@ def main(model: str, mesh_overrides: dict) -> dict:
               worst_grad=worst, worst_grad_rel_diff=grad_diffs[worst], num_grads=len(grad_diffs), grads_over_tolerance=over, logit_tol=H.LOGIT_TOL,
               grad_names_match=sorted(ref[2]) == sorted(got[2]),
               kvax_sharded=opts.mesh is not None, query_specs=repr(opts.query_specs), kv_specs=repr(opts.kv_specs),
-              permuted=opts.permute_tokens_for_load_balance)
+              token_order=opts.token_order, batch_order=carried, seq_len=seq_len)
 
 
 if __name__ == "__main__":

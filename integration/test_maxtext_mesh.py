@@ -2,8 +2,9 @@
 
 Each case runs in a subprocess (the host device count is fixed when JAX starts). The kvax op
 must actually be sharded there: a mesh, the specs MaxText's logical axis rules give, and the
-load-balance flag set because MaxText's pipeline (emulated by its own reorder function)
-permuted the tokens.
+token order MaxText's pipeline applied (the reorder callable its setup_train_loop builds with
+attention=kvax): the per-batch balanced order by default (kvax_context_parallel_order=auto), the
+Llama 3 order when the key asks for it.
 """
 
 from __future__ import annotations
@@ -21,20 +22,22 @@ pytestmark = pytest.mark.maxtext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CASES = [
+CASES = [  # model, devices, MaxText keys, expected query specs, expected token order
     ("llama3-8b", 4, dict(ici_fsdp_parallelism=2, ici_context_parallelism=2,
-                          per_device_batch_size=0.5), ("fsdp", "context", None)),
+                          per_device_batch_size=0.5), ("fsdp", "context", None), "balanced"),
     ("gemma2-2b", 8, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2,
                           ici_context_parallelism=2, per_device_batch_size=0.25,
-                          sliding_window_size=48), ("fsdp", "context", "tensor")),
+                          sliding_window_size=48, kvax_context_parallel_order="llama3"),
+     ("fsdp", "context", "tensor"), "llama3"),
     ("deepseek3-tiny", 4, dict(ici_tensor_parallelism=2, ici_context_parallelism=2,
-                               per_device_batch_size=0.5), (None, "context", "tensor")),
+                               per_device_batch_size=0.5), (None, "context", "tensor"),
+     "balanced"),
 ]
 
 
-@pytest.mark.parametrize("model,devices,mesh,spec", CASES,
-                         ids=[f"{m}-{d}dev" for m, d, _, _ in CASES])
-def test_mesh_parity(model, devices, mesh, spec):
+@pytest.mark.parametrize("model,devices,mesh,spec,order", CASES,
+                         ids=[f"{m}-{d}dev-{o}" for m, d, _, _, o in CASES])
+def test_mesh_parity(model, devices, mesh, spec, order):
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                        f" --xla_force_host_platform_device_count={devices}").strip()}
@@ -48,10 +51,12 @@ def test_mesh_parity(model, devices, mesh, spec):
          f"{ {k: v for k, v in r['mesh'].items() if v > 1} }: loss dot_product="
          f"{r['loss_dot_product']:.6f} kvax={r['loss_kvax']:.6f} | logits {r['logit_rel_diff']:.2e}"
          f" | {r['num_grads']} grads, worst {r['worst_grad_rel_diff']:.2e} at {r['worst_grad']}"
-         f" | kvax q specs {r['query_specs']}")
+         f" | kvax q specs {r['query_specs']} | token order {r['token_order']}")
   assert r["devices"] == devices
   assert r["kvax_sharded"], "kvax ran unsharded on a multi-device mesh"
-  assert r["permuted"], "MaxText permuted the tokens for load balance; kvax must be told"
+  assert r["token_order"] == order, "kvax must be told the order MaxText's pipeline applied"
+  assert order in r["batch_order"] and "natural" not in r["batch_order"], (
+      f"the batch carries {r['batch_order']}, expected the {order} order")
   want = tuple(spec)
   got = eval(r["query_specs"])  # repr of a tuple of str / None, written by our worker
   assert (got[0], got[1], got[2]) == want, f"query specs {got}, expected {want}"

@@ -18,24 +18,25 @@ pytestmark = pytest.mark.maxtext
 def test_install_is_idempotent_and_reversible():
   from maxtext.configs import pyconfig
   from maxtext.layers import attention_op, nnx_decoders
+  from maxtext.utils import train_utils
   from kvax_plugin.integrations import maxtext as kvax_maxtext
 
+  def targets():
+    return (attention_op.AttentionOp.apply_attention, nnx_decoders.NNXDecoder.__call__,
+            pyconfig.initialize, pyconfig.initialize_pydantic, train_utils.setup_train_loop)
+
   kvax_maxtext.uninstall()
-  originals = (attention_op.AttentionOp.apply_attention, nnx_decoders.NNXDecoder.__call__,
-               pyconfig.initialize, pyconfig.initialize_pydantic)
+  originals = targets()
   kvax_maxtext.install()
   try:
-    wrapped = (attention_op.AttentionOp.apply_attention, nnx_decoders.NNXDecoder.__call__,
-               pyconfig.initialize, pyconfig.initialize_pydantic)
+    wrapped = targets()
     assert all(w is not o for w, o in zip(wrapped, originals))
     kvax_maxtext.install()  # a second install changes nothing
-    assert wrapped == (attention_op.AttentionOp.apply_attention, nnx_decoders.NNXDecoder.__call__,
-                       pyconfig.initialize, pyconfig.initialize_pydantic)
+    assert wrapped == targets()
     assert kvax_maxtext.is_installed()
   finally:
     kvax_maxtext.uninstall()
-  assert (attention_op.AttentionOp.apply_attention, nnx_decoders.NNXDecoder.__call__,
-          pyconfig.initialize, pyconfig.initialize_pydantic) == originals
+  assert targets() == originals
   assert not kvax_maxtext.is_installed()
   kvax_maxtext.uninstall()  # uninstalling twice is harmless
 

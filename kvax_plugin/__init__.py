@@ -26,6 +26,8 @@ from kvax_plugin.attention.context_parallel import (ShardedAttentionMask, attent
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
 from kvax_plugin.attention.validation import check_mask_inputs
+from kvax_plugin.attention.token_order import (TokenOrder, apply_token_order, token_order,
+                                               undo_token_order)
 
 __all__ = [
     "__version__", "ops", "utils", "PADDING_SEGMENT_ID", "FlashAttentionParamsConfig",
@@ -35,4 +37,5 @@ __all__ = [
     "BackendUnavailableError", "attention_specs", "ShardedAttentionMask",
     "to_load_balanced_order", "from_load_balanced_order", "permute_tokens_context_parallelism",
     "unpermute_tokens_context_parallelism", "context_parallel_balance", "check_mask_inputs",
+    "TokenOrder", "token_order", "apply_token_order", "undo_token_order",
 ]

@@ -117,8 +117,8 @@ def flash_attention(query: jax.Array,
   if mesh is not None and isinstance(mask, context_parallel.ShardedAttentionMask):
     # The tables index the gathered key / value in natural order either way (the op restores
     # it after the all-gather), so one mask serves both orders: state this call's.
-    mask = dataclasses.replace(mask, layout=dataclasses.replace(mask.layout,
-                                                                kv_permuted=permuted))
+    mask = dataclasses.replace(mask, layout=dataclasses.replace(
+        mask.layout, token_order="llama3" if permuted else "natural"))
   return api.flash_attention(
       query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids, mask,
       scale, None, fwd_params, bwd_params, assume_sequential_positions,

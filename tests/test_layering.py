@@ -33,7 +33,7 @@ ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (KERNELS,),
     (f"{ATTENTION}.context_parallel",),
     (f"{ATTENTION}.api",),
-    (f"{ATTENTION}.compare", f"{ATTENTION}.balance_report"),
+    (f"{ATTENTION}.compare",),
 ]
 # What a kernel leaf may import besides its own files.
 KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.block_mask",

@@ -1,7 +1,8 @@
 """Sharding and context parallelism on 8 simulated CPU devices (tests/conftest.py sets the flag).
 
 The matrix: every (data, fsdp, tensor, context) mesh whose sizes multiply to 8, inputs in natural
-and in load-balanced (permuted) order, packed documents with padding; forward output and the
+and in the Llama 3 load-balanced order, and on a few meshes in the per-batch balanced order (whose
+rows each get their own permutation), packed documents with padding; forward output and the
 gradients of query, key, value and sinks must equal the single-device jax-backend result.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from kvax_plugin.attention import context_parallel
+from kvax_plugin.attention import context_parallel, token_order
 from kvax_plugin.attention.api import attention, create_attention_mask, flash_attention
 from kvax_plugin.attention.block_mask import AttentionMask, mask_sparsity
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
@@ -58,8 +59,10 @@ def _mesh_shapes():
 
 
 MESH_SHAPES = _mesh_shapes()
-CASES = [(shape, permuted) for shape in MESH_SHAPES
-         for permuted in ((False, True) if shape[3] > 1 else (False,))]
+CASES = [(shape, order) for shape in MESH_SHAPES
+         for order in (("natural", "llama3") if shape[3] > 1 else ("natural",))]
+# The balanced order on meshes with context 2, 4 and 8 (batch and heads sharded too).
+CASES += [((2, 1, 2, 2), "balanced"), ((1, 2, 1, 4), "balanced"), ((1, 1, 1, 8), "balanced")]
 
 
 def _mesh(shape, names=AXES):
@@ -102,27 +105,31 @@ def data():
   return arrays
 
 
-def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=None,
+def _run(d, *, mesh=None, order="natural", soft_cap=None, causal=True, window=None,
          query_specs=QUERY_SPECS, kv_specs=KV_SPECS):
   """(out, (dq, dk, dv, dsinks)) of one jitted mask + forward + backward, in natural order."""
   cp = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in
                                             context_parallel._normalise_spec(query_specs, "q")[1]]))
   names = ("q", "k", "v", "w", "pos", "seg")
   q, k, v, w, pos, seg = (d[n] for n in names)
-  if permuted:  # on the host (numpy): eager jax ops would compile a kernel per slice
-    q, k, v, w, pos, seg = context_parallel.to_load_balanced_order(
-        tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), cp)
+  tok = None
+  if order != "natural":  # on the host (numpy): eager jax ops would compile a kernel per slice
+    tok = token_order.token_order(np.asarray(pos), np.asarray(seg), cp, order=order,
+                                  block=FWD.query_block_size, causal=causal,
+                                  sliding_window=window)
+    q, k, v, w, pos, seg = (np.asarray(x) for x in token_order.apply_token_order(
+        tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), tok))
   kw = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs) if mesh is not None else {}
 
   def step(q, k, v, sinks, w, pos, seg):
     mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
                                  calc_bwd_mask=True, causal=causal, sliding_window=window,
-                                 permute_tokens_for_load_balance=permuted, **kw)
+                                 token_order=order, **kw)
 
     def loss(q, k, v, sinks):
       out = flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=D ** -0.5,
                             logits_soft_cap=soft_cap, sinks=sinks, backend="jax",
-                            permute_tokens_for_load_balance=permuted, **kw)
+                            token_order=order, **kw)
       return jnp.sum(out * w), out
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
@@ -130,8 +137,8 @@ def _run(d, *, mesh=None, permuted=False, soft_cap=None, causal=True, window=Non
 
   out, (dq, dk, dv, ds) = _jit(step, q, k, v, d["sinks"], w, pos, seg)
   out, dq, dk, dv, ds = (np.asarray(x) for x in (out, dq, dk, dv, ds))
-  if permuted:
-    out, dq, dk, dv = context_parallel.from_load_balanced_order((out, dq, dk, dv), cp)
+  if tok is not None:
+    out, dq, dk, dv = (np.asarray(x) for x in token_order.undo_token_order((out, dq, dk, dv), tok))
   return out, dq, dk, dv, ds
 
 
@@ -158,26 +165,27 @@ def test_reference_is_not_trivial(single_device):
   assert np.all(out[0, 100:130] == 0)
 
 
-@pytest.mark.parametrize("shape,permuted", CASES,
-                         ids=[f"{'x'.join(map(str, s))}{'-perm' if p else ''}" for s, p in CASES])
-def test_sharded_equals_single_device(data, single_device, shape, permuted):
-  got = _run(data, mesh=_mesh(shape), permuted=permuted)
-  _assert_same(got, single_device, f"mesh {dict(zip(AXES, shape))} permuted={permuted}")
+@pytest.mark.parametrize("shape,order", CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{o}" for s, o in CASES])
+def test_sharded_equals_single_device(data, single_device, shape, order):
+  got = _run(data, mesh=_mesh(shape), order=order)
+  _assert_same(got, single_device, f"mesh {dict(zip(AXES, shape))} order={order}")
 
 
 @pytest.mark.parametrize("causal,window,soft_cap", [(True, 48, 30.0), (False, 40, None)])
 def test_window_softcap_noncausal(data, causal, window, soft_cap):
   with jax.default_device(CPUS[0]):
     want = _run(data, causal=causal, window=window, soft_cap=soft_cap)
-  got = _run(data, mesh=_mesh((1, 2, 1, 4)), permuted=True, causal=causal, window=window,
-             soft_cap=soft_cap)
+  got = _run(data, mesh=_mesh((1, 2, 1, 4)), order="balanced" if causal else "llama3",
+             causal=causal, window=window, soft_cap=soft_cap)
   _assert_same(got, want, f"causal={causal} window={window}")
 
 
 def test_context_over_two_mesh_axes(data, single_device):
   """A context "axis" made of two mesh axes (like MaxText's context + context_autoregressive)."""
   mesh = _mesh((2, 2, 2), ("data", "ctx_a", "ctx_b"))
-  got = _run(data, mesh=mesh, permuted=True, query_specs=("data", ("ctx_a", "ctx_b"), None, None),
+  got = _run(data, mesh=mesh, order="llama3",
+             query_specs=("data", ("ctx_a", "ctx_b"), None, None),
              kv_specs=("data", None, None, None))
   _assert_same(got, single_device, "context over ('ctx_a', 'ctx_b')")
 
@@ -272,9 +280,19 @@ def test_mask_mismatch_errors(data):
                     query_specs=QUERY_SPECS)
   m = create_attention_mask(pos, seg, pos, seg, mesh=mesh, query_specs=QUERY_SPECS,
                             permute_tokens_for_load_balance=True)
-  with pytest.raises(ValueError, match=r"permute_tokens_for_load_balance=False differs"):
+  with pytest.raises(ValueError, match=r"token_order 'natural' differs from the mask's \('llama3'\)"):
     flash_attention(q, k, v, pos, seg, pos, seg, m, backend="jax", mesh=mesh,
                     query_specs=QUERY_SPECS, permute_tokens_for_load_balance=False)
+  with pytest.raises(ValueError, match=r"token_order 'balanced' differs from the mask's"):
+    flash_attention(q, k, v, pos, seg, pos, seg, m, backend="jax", mesh=mesh,
+                    query_specs=QUERY_SPECS, token_order="balanced")
+  with pytest.raises(ValueError, match=r"token_order must be one of"):
+    create_attention_mask(pos, seg, pos, seg, mesh=mesh, query_specs=QUERY_SPECS,
+                          token_order="striped")
+  with pytest.raises(ValueError, match=r"permute_tokens_for_load_balance=True contradicts "
+                     r"token_order='balanced'"):
+    create_attention_mask(pos, seg, pos, seg, mesh=mesh, query_specs=QUERY_SPECS,
+                          token_order="balanced", permute_tokens_for_load_balance=True)
   with pytest.raises(ValueError, match=r"built on a mesh with axes"):
     flash_attention(q, k, v, pos, seg, pos, seg, m, backend="jax", mesh=_mesh((2, 1, 1, 4)),
                     query_specs=QUERY_SPECS)
@@ -370,20 +388,25 @@ def test_balance_counts_match_dense_mask():
 
 
 def test_forward_only_mask_passed_into_jit(data):
-  """A mask built eagerly without backward tables crosses a jit boundary as a pytree argument
-  and is reused by two layers inside lax.scan."""
+  """A mask built eagerly without backward tables (balanced order: it carries its kv
+  arrangement) crosses a jit boundary as a pytree argument and is reused by two layers inside
+  lax.scan."""
   mesh = _mesh((2, 1, 2, 2))
   cp = 2
   q, k, v, pos, seg = (np.asarray(data[n]) for n in ("q", "k", "v", "pos", "seg"))
-  q, k, v, pos, seg = context_parallel.to_load_balanced_order((q, k, v, pos, seg), cp)
+  tok = token_order.balanced_order(pos, seg, cp, block=FWD.query_block_size)
+  q, k, v, pos, seg = (np.asarray(x) for x in token_order.apply_token_order((q, k, v, pos, seg),
+                                                                           tok))
   with context_parallel.attention_specs(QUERY_SPECS, KV_SPECS):
-    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, mesh=mesh)
-    assert mask.dq is None and mask.layout.kv_permuted
+    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, mesh=mesh,
+                                 token_order="balanced")
+    assert mask.dq is None and mask.token_order == "balanced"
+    assert mask.kv_arrangement.shape == (B, cp * S)
 
     def two_layers(q, k, v, sinks, mask):
       def layer(x, _):
         out = flash_attention(x, k, v, pos, seg, pos, seg, mask, scale=D ** -0.5, sinks=sinks,
-                              backend="jax", mesh=mesh)
+                              backend="jax", mesh=mesh, token_order="balanced")
         return out, None
       return jax.lax.scan(layer, q, None, length=2)[0]
 
@@ -397,8 +420,32 @@ def test_forward_only_mask_passed_into_jit(data):
                         backend="jax"),
         data["k"], data["v"], data["pos"], data["seg"], data["pos"], data["seg"], plain,
         scale=D ** -0.5, sinks=data["sinks"], backend="jax"), data["q"])
-  got = context_parallel.from_load_balanced_order(np.asarray(out), cp)
+  got = np.asarray(token_order.undo_token_order(np.asarray(out), tok))
   np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_balanced_mask_arranges_kv_in_document_order(data):
+  """Each context shard's kv arrangement puts the (permuted, gathered) kv in document order,
+  and its forward tables equal the rows of one table built on document-ordered kv."""
+  cp = 4
+  mesh = _mesh((2, 1, 1, 4))
+  pos, seg = np.asarray(data["pos"]), np.asarray(data["seg"])
+  tok = token_order.balanced_order(pos, seg, cp, block=FWD.query_block_size)
+  ppos, pseg = (np.asarray(x) for x in token_order.apply_token_order((pos, seg), tok))
+  m = create_attention_mask(ppos, pseg, ppos, pseg, fwd_params=FWD, mesh=mesh,
+                            query_specs=QUERY_SPECS, token_order="balanced")
+  doc = np.asarray(token_order.document_order(pos, seg))
+  want_pos = np.take_along_axis(pos, doc, axis=1)
+  want_seg = np.take_along_axis(seg, doc, axis=1)
+  arrangement = np.asarray(m.kv_arrangement)
+  for r in range(cp):
+    a = arrangement[:, r * S:(r + 1) * S]
+    np.testing.assert_array_equal(np.take_along_axis(ppos, a, axis=1), want_pos)
+    np.testing.assert_array_equal(np.take_along_axis(pseg, a, axis=1), want_seg)
+  ref = create_attention_mask(jnp.asarray(ppos), jnp.asarray(pseg), jnp.asarray(want_pos),
+                              jnp.asarray(want_seg), fwd_params=FWD)
+  for got, want in zip(m.fwd, ref.fwd):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 _FEWER_KV_WANT: dict = {}
@@ -414,5 +461,5 @@ def test_fewer_kv_heads_than_tensor_shards(data, shape, kv_heads):
     with jax.default_device(CPUS[0]):
       _FEWER_KV_WANT[kv_heads] = _run(d)
   want = _FEWER_KV_WANT[kv_heads]
-  got = _run(d, mesh=_mesh(shape), permuted=shape[3] > 1)
+  got = _run(d, mesh=_mesh(shape), order="llama3" if shape[3] > 1 else "natural")
   _assert_same(got, want, f"mesh {shape}, {kv_heads} kv heads")

@@ -20,7 +20,7 @@ import pytest
 from kvax_plugin.attention import block_mask as bm
 from kvax_plugin.attention import token_order as to
 from kvax_plugin.attention.api import create_attention_mask, flash_attention
-from kvax_plugin.attention.balance_report import order_balance
+from kvax_plugin.attention.context_parallel import context_parallel_balance
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
 from layouts import dense_mask_np, non_contiguous_documents, packed_documents, random_positions
@@ -167,7 +167,8 @@ def balance_rows():
   rows = {}
   for name, (pos, seg) in balance_layouts(BALANCE_S).items():
     for cp in (2, 4, 8):
-      rows[name, cp] = {o: order_balance(pos, seg, cp, order=o, fwd_params=BALANCE_PARAMS)
+      rows[name, cp] = {o: context_parallel_balance(pos, seg, cp, order=o,
+                                                   fwd_params=BALANCE_PARAMS)
                         for o in to.ORDERS}
   return rows
 

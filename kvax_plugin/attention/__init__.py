@@ -7,9 +7,9 @@
     kernels/<leaf>            kernel backends (jax_blockwise, reference, triton/, mosaic/): the
                               leaves
     kernels/__init__.py       the registry: names, capabilities, devices, "auto"
-    context_parallel.py       sharding and context parallelism over a mesh
+    context_parallel.py       sharding and context parallelism over a mesh (and the per-rank
+                              work of a token order: context_parallel_balance)
     api.py, compare.py        the public op (create_attention_mask, flash_attention, attention)
-    balance_report.py         per-rank work of a token order (benchmarks, tests)
 
 tests/test_layering.py checks the order and that the import graph has no cycle.
 """

@@ -34,7 +34,8 @@ def create_attention_mask(query_positions: jax.Array,
                           sliding_window: int | None = None,
                           query_specs: Any = None,
                           kv_specs: Any = None,
-                          permute_tokens_for_load_balance: bool = True) -> AttentionMask:
+                          permute_tokens_for_load_balance: bool | None = None,
+                          token_order: str | None = None) -> AttentionMask:
   """Build the block mask once per step; pass it to `flash_attention` in every layer.
 
   The parameters up to `mesh` are kvax 0.1.0's, in its order; the rest are keyword-only.
@@ -54,8 +55,11 @@ def create_attention_mask(query_positions: jax.Array,
       else one device.
     query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
       `attention_specs` context).
-    permute_tokens_for_load_balance: with a context-parallel mesh, whether the tokens arrive in
-      the load-balanced order; must match the flash_attention call.
+    token_order: with a context-parallel mesh, the order the tokens arrive in: "natural",
+      "llama3" (permute_tokens_context_parallelism) or "balanced" (token_order.balanced_order,
+      per batch); must match the flash_attention call. None: from the flag below, else "llama3".
+    permute_tokens_for_load_balance: the older spelling of token_order: True is "llama3", False
+      "natural" (None: not given). Contradicting token_order raises.
 
   Returns:
     An `AttentionMask` pytree holding O(B * S / block) int32 tables.
@@ -63,6 +67,7 @@ def create_attention_mask(query_positions: jax.Array,
   options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
   mesh = context_parallel.mesh_for_mask(mesh, query_specs)
+  order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance)
   if mesh is None:
     return block_mask.create_attention_mask(query_positions, query_segment_ids, kv_positions,
                                             kv_segment_ids, **options)
@@ -71,8 +76,7 @@ def create_attention_mask(query_positions: jax.Array,
   options = block_mask.normalize_mask_options(**options)
   return context_parallel.create_attention_mask_sharded(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, mesh=mesh,
-      query_specs=query_specs, kv_specs=kv_specs,
-      permute_tokens_for_load_balance=permute_tokens_for_load_balance, **options)
+      query_specs=query_specs, kv_specs=kv_specs, token_order=order, **options)
 
 
 def _features(query, key, value, mask: AttentionMask, logits_soft_cap, sinks) -> tuple[str, ...]:
@@ -99,7 +103,7 @@ def flash_attention(query: jax.Array,
                     bwd_params: FlashAttentionParamsConfig | None = None,
                     assume_sequential_positions: bool = False,
                     memory_optimized_gqa_backward: bool = False,
-                    permute_tokens_for_load_balance: bool = True,
+                    permute_tokens_for_load_balance: bool | None = None,
                     debug: bool = False,
                     mesh: Any = None,
                     *,
@@ -108,7 +112,8 @@ def flash_attention(query: jax.Array,
                     backend: str = "auto",
                     deterministic_backward: bool = True,
                     query_specs: Any = None,
-                    kv_specs: Any = None) -> jax.Array:
+                    kv_specs: Any = None,
+                    token_order: str | None = None) -> jax.Array:
   """Attention over packed documents, visiting only the blocks the mask lists.
 
   The parameters up to `mesh` are kvax 0.1.0's, in its order and with its defaults (so `scale`
@@ -130,9 +135,13 @@ def flash_attention(query: jax.Array,
       in place (no float32 per-query-head buffers). False: in place whenever the launch still
       has enough programs to fill the GPU (it is also the faster way then), else per-head
       buffers summed afterwards. Both are deterministic.
-    permute_tokens_for_load_balance: with a context-parallel mesh, whether the inputs arrive in
-      the load-balanced order of to_load_balanced_order (the op never permutes
-      itself); must match the mask's. See kvax_plugin.attention.context_parallel.
+    permute_tokens_for_load_balance: kvax's flag: True says the inputs arrive in the Llama 3
+      order (to_load_balanced_order), False in natural order; None (the default) defers to
+      token_order. Contradicting token_order raises.
+    token_order: with a context-parallel mesh, the order the inputs arrive in ("natural",
+      "llama3" or "balanced"; the op never permutes the query itself); must match the mask's.
+      Neither given: the order the (sharded) mask was built for, else "llama3".
+      See kvax_plugin.attention.context_parallel.
     backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
       Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
       of kernels.KERNEL_BACKENDS ("mosaic", "triton", "jax", "reference"); an explicit name
@@ -163,6 +172,11 @@ def flash_attention(query: jax.Array,
                           query_segment_ids, b, sq)
   validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
   scale, logits_soft_cap = validation.check_options(scale, logits_soft_cap, sinks, h)
+  if (token_order is None and permute_tokens_for_load_balance is None
+      and isinstance(mask, context_parallel.ShardedAttentionMask)):
+    order = mask.token_order  # neither given: the order the mask was built for
+  else:
+    order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
@@ -182,9 +196,8 @@ def flash_attention(query: jax.Array,
     return context_parallel.flash_attention_sharded(
         query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        memory_optimized_gqa_backward=memory_optimized_gqa_backward,
-        permute_tokens_for_load_balance=permute_tokens_for_load_balance, backend=name,
-        mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
+        memory_optimized_gqa_backward=memory_optimized_gqa_backward, token_order=order,
+        backend=name, mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
         deterministic_backward=deterministic_backward)
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
@@ -227,24 +240,28 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
               mesh: Any = None,
               query_specs: Any = None,
               kv_specs: Any = None,
-              permute_tokens_for_load_balance: bool = False) -> jax.Array:
+              permute_tokens_for_load_balance: bool | None = None,
+              token_order: str | None = None) -> jax.Array:
   """One-off attention: builds the block mask itself (use flash_attention to reuse one).
 
   query [B, Sq, H, D], key/value [B, Skv, K, D(v)]; segment_ids and positions int32 [B, Sq]
   shared by query and key/value when Sq == Skv. segment_ids None means one document;
   positions None means per-document positions derived from segment_ids; scale None means
-  1/sqrt(Dqk). mesh / query_specs / kv_specs / permute_tokens_for_load_balance as in
-  flash_attention; inputs that arrive permuted need explicit positions.
+  1/sqrt(Dqk). mesh / query_specs / kv_specs / token_order / permute_tokens_for_load_balance
+  as in flash_attention, except that the default order here is "natural"; inputs that arrive
+  permuted need explicit positions.
   """
   validation.check_qkv(query, key, value)
   b, sq, _, dqk = query.shape
   skv = key.shape[1]
   if segment_ids is None:
     segment_ids = jnp.zeros((b, sq), jnp.int32)
+  order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance,
+                                              default="natural")
   if positions is None:
-    if mesh is not None and permute_tokens_for_load_balance:
-      raise ValueError("positions must be given when permute_tokens_for_load_balance=True: "
-                       "positions derived from permuted segment_ids would follow buffer order")
+    if mesh is not None and order != "natural":
+      raise ValueError(f"positions must be given when the tokens arrive in token_order={order!r}"
+                       ": positions derived from permuted segment_ids would follow buffer order")
     validation.check_tokens("segment_ids", segment_ids, "segment_ids", segment_ids, b, sq)
     positions = positions_from_segment_ids(segment_ids)
   if sq != skv:
@@ -256,11 +273,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   mask = create_attention_mask(positions, segment_ids, positions, segment_ids,
                                calc_bwd_mask=True, causal=causal, sliding_window=sliding_window,
                                mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-                               permute_tokens_for_load_balance=permute_tokens_for_load_balance)
+                               token_order=order)
   return flash_attention(query, key, value, positions, segment_ids, positions, segment_ids, mask,
                          scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                          backend=backend, mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-                         permute_tokens_for_load_balance=permute_tokens_for_load_balance)
+                         token_order=order)
 
 
 __all__ = ["flash_attention", "attention", "create_attention_mask", "PADDING_SEGMENT_ID",

@@ -35,21 +35,31 @@ Skv key/value tokens with their positions and segment ids. Positions and segment
 buffer indices, decide which pairs attend, so the kernels are correct for any token order.
 
 Load balance: with a causal mask and contiguous shards, rank r's queries see r+1 shards of keys,
-so the last rank does about 2*cp-1 times the work of the first (7x at cp=4).
-`to_load_balanced_order` cuts the sequence into 2*cp chunks and gives rank r chunks
-r and 2*cp-1-r, so every rank holds one early and one late chunk (kvax's spelling,
-`permute_tokens_context_parallelism(inputs, mesh)`, reads cp from the mesh and the specs). The
-op never permutes the
-query itself (MaxText does it in its input pipeline when context_parallel_load_balance is on):
-`permute_tokens_for_load_balance=True` on `create_attention_mask` / `flash_attention` declares that
-the inputs *arrive* permuted. The op then restores natural order for the gathered key/value (a
-static reshuffle of 2*cp chunks), so the per-shard block tables stay tight contiguous ranges.
-The flag is a performance statement, not a correctness one: results are exact either way, but
-the mask and the attention call must agree on it (the mask records it; a mismatch raises).
-The permutation balances the causal triangle of long documents (one 128k document at cp=4: max /
-min kept pairs per device 7.0 natural, 1.00 permuted). With many short packed documents the work
-follows where the documents fall and neither order is balanced in general
-(`context_parallel_balance` and benchmarks/cp_balance.py measure it).
+so the last rank does about 2*cp-1 times the work of the first (7x at cp=4). The op never
+permutes the query itself; the caller (an input pipeline: MaxText's, or
+kvax_plugin.attention.token_order) permutes the batch, and `token_order` on
+`create_attention_mask` / `flash_attention` declares the order the inputs *arrive* in:
+
+    "natural"   as they are; the gathered key/value are used as gathered.
+    "llama3"    `to_load_balanced_order` (kvax's spelling, `permute_tokens_context_parallelism(
+                inputs, mesh)`, reads cp from the mesh and the specs): 2*cp chunks, rank r holds
+                chunks r and 2*cp-1-r (balances one causal document). The op restores natural
+                order for the gathered key/value by a static reshuffle of the 2*cp chunks.
+    "balanced"  a per-batch order (token_order.balanced_order, computed from the batch's
+                positions and segment ids) that gives every rank equal kept pairs and visited
+                blocks on packed documents. The gathered key/value are put in document order
+                (token_order.document_order: padding last, then segment id, then position) by
+                a gather; the mask computes that arrangement once per step from the gathered
+                kv positions and segment ids and carries it (`kv_arrangement`), so no
+                permutation travels with the batch. For the usual packing document order is the
+                natural order.
+
+`permute_tokens_for_load_balance=True / False` is kvax's spelling of "llama3" / "natural".
+The order is a performance statement, not a correctness one: results are exact in any order
+(positions decide), but the mask and the attention call must agree on it (the mask records it;
+a mismatch raises). `context_parallel_balance` and benchmarks/cp_balance.py measure the work per
+rank (one 128k document at cp=4, max / min kept pairs: natural 7.0, llama3 1.00; two documents
+of 3/4 and 1/4: llama3 4.0, balanced 1.00).
 
 The sharded mask
 ----------------
@@ -59,12 +69,15 @@ the tables for its local queries against the gathered kv, so the table indices a
 blocks and blocks of the gathered kv. Every table is a global int32 array [B, cp * n_local]
 sharded (batch axes, context axes): the shard at context rank c holds its own [B_local, n_local]
 table (fwd and dq: n_local = local query blocks; dkv: n_local = kv blocks of the gathered kv).
-Such a mask is only meaningful to `flash_attention` with the same mesh, specs and flag.
+With the balanced order the mask also holds `kv_arrangement`, int32 [B, cp * Skv] sharded the same
+way: every context shard's copy of the permutation that puts its gathered key/value in document
+order. Such a mask is only meaningful to `flash_attention` with the same mesh, specs and order.
 
 Gradients
 ---------
 The kv-side gradients are summed over the context axis by the transpose of the all-gather
-(psum_scatter). Each shard's partial dk / dv comes out of the backend in the input dtype (the
+(psum_scatter); with the balanced order they first go back through the inverse of the kv
+arrangement (a gather, not a scatter-add). Each shard's partial dk / dv comes out of the backend in the input dtype (the
 kernels accumulate in float32); the sum over shards is done in float32 (`KV_GRAD_REDUCE_DTYPE`)
 and rounded to the input dtype once. Sinks are passed to the backend in float32, so their
 gradient, summed over the batch and context shards by shard_map, is reduced in float32 too.
@@ -88,8 +101,9 @@ from jax.sharding import PartitionSpec as P
 from kvax_plugin.attention import arguments
 from kvax_plugin.attention import block_mask as bm
 from kvax_plugin.attention import kernels
+from kvax_plugin.attention import token_order as orders
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
-from kvax_plugin.attention.params import PADDING_SEGMENT_ID
+from kvax_plugin.attention.params import DEFAULT_FWD_PARAMS
 
 # dtype of the cross-shard sum of the key / value gradients (the all-gather's transpose).
 KV_GRAD_REDUCE_DTYPE = jnp.float32
@@ -233,7 +247,7 @@ def _check_divisible(what: str, length: int, arg: str, size: int, axes: AxisName
 
 def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len: int,
                  heads: int | None = None, kv_heads: int | None = None,
-                 permuted: bool = False) -> None:
+                 token_order: str = "natural") -> None:
   """Divisibility of every sharded dimension by its axes' sizes."""
   dp = _axes_size(mesh, specs.batch_axes)
   cp = _axes_size(mesh, specs.context_axes)
@@ -243,11 +257,12 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
   # key/value travel context-sharded into the op (then all-gathered), so they divide too.
   _check_divisible("key/value sequence length", kv_len, "query_specs[1] (the all-gather of key/"
                    "value)", cp, specs.context_axes)
-  if permuted and cp > 1:
+  if token_order == "llama3" and cp > 1:
     for what, n in (("query sequence length", q_len), ("key/value sequence length", kv_len)):
       if n % (2 * cp):
         raise ValueError(f"{what} ({n}) must be divisible by 2 * cp = {2 * cp} when "
-                         "permute_tokens_for_load_balance=True (2*cp load-balancing chunks)")
+                         'token_order="llama3" (permute_tokens_for_load_balance=True: 2*cp '
+                         "load-balancing chunks)")
   if heads is not None:
     _check_divisible("query heads", heads, "query_specs[2]", tp, specs.head_axes)
   if kv_heads is not None and kv_heads % tp and tp % kv_heads:
@@ -264,7 +279,34 @@ def _replicated_kv_heads(mesh, specs: AttentionSpecs, kv_heads: int) -> bool:
   return kv_heads % _axes_size(mesh, specs.head_axes) != 0
 
 
-# ----------------------------------------------------------------------------- permutation
+# ----------------------------------------------------------------------------- token orders
+
+TOKEN_ORDERS = orders.ORDERS
+
+
+def resolve_token_order(token_order: str | None, permute_tokens_for_load_balance: bool | None,
+                        *, default: str = "llama3") -> str:
+  """The order the inputs arrive in, from `token_order` or the older boolean flag.
+
+  token_order: "natural", "llama3", "balanced" or None; permute_tokens_for_load_balance: True
+  ("llama3"), False ("natural") or None. Neither given: `default`. Both given and disagreeing:
+  an error naming both.
+  """
+  if token_order is None:
+    if permute_tokens_for_load_balance is None:
+      return default
+    return "llama3" if permute_tokens_for_load_balance else "natural"
+  if token_order not in TOKEN_ORDERS:
+    raise ValueError(f"token_order must be one of {TOKEN_ORDERS}, got {token_order!r}")
+  if (permute_tokens_for_load_balance is not None
+      and bool(permute_tokens_for_load_balance) != (token_order == "llama3")):
+    raise ValueError(
+        f"permute_tokens_for_load_balance={permute_tokens_for_load_balance} contradicts "
+        f"token_order={token_order!r}: pass token_order alone (the flag True means \"llama3\", "
+        "False means \"natural\")")
+  return token_order
+
+
 
 
 def _load_balance_order(cp: int) -> list[int]:
@@ -415,7 +457,7 @@ class ShardLayout:
   batch_axes: AxisNames
   context_axes: AxisNames
   context_size: int
-  kv_permuted: bool  # inputs arrive load-balance permuted; gathered kv is put back in order
+  token_order: str  # the order the inputs arrive in ("natural" whenever context_size == 1)
   local_spec: MaskSpec  # the per-shard problem: local batch and queries, gathered kv
   # The mesh and specs it was built for: flash_attention(mesh=None) runs on them, and an
   # explicit mesh must match (the mesh objects are hashable; a different one retraces).
@@ -431,18 +473,27 @@ class ShardedAttentionMask(AttentionMask):
   `spec` describes the global problem (global batch / lengths), so `mask.causal`,
   `mask.sliding_window` and `mask.spec.fwd_params` read as usual. Tables: int32
   [B, context_size * n_local] sharded (layout.batch_axes, layout.context_axes).
+  kv_arrangement (balanced order only, else None): int32 [B, context_size * Skv], sharded the
+  same way; each context shard's slice is the document-order permutation of its gathered kv.
   """
 
   layout: ShardLayout | None = None
+  kv_arrangement: jax.Array | None = None
 
   def tree_flatten(self):
-    return (self.fwd, self.dq, self.dkv, self.fingerprint), (self.spec, self.layout)
+    return ((self.fwd, self.dq, self.dkv, self.fingerprint, self.kv_arrangement),
+            (self.spec, self.layout))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     spec, layout = aux
-    fwd, dq, dkv, fingerprint = children
-    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout)
+    fwd, dq, dkv, fingerprint, kv_arrangement = children
+    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
+               kv_arrangement=kv_arrangement)
+
+  @property
+  def token_order(self) -> str:
+    return self.layout.token_order
 
   def local(self, fwd: BlockTable, dq: BlockTable | None,
             dkv: BlockTable | None) -> AttentionMask:
@@ -479,9 +530,38 @@ class _GatherF32Grad:
     return gather
 
 
-def _gather_kv(arrays, axes: AxisNames, cp: int, permuted: bool, *, float_grad: bool):
-  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...] (natural order if the
-  inputs arrive permuted, so the per-shard tables are contiguous ranges)."""
+def _take_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x[b, index[b, i], ...] for [B, S, ...] x and int32 [B, S] index."""
+  idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, idx, axis=1)
+
+
+@jax.custom_vjp
+def _arrange(x: jax.Array, index: jax.Array) -> jax.Array:
+  """Permute the token axis of x by `index` (a permutation per row); its transpose is the
+  gather by the inverse permutation, so the backward needs no scatter-add."""
+  return _take_tokens(x, index)
+
+
+def _arrange_fwd(x, index):
+  return _take_tokens(x, index), index
+
+
+def _arrange_bwd(index, ct):
+  rows = jnp.arange(index.shape[0])[:, None]
+  inverse = jnp.zeros_like(index).at[rows, index].set(
+      jnp.broadcast_to(jnp.arange(index.shape[1], dtype=index.dtype), index.shape))
+  return _take_tokens(ct, inverse), None
+
+
+_arrange.defvjp(_arrange_fwd, _arrange_bwd)
+
+
+def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad: bool,
+               arrangement: jax.Array | None = None):
+  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...], arranged so the
+  per-shard tables are contiguous ranges: natural order back from "llama3" (static chunks),
+  document order for "balanced" (`arrangement`, int32 [B_local, S])."""
   if cp == 1:
     return arrays
   axis_name = axes if len(axes) > 1 else axes[0]
@@ -490,8 +570,11 @@ def _gather_kv(arrays, axes: AxisNames, cp: int, permuted: bool, *, float_grad: 
     out = [gather(x) for x in arrays]
   else:
     out = [jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in arrays]
-  if permuted:
+  if token_order == "llama3":
     out = from_load_balanced_order(out, cp, axis=1)
+  elif token_order == "balanced":
+    out = [_arrange(x, arrangement) if float_grad else _take_tokens(x, arrangement)
+           for x in out]
   return out
 
 
@@ -537,31 +620,38 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                                   mesh,
                                   query_specs=None,
                                   kv_specs=None,
-                                  permute_tokens_for_load_balance: bool = True
+                                  token_order: str = "llama3"
                                   ) -> ShardedAttentionMask:
   """Per-shard block tables, built inside shard_map (see the module docstring).
 
   query_positions / query_segment_ids: int32 [B, Sq]; kv_positions / kv_segment_ids: int32
-  [B, Skv], in the order flash_attention will receive the tokens (permuted or not, as
-  permute_tokens_for_load_balance says). Specs: explicit or from `attention_specs`.
+  [B, Skv], in the order flash_attention will receive the tokens, which `token_order`
+  ("natural", "llama3" or "balanced"; see resolve_token_order) names. Specs: explicit or from
+  `attention_specs`.
   """
   specs = resolve_specs(query_specs, kv_specs)
   check_specs(specs, mesh)
   b, sq = query_positions.shape
   skv = kv_positions.shape[1]
   cp = _axes_size(mesh, specs.context_axes)
-  permuted = bool(permute_tokens_for_load_balance) and cp > 1
-  check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, permuted=permuted)
+  order = resolve_token_order(token_order, None) if cp > 1 else "natural"
+  check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, token_order=order)
   dp = _axes_size(mesh, specs.batch_axes)
   local_specs: list[MaskSpec] = []
 
   def per_shard(qp, qs, kp, ks):
-    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, permuted, float_grad=False)
+    gathered = "natural" if order == "balanced" else order
+    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, gathered, float_grad=False)
+    arrangement = None
+    if order == "balanced":
+      # Document order of the gathered kv: computed once here, carried in the mask.
+      arrangement = orders.document_order(kp, ks)
+      kp, ks = _take_tokens(kp, arrangement), _take_tokens(ks, arrangement)
     m = bm.create_attention_mask(qp, qs, kp, ks, fwd_params=fwd_params, bwd_params=bwd_params,
                                  calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=skip_pad_tokens,
                                  causal=causal, sliding_window=sliding_window)
     local_specs.append(m.spec)  # static: read back after tracing
-    return m.fwd, m.dq, m.dkv
+    return m.fwd, m.dq, m.dkv, arrangement
 
   tok = P(_entry(specs.batch_axes), _entry(specs.context_axes))
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
@@ -569,22 +659,23 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   # check_vma=False: the outputs are replicated over the unmentioned (head) axes by construction.
   # Under jit, inputs laid out otherwise (e.g. eager arrays on one device) are resharded to the
   # in_specs instead of being rejected by shard_map.
-  fwd, dq, dkv = _call_shard_map(per_shard, mesh, (tok, tok, tok, tok), tok, ints)
+  fwd, dq, dkv, arrangement = _call_shard_map(per_shard, mesh, (tok, tok, tok, tok), tok, ints)
   local = local_specs[-1]
   if local.batch * dp != b or local.q_len * cp != sq or local.kv_len != skv:
     raise AssertionError(f"internal: local mask spec {local} does not tile the global problem")
   spec = dataclasses.replace(local, batch=b, q_len=sq, kv_len=skv)
   layout = ShardLayout(mesh_axes=_mesh_axes(mesh), batch_axes=specs.batch_axes,
-                       context_axes=specs.context_axes, context_size=cp, kv_permuted=permuted,
+                       context_axes=specs.context_axes, context_size=cp, token_order=order,
                        local_spec=local, mesh=mesh, specs=specs)
   fingerprint = bm.mask_fingerprint(*ints)  # global, order-free: matches any call order
-  return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout)
+  return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
+                              kv_arrangement=arrangement)
 
 
 # ----------------------------------------------------------------------------- the sharded op
 
 
-def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, permuted: bool) -> None:
+def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, order: str) -> None:
   if not isinstance(mask, ShardedAttentionMask):
     raise TypeError(
         f"mask must come from create_attention_mask(..., mesh=mesh) with the same mesh and specs "
@@ -603,18 +694,18 @@ def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, permuted: boo
         f"mask was built for batch axes {lay.batch_axes} and context axes {lay.context_axes}, "
         f"flash_attention got query_specs with {specs.batch_axes} and {specs.context_axes}: "
         "build the mask under the same specs")
-  if lay.kv_permuted != permuted:
+  if lay.token_order != order:
     raise ValueError(
-        f"permute_tokens_for_load_balance={permuted} differs from the mask's "
-        f"({lay.kv_permuted}): pass the same value to create_attention_mask and flash_attention "
-        "(it says whether the inputs arrive in load-balanced order)")
+        f"token_order {order!r} differs from the mask's ({lay.token_order!r}): pass the same "
+        "token_order (or permute_tokens_for_load_balance) to create_attention_mask and "
+        "flash_attention (it says in which order the inputs arrive)")
 
 
 def flash_attention_sharded(query, key, value, query_positions, query_segment_ids, kv_positions,
                             kv_segment_ids, mask, *, scale: float,
                             logits_soft_cap: float | None, sinks: jax.Array | None,
                             memory_optimized_gqa_backward: bool,
-                            permute_tokens_for_load_balance: bool, backend: str, mesh,
+                            token_order: str, backend: str, mesh,
                             query_specs=None, kv_specs=None,
                             deterministic_backward: bool = True) -> jax.Array:
   """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
@@ -622,7 +713,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
   segment ids [B, Skv] enter sharded (kv batch, query context, kv heads) and are all-gathered
   over the context axes per shard; `mask` from create_attention_mask with the same mesh, specs
-  and permute flag. `backend` is already resolved (a name of kernels.KERNEL_BACKENDS).
+  and token order. `backend` is already resolved (a name of kernels.KERNEL_BACKENDS).
   Returns [B, Sq, H, Dv] sharded like the query.
   """
   specs = resolve_specs(query_specs, kv_specs)
@@ -630,10 +721,10 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   b, sq, h, _ = query.shape
   skv, kh = key.shape[1], key.shape[2]
   cp = _axes_size(mesh, specs.context_axes)
-  permuted = bool(permute_tokens_for_load_balance) and cp > 1
+  order = resolve_token_order(token_order, None) if cp > 1 else "natural"
   check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, heads=h, kv_heads=kh,
-               permuted=permuted)
-  _check_mask_layout(mask, specs, mesh, cp, permuted)
+               token_order=order)
+  _check_mask_layout(mask, specs, mesh, cp, order)
 
   backend_fn = kernels.backend_function(backend)
   extra = kernels.backend_options(backend,
@@ -642,10 +733,12 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   has_sinks = sinks is not None
   layout_mask = mask
 
-  def per_shard(q, k, v, qp, qs, kp, ks, tables, s):
+  def per_shard(q, k, v, qp, qs, kp, ks, tables, arrangement, s):
     k, v = pick_kv_head(k), pick_kv_head(v)
-    k, v = _gather_kv((k, v), specs.context_axes, cp, permuted, float_grad=True)
-    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, permuted, float_grad=False)
+    k, v = _gather_kv((k, v), specs.context_axes, cp, order, float_grad=True,
+                      arrangement=arrangement)
+    kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, order, float_grad=False,
+                        arrangement=arrangement)
     local_mask = layout_mask.local(*tables)
     return backend_fn(q, k, v, qp, qs, kp, ks, local_mask, scale=scale,
                       logits_soft_cap=logits_soft_cap, sinks=s if has_sinks else None, **extra)
@@ -672,49 +765,29 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                                         kv_segment_ids)]
   tables = (mask.fwd, mask.dq, mask.dkv)
   return _call_shard_map(per_shard, mesh,
-                         (x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, P(hd)), x_spec,
-                         (query, key, value, *ints, tables, s))
+                         (x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, tok, P(hd)), x_spec,
+                         (query, key, value, *ints, tables, mask.kv_arrangement, s))
 
 
 # ----------------------------------------------------------------------------- balance report
 
 
-def _kept_pairs_per_query(q_pos, q_seg, kv_pos, kv_seg, causal: bool,
-                          window: int | None) -> np.ndarray:
-  """Exact number of kv tokens each query token attends, int64 [Sq] (one batch row), in
-  O(S log S): per segment, count sorted kv positions in the allowed interval."""
-  q_pos, q_seg = np.asarray(q_pos, np.int64), np.asarray(q_seg)
-  kv_pos, kv_seg = np.asarray(kv_pos, np.int64), np.asarray(kv_seg)
-  out = np.zeros(q_pos.shape, np.int64)
-  for seg in np.unique(q_seg):
-    if seg == PADDING_SEGMENT_ID:
-      continue
-    sel = q_seg == seg
-    p = np.sort(kv_pos[kv_seg == seg])
-    qp = q_pos[sel]
-    if causal:
-      hi = np.searchsorted(p, qp, side="right")  # kv_pos <= q_pos
-      lo = (np.searchsorted(p, qp - window, side="right") if window is not None
-            else np.zeros_like(hi))  # q_pos - kv_pos < w  <=>  kv_pos > q_pos - w
-    elif window is not None:
-      hi = np.searchsorted(p, qp + window, side="left")  # kv_pos < q_pos + w
-      lo = np.searchsorted(p, qp - window, side="right")
-    else:
-      hi, lo = np.full(qp.shape, p.size), np.zeros(qp.shape, np.int64)
-    out[sel] = hi - lo
-  return out
+def context_parallel_balance(positions, segment_ids, cp: int, *, order: str | None = None,
+                             permute: bool | None = None, causal: bool = True,
+                             sliding_window: int | None = None, fwd_params=None,
+                             block: int | None = None) -> dict[str, Any]:
+  """Per-rank work of self-attention under context parallelism `cp` in a token order.
 
-
-def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
-                             causal: bool = True, sliding_window: int | None = None,
-                             fwd_params=None) -> dict[str, Any]:
-  """Per-device work of self-attention under context parallelism `cp`.
-
-  positions, segment_ids: int [B, S] in natural order (S divisible by 2*cp when permute).
-  Device d holds query tokens [d*S/cp, (d+1)*S/cp) of the (permuted if `permute`) sequence and
-  all kv tokens. Returns a dict with, per device: `kept_pairs` (exact (q, kv) pairs the mask
-  keeps), `visited_blocks` / `full_blocks` (forward blocks the per-shard tables make the kernel
-  visit, as the sharded op would build them) and the max / min ratios of both.
+  positions, segment_ids: int [B, S] in natural order. order: "natural", "llama3" or
+  "balanced" (computed here by token_order.balanced_order with unit `block`, default the
+  forward query block size), or a token_order.TokenOrder; `permute=True / False` is the older
+  spelling of "llama3" / "natural"; neither given: "balanced". Rank r holds query tokens
+  [r*S/cp, (r+1)*S/cp) of the permuted row and attends all kv tokens, arranged as the sharded
+  op arranges them (natural order; document order for "balanced").
+  Returns a dict: `order`, `permuted` (order == "llama3"), and per rank, summed over the batch,
+  `kept_pairs` (exact (q, kv) pairs the mask keeps), `visited_blocks` / `full_blocks` (forward
+  blocks the per-rank tables make the kernel visit, built as the sharded op builds them), and
+  `kept_max_over_min` / `visited_max_over_min`.
   """
   cp = arguments.as_int("cp", cp, minimum=1)
   positions = np.asarray(positions)
@@ -723,30 +796,52 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, permute: bool,
     raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} must both "
                      "be [batch, seq_len] arrays of one shape")
   b, s = positions.shape
-  if s % (2 * cp if permute else cp):
-    raise ValueError(f"sequence length {s} must be divisible by {2 * cp if permute else cp}")
-  qpos, qseg = ((to_load_balanced_order((positions, segment_ids), cp))
-                if permute else (positions, segment_ids))
+  if s % cp:
+    raise ValueError(f"the sequence length ({s}) must be divisible by cp ({cp})")
+  fwd_params = fwd_params or DEFAULT_FWD_PARAMS
+  if isinstance(order, orders.TokenOrder):
+    if permute is not None:
+      raise ValueError("pass either order= or permute=, not both")
+    name, tok = "custom", order
+  else:
+    name = resolve_token_order(order, permute, default="balanced")
+    tok = orders.token_order(positions, segment_ids, cp, order=name,
+                             block=block or fwd_params.query_block_size,
+                             kv_block=fwd_params.kv_block_size, causal=causal,
+                             sliding_window=sliding_window)
+  perm = np.asarray(tok.order)
+  if perm.shape != (b, s):
+    raise ValueError(f"the order has shape {perm.shape}, the batch {(b, s)}")
+  if name == "balanced":
+    kv = np.asarray(orders.document_order(positions, segment_ids))
+    kv_pos = np.take_along_axis(positions, kv, axis=1)
+    kv_seg = np.take_along_axis(segment_ids, kv, axis=1)
+  else:
+    kv_pos, kv_seg = positions, segment_ids
   n = s // cp
-  kept, visited, full = [], [], []
-  for d in range(cp):
-    sl = slice(d * n, (d + 1) * n)
-    kept.append(int(sum(_kept_pairs_per_query(qpos[i, sl], qseg[i, sl], positions[i],
-                                              segment_ids[i], causal, sliding_window).sum()
-                        for i in range(b))))
-    # The sharded op gathers kv and restores natural order when permuted: kv = natural arrays.
-    m = bm.create_attention_mask(jnp.asarray(qpos[:, sl]), jnp.asarray(qseg[:, sl]),
-                                 jnp.asarray(positions), jnp.asarray(segment_ids),
-                                 fwd_params=fwd_params, causal=causal,
-                                 sliding_window=sliding_window)
-    visited.append(int(jnp.sum(m.fwd.upper - m.fwd.lower)))
-    full.append(int(jnp.sum(m.fwd.full_upper - m.fwd.full_lower)))
+  counts = np.asarray(orders.kept_pairs_per_token(positions, segment_ids, causal=causal,
+                                                  sliding_window=sliding_window), np.int64)
+  counts = np.take_along_axis(counts, perm, axis=1)
+  kept = [int(counts[:, r * n:(r + 1) * n].sum()) for r in range(cp)]
+  # Every rank's queries against the arranged kv, ranks stacked on the batch axis: one table
+  # build for all ranks (row r * B + i = rank r, batch row i).
+  qpos = np.take_along_axis(positions, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
+  qseg = np.take_along_axis(segment_ids, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
+  tile = lambda x: np.broadcast_to(x, (cp, b, s)).reshape(cp * b, s)
+  m = bm.create_attention_mask(jnp.asarray(qpos.reshape(cp * b, n)),
+                               jnp.asarray(qseg.reshape(cp * b, n)),
+                               jnp.asarray(tile(kv_pos)), jnp.asarray(tile(kv_seg)),
+                               fwd_params=fwd_params, causal=causal,
+                               sliding_window=sliding_window)
+  fwd = [np.asarray(x).reshape(cp, -1) for x in m.fwd]
+  visited = [int(v) for v in (fwd[1] - fwd[0]).sum(axis=1)]
+  full = [int(v) for v in (fwd[3] - fwd[2]).sum(axis=1)]
 
   def ratio(xs):
     return float(max(xs) / min(xs)) if min(xs) > 0 else float("inf")
 
-  return {"cp": cp, "permuted": permute, "kept_pairs": kept, "visited_blocks": visited,
-          "full_blocks": full, "kept_max_over_min": ratio(kept),
+  return {"cp": cp, "order": name, "permuted": name == "llama3", "kept_pairs": kept,
+          "visited_blocks": visited, "full_blocks": full, "kept_max_over_min": ratio(kept),
           "visited_max_over_min": ratio(visited)}
 
 
@@ -755,4 +850,5 @@ __all__ = ["attention_specs", "current_attention_specs", "resolve_specs", "Atten
            "from_load_balanced_order", "permute_tokens_context_parallelism",
            "unpermute_tokens_context_parallelism", "ambient_mesh", "context_size",
            "context_parallel_balance",
-           "create_attention_mask_sharded", "flash_attention_sharded", "KV_GRAD_REDUCE_DTYPE"]
+           "create_attention_mask_sharded", "flash_attention_sharded", "KV_GRAD_REDUCE_DTYPE",
+           "TOKEN_ORDERS", "resolve_token_order"]

@@ -32,9 +32,8 @@ class KvaxOptions:
     (False: in place when the grid is large enough, see flash_attention).
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
-  permute_tokens_for_load_balance: with a context-parallel mesh, whether tokens already
-    arrive in the load-balanced order (True when the input pipeline permuted them); the op
-    never permutes them itself.
+  token_order: with a context-parallel mesh, the order the tokens arrive in: "natural",
+    "llama3" or "balanced" (what the input pipeline did; the op never permutes them itself).
   query_specs / kv_specs: BSHD specs over `mesh` (mesh axis names per dimension); None lets
     the op use its attention_specs context or defaults.
   """
@@ -45,7 +44,7 @@ class KvaxOptions:
   memory_optimized_gqa_backward: bool = False
   skip_pad_tokens: bool = True
   mesh: Any = None
-  permute_tokens_for_load_balance: bool = False
+  token_order: str = "natural"
   query_specs: tuple | None = None
   kv_specs: tuple | None = None
 
@@ -59,12 +58,12 @@ def _check_tokens(name: str, x) -> jax.Array:
 
 
 def _mesh_kwargs(options: KvaxOptions) -> dict:
-  # Only a sharded call takes specs and the permutation flag; unsharded calls leave the
-  # library defaults alone.
+  # Only a sharded call takes specs and the token order; unsharded calls leave the library
+  # defaults alone.
   if options.mesh is None:
     return {}
   return dict(mesh=options.mesh, query_specs=options.query_specs, kv_specs=options.kv_specs,
-              permute_tokens_for_load_balance=options.permute_tokens_for_load_balance)
+              token_order=options.token_order)
 
 
 def prepare(query_positions: jax.Array,

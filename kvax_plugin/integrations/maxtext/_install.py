@@ -1,8 +1,10 @@
 """install() / uninstall(): route MaxText's attention="kvax" to the seam, reversibly.
 
-Three attributes are replaced, each remembered with its original:
+These attributes are replaced, each remembered with its original:
   AttentionOp.apply_attention   -> kvax when self.attention_kernel == "kvax", else the original
   NNXDecoder.__call__           -> builds the mask once per call (seam.decoder_entry)
+  train_utils.setup_train_loop  -> with attention=kvax, the batch reorder follows
+                                   kvax_context_parallel_order (batch_order.setup_train_loop_entry)
   pyconfig.initialize[_pydantic] -> default config_class = MaxTextConfig + kvax_* keys
 A MaxText already patched with patches/maxtext/<version>/ routes kvax itself; install() then
 only adds the config class, so nothing is wrapped twice.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from kvax_plugin.integrations.maxtext import seam, settings, versions
+from kvax_plugin.integrations.maxtext import batch_order, seam, settings, versions
 
 _LOCK = threading.Lock()
 _ORIGINALS: dict[tuple[object, str], object] = {}
@@ -23,6 +25,11 @@ def _targets():
   from maxtext.configs import pyconfig
   from maxtext.layers import attention_op, nnx_decoders
   return attention_op, nnx_decoders, pyconfig
+
+
+def _train_targets():
+  from maxtext.utils import maxtext_utils, train_utils
+  return maxtext_utils, train_utils
 
 
 def is_patched() -> bool:
@@ -76,12 +83,15 @@ def install(*, allow_unsupported_version: bool = False) -> None:
       return
     versions.check_version(allow_unsupported_version)
     attention_op, nnx_decoders, pyconfig = _targets()
+    maxtext_utils, train_utils = _train_targets()
     checks = {
         "AttentionOp.apply_attention": attention_op.AttentionOp.apply_attention,
         "AttentionOp.apply_attention_dot": attention_op.AttentionOp.apply_attention_dot,
         "NNXDecoder.__call__": nnx_decoders.NNXDecoder.__call__,
         "pyconfig.initialize": pyconfig.initialize,
         "pyconfig.initialize_pydantic": pyconfig.initialize_pydantic,
+        "train_utils.setup_train_loop": train_utils.setup_train_loop,
+        "maxtext_utils.get_reorder_callable": maxtext_utils.get_reorder_callable,
     }
     for label, fn in checks.items():
       versions.check_signature(label, fn)
@@ -91,6 +101,8 @@ def install(*, allow_unsupported_version: bool = False) -> None:
                _routed_apply_attention(attention_op.AttentionOp.apply_attention))
       _replace(nnx_decoders.NNXDecoder, "__call__",
                seam.decoder_entry(nnx_decoders.NNXDecoder.__call__))
+      _replace(train_utils, "setup_train_loop",
+               batch_order.setup_train_loop_entry(train_utils.setup_train_loop))
     _replace(pyconfig, "initialize", _with_kvax_config_class(pyconfig.initialize))
     _replace(pyconfig, "initialize_pydantic",
              _with_kvax_config_class(pyconfig.initialize_pydantic))

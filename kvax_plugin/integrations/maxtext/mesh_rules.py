@@ -5,20 +5,20 @@ MaxText has active there (its training rules in train_step, its eval rules in ev
 the logical names MaxText's Attention module gives query/key/value in training, so kvax shards
 like MaxText's own kernels. Key/value sequence maps to no axis (all-gather context parallelism).
 
-Context parallelism: MaxText's input pipeline already permutes tokens into the load-balanced
-order when context_parallel_load_balance is on (max_utils.reordered_cp_size > 1). We never
-permute again: we only tell the op whether the tokens arrive permuted.
+Context parallelism: MaxText's input pipeline permutes the tokens when
+context_parallel_load_balance is on (max_utils.reordered_cp_size > 1), in the order the
+kvax_context_parallel_order key chooses (batch_order.py). We never permute again: we only tell
+the op which order the tokens arrive in.
 """
 
 from __future__ import annotations
 
+from kvax_plugin.integrations.maxtext import batch_order
 
-def permuted_for_load_balance(config, mesh) -> bool:
-  """Whether MaxText's input pipeline delivered the batch in load-balanced order."""
-  if mesh is None:
-    return False
-  from maxtext.utils import max_utils
-  return max_utils.reordered_cp_size(config, mesh) > 1
+
+def token_order(config, mesh) -> str:
+  """The order MaxText's input pipeline delivered the batch in ("natural", "llama3", "balanced")."""
+  return batch_order.order_for_mesh(config, mesh)
 
 
 def _entry(axes):
@@ -42,10 +42,9 @@ def resolve_specs(mesh) -> tuple[tuple, tuple]:
 
 
 def mesh_and_specs(config, mesh) -> dict:
-  """KvaxOptions fields for this mesh: unsharded on one device, else mesh + specs + flag."""
-  permuted = permuted_for_load_balance(config, mesh)
+  """KvaxOptions fields for this mesh: unsharded on one device, else mesh + specs + order."""
+  order = token_order(config, mesh)
   if mesh is None or mesh.size <= 1:
-    return dict(mesh=None, permute_tokens_for_load_balance=permuted)
+    return dict(mesh=None, token_order=order)
   query_specs, kv_specs = resolve_specs(mesh)
-  return dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-              permute_tokens_for_load_balance=permuted)
+  return dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs, token_order=order)

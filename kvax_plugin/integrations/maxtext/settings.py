@@ -28,6 +28,11 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
                                            "kvax (Triton): always accumulate dk/dv over a GQA group "
                                            "in place (False: in place when the grid is large)"),
     "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of padding tokens"),
+    "kvax_context_parallel_order": (str, "auto",
+                                    'kvax: token order under load-balanced context parallelism: '
+                                    '"auto" (balanced when MaxText reorders batches), "natural", '
+                                    '"llama3" (MaxText\'s dual chunk swap) or "balanced" '
+                                    '(per batch, document-aware)'),
 }
 
 
@@ -42,7 +47,7 @@ def config_value(config, name: str):
 
 
 def options_from_config(config, **mesh_fields) -> KvaxOptions:
-  """The kvax provider's options from a MaxText config (plus mesh / specs / permutation flag).
+  """The kvax provider's options from a MaxText config (plus mesh / specs / token order).
 
   Errors name the config key at fault.
   """

@@ -25,6 +25,9 @@ EXPECTED_SIGNATURES = {
         "decoder_segment_ids", "deterministic", "model_mode", "previous_chunk"),
     "pyconfig.initialize": ("argv", "config_class"),
     "pyconfig.initialize_pydantic": ("argv", "config_class"),
+    "train_utils.setup_train_loop": ("config", "recorder"),
+    "maxtext_utils.get_reorder_callable": ("cp_size", "shard_mode", "reorder_strategy",
+                                           "hardware"),
 }
 
 

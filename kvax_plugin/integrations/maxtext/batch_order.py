@@ -1,0 +1,206 @@
+"""The context-parallel token order of MaxText batches with attention=kvax.
+
+MaxText permutes every training (and eval) batch in its input pipeline when context parallelism
+is load-balanced (context_parallel_load_balance and a context axis of size cp > 1:
+max_utils.reordered_cp_size): setup_train_loop wraps the data iterators with the callable
+maxtext_utils.get_reorder_callable returns (the Llama 3 "dual chunk swap": rank r holds chunks
+r and 2*cp-1-r). With attention=kvax, the MaxText key `kvax_context_parallel_order` chooses
+what that callable does instead:
+
+    "auto"      "balanced" when MaxText reorders batches, else "natural" (the default)
+    "balanced"  per batch row, the document-aware order of kvax_plugin.attention.token_order,
+                from the row's positions and segment ids (balanced_order; unit = the larger
+                kvax query block size, balanced for the global causal mask)
+    "llama3"    MaxText's own reorder, unchanged
+    "natural"   no reorder at all
+
+The order is applied to the keys MaxText reorders (inputs, targets, their positions and
+segmentations, corruption_mask, targets_loss_mask) and the kvax op is told which order arrives
+(mesh_rules.mesh_and_specs -> KvaxOptions.token_order). Nothing in MaxText's training step has
+to be undone: the loss is a per-token sum over tokens and targets permuted alike, RoPE reads the
+positions, and the layers routed back to MaxText's dot_product build their causal masks from
+positions whenever MaxText reorders. Where natural order is needed (e.g. to read per-token
+outputs of a reordered batch), `to_natural_order` restores it from the permuted batch's own
+positions and segment ids (document order, which is the natural order of MaxText's packing).
+
+Wiring: install() wraps train_utils.setup_train_loop so that, during it, get_reorder_callable
+answers through `reorder_callable` (patches/maxtext/<version>/0004 does the same in the source).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvax_plugin import PADDING_SEGMENT_ID
+from kvax_plugin.attention import token_order as orders
+from kvax_plugin.integrations.maxtext import settings
+
+ORDER_KEY = "kvax_context_parallel_order"
+CHOICES = ("auto",) + orders.ORDERS
+# What MaxText's own reorder permutes (max_utils.reorder_causal_load_balanced).
+REORDER_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "inputs_segmentation",
+                "targets_segmentation", "corruption_mask", "targets_loss_mask")
+MAXTEXT_PADDING_SEGMENT_ID = 0
+
+
+def _uses_kvax(config) -> bool:
+  return getattr(config, "attention", None) == "kvax"
+
+
+def configured_order(config) -> str:
+  """The key's value, checked (an error names the key and its choices)."""
+  value = settings.config_value(config, ORDER_KEY)
+  if value not in CHOICES:
+    raise ValueError(f"MaxText config {ORDER_KEY}={value!r}: must be one of {CHOICES}")
+  return value
+
+
+def order_for(config, reorder_cp_size: int, context_size: int = 1) -> str:
+  """The order batches arrive in, given the cp MaxText reorders for (1: it does not) and the
+  size of the context axis.
+
+  "llama3" and "balanced" need MaxText to reorder (context_parallel_load_balance=true); asking
+  for them on a context-parallel mesh without it is an error naming both keys.
+  """
+  value = configured_order(config)
+  if reorder_cp_size > 1:
+    return "balanced" if value == "auto" else value
+  if value in ("llama3", "balanced") and context_size > 1:
+    raise ValueError(
+        f"MaxText config {ORDER_KEY}={value!r} needs context_parallel_load_balance=true: "
+        "MaxText reorders batches (and so applies a token order) only then")
+  return "natural"
+
+
+def order_for_mesh(config, mesh) -> str:
+  """order_for with the cp MaxText's input pipeline reorders for on `mesh`."""
+  if mesh is None:
+    return "natural"
+  from maxtext.utils import max_utils
+  context_size = mesh.shape.get(getattr(config, "context_sharding", "context"), 1)
+  return order_for(config, max_utils.reordered_cp_size(config, mesh), context_size)
+
+
+def unit_blocks(config) -> tuple[int, int]:
+  """(unit, kv_block) of the balanced order: the larger kvax query block size (so every query
+  block of the forward and backward passes lies inside one unit), and the forward kv block."""
+  options = settings.options_from_config(config)
+  unit = max(options.fwd_params.query_block_size, options.bwd_params.query_block_size)
+  return unit, options.fwd_params.kv_block_size
+
+
+def _kvax_segments(batch) -> tuple[jax.Array, jax.Array]:
+  """(positions, segment ids) int32 [B, S] in kvax convention from a MaxText batch."""
+  pos = batch["inputs_position"]
+  if pos.ndim == 3:  # M-RoPE positions [B, S, 3]: the first (temporal) component orders tokens
+    pos = pos[..., 0]
+  seg = batch.get("inputs_segmentation")
+  if seg is None:
+    seg = jnp.zeros(pos.shape, jnp.int32)
+  seg = jnp.where(seg == MAXTEXT_PADDING_SEGMENT_ID, PADDING_SEGMENT_ID, seg.astype(jnp.int32))
+  return pos.astype(jnp.int32), seg
+
+
+def balanced_reorder(config, cp_size: int):
+  """batch dict -> the batch in the balanced order (a jitted function of the batch)."""
+  unit, kv_block = unit_blocks(config)
+  seq_len = int(getattr(config, "max_target_length"))
+  if seq_len % (cp_size * unit):
+    raise ValueError(
+        f"{ORDER_KEY}=\"balanced\" moves whole blocks of {unit} tokens (the larger of "
+        f"kvax_fwd_query_block_size / kvax_bwd_query_block_size) and gives each of the {cp_size} "
+        f"context ranks the same number: max_target_length ({seq_len}) must be a multiple of "
+        f"{cp_size * unit}; change max_target_length or the kvax block sizes, or choose "
+        f'{ORDER_KEY}="llama3"')
+
+  @jax.jit
+  def reorder(batch):
+    pos, seg = _kvax_segments(batch)
+    tok = orders.balanced_order(pos, seg, cp_size, block=unit, kv_block=kv_block)
+    return {k: (orders.apply_token_order(v, tok) if k in REORDER_KEYS and v is not None
+                and getattr(v, "ndim", 0) >= 2 else v) for k, v in batch.items()}
+
+  return reorder
+
+
+def reorder_callable(config, cp_size: int, upstream):
+  """What MaxText's setup_train_loop should wrap its data iterators with.
+
+  upstream: the callable maxtext_utils.get_reorder_callable made (MaxText's own reorder).
+  Returns upstream unless attention=kvax chose another order.
+  """
+  if not _uses_kvax(config):
+    return upstream
+  order = order_for(config, cp_size)
+  if order == "llama3":
+    return upstream
+  if order == "natural":
+    return lambda batch: batch
+  reorder = balanced_reorder(config, cp_size)
+  shard_mode = getattr(config, "shard_mode", None)
+
+  def apply(batch):
+    out = reorder(batch)
+    # As MaxText's shard_reorder_causal_load_balanced: keep the batch's sharding.
+    for v in batch.values():
+      if isinstance(v, jax.Array):
+        from maxtext.utils import sharding
+        return sharding.maybe_shard_with_name(out, v.sharding, shard_mode)
+    return out
+
+  return apply
+
+
+@contextlib.contextmanager
+def reorder_hook(config):
+  """Within the block, maxtext_utils.get_reorder_callable answers through reorder_callable."""
+  from maxtext.utils import maxtext_utils
+  original = maxtext_utils.get_reorder_callable
+
+  @functools.wraps(original)
+  def get_reorder_callable(cp_size, *args, **kwargs):
+    return reorder_callable(config, cp_size, original(cp_size, *args, **kwargs))
+
+  maxtext_utils.get_reorder_callable = get_reorder_callable
+  try:
+    yield
+  finally:
+    maxtext_utils.get_reorder_callable = original
+
+
+def setup_train_loop_entry(setup):
+  """Wrap train_utils.setup_train_loop(config, ...) with reorder_hook(config)."""
+  if getattr(setup, "__kvax_original__", None) is not None:
+    return setup
+
+  @functools.wraps(setup)
+  def wrapper(config, *args, **kwargs):
+    if not _uses_kvax(config):
+      return setup(config, *args, **kwargs)
+    with reorder_hook(config):
+      return setup(config, *args, **kwargs)
+
+  wrapper.__kvax_original__ = setup
+  return wrapper
+
+
+def to_natural_order(tree, batch):
+  """Arrays [B, S, ...] of a reordered batch (and the batch's own keys) back in natural order.
+
+  The permutation is recovered from the reordered batch's positions and segmentation
+  (token_order.document_order), which restores MaxText's packing order: contiguous documents,
+  segment ids increasing along the row, padding at the end. tree: an array or a dict / tuple /
+  list of them with batch and sequence as axes 0 and 1.
+  """
+  pos, seg = _kvax_segments(batch)
+  doc = orders.document_order(pos, seg)
+  return orders.apply_token_order(tree, orders.TokenOrder(doc, jnp.argsort(doc, axis=1)))
+
+
+__all__ = ["ORDER_KEY", "CHOICES", "configured_order", "order_for", "order_for_mesh",
+           "unit_blocks", "balanced_reorder", "reorder_callable", "reorder_hook",
+           "setup_train_loop_entry", "to_natural_order"]
