@@ -1,25 +1,30 @@
-"""Context parallelism on N devices against one device: agreement and speed-up.
+"""Context parallelism on N devices against one device, per token order: agreement and speed-up.
 
 On the 2-GPU machine (backend "auto" resolves to Triton there), from the repository root:
 
     python benchmarks/bench_context_parallel.py --out_dir $OUT/cp
 
-On CPU with small sizes (simulated devices; the jax backend):
+The same program on CPU with tiny sizes (2 simulated devices, the jax backend, float32), so the
+GPU run is never its first run:
 
-    .venv/bin/python benchmarks/bench_context_parallel.py --cpu_devices 2 --seq_len 2048 \
-        --heads 4 --kv_heads 2 --head_dim 64 --num_pad 100 --iters 3 --out_dir /tmp/cp
+    .venv/bin/python benchmarks/bench_context_parallel.py --smoke --out_dir /tmp/cp
 
-Defaults: 128k tokens (B=1) packed with 12 random-length documents and 1000 padding tokens,
-32 query heads, 8 kv heads, head dim 128, bfloat16, causal; cp = every visible device.
-The single-device run uses device 0 and inputs in natural order; the cp runs use a mesh
-("context",) over the first cp devices, once with inputs in the load-balanced order
-(to_load_balanced_order) and once in natural order (--orders picks). Masks are built once
-outside the timed region (as a training step builds one per step for every layer); their build
-time is reported apart. Timings: median of --iters runs after --warmup, each waited to completion.
-Agreement: cp results are un-permuted and compared with the single-device ones (output and
-dq, dk, dv): max |diff| and relative L2 error; `agree` is rel_l2 <= --tol (default 2e-2 for
-16-bit inputs, 1e-5 for float32: dk / dv sums are rounded differently across shards).
-Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json and prints a summary.
+Defaults: 128k tokens (B=1), 32 query heads, 8 kv heads, head dim 128, bfloat16, causal, the
+library's default blocks (128), cp = every visible device. Two layouts: `one_doc` (one causal
+document filling the row) and `packed` (12 random-length documents + 1000 padding tokens). For
+each layout: one device in natural order, then the cp mesh ("context",) once per token order
+(--orders: natural, llama3, balanced; see kvax_plugin.attention.token_order), all in the same
+run. Inputs are permuted on the host into the order, the mask is built once outside the timed
+region (a training step builds one per step for every layer) and its build time is reported
+apart; so is the time to compute the balanced order on the device. Timings: median of --iters
+runs after --warmup, each waited to completion; forward and forward+backward (sum of output x
+random cotangent, gradients of q, k, v). Compiled functions are shared by both layouts.
+Agreement: cp results are put back in natural order and compared with the one-device ones
+(output, dq, dk, dv): relative L2 error, `agree` when <= --tol (default 2e-2 for 16-bit inputs,
+1e-5 for float32). Per order also the balance report (context_parallel_balance: max / min over
+ranks of kept pairs and visited blocks). Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
+and prints a summary. Target (issue 16): fwd+bwd speed-up >= 1.9x on 2 GPUs at 128k for both
+layouts in the balanced order.
 """
 
 from __future__ import annotations
@@ -36,29 +41,48 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: kvax_plugin without install
 sys.path.insert(0, _HERE)
 
+ORDERS = ("natural", "llama3", "balanced")
+LAYOUTS = ("one_doc", "packed")
+SMOKE = dict(cpu_devices=2, seq_len=1024, num_docs=6, num_pad=50, heads=4, kv_heads=2,
+             head_dim=32, dtype="float32", backend="jax", iters=2, warmup=1)
+
 
 def _parse(argv):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out_dir", required=True, help="directory for the JSON result")
+  ap.add_argument("--smoke", action="store_true",
+                  help="tiny CPU run (2 simulated devices, jax backend, float32): " +
+                  " ".join(f"{k}={v}" for k, v in SMOKE.items()))
   ap.add_argument("--cp", type=int, default=None, help="context parallelism (default: all devices)")
   ap.add_argument("--seq_len", type=int, default=131072)
-  ap.add_argument("--num_docs", type=int, default=12)
-  ap.add_argument("--num_pad", type=int, default=1000)
+  ap.add_argument("--layouts", default=",".join(LAYOUTS), help="one_doc and/or packed")
+  ap.add_argument("--num_docs", type=int, default=12, help="documents of the packed layout")
+  ap.add_argument("--num_pad", type=int, default=1000, help="padding tokens of the packed layout")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--heads", type=int, default=32)
   ap.add_argument("--kv_heads", type=int, default=8)
   ap.add_argument("--head_dim", type=int, default=128)
   ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-  ap.add_argument("--backend", default="auto", choices=("auto", "jax", "triton", "reference"))
-  ap.add_argument("--orders", default="permuted,natural",
-                  help="token orders of the cp runs: permuted (load-balanced) and/or natural")
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--backend", default="auto",
+                  help="flash_attention backend (auto, jax, triton, mosaic, reference)")
+  ap.add_argument("--orders", default=",".join(ORDERS), help="token orders of the cp runs")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--tol", type=float, default=None, help="rel L2 bound for `agree`")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--cpu_devices", type=int, default=None,
                   help="run on CPU with this many simulated devices (sets XLA_FLAGS)")
-  return ap.parse_args(argv)
+  args = ap.parse_args(argv)
+  if args.smoke:
+    for k, v in SMOKE.items():
+      setattr(args, k, v)
+  for name, allowed in (("layouts", LAYOUTS), ("orders", ORDERS)):
+    values = getattr(args, name).split(",")
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+      ap.error(f"--{name}: {bad or values} not among {allowed}")
+    setattr(args, name, values)
+  return args
 
 
 def _median_ms(fn, args, iters: int, warmup: int):
@@ -87,24 +111,33 @@ def main(argv=None) -> dict:
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from cp_layouts import random_documents
+  from cp_layouts import one_document, random_documents
+  from kvax_plugin.attention import token_order as orders
   from kvax_plugin.attention.api import create_attention_mask, flash_attention, resolve_backend
-  from kvax_plugin.attention.context_parallel import (context_parallel_balance,
-                                              to_load_balanced_order,
-                                              from_load_balanced_order)
+  from kvax_plugin.attention.context_parallel import context_parallel_balance
+  from kvax_plugin.attention.params import DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS
 
   devices = jax.devices()
   cp = args.cp or len(devices)
-  if cp > len(devices):
-    raise SystemExit(f"--cp {cp} needs {cp} devices, {len(devices)} visible: {devices}")
+  if cp < 2 or cp > len(devices):
+    raise SystemExit(f"--cp {cp}: needs 2 <= cp <= the {len(devices)} visible devices {devices}")
   backend = resolve_backend(args.backend)
   dtype = jnp.dtype(args.dtype)
   tol = args.tol if args.tol is not None else (1e-5 if dtype == jnp.float32 else 2e-2)
   b, s, h, kh, d = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
   scale = d ** -0.5
+  # The balanced order moves whole query blocks of the tables the op builds (default blocks).
+  unit = max(DEFAULT_FWD_PARAMS.query_block_size, DEFAULT_BWD_PARAMS.query_block_size)
+  if "balanced" in args.orders and s % (cp * unit):
+    raise SystemExit(f"--seq_len {s} must be a multiple of cp * {unit} = {cp * unit} for the "
+                     "balanced order")
 
   # ---- inputs (natural order, host), generated once
-  pos, seg = random_documents(s, args.num_docs, args.num_pad, batch=b, seed=args.seed)
+  layouts = {}
+  if "one_doc" in args.layouts:
+    layouts["one_doc"] = one_document(s, batch=b)
+  if "packed" in args.layouts:
+    layouts["packed"] = random_documents(s, args.num_docs, args.num_pad, batch=b, seed=args.seed)
   rng = np.random.default_rng(args.seed)
   host = {
       "q": rng.standard_normal((b, s, h, d), np.float32),
@@ -114,9 +147,20 @@ def main(argv=None) -> dict:
   }
   host = {n: x.astype(dtype) for n, x in host.items()}
 
-  def make_fns(mesh, specs, perm):
-    kw = dict(mesh=mesh, query_specs=specs[0], kv_specs=specs[1],
-              permute_tokens_for_load_balance=perm) if mesh is not None else {}
+  mesh = Mesh(np.array(devices[:cp]), ("context",))
+  specs = ((None, "context", None, None), (None, None, None, None))
+  dev0 = devices[0]
+
+  def put_one(x):
+    return jax.device_put(x, dev0)
+
+  def put_cp(x):  # batch replicated, sequence over "context", the rest whole
+    return jax.device_put(x, NamedSharding(mesh, P(None, "context", *([None] * (x.ndim - 2)))))
+
+  def make_fns(order):
+    """Jitted (mask, fwd, fwd+bwd) on one device (order None) or the cp mesh in `order`."""
+    kw = {} if order is None else dict(mesh=mesh, query_specs=specs[0], kv_specs=specs[1],
+                                       token_order=order)
 
     @jax.jit
     def build_mask(pos, seg):
@@ -126,8 +170,6 @@ def main(argv=None) -> dict:
       return flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=scale, backend=backend,
                              **kw)
 
-    fwd = jax.jit(attend)
-
     @jax.jit
     def fwd_bwd(q, k, v, w, pos, seg, mask):
       def loss(q, k, v):
@@ -136,16 +178,20 @@ def main(argv=None) -> dict:
       (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
       return out, grads
 
-    return build_mask, fwd, fwd_bwd
+    return build_mask, jax.jit(attend), fwd_bwd
 
-  def run(mesh, specs, perm, put):
-    names = ("q", "k", "v", "w")
-    arrs = [host[n] for n in names] + [pos, seg]
-    if perm:
-      arrs = to_load_balanced_order(tuple(arrs), cp)
+  # Permutations run on device 0 (gathers of ~1 GB arrays are slow on the host).
+  permute = jax.jit(lambda xs, tok: orders.apply_token_order(xs, tok))
+  unpermute = jax.jit(lambda x, tok: orders.undo_token_order(x, tok))
+
+  def run(fns, tok, put, pos, seg):
+    arrs = tuple(put_one(x) for x in [host[n] for n in ("q", "k", "v", "w")] + [pos, seg])
+    if tok is not None:
+      arrs = permute(arrs, jax.device_put(tok, dev0))
     q, k, v, w, p, sg = (put(x) for x in arrs)
-    build_mask, fwd, fwd_bwd = make_fns(mesh, specs, perm)
-    mask_ms, _ = _median_ms(build_mask, (p, sg), max(3, args.iters // 4), 1)
+    del arrs
+    build_mask, fwd, fwd_bwd = fns
+    mask_ms, _ = _median_ms(build_mask, (p, sg), max(3, args.iters // 2), 1)
     mask = build_mask(p, sg)
     fwd_ms, fwd_all = _median_ms(fwd, (q, k, v, p, sg, mask), args.iters, args.warmup)
     fb_ms, fb_all = _median_ms(fwd_bwd, (q, k, v, w, p, sg, mask), args.iters, args.warmup)
@@ -154,17 +200,6 @@ def main(argv=None) -> dict:
               "fwd_all_ms": fwd_all, "fwd_bwd_all_ms": fb_all}
     return timing, (out, *grads)
 
-  # ---- one device
-  dev0 = devices[0]
-  single_t, single_res = run(None, None, False, lambda x: jax.device_put(x, dev0))
-
-  # ---- cp devices
-  mesh = Mesh(np.array(devices[:cp]), ("context",))
-  specs = ((None, "context", None, None), (None, None, None, None))
-
-  def put_cp(x):  # batch replicated, sequence over "context", the rest whole
-    return jax.device_put(x, NamedSharding(mesh, P(None, "context", *([None] * (x.ndim - 2)))))
-
   @jax.jit
   def compare(a, ref):
     a32, r32 = a.astype(jnp.float32), ref.astype(jnp.float32)
@@ -172,76 +207,97 @@ def main(argv=None) -> dict:
     return (jnp.max(jnp.abs(diff)), jnp.sqrt(jnp.sum(diff * diff)),
             jnp.sqrt(jnp.sum(r32 * r32)), jnp.max(jnp.abs(r32)))
 
-  unpermute = jax.jit(lambda x: from_load_balanced_order(x, cp))
-  pairs = None
-  runs = {}
-  for order in args.orders.split(","):
-    if order not in ("permuted", "natural"):
-      raise SystemExit(f"--orders takes permuted and/or natural, got {order!r}")
-    perm = order == "permuted" and cp > 1
-    cp_t, cp_res = run(mesh, specs, perm, put_cp)
-    # Agreement on device 0 in float32, cp results back in natural order.
-    agreement = {}
-    for name, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):
-      got = jax.device_put(got, dev0)
-      if perm:
-        got = unpermute(got)
-      mx, dn, rn, rmax = (float(x) for x in compare(got, want))
-      agreement[name] = {"max_abs_diff": mx, "rel_l2": dn / rn if rn > 0 else float(dn > 0),
-                         "ref_max_abs": rmax}
-    del cp_res
-    bal = context_parallel_balance(pos, seg, cp, permute=perm)
-    pairs = sum(bal["kept_pairs"])
-    runs[order] = {
-        "timing": cp_t,
-        "speedup": {"fwd": single_t["fwd_ms"] / cp_t["fwd_ms"],
-                    "fwd_bwd": single_t["fwd_bwd_ms"] / cp_t["fwd_bwd_ms"]},
-        "balance": {k: bal[k] for k in ("kept_pairs", "visited_blocks", "kept_max_over_min",
-                                         "visited_max_over_min")},
-        "agreement": agreement,
-        "agree": all(a["rel_l2"] <= tol for a in agreement.values()),
-    }
+  def order_ms(pos, seg):
+    """Median time to compute the balanced order of the batch on device 0 (compiled)."""
+    p, sg = put_one(pos), put_one(seg)
+    fn = jax.jit(lambda p, sg: orders.balanced_order(p, sg, cp, block=unit))
+    return _median_ms(fn, (p, sg), 5, 1)[0]
 
-  # Work: exact kept pairs -> effective TFLOP/s (forward 4*H*D per pair, backward 2.5x that).
-  fwd_flops = 4.0 * h * d * pairs
-  fb_flops = fwd_flops * 3.5
+  def write(results) -> dict:
+    result = {
+        "benchmark": "context_parallel_orders", "cp": cp, "backend": backend,
+        "smoke": args.smoke,
+        "config": {k: getattr(args, k) for k in ("seq_len", "num_docs", "num_pad", "batch",
+                                                 "heads", "kv_heads", "head_dim", "dtype",
+                                                 "iters", "warmup", "seed", "orders", "layouts")},
+        "order_unit": unit, "devices": [str(x) for x in devices[:cp]],
+        "device_kind": devices[0].device_kind, "jax_version": jax.__version__,
+        "python": platform.python_version(), "tolerance_rel_l2": tol, "layouts": results,
+        "complete": sorted(results) == sorted(layouts),
+        "agree": all(r["agree"] for lay in results.values()
+                     for r in lay["context_parallel"].values()),
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    result["path"] = os.path.join(args.out_dir, f"context_parallel_cp{cp}_{s}.json")
+    with open(result["path"], "w") as f:
+      json.dump(result, f, indent=1)
+    return result
+
+  single_fns = make_fns(None)
+  cp_fns = {order: make_fns(order) for order in args.orders}
+  fwd_flops_per_pair = 4.0 * h * d
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
-  for r in runs.values():
-    r["effective_tflops_total"] = {"fwd": tflops(fwd_flops, r["timing"]["fwd_ms"]),
-                                   "fwd_bwd": tflops(fb_flops, r["timing"]["fwd_bwd_ms"])}
-  result = {
-      "benchmark": "context_parallel", "cp": cp, "backend": backend,
-      "config": {k: getattr(args, k) for k in ("seq_len", "num_docs", "num_pad", "batch", "heads",
-                                               "kv_heads", "head_dim", "dtype", "iters", "warmup",
-                                               "seed")},
-      "devices": [str(x) for x in devices[:cp]], "device_kind": devices[0].device_kind,
-      "jax_version": jax.__version__, "python": platform.python_version(),
-      "kept_pairs": pairs, "tolerance_rel_l2": tol,
-      "single_device": {"timing": single_t,
-                        "effective_tflops": {"fwd": tflops(fwd_flops, single_t["fwd_ms"]),
-                                             "fwd_bwd": tflops(fb_flops,
-                                                               single_t["fwd_bwd_ms"])}},
-      "context_parallel": runs,
-      "agree": all(r["agree"] for r in runs.values()),
-  }
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, f"context_parallel_cp{cp}_{s}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
+  results = {}
+  for name, (pos, seg) in layouts.items():
+    t0 = time.perf_counter()
+    single_t, single_res = run(single_fns, None, put_one, pos, seg)
+    layout = {"single_device": {"timing": single_t}, "context_parallel": {}}
+    pairs = None
+    for order in args.orders:
+      tok = orders.token_order(pos, seg, cp, order=order, block=unit)
+      cp_t, cp_res = run(cp_fns[order], tok, put_cp, pos, seg)
+      agreement = {}
+      tok0 = jax.device_put(tok, dev0)
+      for what, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):
+        got = unpermute(jax.device_put(got, dev0), tok0)
+        mx, dn, rn, rmax = (float(x) for x in compare(got, want))
+        agreement[what] = {"max_abs_diff": mx, "rel_l2": dn / rn if rn > 0 else float(dn > 0),
+                           "ref_max_abs": rmax}
+      del cp_res
+      bal = context_parallel_balance(pos, seg, cp, order=order)
+      pairs = sum(bal["kept_pairs"])
+      layout["context_parallel"][order] = {
+          "timing": cp_t,
+          "speedup": {"fwd": single_t["fwd_ms"] / cp_t["fwd_ms"],
+                      "fwd_bwd": single_t["fwd_bwd_ms"] / cp_t["fwd_bwd_ms"]},
+          "balance": {k: bal[k] for k in ("kept_pairs", "visited_blocks", "kept_max_over_min",
+                                           "visited_max_over_min")},
+          "agreement": agreement,
+          "agree": all(a["rel_l2"] <= tol for a in agreement.values()),
+      }
+    del single_res
+    # Effective TFLOP/s from the exact kept pairs (forward 4*H*D per pair, backward 2.5x that).
+    fwd_flops = fwd_flops_per_pair * pairs
+    for r in [layout["single_device"], *layout["context_parallel"].values()]:
+      r["effective_tflops_total"] = {"fwd": tflops(fwd_flops, r["timing"]["fwd_ms"]),
+                                     "fwd_bwd": tflops(3.5 * fwd_flops, r["timing"]["fwd_bwd_ms"])}
+    layout["kept_pairs"] = pairs
+    if "balanced" in args.orders:
+      layout["balanced_order_ms"] = order_ms(pos, seg)
+    layout["wall_s"] = time.perf_counter() - t0
+    results[name] = layout
+    write(results)  # after every layout: a run cut short keeps what it measured
+  result = write(results)
 
   print(f"context parallelism cp={cp} vs 1 device, backend={backend}, {devices[0].device_kind}, "
-        f"S={s}, {args.num_docs} docs + {args.num_pad} pad, H={h} K={kh} D={d} {args.dtype}")
-  print(f"  {'':<16}{'mask ms':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}{'speed-up fwd':>14}"
-        f"{'fwd+bwd':>9}{'kept max/min':>14}{'rel L2 (max)':>14}")
-  t = single_t
-  print(f"  {'1 device':<16}{t['mask_ms']:>10.2f}{t['fwd_ms']:>10.2f}{t['fwd_bwd_ms']:>12.2f}")
-  for order, r in runs.items():
-    t = r["timing"]
-    worst = max(a["rel_l2"] for a in r["agreement"].values())
-    print(f"  {f'cp={cp} {order}':<16}{t['mask_ms']:>10.2f}{t['fwd_ms']:>10.2f}"
-          f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x{r['speedup']['fwd_bwd']:>8.2f}x"
-          f"{r['balance']['kept_max_over_min']:>14.2f}{worst:>14.3g}")
-  print(f"  agree (rel L2 <= {tol:g} for out, dq, dk, dv): {result['agree']}; wrote {path}")
+        f"S={s}, H={h} K={kh} D={d} {args.dtype}")
+  print(f"  {'':<22}{'mask ms':>9}{'fwd ms':>10}{'fwd+bwd ms':>12}{'speed-up fwd':>14}"
+        f"{'fwd+bwd':>9}{'kept max/min':>14}{'blocks max/min':>16}{'rel L2 (max)':>14}")
+  for name, lay in results.items():
+    t = lay["single_device"]["timing"]
+    extra = (f"   (balanced order: {lay['balanced_order_ms']:.2f} ms)"
+             if "balanced_order_ms" in lay else "")
+    print(f"  {name + ' 1 device':<22}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
+          f"{t['fwd_bwd_ms']:>12.2f}{extra}")
+    for order, r in lay["context_parallel"].items():
+      t = r["timing"]
+      worst = max(a["rel_l2"] for a in r["agreement"].values())
+      print(f"  {f'{name} cp={cp} {order}':<22}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
+            f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x"
+            f"{r['speedup']['fwd_bwd']:>8.2f}x{r['balance']['kept_max_over_min']:>14.2f}"
+            f"{r['balance']['visited_max_over_min']:>16.2f}{worst:>14.3g}")
+  print(f"  agree (rel L2 <= {tol:g} for out, dq, dk, dv): {result['agree']}; wrote "
+        f"{result['path']}")
   return result
 
 

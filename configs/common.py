@@ -68,6 +68,11 @@ def family_config(family: str, arg: str | None,
   c.kvax.memory_optimized_gqa_backward = False
   # Skip blocks made only of padding (False visits them, masked: slower, same result).
   c.kvax.skip_pad_tokens = True
+  # Token order under load-balanced context parallelism (MaxText reorders each batch):
+  # "auto" = "balanced" (per batch, from segment ids and positions: equal attention work per
+  # rank on packed documents; seq_len must then be a multiple of context size x the larger
+  # query block), "llama3" (MaxText's chunk swap: balances one long document only), "natural".
+  c.kvax.context_parallel_order = "auto"
 
   # Device mesh, as MaxText's {ici,dcn}_<axis>_parallelism keys; -1 = "whatever is left".
   # ici = within a host (NVLink), dcn = across hosts. `context` shards the sequence
@@ -75,8 +80,9 @@ def family_config(family: str, arg: str | None,
   c.mesh = ml_collections.ConfigDict(dict(
       ici_data=1, ici_fsdp=-1, ici_tensor=1, ici_context=1,
       dcn_data=-1, dcn_fsdp=1, dcn_tensor=1, dcn_context=1))
-  # With context parallelism, MaxText reorders tokens so every rank gets equal causal work;
-  # the plugin reads positions, so it is exact in either order and never reorders again.
+  # With context parallelism, MaxText reorders tokens so every rank gets equal causal work (in
+  # the order kvax.context_parallel_order picks); the plugin reads positions, so it is exact in
+  # any order and never reorders again.
   c.context_parallel_load_balance = True
 
   c.seq_len = 2048  # tokens per packed row (MaxText max_target_length)

@@ -163,6 +163,20 @@ def check_config(cfg) -> None:
   for key, value in cfg.mesh.items():
     if not isinstance(value, int) or (value < 1 and value != -1):
       raise FlagError(f"--config.mesh.{key}={value!r}: must be a positive int or -1")
+  orders = ("auto", "natural", "llama3", "balanced")
+  order = cfg.kvax.context_parallel_order
+  if order not in orders:
+    raise FlagError(f"--config.kvax.context_parallel_order={order!r}: choose one of {orders}")
+  context = cfg.mesh.ici_context * cfg.mesh.dcn_context
+  if (cfg.attention == "kvax" and cfg.context_parallel_load_balance and context > 1
+      and order in ("auto", "balanced")):
+    unit = max(cfg.kvax.fwd_query_block_size, cfg.kvax.bwd_query_block_size)
+    if cfg.seq_len % (context * unit):
+      raise FlagError(
+          f"--config.seq_len={cfg.seq_len}: the balanced context-parallel order moves whole "
+          f"blocks of {unit} tokens (the larger kvax query block) and gives each of the "
+          f"{context} context ranks as many; use a multiple of {context * unit}, or "
+          "--config.kvax.context_parallel_order=llama3")
   if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
     raise FlagError(f"--config.dtype={cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
 

@@ -13,7 +13,7 @@ step "multigpu tests"
 timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_sharding_gpu.py 2>&1 | tail -15 | tee -a $OUT/gpu_session.log
 step "context-parallel benchmark"
 mkdir -p $OUT/cp
-timeout ${T_CP:-240} python3 benchmarks/bench_context_parallel.py --out_dir $OUT/cp 2>&1 | tail -30 | tee -a $OUT/gpu_session.log
+timeout ${T_CP:-300} python3 benchmarks/bench_context_parallel.py --out_dir $OUT/cp 2>&1 | tail -30 | tee -a $OUT/gpu_session.log
 fi
 step "maxtext gpu parity"
 timeout ${T_PARITY:-150} python3 integration/gpu_parity.py --out $OUT/maxtext_gpu_parity.json 2>&1 | grep -v Warning | tail -12 | tee -a $OUT/gpu_session.log

@@ -120,6 +120,7 @@ def test_translation_to_maxtext_keys():
   assert keys["dtype"] == "float32"  # auto on CPU
   assert keys["ici_tensor_parallelism"] == 2 and keys["max_target_length"] == c.seq_len
   assert keys["kvax_backend"] == "jax" and keys["kvax_fwd_query_block_size"] == 64
+  assert keys["kvax_context_parallel_order"] == "auto"
   assert keys["base_num_decoder_layers"] == 1 and keys["override_model_config"] is True
   assert launch_keys.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
   argv = launch_keys.maxtext_argv(keys)
@@ -177,6 +178,27 @@ def test_hooks_restore_maxtext():
 
 # ---------------------------------------------------------------------------------------------
 # Bad flags: exit status 2 and a message naming the flag
+def test_context_parallel_order_flag():
+  from kvax_plugin import launch
+  c = load_family("llama3").get_config("tiny")
+  launch.check_config(c)
+  with c.unlocked():
+    c.kvax.context_parallel_order = "striped"
+  with pytest.raises(launch.FlagError, match=r"--config.kvax.context_parallel_order='striped'"):
+    launch.check_config(c)
+  unit = max(c.kvax.fwd_query_block_size, c.kvax.bwd_query_block_size)
+  with c.unlocked():
+    c.kvax.context_parallel_order = "auto"  # balanced under load-balanced context parallelism
+    c.mesh.ici_context = 4
+    c.seq_len = 4 * unit * 3 + 4
+  with pytest.raises(launch.FlagError, match=rf"--config.seq_len={c.seq_len}: .* multiple of "
+                     rf"{4 * unit}"):
+    launch.check_config(c)
+  with c.unlocked():
+    c.kvax.context_parallel_order = "llama3"
+  launch.check_config(c)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
