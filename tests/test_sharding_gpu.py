@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvax_plugin.attention import context_parallel
+from kvax_plugin.attention import token_order
 from kvax_plugin.attention.api import create_attention_mask, flash_attention
 from kvax_plugin.attention.kernels import availability
 
@@ -40,8 +40,8 @@ def _layout(rng, batch, length, num_docs, pad):
   return pos, seg
 
 
-@pytest.mark.parametrize("permuted", [False, True])
-def test_triton_context_parallel_matches_one_gpu(permuted):
+@pytest.mark.parametrize("order", ["natural", "llama3", "balanced"])
+def test_triton_context_parallel_matches_one_gpu(order):
   ok, reason = availability("triton")
   if not ok:
     pytest.skip(reason)
@@ -53,9 +53,9 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
           for shape in ((b, s, h, d), (b, s, kh, d), (b, s, kh, d), (b, s, h, d))]
   sinks = rng.standard_normal((h,), np.float32)
 
-  def step(q, k, v, w, sinks, pos, seg, mesh, perm):
+  def step(q, k, v, w, sinks, pos, seg, mesh, order):
     kw = dict(mesh=mesh, query_specs=(None, "context", None, None),
-              permute_tokens_for_load_balance=perm) if mesh is not None else {}
+              token_order=order) if mesh is not None else {}
     mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw)
 
     def loss(q, k, v, sinks):
@@ -68,18 +68,18 @@ def test_triton_context_parallel_matches_one_gpu(permuted):
     return out, grads
 
   args = [*host, sinks, pos, seg]
-  want = jax.jit(lambda *a: step(*a, None, False))(*(jax.device_put(x, GPUS[0]) for x in args))
+  want = jax.jit(lambda *a: step(*a, None, None))(*(jax.device_put(x, GPUS[0]) for x in args))
   mesh = Mesh(np.array(GPUS[:cp]), ("context",))
-  tok_args = (context_parallel.to_load_balanced_order(args[:4] + args[5:], cp)
-              if permuted else args[:4] + args[5:])
+  tok = token_order.token_order(pos, seg, cp, order=order)
+  tok_args = [np.asarray(x) for x in token_order.apply_token_order(tuple(args[:4] + args[5:]),
+                                                                   tok)]
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "context",
                                                            *([None] * (x.ndim - 2)))))
   q, k, v, w, p, sg = (put(x) for x in tok_args)
-  got = jax.jit(lambda *a: step(*a, mesh, permuted))(q, k, v, w, sinks, p, sg)
+  got = jax.jit(lambda *a: step(*a, mesh, order))(q, k, v, w, sinks, p, sg)
   got_out, (dq, dk, dv, ds) = got
-  got_list = [np.asarray(x.astype(jnp.float32)) for x in (got_out, dq, dk, dv)]
-  if permuted:
-    got_list = context_parallel.from_load_balanced_order(got_list, cp)
+  got_list = [np.asarray(token_order.undo_token_order(np.asarray(x.astype(jnp.float32)), tok))
+              for x in (got_out, dq, dk, dv)]
   want_out, (wq, wk, wv, wsinks) = want
   for name, g, r in zip(("out", "dq", "dk", "dv"), got_list, (want_out, wq, wk, wv)):
     r = np.asarray(r.astype(jnp.float32))
