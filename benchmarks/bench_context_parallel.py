@@ -14,7 +14,7 @@ library's default blocks (128), cp = every visible device. Two layouts: `one_doc
 document filling the row) and `packed` (12 random-length documents + 1000 padding tokens). For
 each layout: one device in natural order, then the cp mesh ("context",) once per token order
 (--orders: natural, llama3, balanced; see kvax_plugin.attention.token_order), all in the same
-run. Inputs are permuted on the host into the order, the mask is built once outside the timed
+run. Inputs are permuted into the order on device 0, the mask is built once outside the timed
 region (a training step builds one per step for every layer) and its build time is reported
 apart; so is the time to compute the balanced order on the device. Timings: median of --iters
 runs after --warmup, each waited to completion; forward and forward+backward (sum of output x
