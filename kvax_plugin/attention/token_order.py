@@ -83,7 +83,7 @@ better of the two fixed orders by that measure (exactly so where the model is ex
 Complexity per row: sorting S tokens and, per swap step, n units; O(S) scans (plus log2(S)
 gather passes with a sliding window); n/cp dealing rounds that sort cp loads; 4*cp swap steps
 of O(n log n + n*cp). jit-able (static shapes), vmapped over the batch. At S = 128k one row
-takes tens of milliseconds on a CPU core.
+took 16-120 ms on a shared 2-core CPU (benchmarks/cp_balance.py prints it).
 
 Conventions: an order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]], and its
 inverse satisfies natural[b, j] = permuted[b, inverse[b, j]] (apply_token_order /
