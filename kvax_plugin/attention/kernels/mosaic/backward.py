@@ -144,8 +144,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           cols = pl.ds(qi * TILE_Q, TILE_Q)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
-          # pair_keep's first operand is the query side: here queries are the columns.
-          keep = _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, pt.shape)
+          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         plgpu.barrier_wait(do_ready.at[slot])
         if cfg.paired:
@@ -292,22 +291,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     entry(*refs[:n_in], None, *refs[n_in:])
   dk_out, dv_out = plgpu.kernel(entry_no_dq, **launch)(*args)
   return None, dk_out, dv_out
-
-
-def _keep_transposed(cfg, kv_pos, kv_seg, q_pos, q_seg, shape):
-  """keep[i, j] for kv rows i (layout _ROW vectors) and query columns j (_COL vectors)."""
-  qp = lax.broadcast_in_dim(q_pos, shape, [1])
-  qs = lax.broadcast_in_dim(q_seg, shape, [1])
-  kp = lax.broadcast_in_dim(kv_pos, shape, [0])
-  ks = lax.broadcast_in_dim(kv_seg, shape, [0])
-  keep = qs == ks
-  if cfg.causal:
-    keep = keep & (kp <= qp)
-  if cfg.window:
-    keep = keep & (qp - kp < cfg.window)
-    if not cfg.causal:
-      keep = keep & (kp - qp < cfg.window)
-  return keep
 
 
 def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, delta, q_pos,

@@ -119,12 +119,15 @@ def products_together(first, second, interpret: bool):
   return pl.run_state(issue)((plgpu.ACC.init(init(first)), plgpu.ACC.init(init(second))))
 
 
-def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape):
-  """keep[i, j] for row vectors (q, layout _ROW) and column vectors (kv, layout _COL)."""
-  qp = lax.broadcast_in_dim(q_pos, shape, [0])
-  qs = lax.broadcast_in_dim(q_seg, shape, [0])
-  kp = lax.broadcast_in_dim(kv_pos, shape, [1])
-  ks = lax.broadcast_in_dim(kv_seg, shape, [1])
+def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
+  """keep[i, j] of a tile from per-token vectors: queries along dimension q_dim (0: rows, layout
+  _ROW, as in the forward and dq kernels; 1: columns, _COL, as in the dk/dv kernel's S^T) and
+  kv tokens along the other."""
+  kv_dim = 1 - q_dim
+  qp = lax.broadcast_in_dim(q_pos, shape, [q_dim])
+  qs = lax.broadcast_in_dim(q_seg, shape, [q_dim])
+  kp = lax.broadcast_in_dim(kv_pos, shape, [kv_dim])
+  ks = lax.broadcast_in_dim(kv_seg, shape, [kv_dim])
   keep = qs == ks
   if cfg.causal:
     keep = keep & (kp <= qp)
