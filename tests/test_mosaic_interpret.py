@@ -35,8 +35,10 @@ def _segments(segs):
 
 
 CASES = {
-    # documents (one of one token), padding, GQA 4/2, fused-dq backward
-    "docs_padding_gqa": dict(segs=[3] * 100 + [0] + [9] * 100 + [2] * 50 + [-1] * 5, h=4, kh=2),
+    # documents (one of one token), padding, GQA 4/2, fused-dq backward with the column-split
+    # dq partials (head dim 128; the whole-partial path runs in prefill_mla, head dim 192)
+    "docs_padding_gqa": dict(segs=[3] * 100 + [0] + [9] * 100 + [2] * 50 + [-1] * 5, h=4, kh=2,
+                             dk=128),
     # window + soft cap + sinks, MQA, non-contiguous documents with huge ids, deterministic dq
     "window_cap_sinks_det": dict(segs=([5] * 64 + [2**30] * 64) * 2, h=4, kh=1, window=40,
                                  cap=20.0, sinks=True, det=True),

@@ -82,6 +82,8 @@ def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int,
   for bk in (128, 64):
     if table_kv % bk:
       continue
+    # Two slots: a third 128-row slot at head dim 128 overshoots shared memory by the barriers'
+    # 120 bytes (232568 > 232448, lowered for CUDA).
     for stages in (2,):
       if fwd_kernels.smem_bytes(bk, stages, dk, dv, itemsize) <= SMEM_BUDGET:
         return bk, stages
@@ -99,6 +101,7 @@ class Static:
   deterministic: bool
   interpret: bool
   paired: bool = True  # benchmarking hook: KVAX_MOSAIC_UNPAIRED=1 awaits every product alone
+  dq_split: bool = True  # benchmarking hook: KVAX_MOSAIC_DQ_WHOLE=1 (see BwdConfig.dq_split)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -171,7 +174,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   bcfg = bwd_kernels.BwdConfig(
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
-      with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired)
+      with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired,
+      dq_split=cfg.dq_split)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -252,7 +256,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
                deterministic=bool(deterministic_backward), interpret=bool(interpret),
-               paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1")
+               paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
+               dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

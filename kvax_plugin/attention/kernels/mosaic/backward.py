@@ -55,12 +55,29 @@ class BwdConfig:
   with_dq: bool  # dk/dv kernel also reduce-adds dq (else the dq kernel runs)
   interpret: bool
   paired: bool = True  # issue independent products together (one wgmma wait for two)
+  # With with_dq and a head dim that is a multiple of 128: the two consumers share their dS tiles
+  # and each computes HALF the columns of the tile's dq over all 128 kv rows (a 64 x Dk/2
+  # accumulator, one reduce-add per column half) instead of a whole 64 x Dk partial over its own
+  # 64 kv rows (twice the registers, two reduce-adds of the same rows). False: the whole-tile
+  # partials (benchmarking hook KVAX_MOSAIC_DQ_WHOLE=1).
+  dq_split: bool = True
 
 
-def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool) -> int:
+def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
+  # The column halves must be whole 64-element swizzle tiles of K in shared memory.
+  return cfg.with_dq and cfg.dq_split and dk % (64 * CONSUMERS) == 0
+
+
+def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
+                   split: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * TILE_Q * ((dk + dv) * itemsize + 8)
-  dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4) if with_dq else 0
+  if split:  # dS double-buffered and shared; a TILE_Q x dk/2 float32 partial per consumer
+    dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * (dk // CONSUMERS) * 4)
+  elif with_dq:
+    dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
+  else:
+    dq = 0
   return kv + ring + dq + 1024
 
 
@@ -95,13 +112,15 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   rq = cfg.table_q // TILE_Q
   rk = cfg.table_kv // TILE_KV
   dtype = q.dtype
+  split = splits_dq(cfg, dk)
+  dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
   # The interpreter has no bulk reduce: there each consumer adds into its own buffer.
   dq_copies = CONSUMERS if cfg.interpret else 1
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-             k_ready, v_ready, q_ready, do_ready, q_free, do_free):
+             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
@@ -131,6 +150,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       def step(n, qi, head, carry, masked: bool):
         dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
+        if masked:  # loaded before the product, whose time hides their latency
+          cols = pl.ds(qi * TILE_Q, TILE_Q)
+          q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(q_ready.at[slot])
 
         def scores(ref):
@@ -141,9 +164,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         lse = plgpu.load(lse_smem.at[slot], layout=_COL)
         pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
         if masked:
-          cols = pl.ds(qi * TILE_Q, TILE_Q)
-          q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
-          q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         plgpu.barrier_wait(do_ready.at[slot])
@@ -165,7 +185,19 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
           dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
-        if cfg.with_dq:
+        if split:
+          # Share dS^T with the other consumer (double-buffered: a buffer is rewritten two steps
+          # later, after the other consumer has passed the next step's barrier, i.e. finished
+          # reading it), then dK += dS^T Q and this consumer's column half of
+          # dQ = dS K = sum over both consumers j of (dS^T_j)^T K_j[:, half].
+          buf = lax.rem(n, 2)
+          ds_smem.at[buf, wg][...] = ds16
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(ds_ready.at[buf])
+          half = pl.ds(wg * dq_cols, dq_cols)
+          dk_acc, dq = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
+                                       k_smem, half, ds_ready.at[buf], dq_cols, cfg.interpret)
+        elif cfg.with_dq:
           my_ds = ds_smem.at[wg]
           my_ds[...] = ds16
           plgpu.commit_smem()
@@ -185,17 +217,19 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.barrier_arrive(do_free.at[slot])
         if cfg.with_dq:
           qrows = pl.ds(qi * TILE_Q, TILE_Q)
+          cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
           my_dq = dq_smem.at[wg]
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read my_dq
           if cfg.interpret:
-            target = dq_ref.at[wg, bi, qrows, head]
+            target = dq_ref.at[wg, bi, qrows, head, cols]
             my_dq[...] = dq + target[...]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_dq, target)
           else:
             my_dq[...] = dq
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[0, bi, qrows, head], reduction_op="add")
+            plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[0, bi, qrows, head, cols],
+                                    reduction_op="add")
         return dk_acc, dv_acc
 
       def one_head(g, carry):
@@ -260,8 +294,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         _smem((stages, TILE_Q, dv), dtype),
         plgpu.SMEM((stages, TILE_Q), jnp.float32),
         plgpu.SMEM((stages, TILE_Q), jnp.float32),
-        _smem((CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if cfg.with_dq else None,
-        plgpu.SMEM((CONSUMERS, TILE_Q, dk), jnp.float32) if cfg.with_dq else None,
+        (_smem((2, CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if split else
+         _smem((CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if cfg.with_dq else None),
+        plgpu.SMEM((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if cfg.with_dq else None,
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
@@ -270,6 +305,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
 
@@ -291,6 +327,32 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     entry(*refs[:n_in], None, *refs[n_in:])
   dk_out, dv_out = plgpu.kernel(entry_no_dq, **launch)(*args)
   return None, dk_out, dv_out
+
+
+def _dk_and_dq_half(dk_acc, ds16, q_tile, ds_shared, k_smem, half, ds_ready, dq_cols,
+                    interpret: bool):
+  """(dk_acc + ds16 @ q_tile, dQ[:, half]) with dQ[:, half] = sum_j ds_shared[j]^T @ k_smem[j][:, half].
+
+  ds16 [64 kv, 64 q] is this consumer's dS^T (registers), ds_shared [CONSUMERS, 64 kv, 64 q] both
+  consumers' (shared memory, complete once `ds_ready` fires), k_smem [CONSUMERS, 64 kv, Dk].
+  The dK product is issued before waiting for the other consumer's dS; all three are awaited once.
+  """
+  zeros = plgpu.layout_cast(jnp.zeros((TILE_Q, dq_cols), jnp.float32), plgpu.Layout.WGMMA)
+  if interpret:
+    dk_acc = accumulate(dk_acc, ds16, q_tile, True)
+    plgpu.barrier_wait(ds_ready)
+    dq = zeros
+    for j in range(CONSUMERS):
+      dq = dq + jnp.dot(ds_shared.at[j][...].T, k_smem.at[j, :, half][...],
+                        preferred_element_type=jnp.float32)
+    return dk_acc, dq
+
+  def issue(refs):
+    plgpu.wgmma(refs[0], ds16, q_tile)
+    plgpu.barrier_wait(ds_ready)
+    for j in range(CONSUMERS):
+      plgpu.wgmma(refs[1], ds_shared.at[j].T, k_smem.at[j, :, half])
+  return pl.run_state(issue)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros)))
 
 
 def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, delta, q_pos,
@@ -336,6 +398,10 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
 
       def step(ki, acc, masked: bool):
         slot = lax.rem(ki - lower, stages)
+        if masked:  # loaded before the products, whose time hides their latency
+          cols = pl.ds(ki * bk, bk)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
         if cfg.paired:
           plgpu.barrier_wait(v_ready.at[slot])
@@ -351,9 +417,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         z2, dz = _logit_terms(cfg, s)
         p = jnp.exp2(z2 - lax.broadcast_in_dim(lse, z2.shape, [0]))
         if masked:
-          cols = pl.ds(ki * bk, bk)
-          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
-          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape)
           p = jnp.where(keep, p, 0.0)
         if not cfg.paired:
@@ -424,10 +487,14 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   cfg.with_dq and it fits shared memory, else from the deterministic dq kernel."""
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
-  with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True) <= SMEM_BUDGET
+  split = splits_dq(cfg, dk_dim)
+  with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
+                                           split) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
+  split = splits_dq(cfg, dk_dim)
   stages = next((s for s in (3, 2, 1)
-                 if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq) <= SMEM_BUDGET), None)
+                 if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split) <= SMEM_BUDGET),
+                None)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
                      "shared memory")

@@ -225,6 +225,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       def step(ki, carry, masked: bool):
         acc, m_i, l_i = carry
         slot = lax.rem(ki - lower, stages)
+        if masked:
+          # Issued before the product, so their global-memory latency hides behind it.
+          cols = pl.ds(ki * bk, bk)
+          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
+          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def logits(ref):
@@ -245,9 +250,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
             s = qk * (cfg.scale * LOG2E)
           mul = 1.0
         if masked:
-          cols = pl.ds(ki * bk, bk)
-          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
-          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, s.shape)
           s = jnp.where(keep, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1) * mul)
