@@ -241,7 +241,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   and sinks. deterministic_backward (default): dq from its own kernel (7 matrix products per
   tile pair, bitwise reproducible); False: dq bulk-reduce-added into a float32 buffer by the
   dk/dv kernel (5 products, order-dependent rounding). Measured on an H200 the deterministic
-  way is also the faster (64k causal forward+backward 247 vs 271 ms; benchmarks/NOTES.md), so
+  way is also the faster (64k causal forward+backward 245 vs 268 ms; benchmarks/NOTES.md), so
   it is the default.
   """
   ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])
