@@ -144,11 +144,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})
-  # ping-pong between the two consumers in the deterministic backward's dq / dk-dv kernels
-  impls["mosaic_pp_dq"] = make_mosaic(env={"KVAX_MOSAIC_DQ_PINGPONG": "1"})
-  impls["mosaic_pp_dkv"] = make_mosaic(env={"KVAX_MOSAIC_DKV_PINGPONG": "1"})
-  impls["mosaic_pp"] = make_mosaic(env={"KVAX_MOSAIC_DQ_PINGPONG": "1",
-                                        "KVAX_MOSAIC_DKV_PINGPONG": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -61,12 +61,6 @@ class BwdConfig:
   # 64 kv rows (twice the registers, two reduce-adds of the same rows). False: the whole-tile
   # partials (benchmarking hook KVAX_MOSAIC_DQ_WHOLE=1).
   dq_split: bool = True
-  # dq kernel: the forward's ping-pong (a 2-party barrier makes one consumer's elementwise dS
-  # work overlap the other's products). Benchmarking hook KVAX_MOSAIC_DQ_PINGPONG=0/1.
-  dq_pingpong: bool = False
-  # dk/dv kernel without with_dq: the same ping-pong over its three product groups (S^T | dV, dP^T
-  # | dK with the next step's S^T), hook KVAX_MOSAIC_DKV_PINGPONG=0/1.
-  dkv_pingpong: bool = False
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
@@ -120,14 +114,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   dtype = q.dtype
   split = splits_dq(cfg, dk)
   dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
-  pingpong = cfg.dkv_pingpong and not cfg.with_dq
   # The interpreter has no bulk reduce: there each consumer adds into its own buffer.
   dq_copies = CONSUMERS if cfg.interpret else 1
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, turn):
+             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
@@ -154,17 +147,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       plgpu.barrier_wait(k_ready.at[wg])
       plgpu.barrier_wait(v_ready.at[wg])
 
-      def take_turn():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
-
-      def hand_over():  # ping-pong: one consumer's elementwise work against the other's products
-        if pingpong:
-          take_turn()
-
-      if pingpong:
-        pl.when(wg == 1)(take_turn)  # consumer 1 runs one phase behind consumer 0
-
       def step(n, qi, head, carry, masked: bool):
         dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
@@ -176,7 +158,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
         def scores(ref):
           plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
-          hand_over()
           return ref[...]
         st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
         z2, dz = _logit_terms(cfg, st)
@@ -186,12 +167,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         plgpu.barrier_wait(do_ready.at[slot])
-        hand_over()
-        if cfg.paired or pingpong:
+        if cfg.paired:
           dv_acc, dpt = products_together(
               (dv_acc, pt.astype(dtype), do_smem.at[slot]),
-              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, TILE_Q)), cfg.interpret,
-              then=hand_over)
+              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, TILE_Q)), cfg.interpret)
         else:
           dv_acc = accumulate(dv_acc, pt.astype(dtype), do_smem.at[slot], cfg.interpret)
 
@@ -233,7 +212,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
         else:
-          hand_over()
           dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(q_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
@@ -265,8 +243,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         return run(full_upper, upper, carry, True)
 
       dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
-      if pingpong:
-        pl.when(wg == 0)(take_turn)  # every phase of `turn` is arrived at by both consumers
       if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
       my_k[...] = dk_acc.astype(dtype)
@@ -330,7 +306,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
-        plgpu.Barrier(num_arrivals=CONSUMERS) if pingpong else None,
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
 
@@ -394,7 +369,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
              q_smem, do_smem, k_smem, v_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, turn):
+             q_ready, k_ready, v_ready, k_free, v_free):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
@@ -421,15 +396,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
-      pingpong = cfg.dq_pingpong
-
-      def take_turn():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
-
-      if pingpong:
-        pl.when(wg == 1)(take_turn)  # consumer 1 runs half a step behind consumer 0
-
       def step(ki, acc, masked: bool):
         slot = lax.rem(ki - lower, stages)
         if masked:  # loaded before the products, whose time hides their latency
@@ -437,13 +403,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
-        if pingpong:
-          plgpu.barrier_wait(v_ready.at[slot])
-          s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
-                                    (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
-                                    cfg.interpret, then=take_turn)
-          plgpu.barrier_arrive(v_free.at[slot])
-        elif cfg.paired:
+        if cfg.paired:
           plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
@@ -472,19 +432,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if masked:
           # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
           ds = jnp.where(keep, ds, 0.0)
-        ds16 = ds.astype(dtype)
-        if pingpong:
-          plgpu.barrier_arrive(turn)  # elementwise work done: the other consumer's products
-          plgpu.barrier_wait(turn)
-        acc = accumulate(acc, ds16, k_smem.at[slot], cfg.interpret)
+        acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
       acc = lax.fori_loop(lower, full_lower, lambda i, a: step(i, a, True), acc)
       acc = lax.fori_loop(full_lower, full_upper, lambda i, a: step(i, a, False), acc)
       acc = lax.fori_loop(full_upper, upper, lambda i, a: step(i, a, True), acc)
-      if pingpong:
-        pl.when(wg == 0)(take_turn)  # every phase of `turn` is arrived at by both consumers
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
       # reached them through 0 * NaN inside dS K.
       acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
@@ -513,7 +467,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=CONSUMERS) if cfg.dq_pingpong else None,
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
 

@@ -97,13 +97,12 @@ def accumulate(acc, a, b, interpret: bool):
   return pl.run_state(product_into)(plgpu.ACC.init(acc))
 
 
-def products_together(first, second, interpret: bool, then=None):
+def products_together(first, second, interpret: bool):
   """Two tensor-core products issued back to back and awaited once.
 
   Each of `first` / `second` is (acc, a, b) and yields acc + a @ b; acc None means a fresh
   float32 product of shape (a rows, b cols) given as (None, a, b, shape). Awaiting both at once
-  saves one wgmma wait per pair on the GPU (the two are independent). `then()`, if given, runs
-  after issuing and before awaiting (a ping-pong hand-over).
+  saves one wgmma wait per pair on the GPU (the two are independent).
   """
   def init(spec):
     acc = spec[0]
@@ -112,16 +111,11 @@ def products_together(first, second, interpret: bool, then=None):
     return acc
 
   if interpret:
-    out = tuple(accumulate(init(x), x[1], x[2], True) for x in (first, second))
-    if then is not None:
-      then()
-    return out
+    return tuple(accumulate(init(x), x[1], x[2], True) for x in (first, second))
 
   def issue(refs):
     plgpu.wgmma(refs[0], first[1], first[2])
     plgpu.wgmma(refs[1], second[1], second[2])
-    if then is not None:
-      then()
   return pl.run_state(issue)((plgpu.ACC.init(init(first)), plgpu.ACC.init(init(second))))
 
 
