@@ -156,6 +156,11 @@ def test_packed_corpus_feeds_maxtext_features():
   # 4 x 4 blocks of 64: causality alone skips the 6 blocks above the diagonal.
   assert 6 / 16 <= stats.skipped["global"] < 1.0
   assert stats.skipped["local"] >= stats.skipped["global"]
+  # Another kernel's run builds no masks (it reports no skipping).
+  plain = PackedCorpus(c, seq_len=256, global_rows=2, host_index=0, host_count=1,
+                       sliding_window=None, mask_stats=False)
+  next(iter(plain))
+  assert plain.stats[0].skipped == {} and plain.stats[0].real_tokens > 0
   with pytest.raises(FlagError, match="per_device_batch_size"):
     PackedCorpus(c, seq_len=256, global_rows=3, host_index=0, host_count=2,
                  sliding_window=None)
@@ -166,14 +171,36 @@ def test_hooks_restore_maxtext():
   from maxtext.common import metric_logger
   from maxtext.input_pipeline import input_pipeline_interface as ipi
 
-  from kvax_plugin.integrations.maxtext import training_hooks
+  from maxtext.trainers.pre_train import train as mt_train
+  from maxtext.utils import train_utils
+
+  from kvax_plugin.integrations.maxtext import setup_timing, training_hooks
   c = load_family("llama3").get_config("tiny")
-  before = (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics)
+  before = (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics,
+            train_utils.setup_train_loop, mt_train.training_loop_iteration)
   progress = training_hooks.Progress(c, {}, total_steps=3)
-  with training_hooks.packed_corpus_pipeline(c, {}), training_hooks.progress_hook(progress):
-    assert ipi.create_data_iterator is not before[0]
-    assert metric_logger.MetricLogger.write_metrics is not before[1]
-  assert (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics) == before
+  with (training_hooks.packed_corpus_pipeline(c, {}), training_hooks.progress_hook(progress),
+        setup_timing.SetupTimer().maxtext_hooks()):
+    now = (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics,
+           train_utils.setup_train_loop, mt_train.training_loop_iteration)
+    assert all(a is not b for a, b in zip(now, before))
+  assert (ipi.create_data_iterator, metric_logger.MetricLogger.write_metrics,
+          train_utils.setup_train_loop, mt_train.training_loop_iteration) == before
+
+
+def test_compile_events_counted_once_for_the_innermost():
+  # Spans (start, end, event, function) as JAX's listeners see them: an eager op compiled while
+  # a trace is open nests inside it; a span crossing another's end (another thread) owns the
+  # overlap from its start on.
+  from kvax_plugin.integrations.maxtext import setup_timing as st
+  spans = [(0.0, 10.0, st.TRACE_EVENT, "train_step"), (2.0, 5.0, st.COMPILE_EVENT, "jit(add)"),
+           (3.0, 4.0, st.LOWER_EVENT, "jit(add)"), (9.0, 12.0, st.COMPILE_EVENT, "jit(x)"),
+           (20.0, 30.0, st.COMPILE_EVENT, "jit(train_step)")]
+  got = st.exclusive_seconds(spans, 0.0, 25.0)
+  assert got["total"] == pytest.approx(17.0)  # [0, 12] and [20, 25]
+  assert got["by_event"] == pytest.approx({st.TRACE_EVENT: 6.0, st.COMPILE_EVENT: 2.0 + 3.0 + 5.0,
+                                           st.LOWER_EVENT: 1.0})
+  assert got["top"][0] == ["jax_trace", "train_step", 6.0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +461,15 @@ def test_tiny_launch_end_to_end(tmp_path):
   assert summary["kvax_backend"] == "jax" and summary["attention"] == "kvax"
   assert "attention=kvax kvax backend=jax on cpu" in r.stdout  # the banner, read back
   assert 0.0 < summary["blocks_skipped"]["global"] < 1.0
+  # Where setup+compile went: parts >= 0 that add up to it, JAX's compile stages among them.
+  breakdown, wall = summary["compile_breakdown"], summary["wall_seconds"]
+  parts = breakdown["parts"]
+  assert all(v >= 0 for v in parts.values()) and not breakdown["notes"], breakdown
+  assert sum(parts.values()) == pytest.approx(wall["setup_and_compile"], abs=0.01)
+  assert min(parts["jax_trace"], parts["xla_compile"], parts["imports_and_config"]) > 0, parts
+  assert "jit(train_step)" in {name for _, name, _, _ in breakdown["top_functions"]}
+  assert min(wall["first_step"], wall["first_step_result"], wall["reporting"]) > 0, wall
+  assert "setup+compile" in r.stdout and "xla_compile" in r.stdout  # the printed breakdown
   for png in ("mask.png", "loss.png"):
     data = (out / png).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000

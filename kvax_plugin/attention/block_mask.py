@@ -501,6 +501,15 @@ def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
   return grid
 
 
+def _table_sum(x) -> float:
+  """Sum of a table's entries, on the host: an eager jnp op would compile one small program per
+  shape (seconds on a GPU when a run reports a few shapes); a table spread over processes is
+  summed where it lives."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return float(jnp.sum(x))
+  return float(np.sum(np.asarray(x), dtype=np.int64))
+
+
 def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
   """Share of forward blocks visited and share full, over the whole [Sq x Skv] block grid."""
   spec = mask.spec
@@ -510,8 +519,8 @@ def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
   if total == 0:  # a batch or a length of 0: no blocks at all
     return {"blocks_total": 0.0, "visited": 0.0, "full": 0.0, "partial": 0.0, "skipped": 0.0}
   t = mask.fwd
-  visited = float(jnp.sum(t.upper - t.lower))
-  full = float(jnp.sum(t.full_upper - t.full_lower))
+  visited = _table_sum(t.upper) - _table_sum(t.lower)
+  full = _table_sum(t.full_upper) - _table_sum(t.full_lower)
   return {"blocks_total": float(total), "visited": visited / total, "full": full / total,
           "partial": (visited - full) / total, "skipped": 1.0 - visited / total}
 

@@ -2,7 +2,7 @@
 
 `PackedCorpus` packs kvax_plugin.data's corpus into rows (first-fit, segment ids 1..n / 0
 padding, per-document positions) and yields MaxText's feature dicts (numpy); while feeding, it
-builds the batch's kvax block masks to record the share of blocks they skip (`BatchStats`).
+can build the batch's kvax block masks to record the share of blocks they skip (`BatchStats`).
 The MaxText hook that hands it to MaxText's data loader is
 kvax_plugin.integrations.maxtext.training_hooks.packed_corpus_pipeline.
 """
@@ -10,6 +10,7 @@ kvax_plugin.integrations.maxtext.training_hooks.packed_corpus_pipeline.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,13 +32,21 @@ class PackedCorpus:
   """Iterable of MaxText feature dicts (numpy) from kvax_plugin.data, one per step.
 
   Every host packs the same global batch stream and keeps its own rows, so batches do not
-  depend on the number of hosts. Per batch, the kvax block mask is built (with the run's forward
-  block sizes, for the global and, if the model has one, the sliding-window mask) to report the
-  share of blocks skipped; `stats` grows by one entry per batch, `first` keeps the first batch.
+  depend on the number of hosts. With `mask_stats` (the run's attention is kvax), per batch the
+  kvax block mask is built (with the run's forward block sizes, for the global and, if the model
+  has one, the sliding-window mask) to report the share of blocks skipped; without, `skipped`
+  stays empty and no mask is built. `stats` grows by one entry per batch, `first` keeps the
+  first batch.
+
+  The masks are built on the host's CPU device where JAX has one: on the accelerator the
+  statistics would queue behind the training step just dispatched and reading them back would
+  wait for that step, so the next batch could not be prepared while the step runs. Their
+  program is compiled in a background thread from construction on (MaxText builds the data
+  iterator before it compiles the train step), so the first step does not wait for it.
   """
 
   def __init__(self, cfg, *, seq_len: int, global_rows: int, host_index: int, host_count: int,
-               sliding_window: int | None):
+               sliding_window: int | None, mask_stats: bool = True):
     if global_rows % host_count:
       raise FlagError(f"--config.per_device_batch_size: {global_rows} rows do not split over "
                       f"{host_count} loading hosts")
@@ -47,23 +56,45 @@ class PackedCorpus:
     self.rows = global_rows // host_count
     self.host_index = host_index
     self.sliding_window = sliding_window
+    self.mask_stats = mask_stats
     self.stats: list[BatchStats] = []
     self.first = None  # the first PackedBatch (host rows)
+    self._compiling = None
+    if mask_stats:
+      shape = (self.rows, seq_len)
+      self._compiling = threading.Thread(
+          target=self._compile_masks, args=(shape,), name="kvax-mask-stats-compile", daemon=True)
+      self._compiling.start()
+
+  def _compile_masks(self, shape: tuple[int, int]) -> None:
+    # Any batch of this shape compiles the same programs; an error here would recur, and be
+    # raised, on the first real batch.
+    import numpy as np
+    try:
+      self._masks(np.zeros(shape, np.int32), np.ones(shape, np.int32))
+    except Exception:  # noqa: BLE001
+      pass
 
   def masks(self, batch) -> dict[str, Any]:
-    """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}."""
-    import kvax_plugin
+    """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}, built on the
+    CPU device (the process's default device if JAX has no CPU backend here)."""
     from kvax_plugin.data import to_kvax
-    pos, seg = to_kvax(batch)
+    return self._masks(*to_kvax(batch))
+
+  def _masks(self, pos, seg) -> dict[str, Any]:
+    import jax
+
+    import kvax_plugin
     params = kvax_plugin.FlashAttentionParamsConfig(
         query_block_size=self.cfg.kvax.fwd_query_block_size,
         kv_block_size=self.cfg.kvax.fwd_kv_block_size)
-    out = {"global": kvax_plugin.create_attention_mask(
-        pos, seg, pos, seg, fwd_params=params, skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)}
-    if self.sliding_window:
-      out["local"] = kvax_plugin.create_attention_mask(
-          pos, seg, pos, seg, fwd_params=params, sliding_window=self.sliding_window,
-          skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)
+    with jax.default_device(_host_device()):
+      out = {"global": kvax_plugin.create_attention_mask(
+          pos, seg, pos, seg, fwd_params=params, skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)}
+      if self.sliding_window:
+        out["local"] = kvax_plugin.create_attention_mask(
+            pos, seg, pos, seg, fwd_params=params, sliding_window=self.sliding_window,
+            skip_pad_tokens=self.cfg.kvax.skip_pad_tokens)
     return out
 
   def __iter__(self) -> Iterator[dict]:
@@ -81,12 +112,24 @@ class PackedCorpus:
                           full.pieces[lo:hi])
       if self.first is None:
         self.first = batch
-      skipped = {name: kvax_plugin.mask_sparsity(m)["skipped"]
-                 for name, m in self.masks(batch).items()}
+        if self._compiling is not None:
+          self._compiling.join()
+      skipped = ({name: kvax_plugin.mask_sparsity(m)["skipped"]
+                  for name, m in self.masks(batch).items()} if self.mask_stats else {})
       self.stats.append(BatchStats(real_tokens=batch.num_real_tokens, rows=batch.num_seqs,
                                    seq_len=batch.seq_len,
                                    documents=int(sum(batch.segments_per_row())), skipped=skipped))
       yield {k: np.asarray(v) for k, v in maxtext_features(batch).items()}
+
+
+def _host_device():
+  """The first CPU device, or None (JAX's default device) when the CPU backend is not enabled
+  (e.g. JAX_PLATFORMS=cuda)."""
+  import jax
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
 
 
 __all__ = ["BatchStats", "PackedCorpus"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvax_plugin.data.feeding import PackedCorpus
+from kvax_plugin.integrations.maxtext.setup_timing import format_breakdown
 from kvax_plugin.integrations.maxtext.training_hooks import Progress, StepRecord
 
 
@@ -54,9 +55,11 @@ def tensorboard_files(config) -> list[str]:
 
 
 def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
-              backend: str | None, wall: dict[str, float], files: dict[str, Any]) -> dict[str, Any]:
+              backend: str | None, wall: dict[str, float], files: dict[str, Any],
+              compile_breakdown: dict[str, Any] | None = None) -> dict[str, Any]:
   """The run's summary. `attention` / `backend`: what MaxText ran, read back from its final
-  config (raw keys may have changed the launcher config's choice)."""
+  config (raw keys may have changed the launcher config's choice). `compile_breakdown`:
+  setup_timing.SetupTimer.breakdown's parts of wall["setup_and_compile"]."""
   recs = progress.records
   timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
   mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
@@ -84,6 +87,7 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "kvax_fwd_blocks": ([int(config.kvax_fwd_query_block_size),
                            int(config.kvax_fwd_kv_block_size)] if attention == "kvax" else None),
       "wall_seconds": wall,
+      "compile_breakdown": compile_breakdown,
       **files,
   }
 
@@ -109,7 +113,11 @@ def print_summary(s: dict[str, Any], stream=None) -> None:
       f"(after step 1); blocks skipped: "
       + (", ".join(f"{k} {v:.1%}" for k, v in s["blocks_skipped"].items()) or "n/a"),
       f"   wall: setup+compile {w['setup_and_compile']:.1f} s, training {w['training']:.1f} s, "
-      f"total {w['total']:.1f} s",
+      f"total {w['total']:.1f} s"
+      + (f"; first step {w['first_step']:.2f} s" if "first_step" in w else "")
+      + (f" (result after {w['first_step_result']:.2f} s)" if w.get("first_step_result")
+         else ""),
+      *([f"   {format_breakdown(s['compile_breakdown'])}"] if s.get("compile_breakdown") else []),
       f"   mask:        {', '.join(s['mask_png']) or 'n/a'}",
       f"   loss plot:   {s['loss_png'] or 'n/a'}",
       f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 from kvax_plugin.data.feeding import BatchStats, PackedCorpus
 from kvax_plugin.errors import FlagError
@@ -48,7 +49,9 @@ def packed_corpus_pipeline(cfg, holder: dict):
     corpus = PackedCorpus(cfg, seq_len=config.max_target_length,
                           global_rows=config.global_batch_size_to_load,
                           host_index=loading.index(jax.process_index()), host_count=len(loading),
-                          sliding_window=window)
+                          sliding_window=window,
+                          # Masks only for a kvax run: another kernel's run reports no skipping.
+                          mask_stats=str(config.attention) == "kvax")
     holder["corpus"] = corpus
     return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
 
@@ -66,6 +69,7 @@ class StepRecord:
   step_seconds: float
   tokens_per_s: float  # real (non-padding) tokens per second, all devices
   skipped: dict[str, float]
+  received: float = 0.0  # time.time() when MaxText handed the metrics over (loss read by then)
 
 
 class Progress:
@@ -105,7 +109,7 @@ class Progress:
         scalars[f"kvax/blocks_skipped_{name}"] = share
     else:
       tokens_per_s, skipped = float("nan"), {}
-    record = StepRecord(step, loss, seconds, tokens_per_s, skipped)
+    record = StepRecord(step, loss, seconds, tokens_per_s, skipped, received=time.time())
     self.records.append(record)
     if (step + 1) % self.cfg.log_every == 0 or step == 0 or step + 1 == self.total_steps:
       print(self.format(record), file=self.stream, flush=True)
