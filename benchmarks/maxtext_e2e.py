@@ -11,10 +11,29 @@ than a row, so every row is one document (plain causal attention). Attentions: k
 --kvax_backend, default mosaic), flash (MaxText's tokamax Pallas-Triton kernel on a dense
 segment mask), cudnn_flash_jax (cuDNN through jax.nn; it does not see document boundaries).
 
-Per run it records the launcher's summary: mean real tokens/s over the steps after the first,
-setup+compile seconds (process start to the end of the first step, minus the first step) and
-the first step's seconds (cold start: run with an empty compilation cache). Writes
-e2e.json (conditions included) and e2e.png.
+Per run it records the launcher's summary (summary.json): mean real tokens/s over the steps after
+the first; setup+compile seconds (wall_seconds: the launcher's run up to MaxText's first step,
+i.e. checks, MaxText import and config, model/state init, tracing and compiling the train step;
+the process's imports before it and the pictures drawn after training are outside); the first
+step (MaxText's clock: loading the first batch and dispatching the step) and the first step's
+result (from the step's start until its loss reached the host: its execution and any one-time
+work at first execution); and where setup+compile went (compile_breakdown: parts that add up to
+it, JAX tracing, lowering to StableHLO incl. kernel lowering, XLA compile, the launcher's
+phases, a remainder; kvax_plugin/integrations/maxtext/setup_timing.py says what each holds).
+Runs before this breakdown reported setup+compile as the run's wall time minus the step clocks,
+which also held about two steps of execution; that number is kept as run_less_step_clocks_s.
+
+Cold by default: MaxText turns on JAX's persistent compilation cache (jax_cache_dir, default
+~/jax_cache, which also holds XLA's GPU autotuning cache), so a later run of the same program
+in one sweep would load its executables instead of compiling them. Every run gets its own fresh
+jax_cache_dir (and TRITON_CACHE_DIR / CUDA_CACHE_PATH for jax-triton's and the CUDA driver's
+kernel caches) under its output directory. `--warm` runs each program twice over one shared set
+of caches, cold then warm, and reports both setup+compile numbers (and breakdowns).
+
+Writes e2e.json (conditions included) and e2e.png.
+
+    python benchmarks/maxtext_e2e.py --variant tiny --runs 2k-short:kvax,2k-short:dot_product \
+        --kvax_backend jax --steps 3                                       # CPU smoke run
 """
 
 from __future__ import annotations
@@ -23,6 +42,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -34,10 +54,37 @@ DEFAULT_RUNS = ("16k-long:kvax,16k-long:cudnn_flash_jax,16k-short:kvax,16k-short
 SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048}
 
 
+# Columns of the printed table: compile_breakdown parts, shortened ("other": the rest).
+PART_COLUMNS = (("jax_trace", "trace"), ("jax_lower", "lower"), ("xla_compile", "xla"),
+                ("imports_and_config", "import+cfg"), ("model_state_init", "state init"))
+
+
+def fresh_caches(cache_dir: Path) -> dict[str, str]:
+  """Empty compilation caches under `cache_dir`: MaxText's jax_cache_dir key and the env vars
+  of the kernel caches outside JAX (jax-triton's Triton cache, the CUDA driver's PTX cache)."""
+  if cache_dir.exists():
+    shutil.rmtree(cache_dir)
+  cache_dir.mkdir(parents=True)
+  return {"jax_cache_dir": str(cache_dir / "jax"), "TRITON_CACHE_DIR": str(cache_dir / "triton"),
+          "CUDA_CACHE_PATH": str(cache_dir / "cuda")}
+
+
 def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
+  """One program: a cold run; with --warm, then a warm one over the same caches."""
+  run_dir = out_dir / f"{label}_{attention}"
+  caches = fresh_caches(out_dir / "caches" / f"{label}_{attention}")
+  row = run_launcher(label, attention, args, run_dir, caches)
+  if args.warm and "error" not in row:
+    warm = run_launcher(label, attention, args, out_dir / f"{label}_{attention}_warm", caches)
+    row["warm"] = {k: warm.get(k) for k in ("wall_s", "tokens_per_s", "setup_and_compile_s",
+                                             "first_step_s", "first_step_result_s",
+                                             "compile_breakdown", "error")}
+  return row
+
+
+def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[str, str]) -> dict:
   length, layout = label.split("-")
   seq = SEQ[length]
-  run_dir = out_dir / f"{label}_{attention}"
   cmd = [sys.executable, "-m", "kvax_plugin.launch", f"--config=configs/llama3.py:{args.variant}",
          f"--config.seq_len={seq}", f"--config.steps={args.steps}",
          f"--config.attention={attention}", f"--config.output_dir={run_dir}",
@@ -49,10 +96,14 @@ def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
     cmd += [f"--config.data.min_doc_chars={chars}", f"--config.data.max_doc_chars={chars}"]
   if args.variant != "tiny":
     cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
+  cmd.append(f"jax_cache_dir={caches['jax_cache_dir']}")
+  env = dict(os.environ, TRITON_CACHE_DIR=caches["TRITON_CACHE_DIR"],
+             CUDA_CACHE_PATH=caches["CUDA_CACHE_PATH"])
   row = dict(label=label, seq_len=seq, layout=layout, attention=attention,
              kvax_backend=args.kvax_backend if attention == "kvax" else None, command=" ".join(cmd))
   t0 = time.time()
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=args.timeout)
   row["wall_s"] = round(time.time() - t0, 1)
   tail = (proc.stdout + proc.stderr)[-3000:]
   summary_path = run_dir / "summary.json"
@@ -60,14 +111,16 @@ def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
     row["error"] = f"exit {proc.returncode}: {tail}"
     return row
   s = json.loads(summary_path.read_text())
-  metrics = run_dir / "metrics.jsonl"
-  if metrics.exists():
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    if steps:
-      s["first_step_seconds"] = steps[0].get("perf/step_time_seconds")
+  wall = s["wall_seconds"]
+  breakdown = s.get("compile_breakdown") or {}
   row.update(tokens_per_s=s.get("mean_tokens_per_s"), step_s=s.get("mean_step_seconds"),
-             setup_and_compile_s=s["wall_seconds"]["setup_and_compile"],
-             first_step_s=s.get("first_step_seconds"), last_loss=s.get("last_loss"),
+             setup_and_compile_s=wall["setup_and_compile"],
+             first_step_s=wall.get("first_step"),
+             first_step_result_s=wall.get("first_step_result"),
+             run_less_step_clocks_s=wall.get("run_less_step_clocks"),
+             before_run_s=wall.get("before_run"),
+             reporting_s=wall.get("reporting"), compile_breakdown=breakdown,
+             last_loss=s.get("last_loss"),
              blocks_skipped=s.get("blocks_skipped"), documents_per_row=s.get("documents_per_row"),
              attention_ran=s.get("attention"), backend_ran=s.get("kvax_backend"))
   return row
@@ -109,25 +162,48 @@ def main():
   ap.add_argument("--kvax_backend", default="mosaic")
   ap.add_argument("--variant", default="8b", help="configs/llama3.py variant (tiny: CPU smoke)")
   ap.add_argument("--timeout", type=int, default=300)
+  ap.add_argument("--warm", action="store_true",
+                  help="run each program twice over one set of caches; report cold and warm")
   args = ap.parse_args()
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   import jax
   result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
-                steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[])
+                steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[],
+                caches="warm: each program run twice over shared caches" if args.warm
+                else "cold: every run with empty compilation caches of its own")
   for spec in args.runs.split(","):
     label, attention = spec.split(":")
     row = run_one(label, attention, args, out_dir)
     result["runs"].append(row)
-    print(json.dumps({k: v for k, v in row.items() if k not in ("command",)})[:600], flush=True)
+    short = {k: v for k, v in row.items() if k not in ("command", "compile_breakdown", "warm")}
+    print(json.dumps(short)[:600], flush=True)
     (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
   plot(result["runs"], out_dir / "e2e.png")
-  print(f"{'run':28s} {'tok/s':>10s} {'setup+compile s':>16s} {'first step s':>13s}")
-  for r in result["runs"]:
-    print(f"{r['label'] + ':' + r['attention']:28s} {r.get('tokens_per_s') or float('nan'):10.0f} "
-          f"{r.get('setup_and_compile_s') or float('nan'):16.1f} "
-          f"{r.get('first_step_s') or float('nan'):13.2f}")
+  print_table(result["runs"])
+
+
+def print_table(rows) -> None:
+  """tokens/s, setup+compile, first step and the setup+compile parts (seconds) per run."""
+  def num(v, fmt):
+    return format(v, fmt) if isinstance(v, (int, float)) else format(float("nan"), fmt)
+
+  heads = "".join(f" {h:>10s}" for _, h in PART_COLUMNS)
+  print(f"{'run':28s} {'tok/s':>8s} {'1st step':>8s} {'1st result':>10s} {'setup+comp':>10s}"
+        f"{heads} {'other':>8s}")
+  for r in rows:
+    for name, data in ((r["label"] + ":" + r["attention"], r),
+                       ("  (warm)", r.get("warm"))):
+      if not data:
+        continue
+      parts = (data.get("compile_breakdown") or {}).get("parts", {})
+      shown = [parts.get(k) for k, _ in PART_COLUMNS]
+      other = (sum(parts.values()) - sum(v for v in shown if v is not None)) if parts else None
+      print(f"{name:28s} {num(data.get('tokens_per_s'), '8.0f')} "
+            f"{num(data.get('first_step_s'), '8.2f')} {num(data.get('first_step_result_s'), '10.2f')} "
+            f"{num(data.get('setup_and_compile_s'), '10.1f')}"
+            + "".join(f" {num(v, '10.1f')}" for v in shown) + f" {num(other, '8.1f')}")
 
 
 if __name__ == "__main__":
