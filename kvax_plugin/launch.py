@@ -33,7 +33,10 @@ What happens:
      and to add those numbers to MaxText's TensorBoard scalars.
   5. At the end: a summary (printed and summary.json), loss.png and mask.png (the first batch's
      block mask, kvax_plugin.draw_mask) under the output directory, next to MaxText's own
-     tensorboard/ folder. MaxText's full log is in maxtext.log there.
+     tensorboard/ folder. MaxText's full log is in maxtext.log there. The summary's
+     wall_seconds hold setup+compile (up to the first step) and the first step;
+     compile_breakdown splits setup+compile into JAX tracing, lowering, XLA compile, the
+     launcher's phases and a remainder (integrations/maxtext/setup_timing.py).
 
 This file is the flags -> checked config -> run path; the pieces it drives live with what they
 serve: the corpus stream in kvax_plugin/data/feeding.py, the MaxText key translation, hooks and
