@@ -138,6 +138,7 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
       return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
                              backend="mosaic", deterministic_backward=det)
     mosaic.env = env or {}
+    mosaic.mask = mask
     return mosaic
   impls["mosaic"] = make_mosaic()
   impls["mosaic_fused"] = make_mosaic(det=False)
@@ -217,6 +218,44 @@ def time_parts(fn, pos, seg, q, k, v, cot, scale, rounds):
               dq=ms(dq, (q, k, v, lse, delta, cot)), dkv=ms(dkv, (q, k, v, lse, delta, cot)))
 
 
+def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=False):
+  """ms of each Mosaic GPU kernel alone (causal / documents as the mask says): forward, the dk/dv
+  kernel of the deterministic backward, its dq kernel, and the fused dk/dv kernel that also
+  reduce-adds dq."""
+  import dataclasses as dc
+  from kvax_plugin.attention.kernels.mosaic import backend as mb
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
+  sinks = jnp.zeros((q.shape[2],), jnp.float32)
+  st = mb.Static(scale=float(scale), soft_cap=0.0, has_sinks=False, causal=bool(mask.spec.causal),
+                 window=0, deterministic=True, interpret=interpret)
+  fwd = jax.jit(lambda q, k, v: mb._forward(st, q, k, v, sinks, *ints, mask))
+  out, lse = fwd(q, k, v)
+  p = mb._Padded(mask, q, k, v, *ints)
+  delta = jnp.einsum("bshd,bshd->bhs", cot.astype(jnp.float32), out.astype(jnp.float32))
+  d_out = cot.astype(q.dtype)
+  spec = mask.spec
+  cfg = bk.BwdConfig(table_q=spec.bwd_params.query_block_size,
+                     table_kv=spec.bwd_params.kv_block_size, scale=float(scale), soft_cap=0.0,
+                     causal=bool(spec.causal), window=0, with_dq=False, interpret=interpret)
+  itemsize = jnp.dtype(q.dtype).itemsize
+  dk_dim, dv_dim = q.shape[3], v.shape[3]
+  stages = next(s for s in (3, 2, 1)
+                if bk.dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, False) <= bk.SMEM_BUDGET)
+  args = (p.q, p.k, p.v, d_out, lse, delta, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg)
+  dkv = jax.jit(lambda *a: bk.dkv_call(cfg, stages, *a, *mask.dkv)[1:])
+  bk_tile = 128 if spec.bwd_params.kv_block_size % 128 == 0 else 64
+  dq = jax.jit(lambda *a: bk.dq_call(cfg, bk_tile, 2, *a, *mask.dq))
+  fcfg = dc.replace(cfg, with_dq=True)
+  split = bk.splits_dq(fcfg, dk_dim)
+  fstages = next(s for s in (3, 2, 1)
+                 if bk.dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, True, split) <= bk.SMEM_BUDGET)
+  fused = jax.jit(lambda *a: bk.dkv_call(fcfg, fstages, *a, *mask.dkv))
+  ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
+  return dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
+              fused_dkv_dq=ms(fused, args))
+
+
 def bench_mask_build(pos, seg, rounds):
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
   build = jax.jit(lambda p, s: create_attention_mask(p, s, p, s, calc_bwd_mask=True))
@@ -282,7 +321,7 @@ def main():
                        "forward tables at that query block; flags are comma-separated)")
   ap.add_argument("--split", action="store_true",
                   help="also time each kernel of ours (and its variants) alone: forward, "
-                       "delta, dq, dk/dv")
+                       "delta, dq, dk/dv; and of mosaic: forward, dk/dv, dq, fused dk/dv+dq")
   args = ap.parse_args()
 
   heads, kv_heads = 32, 8
@@ -372,6 +411,18 @@ def main():
               print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
               traceback.print_exc(limit=2)
             results.append(row)
+          if args.split and name == "mosaic" and not isinstance(fn, str):
+            try:
+              kparts = time_parts_mosaic(fn.mask, pos, seg, q, k, v, cot, scale, args.rounds)
+              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
+                                  **{"pass": "parts"}, parts_ms=kparts))
+              print(f"  {name:15s} parts    " + "  ".join(f"{kk} {vv:.3f}"
+                                                          for kk, vv in kparts.items()) + " ms",
+                    flush=True)
+            except Exception as e:  # noqa: BLE001
+              print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
+                    flush=True)
+              traceback.print_exc(limit=2)
           if args.split and name.startswith("ours") and not isinstance(fn, str):
             try:
               kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
