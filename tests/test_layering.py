@@ -28,16 +28,20 @@ ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (f"{ATTENTION}.params",),
     (f"{ATTENTION}.block_mask",),
     (f"{ATTENTION}.validation",),
-    (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities"),
+    (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities",
+     f"{KERNELS}.custom_vjp"),
     ("<kernel leaves>",),
     (KERNELS,),
     (f"{ATTENTION}.context_parallel",),
     (f"{ATTENTION}.api",),
     (f"{ATTENTION}.compare",),
 ]
+# Modules of the kernels package that are not leaves: what every backend shares.
+KERNELS_SHARED = {f"{KERNELS}.capabilities", f"{KERNELS}.custom_vjp"}
 # What a kernel leaf may import besides its own files.
 KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.block_mask",
-                          f"{ATTENTION}.reference", f"{KERNELS}.capabilities"}
+                          f"{ATTENTION}.reference", f"{KERNELS}.capabilities",
+                          f"{KERNELS}.custom_vjp"}
 
 
 def module_files(root: str, package: str) -> dict[str, str]:
@@ -124,7 +128,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def kernel_leaf(module: str) -> str | None:
   """The kernel leaf (module or leaf package) a module belongs to, or None."""
-  if not module.startswith(KERNELS + ".") or module == f"{KERNELS}.capabilities":
+  if not module.startswith(KERNELS + ".") or module in KERNELS_SHARED:
     return None
   return ".".join(module.split(".")[:4])  # kvax_plugin.attention.kernels.<leaf>
 

@@ -4,6 +4,8 @@
     block_mask.py             the block tables (AttentionMask) and their reporting
     reference.py              the dense float32 reference; validation.py: argument checks;
                               token_order.py: context-parallel token orders
+    kernels/capabilities.py,  what every backend shares: its capability record, and the
+    kernels/custom_vjp.py     custom VJP of the backends with their own backward kernels
     kernels/<leaf>            kernel backends (jax_blockwise, reference, triton/, mosaic/): the
                               leaves
     kernels/__init__.py       the registry: names, capabilities, devices, "auto"

@@ -8,8 +8,8 @@ implementation with one calling convention:
 
 over inputs already validated by the public op (shapes, dtypes, head dims, mask). Each backend
 is a leaf module or package under this folder that imports only the mask tables
-(attention.block_mask), the params (attention.params), the dense reference, capabilities.py and
-its own files; tests/test_layering.py enforces that. The leaf's module declares what it supports
+(attention.block_mask), the params (attention.params), the dense reference, capabilities.py,
+custom_vjp.py (the custom VJP shared by backends with backward kernels) and its own files; tests/test_layering.py enforces that. The leaf's module declares what it supports
 as `CAPABILITIES` (a `Capabilities`). This module holds one `KernelBackend` record per name: where
 the implementation lives (imported on first use), which devices it needs and how to check one,
 and which extra options it takes. Everything that picks a backend asks here.

@@ -10,7 +10,6 @@ rows a segment id no kv token has, so the kernels need no bounds checks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
+from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
 from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
@@ -187,44 +187,11 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   dq = dq.astype(q.dtype)
   dk = p.unpad_kv(dk, p.dk).astype(k.dtype)
   dv = p.unpad_kv(dv, p.dv).astype(v.dtype)
-  if cfg.has_sinks:
-    # d loss / d sink_h = -sum over rows of exp(sink_h - lse) * delta (the sink's probability
-    # times what the softmax Jacobian subtracts); rows with nothing attended have lse +inf.
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-    dsinks = -jnp.sum(p_sink * delta, axis=(0, 2))
-  else:
-    dsinks = jnp.zeros_like(sinks)
-  return dq, dk, dv, dsinks.astype(sinks.dtype)
+  dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
+  return dq, dk, dv, dsinks
 
 
-def _int_zero_cotangent(x):
-  return None if x is None else np.zeros(x.shape, dtype=jax.dtypes.float0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
-  out, _ = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
-  return out
-
-
-def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
-  out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
-  return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
-
-
-def _attention_bwd(cfg, res, d_out):
-  q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse = res
-  if not mask.has_backward:
-    raise ValueError("mask has no backward tables: build it with "
-                     "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
-  dq, dk, dv, dsinks = _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
-                                 lse, d_out)
-  int_zero = lambda tree: jax.tree.map(_int_zero_cotangent, tree)
-  return (dq, dk, dv, dsinks, *map(_int_zero_cotangent, (q_pos, q_seg, kv_pos, kv_seg)),
-          int_zero(mask))
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = kernel_attention(_forward, _backward)
 
 
 def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids, kv_positions,

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
 from kvax_plugin.attention.kernels.capabilities import Capabilities
+from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.triton import compat
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
@@ -528,43 +529,11 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   ints = (q_pos, q_seg, kv_pos, kv_seg)
   dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
   dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
-  if cfg.has_sinks:
-    # d loss / d sink_h = -sum_rows exp(sink_h - lse) * delta (the sink's probability times D).
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-    dsinks = -jnp.sum(p_sink * delta, axis=(0, 2))
-  else:
-    dsinks = jnp.zeros_like(sinks)
-  return dq, dk_out, dv_out, dsinks.astype(sinks.dtype)
+  dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
+  return dq, dk_out, dv_out, dsinks
 
 
-def _int_zero_cotangent(x):
-  return None if x is None else np.zeros(x.shape, dtype=jax.dtypes.float0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
-  out, _ = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
-  return out
-
-
-def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
-  out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
-  return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
-
-
-def _attention_bwd(cfg, res, d_out):
-  q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse = res
-  if not mask.has_backward:
-    raise ValueError("mask has no backward tables: build it with "
-                     "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
-  dq, dk, dv, dsinks = _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
-                                 lse, d_out)
-  int_zero = lambda tree: jax.tree.map(_int_zero_cotangent, tree)
-  return (dq, dk, dv, dsinks, *map(_int_zero_cotangent, (q_pos, q_seg, kv_pos, kv_seg)),
-          int_zero(mask))
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = kernel_attention(_forward, _backward)
 
 
 def _gpu():
