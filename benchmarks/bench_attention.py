@@ -411,23 +411,16 @@ def main():
               print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
               traceback.print_exc(limit=2)
             results.append(row)
-          if args.split and name == "mosaic" and not isinstance(fn, str):
+          if args.split and not isinstance(fn, str) and (name == "mosaic"
+                                                         or name.startswith("ours")):
             try:
-              kparts = time_parts_mosaic(fn.mask, pos, seg, q, k, v, cot, scale, args.rounds)
+              if name == "mosaic":
+                kparts = time_parts_mosaic(fn.mask, pos, seg, q, k, v, cot, scale, args.rounds)
+              else:
+                kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
               results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
-                                  **{"pass": "parts"}, parts_ms=kparts))
-              print(f"  {name:15s} parts    " + "  ".join(f"{kk} {vv:.3f}"
-                                                          for kk, vv in kparts.items()) + " ms",
-                    flush=True)
-            except Exception as e:  # noqa: BLE001
-              print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
-                    flush=True)
-              traceback.print_exc(limit=2)
-          if args.split and name.startswith("ours") and not isinstance(fn, str):
-            try:
-              kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
-              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
-                                  **{"pass": "parts"}, parts_ms=kparts, tiles=fn.tiles))
+                                  **{"pass": "parts"}, parts_ms=kparts,
+                                  tiles=getattr(fn, "tiles", None)))
               print(f"  {name:15s} parts    " + "  ".join(f"{kk} {vv:.3f}"
                                                           for kk, vv in kparts.items()) + " ms",
                     flush=True)
