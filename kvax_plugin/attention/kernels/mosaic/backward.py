@@ -296,7 +296,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.SMEM((stages, TILE_Q), jnp.float32),
         (_smem((2, CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if split else
          _smem((CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if cfg.with_dq else None),
-        plgpu.SMEM((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if cfg.with_dq else None,
+        # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
+        # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
+        # writes at once in the same banks); TMA unswizzles on the way to global memory.
+        _smem((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if cfg.with_dq else None,
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
