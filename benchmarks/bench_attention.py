@@ -145,6 +145,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})
+  # fused dq with two shared-memory buffers per consumer for the dq partial
+  impls["mosaic_fused_2buf"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_BUFFERS": "2"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -61,6 +61,10 @@ class BwdConfig:
   # 64 kv rows (twice the registers, two reduce-adds of the same rows). False: the whole-tile
   # partials (benchmarking hook KVAX_MOSAIC_DQ_WHOLE=1).
   dq_split: bool = True
+  # Shared-memory buffers per consumer for the dq partial: 2 lets a step's store start while the
+  # previous step's reduce may still be reading (where it fits; benchmarking hook
+  # KVAX_MOSAIC_DQ_BUFFERS=2).
+  dq_buffers: int = 1
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
@@ -69,11 +73,12 @@ def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
-                   split: bool = False) -> int:
+                   split: bool = False, dq_buffers: int = 1) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * TILE_Q * ((dk + dv) * itemsize + 8)
-  if split:  # dS double-buffered and shared; a TILE_Q x dk/2 float32 partial per consumer
-    dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * (dk // CONSUMERS) * 4)
+  if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
+    dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize
+                      + dq_buffers * TILE_Q * (dk // CONSUMERS) * 4)
   elif with_dq:
     dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
   else:
@@ -114,6 +119,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   dtype = q.dtype
   split = splits_dq(cfg, dk)
   dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
+  dq_buffers = cfg.dq_buffers if split else 1
   # The interpreter has no bulk reduce: there each consumer adds into its own buffer.
   dq_copies = CONSUMERS if cfg.interpret else 1
 
@@ -218,8 +224,12 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         if cfg.with_dq:
           qrows = pl.ds(qi * TILE_Q, TILE_Q)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
-          my_dq = dq_smem.at[wg]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read my_dq
+          if dq_buffers == 1:
+            my_dq = dq_smem.at[wg]
+          else:
+            my_dq = dq_smem.at[lax.rem(n, dq_buffers), wg]
+          # The reduce that last used my_dq has read it (with 2 buffers, the one before last).
+          plgpu.wait_smem_to_gmem(dq_buffers - 1, wait_read_only=True)
           if cfg.interpret:
             target = dq_ref.at[wg, bi, qrows, head, cols]
             my_dq[...] = dq + target[...]
@@ -299,7 +309,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
         # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
-        _smem((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if cfg.with_dq else None,
+        (_smem((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if dq_buffers == 1 else
+         _smem((dq_buffers, CONSUMERS, TILE_Q, dq_cols), jnp.float32)) if cfg.with_dq else None,
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
@@ -495,8 +506,12 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
                                            split) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
+  if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
+      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers) > SMEM_BUDGET:
+    cfg = dataclasses.replace(cfg, dq_buffers=1)
   stages = next((s for s in (3, 2, 1)
-                 if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split) <= SMEM_BUDGET),
+                 if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
+                                   cfg.dq_buffers if split else 1) <= SMEM_BUDGET),
                 None)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
