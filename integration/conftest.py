@@ -3,6 +3,12 @@
 They need the [maxtext] extra (scripts/bootstrap.sh installs it). Where it is missing they
 are reported as skipped, except in CI or with KVAX_REQUIRE_MAXTEXT=1, where a missing MaxText
 is an error: a skipped integration suite must never pass for a green one.
+
+The in-process tests are written for one CPU device (the multi-device cases run their own
+workers, test_maxtext_mesh.py); scripts/test.sh runs this suite in a process of its own for that.
+Collected together with tests/ (whose conftest simulates 8 devices) they would run every model
+on an 8-device fsdp mesh with 8x the batch: several times slower, and ~20 GiB at the peak. The
+summary says so when it happens.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ def kvax_installed(_uninstall_at_end):
 
 
 def pytest_terminal_summary(terminalreporter):
+  jax = sys.modules.get("jax")
+  if jax is not None and jax.device_count() > 1:
+    terminalreporter.write_line(
+        f"note: integration/ ran with {jax.device_count()} devices (collected with tests/?); "
+        "its tests are written for one: run it on its own (scripts/test.sh does)", yellow=True)
   from maxtext_results import LINES
   if LINES:
     terminalreporter.section("MaxText integration results")

@@ -64,8 +64,12 @@ def main(model: str, mesh_overrides: dict) -> dict:
                                                      ReorderStrategy.DUAL_CHUNK_SWAP,
                                                      config.hardware)
       batch = H.from_maxtext_batch(reorder(H.to_maxtext_batch(batch)))
+    before = dict(kvax_provider.TRACE_COUNTS)
     with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
       loss, logits, grads = H.value_and_grads(m, batch)
+    if attention == "kvax":  # what tracing the kvax step did (nnx.jit traces it once)
+      trace_counts = {k: kvax_provider.TRACE_COUNTS[k] - before.get(k, 0)
+                      for k in ("prepare", "mask_builds", "apply")}
     results[attention] = (float(loss), np.asarray(logits), H.flat_params(grads))
   # Which permutation the batch carries: compare with the orders computed here.
   seq_len = kvax_config.max_target_length
@@ -94,7 +98,8 @@ def main(model: str, mesh_overrides: dict) -> dict:
               worst_grad=worst, worst_grad_rel_diff=grad_diffs[worst], num_grads=len(grad_diffs), grads_over_tolerance=over, logit_tol=H.LOGIT_TOL,
               grad_names_match=sorted(ref[2]) == sorted(got[2]),
               kvax_sharded=opts.mesh is not None, query_specs=repr(opts.query_specs), kv_specs=repr(opts.kv_specs),
-              token_order=opts.token_order, batch_order=carried, seq_len=seq_len)
+              token_order=opts.token_order, batch_order=carried, seq_len=seq_len,
+              trace_counts=trace_counts)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Each case runs in a subprocess (the host device count is fixed when JAX starts).
 must actually be sharded there: a mesh, the specs MaxText's logical axis rules give, and the
 token order MaxText's pipeline applied (the reorder callable its setup_train_loop builds with
 attention=kvax): the per-batch balanced order by default (kvax_context_parallel_order=auto), the
-Llama 3 order when the key asks for it.
+Llama 3 order when the key asks for it. gpt-oss (sinks, alternating local / global layers, MoE)
+runs without context parallelism: batch over fsdp, heads (and sinks) over tensor, natural order.
+Every case also checks the kvax op's trace counters: one prepare per traced step and one mask
+per (causal, window) kind of layer.
 """
 
 from __future__ import annotations
@@ -22,22 +25,24 @@ pytestmark = pytest.mark.maxtext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CASES = [  # model, devices, MaxText keys, expected query specs, expected token order
+CASES = [  # model, devices, MaxText keys, expected query specs, token order, masks per step
     ("llama3-8b", 4, dict(ici_fsdp_parallelism=2, ici_context_parallelism=2,
-                          per_device_batch_size=0.5), ("fsdp", "context", None), "balanced"),
+                          per_device_batch_size=0.5), ("fsdp", "context", None), "balanced", 1),
     ("gemma2-2b", 8, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2,
                           ici_context_parallelism=2, per_device_batch_size=0.25,
                           sliding_window_size=48, kvax_context_parallel_order="llama3"),
-     ("fsdp", "context", "tensor"), "llama3"),
+     ("fsdp", "context", "tensor"), "llama3", 2),
     ("deepseek3-tiny", 4, dict(ici_tensor_parallelism=2, ici_context_parallelism=2,
                                per_device_batch_size=0.5), (None, "context", "tensor"),
-     "balanced"),
+     "balanced", 1),
+    ("gpt-oss-20b", 4, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2,
+                            per_device_batch_size=0.5), ("fsdp", None, "tensor"), "natural", 2),
 ]
 
 
-@pytest.mark.parametrize("model,devices,mesh,spec,order", CASES,
-                         ids=[f"{m}-{d}dev-{o}" for m, d, _, _, o in CASES])
-def test_mesh_parity(model, devices, mesh, spec, order):
+@pytest.mark.parametrize("model,devices,mesh,spec,order,masks", CASES,
+                         ids=[f"{m}-{d}dev-{o}" for m, d, _, _, o, _ in CASES])
+def test_mesh_parity(model, devices, mesh, spec, order, masks):
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                        f" --xla_force_host_platform_device_count={devices}").strip()}
@@ -55,8 +60,14 @@ def test_mesh_parity(model, devices, mesh, spec, order):
   assert r["devices"] == devices
   assert r["kvax_sharded"], "kvax ran unsharded on a multi-device mesh"
   assert r["token_order"] == order, "kvax must be told the order MaxText's pipeline applied"
-  assert order in r["batch_order"] and "natural" not in r["batch_order"], (
-      f"the batch carries {r['batch_order']}, expected the {order} order")
+  if order == "natural":  # no context parallelism: MaxText's pipeline reorders nothing
+    assert r["batch_order"] == ["natural"], r["batch_order"]
+  else:
+    assert order in r["batch_order"] and "natural" not in r["batch_order"], (
+        f"the batch carries {r['batch_order']}, expected the {order} order")
+  assert r["trace_counts"]["prepare"] == 1, r["trace_counts"]
+  assert r["trace_counts"]["mask_builds"] == masks, r["trace_counts"]
+  assert r["trace_counts"]["apply"] >= 1, r["trace_counts"]
   want = tuple(spec)
   got = eval(r["query_specs"])  # repr of a tuple of str / None, written by our worker
   assert (got[0], got[1], got[2]) == want, f"query specs {got}, expected {want}"

@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent) and run the CPU test suites. Extra args go to pytest.
 # Two environments: .venv (everything but Levanter) and .venv-levanter (integration/levanter,
-# which cannot share an environment with MaxText). Without args both suites run (.venv-levanter
-# is set up in the background while the first suite runs); with args, paths under
-# integration/levanter run in .venv-levanter and anything else in .venv.
+# which cannot share an environment with MaxText). Without args, three suites run, each in its
+# own process: tests/ (8 simulated CPU devices, tests/conftest.py) in the foreground, and in the
+# background integration/ (MaxText; one CPU device, as its tests are written for: the mesh tests
+# start their own multi-device workers) followed by integration/levanter in .venv-levanter (set
+# up in the background too). On 2 cores the two lines of work use both; the background output is
+# printed when it is done. With args, paths under integration/levanter run in .venv-levanter and
+# anything else in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # --confcutdir: integration/conftest.py (MaxText's) is not the Levanter suite's.
 levanter_pytest() { .venv-levanter/bin/python -m pytest -q --confcutdir=integration/levanter "$@"; }
 if [ $# -eq 0 ]; then
   bash scripts/bootstrap.sh
-  log=$(mktemp)
-  bash scripts/bootstrap_levanter.sh >"$log" 2>&1 &
-  setup=$!
+  logs=$(mktemp -d)
+  trap 'rm -rf "$logs"' EXIT
+  (
+    bash scripts/bootstrap_levanter.sh >"$logs/setup" 2>&1 &
+    setup=$!
+    status=0
+    .venv/bin/python -m pytest -q integration || status=$?
+    if ! wait "$setup"; then
+      cat "$logs/setup"; echo "test.sh: setting up .venv-levanter failed (above)"; exit 1
+    fi
+    levanter_pytest integration/levanter || status=$?
+    exit "$status"
+  ) >"$logs/background" 2>&1 &
+  background=$!
   status=0
-  .venv/bin/python -m pytest -q || status=$?
-  if ! wait "$setup"; then
-    cat "$log" >&2; echo "test.sh: setting up .venv-levanter failed (above)" >&2; exit 1
-  fi
-  rm -f "$log"
-  levanter_pytest integration/levanter || status=$?
+  .venv/bin/python -m pytest -q tests || status=$?
+  wait "$background" || status=$?
+  echo "=== integration/ and integration/levanter (run alongside tests/) ==="
+  cat "$logs/background"
   exit "$status"
 elif printf '%s\n' "$@" | grep -q '^integration/levanter'; then
   bash scripts/bootstrap_levanter.sh
