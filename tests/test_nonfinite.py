@@ -78,7 +78,7 @@ def test_x64_jax_backend_float32_and_float64():
     loss = lambda fn: lambda *a: jnp.sum(fn(*a) ** 2)
     q, k, v = _problem(b, s, s, h, kh, dtype=jnp.float64)
     out, grads = jax.jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
-    want, want_grads = jax.value_and_grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    want, want_grads = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
     np.testing.assert_allclose(out, want, rtol=1e-12)
     for g, w in zip(grads, want_grads):
       assert g.dtype == jnp.float64
