@@ -70,6 +70,10 @@ def _parse(argv):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--tol", type=float, default=None, help="rel L2 bound for `agree`")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--kv_grad_reduce_dtype", choices=("auto", "float32", "input"), default="auto",
+                  help="dtype of the cross-shard sum of dk / dv (context_parallel."
+                  "KV_GRAD_REDUCE_DTYPE): auto (the library's choice: the input dtype with two "
+                  "context shards, float32 with more), float32, or the input dtype")
   ap.add_argument("--cpu_devices", type=int, default=None,
                   help="run on CPU with this many simulated devices (sets XLA_FLAGS)")
   args = ap.parse_args(argv)
@@ -116,6 +120,11 @@ def main(argv=None) -> dict:
   from kvax_plugin.attention.api import create_attention_mask, flash_attention, resolve_backend
   from kvax_plugin.attention.context_parallel import context_parallel_balance
   from kvax_plugin.attention.params import DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS
+
+  if args.kv_grad_reduce_dtype != "auto":
+    from kvax_plugin.attention import context_parallel as cp_module
+    cp_module.KV_GRAD_REDUCE_DTYPE = jnp.dtype(
+        args.dtype if args.kv_grad_reduce_dtype == "input" else "float32")
 
   devices = jax.devices()
   cp = args.cp or len(devices)
@@ -222,6 +231,8 @@ def main(argv=None) -> dict:
                                                  "iters", "warmup", "seed", "orders", "layouts")},
         "order_unit": unit, "devices": [str(x) for x in devices[:cp]],
         "device_kind": devices[0].device_kind, "jax_version": jax.__version__,
+        "kv_grad_reduce_dtype": args.kv_grad_reduce_dtype,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "python": platform.python_version(), "tolerance_rel_l2": tol, "layouts": results,
         "complete": sorted(results) == sorted(layouts),
         "agree": all(r["agree"] for lay in results.values()

@@ -145,7 +145,11 @@ def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(f32(q), f32(k), f32(v), *ints, scale=scale,
                                               logits_soft_cap=cap, sinks=sinks)
-    return _results(jax.jit(mine), arrays, cot), _results(ref, arrays, cot)
+    # The reference in exact float32 products: on a GPU, XLA's default precision may use TF32
+    # (~5e-4 relative error), which would fail a float32 kernel that is exact.
+    with jax.default_matmul_precision("highest"):
+      want = _results(ref, arrays, cot)
+    return _results(jax.jit(mine), arrays, cot), want
 
   names = list(POISON_CASES)
   arrays, _, cot = _inputs(len(names), seed, dtype, d)

@@ -339,6 +339,27 @@ def test_summary_and_progress_report_what_maxtext_ran():
       assert summary["kvax_fwd_blocks"] is None
 
 
+def test_summary_tokens_per_second_is_total_tokens_over_total_time():
+  # Steps of 100 real tokens: one clocked at 0.1 s (a short clock), two at 1.0 s, after the
+  # first (untimed) step. Total: 300 tokens / 2.1 s, not the mean of 1000, 100, 100 tok/s.
+  from types import SimpleNamespace
+
+  from kvax_plugin.integrations.maxtext import run_report, training_hooks
+  c = load_family("llama3").get_config("tiny")
+  config = SimpleNamespace(hardware="cpu", max_target_length=64, global_batch_size_to_train_on=2,
+                           kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
+  stats = SimpleNamespace(skipped={}, real_tokens=100, rows=2, seq_len=64, documents=2)
+  corpus = SimpleNamespace(stats=[stats] * 4, global_rows=2)
+  progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=4, block_skipping=False)
+  for step, seconds in enumerate((5.0, 0.1, 1.0, 1.0)):
+    progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
+                                          "perf/step_time_seconds": seconds}}, step)
+  summary = run_report.summarize(c, config, progress, corpus, "dot_product", None,
+                                 {"total": 8.0, "training": 7.1, "setup_and_compile": 0.9}, {})
+  assert summary["mean_tokens_per_s"] == pytest.approx(300 / 2.1)
+  assert summary["mean_step_seconds"] == pytest.approx(2.1 / 3)
+
+
 def test_run_reports_what_maxtext_config_says():
   # Raw keys win over the launcher config; the banner and summary.json read the final MaxText
   # config back (the end-to-end test checks the banner of a real run).

@@ -9,6 +9,7 @@ gradients of query, key, value and sinks must equal the single-device jax-backen
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 
 import jax
@@ -466,3 +467,78 @@ def test_fewer_kv_heads_than_tensor_shards(data, shape, kv_heads):
   want = _FEWER_KV_WANT[kv_heads]
   got = _run(d, mesh=_mesh(shape), order="llama3" if shape[3] > 1 else "natural")
   _assert_same(got, want, f"mesh {shape}, {kv_heads} kv heads")
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 1, 2), (2, 1, 1, 4)])
+def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
+  """bfloat16 inputs: with two context shards dk / dv are summed in bfloat16 (half the bytes) and
+  equal the float32 sum bit for bit; with four they are summed in float32."""
+  cp = shape[3]
+  mesh = _mesh(shape)
+  kw = dict(mesh=mesh, query_specs=QUERY_SPECS, kv_specs=KV_SPECS)
+  q, k, v, w = (data[n].astype(jnp.bfloat16) for n in ("q", "k", "v", "w"))
+  pos, seg = data["pos"], data["seg"]
+
+  def grads(q, k, v):
+    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
+                                 calc_bwd_mask=True, **kw)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, pos, seg, pos, seg, mask,
+                                                   backend="jax", **kw).astype(jnp.float32)
+                                   * w.astype(jnp.float32))
+    return jax.grad(loss, argnums=(1, 2))(q, k, v)
+
+  def run(forced):
+    monkeypatch.setattr(context_parallel, "KV_GRAD_REDUCE_DTYPE", forced)
+    lowered = jax.jit(grads).lower(q, k, v)
+    # The program as jax emits it (XLA's CPU backend later promotes 16-bit collectives to
+    # float32 on its own; NCCL on a GPU sums in the dtype it is given).
+    scatters = re.findall(r'"stablehlo\.reduce_scatter".*?\}\) : \(tensor<([^>]*)>\)',
+                          lowered.as_text(), flags=re.S)
+    compiled = lowered.compile(compiler_options=FAST_COMPILE)
+    return [np.asarray(x.astype(jnp.float32)) for x in compiled(q, k, v)], scatters
+
+  (dk, dv), scatters = run(None)
+  assert scatters, "no reduce_scatter in the lowered backward"
+  want = "xbf16" if cp == 2 else "xf32"
+  assert all(t.endswith(want) for t in scatters), scatters
+  assert context_parallel.kv_grad_reduce_dtype(jnp.bfloat16, cp) == (
+      jnp.bfloat16 if cp == 2 else jnp.float32)
+  (dk32, dv32), _ = run(jnp.float32)
+  if cp == 2:
+    np.testing.assert_array_equal(dk, dk32)
+    np.testing.assert_array_equal(dv, dv32)
+  else:  # more than one rounding: close, not necessarily equal
+    np.testing.assert_allclose(dk, dk32, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(dv, dv32, rtol=2e-2, atol=2e-2)
+
+
+def test_two_term_bfloat16_sum_rounds_like_float32():
+  """The claim behind summing two context shards' dk / dv in bfloat16: for two bfloat16 values,
+  the correctly rounded bfloat16 sum equals float32(a + b) rounded to bfloat16 (checked against
+  exact rational arithmetic on pairs with every exponent gap, ties and cancellations)."""
+  from fractions import Fraction
+
+  import ml_dtypes
+  bf16 = ml_dtypes.bfloat16
+  rng = np.random.default_rng(0)
+  n = 4000
+  a = rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))
+  gap = np.exp2(-rng.integers(0, 30, n).astype(np.float64))
+  b = a * gap * rng.choice([-1.0, 1.0], n) * (1 + rng.integers(0, 256, n) / 256)
+  a, b = a.astype(bf16), b.astype(bf16)
+
+  def correctly_rounded(x: Fraction):
+    """Nearest bfloat16 to the exact x, ties to the even bit pattern."""
+    guess = np.array([float(x)], np.float32).astype(bf16)
+    bits = guess.view(np.uint16).astype(np.int32)[0]
+    cands = [np.array([c], np.uint16).view(bf16)[0] for c in (bits - 1, bits, bits + 1)
+             if 0 <= c < 2 ** 16]
+    cands = [c for c in cands if np.isfinite(np.float32(c))]
+    best = min(abs(Fraction(float(c)) - x) for c in cands)
+    ties = [c for c in cands if abs(Fraction(float(c)) - x) == best]
+    return min(ties, key=lambda c: int(np.array([c]).view(np.uint16)[0]) % 2)
+
+  via_f32 = (a.astype(np.float32) + b.astype(np.float32)).astype(bf16)
+  for x, y, got in zip(a, b, via_f32):
+    want = correctly_rounded(Fraction(float(x)) + Fraction(float(y)))
+    assert float(got) == float(want), (float(x), float(y), float(got), float(want))
