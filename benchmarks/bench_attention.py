@@ -147,6 +147,16 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})
   # fused dq with two shared-memory buffers per consumer for the dq partial
   impls["mosaic_fused_2buf"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_BUFFERS": "2"})
+  # register split 240 / 24 for the backward's consumers / producer (ptxas spills at 232 / 40),
+  # the dq kernel stepping 64 kv rows (half the S / dP registers), and their combinations
+  regs240 = {"KVAX_MOSAIC_BWD_REGS": "240"}
+  impls["mosaic_regs240"] = make_mosaic(env=regs240)
+  impls["mosaic_dq64"] = make_mosaic(env={"KVAX_MOSAIC_DQ_KV_TILE": "64"})
+  impls["mosaic_regs240_dq64"] = make_mosaic(env={**regs240, "KVAX_MOSAIC_DQ_KV_TILE": "64"})
+  impls["mosaic_fused_regs240"] = make_mosaic(det=False, env=regs240)
+  impls["mosaic_fused_2buf_regs240"] = make_mosaic(
+      det=False, env={**regs240, "KVAX_MOSAIC_DQ_BUFFERS": "2"})
+  impls["mosaic_fused_unpaired"] = make_mosaic(det=False, env={"KVAX_MOSAIC_UNPAIRED": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -254,8 +264,23 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
                  if bk.dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, True, split) <= bk.SMEM_BUDGET)
   fused = jax.jit(lambda *a: bk.dkv_call(fcfg, fstages, *a, *mask.dkv))
   ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
-  return dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
-              fused_dkv_dq=ms(fused, args))
+  parts = dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
+               fused_dkv_dq=ms(fused, args))
+  # The register-pressure variants (ptxas spills in the dq and fused kernels at 232 registers):
+  # consumers at 240 (producer 24), and the dq kernel stepping 64 kv rows.
+  r240, f240 = dc.replace(cfg, consumer_regs=240), dc.replace(fcfg, consumer_regs=240)
+  variants = dict(
+      dkv_regs240=(lambda *a: bk.dkv_call(r240, stages, *a, *mask.dkv)[1:]),
+      dq_regs240=(lambda *a: bk.dq_call(r240, bk_tile, 2, *a, *mask.dq)),
+      dq_kv64=(lambda *a: bk.dq_call(cfg, 64, 2, *a, *mask.dq)),
+      dq_kv64_regs240=(lambda *a: bk.dq_call(r240, 64, 2, *a, *mask.dq)),
+      fused_dkv_dq_regs240=(lambda *a: bk.dkv_call(f240, fstages, *a, *mask.dkv)))
+  for name, fn in variants.items():
+    try:
+      parts[name] = ms(jax.jit(fn), args)
+    except Exception as e:  # noqa: BLE001  (a variant that fails to compile is reported)
+      parts[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+  return parts
 
 
 def bench_mask_build(pos, seg, rounds):
@@ -423,8 +448,9 @@ def main():
               results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
                                   **{"pass": "parts"}, parts_ms=kparts,
                                   tiles=getattr(fn, "tiles", None)))
-              print(f"  {name:15s} parts    " + "  ".join(f"{kk} {vv:.3f}"
-                                                          for kk, vv in kparts.items()) + " ms",
+              print(f"  {name:15s} parts    " + "  ".join(
+                  f"{kk} {vv:.3f}" if isinstance(vv, float) else f"{kk} {vv}"
+                  for kk, vv in kparts.items()) + " ms",
                     flush=True)
             except Exception as e:  # noqa: BLE001
               print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",

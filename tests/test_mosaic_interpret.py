@@ -120,6 +120,27 @@ def test_kernels_lower_for_cuda(dims, det):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("env,det", [({"KVAX_MOSAIC_BWD_REGS": "240"}, True),
+                                     ({"KVAX_MOSAIC_BWD_REGS": "240"}, False),
+                                     ({"KVAX_MOSAIC_DQ_KV_TILE": "64"}, True)])
+def test_benchmarking_hooks_lower_for_cuda(env, det, monkeypatch):
+  """The register split 240 / 24 and the dq kernel's 64-row kv steps (bench_attention rows
+  mosaic_regs240, mosaic_dq64, ...) lower like the defaults, and their values reach the
+  kernels (a bad value is refused naming the field)."""
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  test_kernels_lower_for_cuda((128, 128), det)
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  cfg = dict(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
+             with_dq=False, interpret=False)
+  assert bk.BwdConfig(**cfg, consumer_regs=240).producer_regs == 24
+  assert bk.BwdConfig(**cfg).producer_regs == 40
+  with pytest.raises(ValueError, match="consumer_regs=244"):
+    bk.BwdConfig(**cfg, consumer_regs=244)
+  with pytest.raises(ValueError, match="dq_kv_tile=32"):
+    bk.BwdConfig(**cfg, dq_kv_tile=32)
+
+
 def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   """The NaN / inf contract of tests/nonfinite_cases.py (shared with the jax and Triton tests),
   on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq."""

@@ -103,6 +103,8 @@ class Static:
   paired: bool = True  # benchmarking hook: KVAX_MOSAIC_UNPAIRED=1 awaits every product alone
   dq_split: bool = True  # benchmarking hook: KVAX_MOSAIC_DQ_WHOLE=1 (see BwdConfig.dq_split)
   dq_buffers: int = 1  # benchmarking hook: KVAX_MOSAIC_DQ_BUFFERS=2 (see BwdConfig.dq_buffers)
+  consumer_regs: int = 232  # benchmarking hook: KVAX_MOSAIC_BWD_REGS (BwdConfig.consumer_regs)
+  dq_kv_tile: int = 0  # benchmarking hook: KVAX_MOSAIC_DQ_KV_TILE (BwdConfig.dq_kv_tile)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -176,7 +178,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
       with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired,
-      dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers)
+      dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers, consumer_regs=cfg.consumer_regs,
+      dq_kv_tile=cfg.dq_kv_tile)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -226,7 +229,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                deterministic=bool(deterministic_backward), interpret=bool(interpret),
                paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
-               dq_buffers=int(os.environ.get("KVAX_MOSAIC_DQ_BUFFERS", "1")))
+               dq_buffers=int(os.environ.get("KVAX_MOSAIC_DQ_BUFFERS", "1")),
+               consumer_regs=int(os.environ.get("KVAX_MOSAIC_BWD_REGS", "232")),
+               dq_kv_tile=int(os.environ.get("KVAX_MOSAIC_DQ_KV_TILE", "0")))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -65,6 +65,26 @@ class BwdConfig:
   # previous step's reduce may still be reading (where it fits; benchmarking hook
   # KVAX_MOSAIC_DQ_BUFFERS=2).
   dq_buffers: int = 1
+  # Registers per thread of the two consumer warpgroups (setmaxnreg); the producer gets what is
+  # left of the CTA's 168 x 384 launch registers: 504 - 2 x consumer_regs (232 -> 40, 240 -> 24,
+  # FlashAttention 3's split). Benchmarking hook KVAX_MOSAIC_BWD_REGS=240 (ptxas reports spills
+  # in the dq and fused kernels at 232).
+  consumer_regs: int = 232
+  # kv rows per step of the deterministic dq kernel: 0 picks the largest that fits (128 at head
+  # dim 128); 64 halves the S / dP tiles in registers (benchmarking hook KVAX_MOSAIC_DQ_KV_TILE).
+  dq_kv_tile: int = 0
+
+  def __post_init__(self):
+    producer = 504 - 2 * self.consumer_regs
+    if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
+      raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
+                       f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
+    if self.dq_kv_tile not in (0, 64, 128):
+      raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
+
+  @property
+  def producer_regs(self) -> int:
+    return 504 - 2 * self.consumer_regs
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
@@ -141,7 +161,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     @pl.when(wg < CONSUMERS)
     def consumer():
       if not cfg.interpret:
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_regs, action="increase")
       rows = pl.ds(tile * TILE_KV + wg * ROWS_PER_WG, ROWS_PER_WG)
       my_k, my_v = k_smem.at[wg], v_smem.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], my_k, k_ready.at[wg])
@@ -265,7 +285,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     @pl.when(wg == CONSUMERS)
     def producer():
       if not cfg.interpret:
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(cfg.producer_regs, action="decrease")
       total = group * count
 
       @pl.loop(0, total)
@@ -398,7 +418,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     @pl.when(wg < CONSUMERS)
     def consumer():
       if not cfg.interpret:
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_regs, action="increase")
       rows = pl.ds(tile * DQ_TILE_Q + wg * ROWS_PER_WG, ROWS_PER_WG)
       my_q, my_do = q_smem.at[wg], do_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
@@ -464,7 +484,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     @pl.when(wg == CONSUMERS)
     def producer():
       if not cfg.interpret:
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(cfg.producer_regs, action="decrease")
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
                       v_smem, k_ready, v_ready, k_free, v_free, lower, upper, bk, stages)
 
@@ -520,7 +540,8 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
                         *dkv_table)
   if dq is None:
     # The largest kv tile, then the deepest ring, that fits (head dim 256: 64 x 1 stage).
-    fits = [(bk, st) for bk in (128, 64) for st in (2, 1)
+    tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
+    fits = [(bk, st) for bk in tiles for st in (2, 1)
             if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim,
                                                         itemsize) <= SMEM_BUDGET]
     if not fits:
