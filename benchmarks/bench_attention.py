@@ -157,6 +157,11 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_fused_2buf_regs240"] = make_mosaic(
       det=False, env={**regs240, "KVAX_MOSAIC_DQ_BUFFERS": "2"})
   impls["mosaic_fused_unpaired"] = make_mosaic(det=False, env={"KVAX_MOSAIC_UNPAIRED": "1"})
+  # forward hooks: optimization barrier after the softmax, next K awaited behind P V, both
+  optbar, prewait = {"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"}, {"KVAX_MOSAIC_FWD_PREWAIT": "1"}
+  impls["mosaic_fwd_optbar"] = make_mosaic(env=optbar)
+  impls["mosaic_fwd_prewait"] = make_mosaic(env=prewait)
+  impls["mosaic_fwd_both"] = make_mosaic(env={**optbar, **prewait})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

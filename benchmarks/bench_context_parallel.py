@@ -23,6 +23,7 @@ Agreement: cp results are put back in natural order and compared with the one-de
 (output, dq, dk, dv): relative L2 error, `agree` when <= --tol (default 2e-2 for 16-bit inputs,
 1e-5 for float32). Per order also the balance report (context_parallel_balance: max / min over
 ranks of kept pairs and visited blocks). Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
+and .png (benchmarks/plot_context_parallel.py, which also plots several result files together)
 and prints a summary. Target (issue 16): fwd+bwd speed-up >= 1.9x on 2 GPUs at 128k for both
 layouts in the balanced order.
 """
@@ -307,8 +308,11 @@ def main(argv=None) -> dict:
             f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x"
             f"{r['speedup']['fwd_bwd']:>8.2f}x{r['balance']['kept_max_over_min']:>14.2f}"
             f"{r['balance']['visited_max_over_min']:>16.2f}{worst:>14.3g}")
+  from plot_context_parallel import plot
+  png = result["path"][:-len(".json")] + ".png"
+  plot([result], png)
   print(f"  agree (rel L2 <= {tol:g} for out, dq, dk, dv): {result['agree']}; wrote "
-        f"{result['path']}")
+        f"{result['path']} and {png}")
   return result
 
 

@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# The first device call of the next session (kind nvidia-h200-x2, carry .whl; ~8 min; falls back
-# to one lane per call on the 1-GPU kinds with LANE=A or LANE=B). Written in session 6.
-#   lane A (GPU 0): 64k --split: every Mosaic kernel alone plus the register-pressure variants
-#                   (consumers at 240 registers, dq kernel stepping 64 kv rows, fused at 240),
-#                   then the 6 Triton GPU tests not run since the layering move and the Triton
-#                   float32 non-finite test with its corrected (highest-precision) reference
-#   lane B (GPU 1): 64k causal + docs, fwd+bwd of every backward variant next to cuDNN
-# Predictions (benchmarks/NOTES.md, session 6): 240 registers removes most ptxas spills; the dq
-# kernel at 64 kv rows has none but twice the steps; the fused kernel gains most (spills 400/704 B).
+# The next session's device calls (kind nvidia-h200-x2, carry .whl), written in session 6.
+#   LANE=both (default, ~8 min): two single-GPU lanes in parallel
+#     A (GPU 0): 64k --split (each Mosaic kernel alone, plus the register-pressure variants:
+#                consumers at 240 registers, dq kernel at 64 kv rows, fused at 240), then the
+#                forward hooks (optimization barrier, next-K pre-wait, both) next to cuDNN and
+#                tokamax Mosaic
+#     B (GPU 1): 64k causal + docs, fwd+bwd of every backward variant next to cuDNN
+#   LANE=CP (~6 min): context parallelism per order with the library's new dk / dv sum (input
+#     dtype at cp=2), both backends; then, one GPU each, the 6 Triton GPU tests not run since the
+#     layering move and the Triton float32 non-finite test with its corrected reference
+#   LANE=A / LANE=B: one lane alone (on a 1-GPU kind)
+# Predictions (benchmarks/NOTES.md, session 6): 240 registers removes most ptxas spills (fused
+# gains most); the dq kernel at 64 kv rows is a wash or slower; the forward hooks move the
+# forward by a few percent at most (tokamax's comment says its ordering barrier matters).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/next.log
+bench() {  # name, impls (64k causal + docs)
+  timeout ${T_BENCH:-400} python3 benchmarks/bench_attention.py --seq 65536 --impls "$2" "${@:3}" \
+    --rounds 5 --min-round-ms 15 --max-dense-mask-seq 0 --out $OUT/$1 > $OUT/$1.log 2>&1
+}
 lane_a() {
-  timeout ${T_SPLIT:-240} python3 benchmarks/bench_attention.py --seq 65536 --impls mosaic,cudnn --split \
-    --rounds 5 --min-round-ms 15 --max-dense-mask-seq 0 --out $OUT/bench_64k_split > $OUT/bench_64k_split.log 2>&1
-  timeout ${T_TESTS:-200} python3 -m pytest -m gpu -v -p no:cacheprovider \
-    "tests/gpu/test_triton_gpu.py" -k "not test_against_reference and not 300-1000 and not 1-999" \
-    "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $OUT/gpu_tests.log 2>&1
+  T_BENCH=220 bench bench_64k_split mosaic,cudnn --split
+  T_BENCH=300 bench bench_64k_fwd mosaic,mosaic_fwd_optbar,mosaic_fwd_prewait,mosaic_fwd_both,cudnn,tokamax_mosaic
 }
 lane_b() {
-  timeout ${T_BENCH:-420} python3 benchmarks/bench_attention.py --seq 65536 \
-    --impls mosaic,mosaic_regs240,mosaic_dq64,mosaic_regs240_dq64,mosaic_fused,mosaic_fused_regs240,mosaic_fused_2buf_regs240,mosaic_fused_unpaired,cudnn \
-    --rounds 5 --min-round-ms 15 --max-dense-mask-seq 0 --out $OUT/bench_64k_variants > $OUT/bench_64k_variants.log 2>&1
+  T_BENCH=520 bench bench_64k_bwd mosaic,mosaic_regs240,mosaic_dq64,mosaic_regs240_dq64,mosaic_fused,mosaic_fused_regs240,mosaic_fused_2buf_regs240,cudnn
+}
+cp_runs() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for b in triton auto; do
+    mkdir -p $OUT/cp_$b
+    timeout 150 python3 benchmarks/bench_context_parallel.py --backend $b --iters 15 \
+      --out_dir $OUT/cp_$b 2>&1 | grep -vE "^WARNING" | tail -12 | tee -a $OUT/next.log
+  done
+  (CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+     -k "not test_against_reference and not 300-1000 and not 1-999" > $OUT/gpu_tests_triton.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider \
+     "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $OUT/gpu_tests_nonfinite.log 2>&1) &
+  wait
 }
 case ${LANE:-both} in
   A) lane_a ;;
   B) lane_b ;;
+  CP) cp_runs ;;
   *) (CUDA_VISIBLE_DEVICES=0 lane_a) & (CUDA_VISIBLE_DEVICES=1 lane_b) & wait ;;
 esac
-grep -E "parts|fwd_bwd" $OUT/bench_64k_split.log 2>/dev/null | tee -a $OUT/next.log
-grep -vE "WARNING" $OUT/bench_64k_variants.log 2>/dev/null | grep -E "fwd_bwd|fwd " | tee -a $OUT/next.log
-grep -E "passed|failed|FAILED" $OUT/gpu_tests.log 2>/dev/null | tail -12 | tee -a $OUT/next.log
+for f in $OUT/bench_64k_*.log; do echo "== $f"; grep -vE "WARNING" $f | grep -E "parts|fwd_bwd|fwd "; done 2>/dev/null | tee -a $OUT/next.log
+grep -hE "passed|failed|FAILED" $OUT/gpu_tests_*.log 2>/dev/null | tail -12 | tee -a $OUT/next.log

@@ -120,6 +120,18 @@ def test_kernels_lower_for_cuda(dims, det):
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("env", [{"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"},
+                                 {"KVAX_MOSAIC_FWD_PREWAIT": "1"}])
+def test_forward_hooks_match_reference_in_interpreter(env, monkeypatch):
+  """The forward's benchmarking hooks (optimization barrier after the softmax; the next K
+  awaited behind the P V product) compute the same attention: interpreter against the float32
+  reference (documents, padding, GQA, every barrier phase waited once), and lowered for CUDA."""
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  test_kernels_in_interpreter_match_reference("window_cap_sinks_det")
+  test_kernels_lower_for_cuda((128, 128), True)
+
+
 @pytest.mark.parametrize("env,det", [({"KVAX_MOSAIC_BWD_REGS": "240"}, True),
                                      ({"KVAX_MOSAIC_BWD_REGS": "240"}, False),
                                      ({"KVAX_MOSAIC_DQ_KV_TILE": "64"}, True)])

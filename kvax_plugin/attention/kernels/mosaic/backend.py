@@ -105,6 +105,8 @@ class Static:
   dq_buffers: int = 1  # benchmarking hook: KVAX_MOSAIC_DQ_BUFFERS=2 (see BwdConfig.dq_buffers)
   consumer_regs: int = 232  # benchmarking hook: KVAX_MOSAIC_BWD_REGS (BwdConfig.consumer_regs)
   dq_kv_tile: int = 0  # benchmarking hook: KVAX_MOSAIC_DQ_KV_TILE (BwdConfig.dq_kv_tile)
+  fwd_opt_barrier: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_OPT_BARRIER=1 (FwdConfig)
+  fwd_prewait_k: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_PREWAIT=1 (FwdConfig)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -157,7 +159,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   fcfg = fwd_kernels.FwdConfig(
       block_kv=bk, stages=stages, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
-      has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret)
+      has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
+      opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -231,7 +234,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
                dq_buffers=int(os.environ.get("KVAX_MOSAIC_DQ_BUFFERS", "1")),
                consumer_regs=int(os.environ.get("KVAX_MOSAIC_BWD_REGS", "232")),
-               dq_kv_tile=int(os.environ.get("KVAX_MOSAIC_DQ_KV_TILE", "0")))
+               dq_kv_tile=int(os.environ.get("KVAX_MOSAIC_DQ_KV_TILE", "0")),
+               fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
+               fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

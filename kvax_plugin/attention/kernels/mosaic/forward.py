@@ -68,6 +68,13 @@ class FwdConfig:
   causal: bool
   window: int  # 0: none
   interpret: bool
+  # Benchmarking hooks (KVAX_MOSAIC_FWD_OPT_BARRIER / KVAX_MOSAIC_FWD_PREWAIT, both off by
+  # default until measured): an optimization barrier that pins the softmax's results (acc, l,
+  # m, P) before the consumer hands the tensor cores over, so the compiler cannot sink their
+  # work past the hand-over; and waiting for the NEXT kv block's K inside the P V product
+  # (behind it) instead of at the start of the next step.
+  opt_barrier: bool = False
+  prewait_k: bool = False
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
@@ -220,6 +227,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
+      if cfg.prewait_k:  # the first block's K here; every later one inside the previous P V
+
+        @pl.when(upper > lower)
+        def _():
+          plgpu.barrier_wait(k_ready.at[0])
       pl.when(wg == 1)(take_turn)
 
       def step(ki, carry, masked: bool):
@@ -230,7 +242,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        plgpu.barrier_wait(k_ready.at[slot])
+        if not cfg.prewait_k:
+          plgpu.barrier_wait(k_ready.at[slot])
 
         def logits(ref):
           plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
@@ -258,10 +271,26 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(dtype)
+        if cfg.opt_barrier:
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         plgpu.barrier_arrive(turn)  # softmax done: the other consumer may use the tensor cores
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)
-        acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
+        if cfg.prewait_k and not cfg.interpret:
+          def pv_then_next_k(ref):
+            plgpu.wgmma(ref, p16, v_smem.at[slot])
+
+            @pl.when(ki + 1 < upper)
+            def _():
+              plgpu.barrier_wait(k_ready.at[lax.rem(ki + 1 - lower, stages)])
+          acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
+        else:
+          acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
+          if cfg.prewait_k:  # interpreter: same order of waits, after the product
+
+            @pl.when(ki + 1 < upper)
+            def _():
+              plgpu.barrier_wait(k_ready.at[lax.rem(ki + 1 - lower, stages)])
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
