@@ -100,6 +100,30 @@ def time_fn(fn, args, rounds: int, inner: int) -> float:
   return statistics.median(times)
 
 
+def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
+  """Times the compiled implementations of each pass round-robin (--interleave): per round one
+  `inner`-call round of each, in an order rotated every round; rows get ms (median of these
+  rounds), ms_sequential (their one-by-one median) and tflops from the new ms."""
+  for p, entries in timed.items():
+    if len(entries) < 2:
+      continue
+    times = {name: [] for name, *_ in entries}
+    for r in range(rounds):
+      for name, f, inner, _ in entries[r % len(entries):] + entries[:r % len(entries)]:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+          out = f(*args)
+        jax.block_until_ready(out)
+        times[name].append((time.perf_counter() - t0) * 1e3 / inner)
+    flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
+    for name, _, _, row in entries:
+      ms = statistics.median(times[name])
+      row.update(ms_sequential=row["ms"], ms=ms, tflops=flops / ms / 1e9, interleaved=True,
+                 ms_rounds=times[name])
+      print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s  (interleaved; "
+            f"alone {row['ms_sequential']:.3f})", flush=True)
+
+
 def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   """name -> forward function of (q, k, v) (or a string: why it is unavailable).
 
@@ -351,6 +375,11 @@ def main():
                        "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
                        "memory_optimized_gqa_backward, |bq=128 / |fq=256 build the backward / "
                        "forward tables at that query block; flags are comma-separated)")
+  ap.add_argument("--interleave", action="store_true",
+                  help="after timing each implementation alone, time them again round-robin "
+                  "(one round of each per pass, --rounds times, order rotated every round) and "
+                  "report those medians as ms (the one-by-one medians stay as ms_sequential): "
+                  "a slow drift of the GPU's clocks then cannot favour whoever ran first")
   ap.add_argument("--split", action="store_true",
                   help="also time each kernel of ours (and its variants) alone: forward, "
                        "delta, dq, dk/dv; and of mosaic: forward, dk/dv, dq, fused dk/dv+dq")
@@ -389,6 +418,7 @@ def main():
               flush=True)
         impls, _ = make_impls(case, pos, seg, heads, kv_heads, d, scale, variants)
         outs = {}
+        timed = {p: [] for p in passes}  # pass -> [(name, compiled fn, inner, row)]
         for name in wanted:
           fn = impls.get(name, f"unknown implementation {name}")
           for p in passes:
@@ -437,6 +467,7 @@ def main():
               ms = time_fn(f, (q, k, v), args.rounds, inner)
               flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
               row.update(ms=ms, tflops=flops / ms / 1e9, inner=inner, rounds=args.rounds)
+              timed[p].append((name, f, inner, row))
               print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s", flush=True)
             except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
               row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -461,6 +492,8 @@ def main():
               print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
                     flush=True)
               traceback.print_exc(limit=2)
+        if args.interleave:
+          interleave(timed, (q, k, v), args.rounds, flops_fwd)
         if args.check and "ours" in outs:
           for other, o in outs.items():
             if other != "ours":

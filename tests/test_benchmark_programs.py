@@ -1,6 +1,7 @@
-"""The benchmark programs run end to end on CPU in their smoke modes, so a GPU session is never
-their first run: bench_context_parallel.py --smoke (2 simulated devices, float32, every token
-order and both layouts) must agree with one device and write its JSON and plot."""
+"""The benchmark programs' GPU-independent parts run on CPU, so a GPU session is never their
+first run: bench_context_parallel.py --smoke (2 simulated devices, float32, every token order and
+both layouts) must agree with one device and write its JSON and plot; bench_attention.py's
+round-robin timing (--interleave) must time every implementation in rotated order."""
 
 from __future__ import annotations
 
@@ -27,3 +28,26 @@ def test_bench_context_parallel_smoke(tmp_path):
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
   assert (tmp_path / "context_parallel_cp2_1024.png").stat().st_size > 10_000
+
+
+def test_bench_attention_interleave_times_every_implementation_round_robin():
+  import jax.numpy as jnp
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_attention
+
+  calls = []
+
+  def make(name, work):
+    def fn(x):
+      calls.append(name)
+      return jnp.sin(x) * work
+    return fn
+  x = jnp.ones((64,), jnp.float32)
+  rows = {n: dict(ms=1.0) for n in ("a", "b", "c")}
+  timed = {"fwd": [(n, make(n, i + 1), 2, rows[n]) for i, n in enumerate(rows)]}
+  bench_attention.interleave(timed, (x,), rounds=3, flops_fwd=1e6)
+  # round r starts at entry r: a b c | b c a | c a b, each `inner` = 2 calls in a row
+  assert calls == [n for n in "aabbcc" "bbccaa" "ccaabb"]
+  for n, row in rows.items():
+    assert row["interleaved"] and row["ms_sequential"] == 1.0 and len(row["ms_rounds"]) == 3
+    assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
