@@ -22,7 +22,10 @@ random cotangent, gradients of q, k, v). Compiled functions are shared by both l
 Agreement: cp results are put back in natural order and compared with the one-device ones
 (output, dq, dk, dv): relative L2 error, `agree` when <= --tol (default 2e-2 for 16-bit inputs,
 1e-5 for float32). Per order also the balance report (context_parallel_balance: max / min over
-ranks of kept pairs and visited blocks). Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
+ranks of kept pairs and visited blocks). Finally the op's collectives are timed alone on the same shapes (the k / v all-gather; the dk / dv
+reduce-scatter in the dtype the library sums in): the communication a token order cannot remove,
+which is what separates a balanced cp step from the ideal cp-fold speed-up.
+Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
 and .png (benchmarks/plot_context_parallel.py, which also plots several result files together)
 and prints a summary. Target (issue 16): fwd+bwd speed-up >= 1.9x on 2 GPUs at 128k for both
 layouts in the balanced order.
@@ -190,6 +193,40 @@ def main(argv=None) -> dict:
 
     return build_mask, jax.jit(attend), fwd_bwd
 
+  def communication_alone() -> dict:
+    """ms of the op's collectives alone on this mesh and these shapes: the all-gather of k and v
+    (forward) and the reduce-scatter of the dk / dv partials in the dtype the library sums them
+    in (backward): the part of the cp step that a balanced order cannot remove."""
+    from kvax_plugin.attention.context_parallel import kv_grad_reduce_dtype
+    reduce_dtype = kv_grad_reduce_dtype(dtype, cp)
+    tok_spec = P(None, "context", None, None)
+
+    @jax.jit
+    def gather(k, v):
+      f = jax.shard_map(lambda k, v: tuple(jax.lax.all_gather(x, "context", axis=1, tiled=True)
+                                       for x in (k, v)),
+                    mesh=mesh, in_specs=(tok_spec, tok_spec), out_specs=(P(), P()),
+                    check_vma=False)
+      return f(k, v)
+
+    @jax.jit
+    def reduce(dk, dv):  # [cp, B, S, K, D]: every rank's partial for the whole sequence
+      f = jax.shard_map(lambda a, b: tuple(
+          jax.lax.psum_scatter(x[0].astype(reduce_dtype), "context", scatter_dimension=1,
+                               tiled=True).astype(dtype)[None] for x in (a, b)),
+          mesh=mesh, in_specs=(P("context"), P("context")),
+          out_specs=(P(None, None, "context"), P(None, None, "context")), check_vma=False)
+      return f(dk, dv)
+
+    k, v = (jax.device_put(host[n], NamedSharding(mesh, tok_spec)) for n in ("k", "v"))
+    gather_ms, _ = _median_ms(gather, (k, v), args.iters, args.warmup)
+    part = NamedSharding(mesh, P("context"))
+    dk = jax.device_put(np.broadcast_to(host["k"][None], (cp, *host["k"].shape)), part)
+    dv = jax.device_put(np.broadcast_to(host["v"][None], (cp, *host["v"].shape)), part)
+    reduce_ms, _ = _median_ms(reduce, (dk, dv), args.iters, args.warmup)
+    return {"all_gather_kv_ms": gather_ms, "reduce_scatter_dkv_ms": reduce_ms,
+            "reduce_dtype": str(jnp.dtype(reduce_dtype))}
+
   # Permutations run on device 0 (gathers of ~1 GB arrays are slow on the host).
   permute = jax.jit(lambda xs, tok: orders.apply_token_order(xs, tok))
   unpermute = jax.jit(lambda x, tok: orders.undo_token_order(x, tok))
@@ -235,6 +272,7 @@ def main(argv=None) -> dict:
         "kv_grad_reduce_dtype": args.kv_grad_reduce_dtype,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "python": platform.python_version(), "tolerance_rel_l2": tol, "layouts": results,
+        "communication_alone": results_comm,
         "complete": sorted(results) == sorted(layouts),
         "agree": all(r["agree"] for lay in results.values()
                      for r in lay["context_parallel"].values()),
@@ -245,6 +283,7 @@ def main(argv=None) -> dict:
       json.dump(result, f, indent=1)
     return result
 
+  results_comm: dict = {}
   single_fns = make_fns(None)
   cp_fns = {order: make_fns(order) for order in args.orders}
   fwd_flops_per_pair = 4.0 * h * d
@@ -289,6 +328,8 @@ def main(argv=None) -> dict:
     layout["wall_s"] = time.perf_counter() - t0
     results[name] = layout
     write(results)  # after every layout: a run cut short keeps what it measured
+  comm = communication_alone()
+  results_comm.update(comm)
   result = write(results)
 
   print(f"context parallelism cp={cp} vs 1 device, backend={backend}, {devices[0].device_kind}, "
@@ -308,6 +349,8 @@ def main(argv=None) -> dict:
             f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x"
             f"{r['speedup']['fwd_bwd']:>8.2f}x{r['balance']['kept_max_over_min']:>14.2f}"
             f"{r['balance']['visited_max_over_min']:>16.2f}{worst:>14.3g}")
+  print(f"  communication alone: k / v all-gather {comm['all_gather_kv_ms']:.2f} ms, dk / dv "
+        f"reduce-scatter ({comm['reduce_dtype']}) {comm['reduce_scatter_dkv_ms']:.2f} ms")
   from plot_context_parallel import plot
   png = result["path"][:-len(".json")] + ".png"
   plot([result], png)

@@ -7,7 +7,8 @@
 #                tokamax Mosaic
 #     B (GPU 1): 64k causal + docs, fwd+bwd of every backward variant next to cuDNN
 #   LANE=CP (~6 min): context parallelism per order with the library's new dk / dv sum (input
-#     dtype at cp=2), both backends; then, one GPU each, the 6 Triton GPU tests not run since the
+#     dtype at cp=2), both backends, and the collectives timed alone (how much of the gap to 2x
+#     is communication, i.e. what the all-gather overlap in NOTES could win); then, one GPU each, the 6 Triton GPU tests not run since the
 #     layering move and the Triton float32 non-finite test with its corrected reference
 #   LANE=A / LANE=B: one lane alone (on a 1-GPU kind)
 # --interleave: after each implementation is timed alone, all are timed again round-robin (the
