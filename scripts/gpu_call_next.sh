@@ -8,9 +8,12 @@
 #     B (GPU 1): 64k causal + docs, fwd+bwd of every backward variant next to cuDNN
 #   LANE=CP (~6 min): context parallelism per order with the library's new dk / dv sum (input
 #     dtype at cp=2), both backends, and the collectives timed alone (how much of the gap to 2x
-#     is communication, i.e. what the all-gather overlap in NOTES could win); then, one GPU each, the 6 Triton GPU tests not run since the
-#     layering move and the Triton float32 non-finite test with its corrected reference
+#     is communication, i.e. what the all-gather overlap in NOTES could win); then, one GPU
+#     each, the 6 Triton GPU tests not run since the layering move and the Triton float32
+#     non-finite test with its corrected reference
+#   LANE=DIMS (~8 min): Mosaic at head dims 64 / 256 (16k) and at 128k, next to the peers
 #   LANE=A / LANE=B: one lane alone (on a 1-GPU kind)
+# Order of the calls: both, CP, DIMS (~25 device minutes with the machine starts).
 # --interleave: after each implementation is timed alone, all are timed again round-robin (the
 # forward of the docs case moved 9.2-9.9 ms between rows of one kernel in session 6: drift).
 # Predictions (benchmarks/NOTES.md, session 6): 240 registers removes most ptxas spills (fused
@@ -43,11 +46,23 @@ cp_runs() {
      "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $OUT/gpu_tests_nonfinite.log 2>&1) &
   wait
 }
+# LANE=DIMS (~8 min, two lanes): what the Mosaic backend has not been timed on yet: head dims 64
+# and 256 at 16k (GPU 0), 128k causal + docs (GPU 1), next to cuDNN and tokamax Mosaic.
+dims_runs() {
+  (export CUDA_VISIBLE_DEVICES=0; timeout 420 python3 benchmarks/bench_attention.py --seq 16384 \
+     --head-dims 64,256 --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 7 \
+     --out $OUT/bench_16k_dims > $OUT/bench_16k_dims.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1; timeout 500 python3 benchmarks/bench_attention.py --seq 131072 \
+     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 5 --max-dense-mask-seq 0 \
+     --out $OUT/bench_128k > $OUT/bench_128k.log 2>&1) &
+  wait
+}
 case ${LANE:-both} in
+  DIMS) dims_runs ;;
   A) lane_a ;;
   B) lane_b ;;
   CP) cp_runs ;;
   *) (CUDA_VISIBLE_DEVICES=0 lane_a) & (CUDA_VISIBLE_DEVICES=1 lane_b) & wait ;;
 esac
-for f in $OUT/bench_64k_*.log; do echo "== $f"; grep -vE "WARNING" $f | grep -E "parts|fwd_bwd|fwd "; done 2>/dev/null | tee -a $OUT/next.log
+for f in $OUT/bench_*.log; do echo "== $f"; grep -vE "WARNING" $f | grep -E "parts|fwd_bwd|fwd "; done 2>/dev/null | tee -a $OUT/next.log
 grep -hE "passed|failed|FAILED" $OUT/gpu_tests_*.log 2>/dev/null | tail -12 | tee -a $OUT/next.log
