@@ -13,13 +13,19 @@
 #     non-finite test with its corrected reference
 #   LANE=DIMS (~8 min): Mosaic at head dims 64 / 256 (16k) and at 128k, next to the peers
 #   LANE=A / LANE=B: one lane alone (on a 1-GPU kind)
-# Order of the calls: both, CP, DIMS (~25 device minutes with the machine starts).
+#   LANE=NT1, LANE=NT2: the Triton backend under triton 3.9 + jax-triton 0.4.1 (see below)
+# Order of the calls: both, CP, NT1, NT2 back to back (warm machine), then DIMS if time is left
+# (~30 device minutes with the machine starts: drop DIMS first).
 # --interleave: after each implementation is timed alone, all are timed again round-robin (the
 # forward of the docs case moved 9.2-9.9 ms between rows of one kernel in session 6: drift).
 # Predictions (benchmarks/NOTES.md, session 6): 240 registers removes most ptxas spills (fused
 # gains most); the dq kernel at 64 kv rows is a wash or slower; the forward hooks move the
 # forward by a few percent at most (tokamax's comment says its ordering barrier matters).
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site ]; then
+  echo "no .whl carried and no /tmp/site from an earlier call on this (warm) machine"; exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/next.log
 bench() {  # name, impls (64k causal + docs)
@@ -57,7 +63,28 @@ dims_runs() {
      --out $OUT/bench_128k > $OUT/bench_128k.log 2>&1) &
   wait
 }
+# LANE=NT1 then LANE=NT2: the Triton kernels under triton 3.9.0 + jax-triton 0.4.1 (README's
+# compatibility table). `bash ../shared/gpu/new_triton.sh pack` made .tri1/ (57 MiB) and .tri2/
+# (48 MiB); each call carries one of them ALONE (with .whl it would pass 64 MiB), so run them
+# right after a call that carried .whl (its /tmp/site stays while the machine is warm, ~30 s):
+#   run(kind=..., carry=[".tri1"], command="LANE=NT1 bash scripts/gpu_call_next.sh")
+#   run(kind=..., carry=[".tri2"], command="LANE=NT2 bash scripts/gpu_call_next.sh")
+new_triton_tests() {
+  cp .tri2/* /tmp/tri/ 2>/dev/null
+  [ -d /tmp/trisite ] || { mkdir -p /tmp/trisite && cat /tmp/tri/part.* | xz -d | tar -x -C /tmp/trisite; } || exit 1
+  export PYTHONPATH=/tmp/trisite:$PYTHONPATH TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas \
+         TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas TRITON_DEFAULT_FP_FUSION=1
+  python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__)" | tee $OUT/new_triton_tests.log
+  (CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+     -k "odd_length or softcap_sinks or 1-999 or float32_d128 or mla or bitwise or explicit_backend" >> $OUT/new_triton_tests.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 400 python3 benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn \
+     --rounds 7 --interleave --out $OUT/bench_16k_triton39 > $OUT/bench_16k_triton39.log 2>&1) &
+  wait
+  grep -E "passed|failed" $OUT/new_triton_tests.log | tail -3
+}
 case ${LANE:-both} in
+  NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
+  NT2) new_triton_tests ;;
   DIMS) dims_runs ;;
   A) lane_a ;;
   B) lane_b ;;
