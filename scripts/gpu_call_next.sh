@@ -11,11 +11,11 @@
 #     is communication, i.e. what the all-gather overlap in NOTES could win); then, one GPU
 #     each, the 6 Triton GPU tests not run since the layering move and the Triton float32
 #     non-finite test with its corrected reference
-#   LANE=DIMS (~8 min): Mosaic at head dims 64 / 256 (16k) and at 128k, next to the peers
+#   LANE=DIMS (~7 min): Mosaic at head dims 64 / 256 (16k); kernel compile times; cold e2e
 #   LANE=A / LANE=B: one lane alone (on a 1-GPU kind)
 #   LANE=NT1, LANE=NT2: the Triton backend under triton 3.9 + jax-triton 0.4.1 (see below)
-# Order of the calls: both, CP, NT1, NT2 back to back (warm machine), then DIMS if time is left
-# (~30 device minutes with the machine starts: drop DIMS first).
+# Order of the calls: both, DIMS, CP, NT1, NT2 (the last three back to back on a warm machine;
+# ~32 device minutes with the starts: drop NT1/NT2 first).
 # --interleave: after each implementation is timed alone, all are timed again round-robin (the
 # forward of the docs case moved 9.2-9.9 ms between rows of one kernel in session 6: drift).
 # Predictions (benchmarks/NOTES.md, session 6): 240 registers removes most ptxas spills (fused
@@ -52,16 +52,24 @@ cp_runs() {
      "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $OUT/gpu_tests_nonfinite.log 2>&1) &
   wait
 }
-# LANE=DIMS (~8 min, two lanes): what the Mosaic backend has not been timed on yet: head dims 64
-# and 256 at 16k (GPU 0), 128k causal + docs (GPU 1), next to cuDNN and tokamax Mosaic.
+# LANE=DIMS (~7 min, two lanes): GPU 0: the Mosaic backend at head dims 64 and 256 (16k) next to
+# cuDNN and tokamax Mosaic (not timed yet); GPU 1: the cold compile of one attention per kernel
+# (the kernels' masked runs now trace once: -26% CUDA module text on CPU, predicted Mosaic
+# compile 4.7 -> ~3.5 s), then the cold MaxText e2e, 16k one document per row, kvax vs
+# cudnn_flash_jax, with the import warm-up (session 6: setup+compile 42.8 vs 28.3 s, 1.51x).
 dims_runs() {
   (export CUDA_VISIBLE_DEVICES=0; timeout 420 python3 benchmarks/bench_attention.py --seq 16384 \
      --head-dims 64,256 --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 7 \
      --out $OUT/bench_16k_dims > $OUT/bench_16k_dims.log 2>&1) &
-  (export CUDA_VISIBLE_DEVICES=1; timeout 500 python3 benchmarks/bench_attention.py --seq 131072 \
-     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 5 --max-dense-mask-seq 0 \
-     --out $OUT/bench_128k > $OUT/bench_128k.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 100 python3 benchmarks/kernel_compile_time.py --out $OUT/compile_time.json \
+     --impls kvax_mosaic,cudnn,kvax_triton > $OUT/compile_time.log 2>&1
+   timeout 300 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e --steps 8 \
+     --runs 16k-long:kvax,16k-long:cudnn_flash_jax > $OUT/e2e.log 2>&1
+   mkdir -p $OUT/e2e && cp /tmp/e2e/e2e.json $OUT/e2e/ 2>/dev/null
+   for d in /tmp/e2e/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$OUT/e2e/$(basename "$d").summary.json"; done) &
   wait
+  tail -4 $OUT/compile_time.log; tail -4 $OUT/e2e.log
 }
 # LANE=NT1 then LANE=NT2: the Triton kernels under triton 3.9.0 + jax-triton 0.4.1 (README's
 # compatibility table). `bash ../shared/gpu/new_triton.sh pack` made .tri1/ (57 MiB) and .tri2/

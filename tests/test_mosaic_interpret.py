@@ -42,6 +42,11 @@ CASES = {
     # window + soft cap + sinks, MQA, non-contiguous documents with huge ids, deterministic dq
     "window_cap_sinks_det": dict(segs=([5] * 64 + [2**30] * 64) * 2, h=4, kh=1, window=40,
                                  cap=20.0, sinks=True, det=True),
+    # a sliding window over one long document: query tiles whose row has a masked run BEFORE its
+    # full blocks (the window's edge) and one after (the diagonal), walked in the kernels'
+    # visit order (masked runs first, then full); deterministic and fused backward
+    "window_masked_full_masked_det": dict(segs=[7] * 640, h=2, kh=1, window=300, det=True),
+    "window_masked_full_masked_fused": dict(segs=[7] * 640, h=2, kh=1, window=300),
     # Sq != Skv (queries are the last tokens), MLA-style head dims 192 / 128
     "prefill_mla": dict(segs=[0] * 384, sq=128, h=2, kh=2, dk=192, dv=128),
 }
@@ -64,6 +69,11 @@ def test_kernels_in_interpreter_match_reference(name):
   window, cap = c.get("window"), c.get("cap")
   mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=True,
                                sliding_window=window)
+  if "masked_full_masked" in name:  # the case is about rows with both masked runs
+    for table in (mask.fwd, mask.dq, mask.dkv):
+      lo, up, flo, fup = (np.asarray(x) for x in (table.lower, table.upper, table.full_lower,
+                                                  table.full_upper))
+      assert ((lo < flo) & (flo < fup) & (fup < up)).any(), table
 
   def ours(q, k, v, s):
     return mosaic.flash_attention_mosaic(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask,

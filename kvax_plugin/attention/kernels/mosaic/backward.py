@@ -37,7 +37,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate, pair_keep,
-                                                          produce_kv_ring, products_together)
+                                                          produce_kv_ring, products_together,
+                                                          visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -157,6 +158,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     full_lower = flo_ref[bi, row] * rq
     full_upper = fup_ref[bi, row] * rq
     count = upper - lower
+    masked_count, block = visit_order(lower, full_lower, full_upper, upper)
 
     @pl.when(wg < CONSUMERS)
     def consumer():
@@ -264,13 +266,12 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
       def one_head(g, carry):
         head = kv_head * group + g
-        base = g * count - lower
-
-        def run(lo, hi, carry, masked):
-          return lax.fori_loop(lo, hi, lambda qi, c: step(base + qi, qi, head, c, masked), carry)
-        carry = run(lower, full_lower, carry, True)
-        carry = run(full_lower, full_upper, carry, False)
-        return run(full_upper, upper, carry, True)
+        base = g * count  # ring position of this head's first query block
+        carry = lax.fori_loop(0, masked_count,
+                              lambda m, c: step(base + m, block(m), head, c, True), carry)
+        return lax.fori_loop(
+            masked_count, count,
+            lambda m, c: step(base + m, full_lower + (m - masked_count), head, c, False), carry)
 
       dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
       if cfg.with_dq:
@@ -292,7 +293,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       def _(n):
         safe = lax.max(count, 1)
         head = kv_head * group + lax.div(n, safe)
-        qi = lower + lax.rem(n, safe)
+        qi = block(lax.rem(n, safe))
         slot = lax.rem(n, stages)
         qrows = pl.ds(qi * TILE_Q, TILE_Q)
 
@@ -414,6 +415,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     upper = up_ref[bi, row] * rk
     full_lower = flo_ref[bi, row] * rk
     full_upper = fup_ref[bi, row] * rk
+    count = upper - lower
+    masked_count, block = visit_order(lower, full_lower, full_upper, upper)
 
     @pl.when(wg < CONSUMERS)
     def consumer():
@@ -430,8 +433,9 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
-      def step(ki, acc, masked: bool):
-        slot = lax.rem(ki - lower, stages)
+      def step(n, ki, acc, masked: bool):
+        """The n-th visited kv block, block ki."""
+        slot = lax.rem(n, stages)
         if masked:  # loaded before the products, whose time hides their latency
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
@@ -470,9 +474,9 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
-      acc = lax.fori_loop(lower, full_lower, lambda i, a: step(i, a, True), acc)
-      acc = lax.fori_loop(full_lower, full_upper, lambda i, a: step(i, a, False), acc)
-      acc = lax.fori_loop(full_upper, upper, lambda i, a: step(i, a, True), acc)
+      acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
+      acc = lax.fori_loop(masked_count, count,
+                          lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
       # reached them through 0 * NaN inside dS K.
       acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
@@ -486,7 +490,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       if not cfg.interpret:
         plgpu.set_max_registers(cfg.producer_regs, action="decrease")
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
-                      v_smem, k_ready, v_ready, k_free, v_free, lower, upper, bk, stages)
+                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages)
 
   def entry(*refs):
     scratch = (
