@@ -181,6 +181,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_fused_2buf_regs240"] = make_mosaic(
       det=False, env={**regs240, "KVAX_MOSAIC_DQ_BUFFERS": "2"})
   impls["mosaic_fused_unpaired"] = make_mosaic(det=False, env={"KVAX_MOSAIC_UNPAIRED": "1"})
+  # unpaired frees P's 16-bit copy before dP is accumulated (16 registers at the fused kernel's
+  # peak: dK 64 + dV 64 + P 32 + dP 32 float32 per thread)
+  impls["mosaic_fused_unpaired_regs240"] = make_mosaic(
+      det=False, env={**regs240, "KVAX_MOSAIC_UNPAIRED": "1"})
   # forward hooks: optimization barrier after the softmax, next K awaited behind P V, both
   optbar, prewait = {"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"}, {"KVAX_MOSAIC_FWD_PREWAIT": "1"}
   impls["mosaic_fwd_optbar"] = make_mosaic(env=optbar)
@@ -303,7 +307,9 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
       dq_regs240=(lambda *a: bk.dq_call(r240, bk_tile, 2, *a, *mask.dq)),
       dq_kv64=(lambda *a: bk.dq_call(cfg, 64, 2, *a, *mask.dq)),
       dq_kv64_regs240=(lambda *a: bk.dq_call(r240, 64, 2, *a, *mask.dq)),
-      fused_dkv_dq_regs240=(lambda *a: bk.dkv_call(f240, fstages, *a, *mask.dkv)))
+      fused_dkv_dq_regs240=(lambda *a: bk.dkv_call(f240, fstages, *a, *mask.dkv)),
+      fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
+          dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
   for name, fn in variants.items():
     try:
       parts[name] = ms(jax.jit(fn), args)

@@ -37,7 +37,7 @@ lane_a() {
   T_BENCH=300 bench bench_64k_fwd mosaic,mosaic_fwd_optbar,mosaic_fwd_prewait,mosaic_fwd_both,cudnn,tokamax_mosaic --interleave
 }
 lane_b() {
-  T_BENCH=520 bench bench_64k_bwd mosaic,mosaic_regs240,mosaic_dq64,mosaic_regs240_dq64,mosaic_fused,mosaic_fused_regs240,mosaic_fused_2buf_regs240,cudnn --interleave
+  T_BENCH=520 bench bench_64k_bwd mosaic,mosaic_regs240,mosaic_dq64,mosaic_fused,mosaic_fused_regs240,mosaic_fused_unpaired,mosaic_fused_unpaired_regs240,mosaic_fused_2buf_regs240,cudnn --interleave
 }
 cp_runs() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -144,7 +144,9 @@ def test_forward_hooks_match_reference_in_interpreter(env, monkeypatch):
 
 @pytest.mark.parametrize("env,det", [({"KVAX_MOSAIC_BWD_REGS": "240"}, True),
                                      ({"KVAX_MOSAIC_BWD_REGS": "240"}, False),
-                                     ({"KVAX_MOSAIC_DQ_KV_TILE": "64"}, True)])
+                                     ({"KVAX_MOSAIC_DQ_KV_TILE": "64"}, True),
+                                     ({"KVAX_MOSAIC_BWD_REGS": "240",
+                                       "KVAX_MOSAIC_UNPAIRED": "1"}, False)])
 def test_benchmarking_hooks_lower_for_cuda(env, det, monkeypatch):
   """The register split 240 / 24 and the dq kernel's 64-row kv steps (bench_attention rows
   mosaic_regs240, mosaic_dq64, ...) lower like the defaults, and their values reach the
