@@ -97,7 +97,7 @@ case ${LANE:-both} in
   A) lane_a ;;
   B) lane_b ;;
   CP) cp_runs ;;
-  *) (CUDA_VISIBLE_DEVICES=0 lane_a) & (CUDA_VISIBLE_DEVICES=1 lane_b) & wait ;;
+  *) (export CUDA_VISIBLE_DEVICES=0; lane_a) & (export CUDA_VISIBLE_DEVICES=1; lane_b) & wait ;;
 esac
 for f in $OUT/bench_*.log; do echo "== $f"; grep -vE "WARNING" $f | grep -E "parts|fwd_bwd|fwd "; done 2>/dev/null | tee -a $OUT/next.log
 grep -hE "passed|failed|FAILED" $OUT/gpu_tests_*.log 2>/dev/null | tail -12 | tee -a $OUT/next.log
