@@ -503,6 +503,9 @@ def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
   assert all(t.endswith(want) for t in scatters), scatters
   assert context_parallel.kv_grad_reduce_dtype(jnp.bfloat16, cp) == (
       jnp.bfloat16 if cp == 2 else jnp.float32)
+  assert context_parallel.kv_grad_reduce_dtype(jnp.float16, 8) == jnp.float32
+  for wide in (jnp.float32, jnp.float64):  # never narrowed
+    assert context_parallel.kv_grad_reduce_dtype(wide, cp) == wide
   (dk32, dv32), _ = run(jnp.float32)
   if cp == 2:
     np.testing.assert_array_equal(dk, dk32)

@@ -120,7 +120,7 @@ def kv_grad_reduce_dtype(grad_dtype, context_size: int):
   """The dtype the cross-shard sum of dk / dv is done in, for `context_size` shards."""
   if KV_GRAD_REDUCE_DTYPE is not None:
     return jnp.dtype(KV_GRAD_REDUCE_DTYPE)
-  if context_size <= 2 or jnp.dtype(grad_dtype) == jnp.float32:
+  if context_size <= 2 or jnp.dtype(grad_dtype).itemsize >= 4:  # float32 / float64: as is
     return jnp.dtype(grad_dtype)
   return jnp.dtype(jnp.float32)
 
