@@ -54,3 +54,30 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
   for n, row in rows.items():
     assert row["interleaved"] and row["ms_sequential"] == 1.0 and len(row["ms_rounds"]) == 3
     assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
+
+
+def test_bench_attention_split_parts_run_in_the_interpreter():
+  """bench_attention --split's Mosaic parts (every kernel alone, with the register / tile
+  variants the next GPU call times) build and run through Pallas' interpreter, so a GPU call
+  never finds a Python error there; the values are interpreter milliseconds, not GPU times."""
+  import jax.numpy as jnp
+  import numpy as np
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  sys.path.insert(0, str(ROOT / "tests"))
+  import bench_attention
+  import layouts
+  from kvax_plugin.attention.api import create_attention_mask
+
+  s = 256
+  pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s, num_docs=3, pad_tail=9)
+  mask = create_attention_mask(*(jnp.asarray(x) for x in (pos, seg, pos, seg)),
+                               calc_bwd_mask=True)
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((1, s, 2, 64)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((1, s, 1, 64)), jnp.bfloat16)
+  parts = bench_attention.time_parts_mosaic(mask, pos, seg, q, k, k, q, 0.125, 1,
+                                            interpret=True)
+  expected = {"fwd", "dkv", "dq", "fused_dkv_dq", "dkv_regs240", "dq_regs240", "dq_kv64",
+              "dq_kv64_regs240", "fused_dkv_dq_regs240", "fused_dkv_dq_unpaired_regs240"}
+  assert set(parts) == expected
+  assert all(isinstance(v, float) and v > 0 for v in parts.values()), parts
