@@ -141,13 +141,16 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   split = splits_dq(cfg, dk)
   dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
   dq_buffers = cfg.dq_buffers if split else 1
-  # The interpreter has no bulk reduce: there each consumer adds into its own buffer.
-  dq_copies = CONSUMERS if cfg.interpret else 1
+  # The interpreter has no bulk reduce (an atomic add on the GPU): there each consumer of each
+  # kv tile adds into a buffer of its own (CTAs of other kv tiles add into the same dq rows and
+  # may run concurrently in the interpreter), summed after the kernel.
+  n_tiles = skv // TILE_KV
+  dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready):
+             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
@@ -253,7 +256,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           # The reduce that last used my_dq has read it (with 2 buffers, the one before last).
           plgpu.wait_smem_to_gmem(dq_buffers - 1, wait_read_only=True)
           if cfg.interpret:
-            target = dq_ref.at[wg, bi, qrows, head, cols]
+            target = dq_ref.at[tile * CONSUMERS + wg, bi, qrows, head, cols]
             my_dq[...] = dq + target[...]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_dq, target)
@@ -276,6 +279,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
       if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
+      if split:
+        # The other consumer's last dQ product reads this consumer's K (its column half of
+        # dS K): wait until both are past their loops before K's buffer stages dK.
+        plgpu.barrier_arrive(k_done)
+        plgpu.barrier_wait(k_done)
       my_k[...] = dk_acc.astype(dtype)
       my_v[...] = dv_acc.astype(dtype)
       plgpu.commit_smem()
@@ -341,6 +349,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
+        plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
 
