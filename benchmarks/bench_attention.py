@@ -90,14 +90,16 @@ def time_fn(fn, args, rounds: int, inner: int) -> float:
   jax.block_until_ready(out)
   out = fn(*args)
   jax.block_until_ready(out)
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) * 1e3 / inner)
-  return statistics.median(times)
+  return statistics.median([round_ms(fn, args, inner) for _ in range(rounds)])
+
+
+def round_ms(fn, args, inner: int) -> float:
+  """ms per call of one round: `inner` back-to-back calls, waited for at the end."""
+  t0 = time.perf_counter()
+  for _ in range(inner):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) * 1e3 / inner
 
 
 def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
@@ -110,11 +112,7 @@ def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
     times = {name: [] for name, *_ in entries}
     for r in range(rounds):
       for name, f, inner, _ in entries[r % len(entries):] + entries[:r % len(entries)]:
-        t0 = time.perf_counter()
-        for _ in range(inner):
-          out = f(*args)
-        jax.block_until_ready(out)
-        times[name].append((time.perf_counter() - t0) * 1e3 / inner)
+        times[name].append(round_ms(f, args, inner))
     flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
     for name, _, _, row in entries:
       ms = statistics.median(times[name])
