@@ -163,6 +163,10 @@ def test_benchmarking_hooks_lower_for_cuda(env, det, monkeypatch):
     bk.BwdConfig(**cfg, consumer_regs=244)
   with pytest.raises(ValueError, match="dq_kv_tile=32"):
     bk.BwdConfig(**cfg, dq_kv_tile=32)
+  from kvax_plugin.attention.kernels.mosaic import backend as mb
+  monkeypatch.setenv("KVAX_MOSAIC_BWD_REGS", "many")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_BWD_REGS='many': expected an integer"):
+    mb._env_int("KVAX_MOSAIC_BWD_REGS", 232)
 
 
 def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():

@@ -201,6 +201,17 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 _attention = kernel_attention(_forward, _backward)
 
 
+def _env_int(name: str, default: int) -> int:
+  """An integer benchmarking hook from the environment, with an error that names it."""
+  raw = os.environ.get(name, "")
+  if not raw:
+    return default
+  try:
+    return int(raw)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
+
+
 def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
@@ -232,9 +243,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                deterministic=bool(deterministic_backward), interpret=bool(interpret),
                paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
-               dq_buffers=int(os.environ.get("KVAX_MOSAIC_DQ_BUFFERS", "1")),
-               consumer_regs=int(os.environ.get("KVAX_MOSAIC_BWD_REGS", "232")),
-               dq_kv_tile=int(os.environ.get("KVAX_MOSAIC_DQ_KV_TILE", "0")),
+               dq_buffers=_env_int("KVAX_MOSAIC_DQ_BUFFERS", 1),
+               consumer_regs=_env_int("KVAX_MOSAIC_BWD_REGS", 232),
+               dq_kv_tile=_env_int("KVAX_MOSAIC_DQ_KV_TILE", 0),
                fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
