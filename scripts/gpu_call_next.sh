@@ -90,7 +90,23 @@ new_triton_tests() {
   wait
   grep -E "passed|failed" $OUT/new_triton_tests.log | tail -3
 }
+# LANE=T (session 7, first call, ~9 min): the Mosaic GPU tests on the kernels as they are now
+# (visit order, fused-backward race fix: not GPU-run before), split over the two GPUs, then
+# GPU 0: 64k --split (each kernel and its register variants alone), GPU 1: the forward hooks.
+mosaic_tests() {  # lane number, -k expression
+  timeout 270 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    tests/gpu/test_nonfinite_gpu.py -k "$2" > $OUT/gpu_tests_mosaic_$1.log 2>&1
+}
+lane_t0() {
+  mosaic_tests 0 "against_reference and (huge or mla or mqa or non_contiguous or not_causal_gqa8 or odd_length or softcap)"
+  T_BENCH=240 bench bench_64k_split mosaic,cudnn --split
+}
+lane_t1() {
+  mosaic_tests 1 "one_token or random_positions or sliding or window_not or query_shorter or fused_and or mosaic_nan"
+  T_BENCH=270 bench bench_64k_fwd mosaic,mosaic_fwd_optbar,mosaic_fwd_prewait,mosaic_fwd_both,cudnn,tokamax_mosaic --interleave
+}
 case ${LANE:-both} in
+  T) (export CUDA_VISIBLE_DEVICES=0; lane_t0) & (export CUDA_VISIBLE_DEVICES=1; lane_t1) & wait ;;
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
   NT2) new_triton_tests ;;
   DIMS) dims_runs ;;
