@@ -183,11 +183,15 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # peak: dK 64 + dV 64 + P 32 + dP 32 float32 per thread)
   impls["mosaic_fused_unpaired_regs240"] = make_mosaic(
       det=False, env={**regs240, "KVAX_MOSAIC_UNPAIRED": "1"})
-  # forward hooks: optimization barrier after the softmax, next K awaited behind P V, both
-  optbar, prewait = {"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"}, {"KVAX_MOSAIC_FWD_PREWAIT": "1"}
-  impls["mosaic_fwd_optbar"] = make_mosaic(env=optbar)
-  impls["mosaic_fwd_prewait"] = make_mosaic(env=prewait)
-  impls["mosaic_fwd_both"] = make_mosaic(env={**optbar, **prewait})
+  # forward hooks: optimization barrier after the softmax; the next K awaited at the top of a
+  # step (the default since session 7 awaits it behind the P V product)
+  impls["mosaic_fwd_optbar"] = make_mosaic(env={"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"})
+  impls["mosaic_fwd_noprewait"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PREWAIT": "0"})
+  # backward hook: the deterministic kernels await their next ring slot behind a step's last
+  # product (dK += dS^T Q, dQ += dS K)
+  impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})
+  impls["mosaic_bwd_prewait_regs240"] = make_mosaic(
+      env={"KVAX_MOSAIC_BWD_PREWAIT": "1", **regs240})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -297,15 +301,16 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
   parts = dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
                fused_dkv_dq=ms(fused, args))
-  # The register-pressure variants (ptxas spills in the dq and fused kernels at 232 registers):
-  # consumers at 240 (producer 24), and the dq kernel stepping 64 kv rows.
-  r240, f240 = dc.replace(cfg, consumer_regs=240), dc.replace(fcfg, consumer_regs=240)
+  # Variants of single kernels: the deterministic kernels awaiting their next ring slot behind
+  # a step's last product (KVAX_MOSAIC_BWD_PREWAIT), and the fastest fused variant measured in
+  # session 7 (consumers at 240 registers, products awaited one by one). The register split
+  # 240 / 24 and the dq kernel's 64-row kv steps changed nothing for the deterministic kernels
+  # there (dkv 111.7 vs 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
+  f240 = dc.replace(fcfg, consumer_regs=240)
+  pw = dc.replace(cfg, prewait=True)
   variants = dict(
-      dkv_regs240=(lambda *a: bk.dkv_call(r240, stages, *a, *mask.dkv)[1:]),
-      dq_regs240=(lambda *a: bk.dq_call(r240, bk_tile, 2, *a, *mask.dq)),
-      dq_kv64=(lambda *a: bk.dq_call(cfg, 64, 2, *a, *mask.dq)),
-      dq_kv64_regs240=(lambda *a: bk.dq_call(r240, 64, 2, *a, *mask.dq)),
-      fused_dkv_dq_regs240=(lambda *a: bk.dkv_call(f240, fstages, *a, *mask.dkv)),
+      dkv_prewait=(lambda *a: bk.dkv_call(pw, stages, *a, *mask.dkv)[1:]),
+      dq_prewait=(lambda *a: bk.dq_call(pw, bk_tile, 2, *a, *mask.dq)),
       fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
           dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
   for name, fn in variants.items():

@@ -94,7 +94,7 @@ new_triton_tests() {
 # (visit order, fused-backward race fix: not GPU-run before), split over the two GPUs, then
 # GPU 0: 64k --split (each kernel and its register variants alone), GPU 1: the forward hooks.
 mosaic_tests() {  # lane number, -k expression
-  timeout 270 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+  timeout ${T_TESTS:-270} python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     tests/gpu/test_nonfinite_gpu.py -k "$2" > $OUT/gpu_tests_mosaic_$1.log 2>&1
 }
 lane_t0() {
@@ -105,7 +105,21 @@ lane_t1() {
   mosaic_tests 1 "one_token or random_positions or sliding or window_not or query_shorter or fused_and or mosaic_nan"
   T_BENCH=270 bench bench_64k_fwd mosaic,mosaic_fwd_optbar,mosaic_fwd_prewait,mosaic_fwd_both,cudnn,tokamax_mosaic --interleave
 }
+# LANE=T2 (session 7, second call, ~9 min): the Mosaic GPU tests again, now with the forward's
+# next-K pre-wait on by default and the backward's pre-wait hook on (KVAX_MOSAIC_BWD_PREWAIT=1:
+# so the kernels it would make the default are GPU-tested in the same call), then GPU 0: 64k
+# fwd+bwd rows (default, backward pre-wait with and without 240 registers, forward without the
+# pre-wait) next to cuDNN and tokamax Mosaic, interleaved; GPU 1: 64k --split (each kernel alone).
+lane_t2_0() {
+  KVAX_MOSAIC_BWD_PREWAIT=1 mosaic_tests 0 "against_reference and (huge or mla or mqa or non_contiguous or not_causal_gqa8 or odd_length or softcap)"
+  T_BENCH=300 bench bench_64k mosaic,mosaic_bwd_prewait,mosaic_bwd_prewait_regs240,mosaic_fwd_noprewait,cudnn,tokamax_mosaic --interleave
+}
+lane_t2_1() {
+  KVAX_MOSAIC_BWD_PREWAIT=1 T_TESTS=330 mosaic_tests 1 "one_token or random_positions or sliding or window_not or query_shorter or fused_and or mosaic_nan"
+  T_BENCH=200 bench bench_64k_split mosaic,cudnn --split
+}
 case ${LANE:-both} in
+  T2) (export CUDA_VISIBLE_DEVICES=0; lane_t2_0) & (export CUDA_VISIBLE_DEVICES=1; lane_t2_1) & wait ;;
   T) (export CUDA_VISIBLE_DEVICES=0; lane_t0) & (export CUDA_VISIBLE_DEVICES=1; lane_t1) & wait ;;
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
   NT2) new_triton_tests ;;

@@ -131,11 +131,14 @@ def test_kernels_lower_for_cuda(dims, det):
 
 
 @pytest.mark.parametrize("env", [{"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"},
-                                 {"KVAX_MOSAIC_FWD_PREWAIT": "1"}])
+                                 {"KVAX_MOSAIC_FWD_PREWAIT": "0"},
+                                 {"KVAX_MOSAIC_BWD_PREWAIT": "1"}])
 def test_forward_hooks_match_reference_in_interpreter(env, monkeypatch):
-  """The forward's benchmarking hooks (optimization barrier after the softmax; the next K
-  awaited behind the P V product) compute the same attention: interpreter against the float32
-  reference (documents, padding, GQA, every barrier phase waited once), and lowered for CUDA."""
+  """The kernels' scheduling hooks (optimization barrier after the softmax; the next K awaited
+  at the top of a step instead of behind the P V product, the default since session 7; the
+  deterministic backward kernels awaiting their next ring slot behind a step's last product)
+  compute the same attention: interpreter against the float32 reference (documents, padding,
+  GQA, every barrier phase waited once), and lowered for CUDA."""
   for name, value in env.items():
     monkeypatch.setenv(name, value)
   test_kernels_in_interpreter_match_reference("window_cap_sinks_det")

@@ -36,7 +36,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
-                                                          _ROW, _smem, accumulate, pair_keep,
+                                                          _ROW, _smem, accumulate,
+                                                          accumulate_then, pair_keep,
                                                           produce_kv_ring, products_together,
                                                           visit_order)
 
@@ -74,6 +75,12 @@ class BwdConfig:
   # kv rows per step of the deterministic dq kernel: 0 picks the largest that fits (128 at head
   # dim 128); 64 halves the S / dP tiles in registers (benchmarking hook KVAX_MOSAIC_DQ_KV_TILE).
   dq_kv_tile: int = 0
+  # The deterministic kernels (dk/dv without dq, and dq) wait for the NEXT step's ring slot
+  # behind their last product of a step (dK += dS^T Q; dQ += dS K) instead of at the top of the
+  # next step, as the forward does with K (KVAX_MOSAIC_FWD_PREWAIT, 57.3 vs 60.0-62.5 ms at 64k
+  # causal on an H200). Needs a ring of >= 2 slots (the slot being read is not free yet).
+  # Benchmarking hook KVAX_MOSAIC_BWD_PREWAIT=1.
+  prewait: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -146,6 +153,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   # may run concurrently in the interpreter), summed after the kernel.
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
+  prewait = cfg.prewait and not cfg.with_dq and stages >= 2
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -177,6 +185,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(k_ready.at[wg])
       plgpu.barrier_wait(v_ready.at[wg])
+      total = group * count  # ring positions this CTA visits
+
+      def wait_slot(slot):
+        plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(do_ready.at[slot])
+      if prewait:  # the first slot here; every later one behind the previous step's dK product
+        pl.when(total > 0)(lambda: wait_slot(0))
 
       def step(n, qi, head, carry, masked: bool):
         dk_acc, dv_acc = carry
@@ -185,7 +200,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           cols = pl.ds(qi * TILE_Q, TILE_Q)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        plgpu.barrier_wait(q_ready.at[slot])
+        if not prewait:
+          plgpu.barrier_wait(q_ready.at[slot])
 
         def scores(ref):
           plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
@@ -197,7 +213,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         if masked:
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
-        plgpu.barrier_wait(do_ready.at[slot])
+        if not prewait:
+          plgpu.barrier_wait(do_ready.at[slot])
         if cfg.paired:
           dv_acc, dpt = products_together(
               (dv_acc, pt.astype(dtype), do_smem.at[slot]),
@@ -242,6 +259,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               plgpu.wgmma(ref, my_ds.T, my_k)
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
+        elif prewait:
+          def next_slot():
+            pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
+          dk_acc = accumulate_then(dk_acc, ds16, q_smem.at[slot], cfg.interpret, next_slot)
         else:
           dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(q_free.at[slot])
@@ -409,6 +430,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   rq = cfg.table_q // DQ_TILE_Q
   rk = cfg.table_kv // bk
   dtype = q.dtype
+  prewait = cfg.prewait and stages >= 2
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
@@ -442,6 +464,12 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
+      def wait_slot(slot):
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+      if prewait:  # the first slot here; every later one behind the previous step's dQ product
+        pl.when(count > 0)(lambda: wait_slot(0))
+
       def step(n, ki, acc, masked: bool):
         """The n-th visited kv block, block ki."""
         slot = lax.rem(n, stages)
@@ -449,9 +477,11 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        plgpu.barrier_wait(k_ready.at[slot])
+        if not prewait:
+          plgpu.barrier_wait(k_ready.at[slot])
         if cfg.paired:
-          plgpu.barrier_wait(v_ready.at[slot])
+          if not prewait:
+            plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     cfg.interpret)
@@ -467,7 +497,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape)
           p = jnp.where(keep, p, 0.0)
         if not cfg.paired:
-          plgpu.barrier_wait(v_ready.at[slot])
+          if not prewait:
+            plgpu.barrier_wait(v_ready.at[slot])
 
           def dprobs(ref):
             plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
@@ -479,7 +510,12 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if masked:
           # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
           ds = jnp.where(keep, ds, 0.0)
-        acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
+        if prewait:
+          def next_slot():
+            pl.when(n + 1 < count)(lambda: wait_slot(lax.rem(n + 1, stages)))
+          acc = accumulate_then(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret, next_slot)
+        else:
+          acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 

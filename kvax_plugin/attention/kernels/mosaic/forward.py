@@ -104,6 +104,22 @@ def accumulate(acc, a, b, interpret: bool):
   return pl.run_state(product_into)(plgpu.ACC.init(acc))
 
 
+def accumulate_then(acc, a, b, interpret: bool, then):
+  """accumulate(acc, a, b), with `then()` (e.g. a barrier wait for the next step's operands)
+  run while the product is in flight: it is awaited after `then`, so the wait's latency hides
+  behind the tensor cores instead of sitting between two steps. The interpreter runs `then`
+  after the product (same order of waits)."""
+  if interpret:
+    acc = accumulate(acc, a, b, True)
+    then()
+    return acc
+
+  def product_into(ref):
+    plgpu.wgmma(ref, a, b)
+    then()
+  return pl.run_state(product_into)(plgpu.ACC.init(acc))
+
+
 def products_together(first, second, interpret: bool):
   """Two tensor-core products issued back to back and awaited once.
 
