@@ -192,6 +192,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})
   impls["mosaic_bwd_prewait_regs240"] = make_mosaic(
       env={"KVAX_MOSAIC_BWD_PREWAIT": "1", **regs240})
+  # the dk/dv kernel's q / dO ring 4 deep instead of 3
+  impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -311,6 +313,7 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   variants = dict(
       dkv_prewait=(lambda *a: bk.dkv_call(pw, stages, *a, *mask.dkv)[1:]),
       dq_prewait=(lambda *a: bk.dq_call(pw, bk_tile, 2, *a, *mask.dq)),
+      dkv_4stages=(lambda *a: bk.dkv_call(cfg, 4, *a, *mask.dkv)[1:]),
       fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
           dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
   for name, fn in variants.items():

@@ -78,6 +78,6 @@ def test_bench_attention_split_parts_run_in_the_interpreter():
   parts = bench_attention.time_parts_mosaic(mask, pos, seg, q, k, k, q, 0.125, 1,
                                             interpret=True)
   expected = {"fwd", "dkv", "dq", "fused_dkv_dq", "dkv_prewait", "dq_prewait",
-              "fused_dkv_dq_unpaired_regs240"}
+              "dkv_4stages", "fused_dkv_dq_unpaired_regs240"}
   assert set(parts) == expected
   assert all(isinstance(v, float) and v > 0 for v in parts.values()), parts

@@ -109,7 +109,10 @@ class Static:
   # The next K awaited behind the P V product: on by default (64k causal forward on an H200,
   # session 7: 57.3 vs 62.5 ms interleaved, 57.9 vs 60.0 alone); KVAX_MOSAIC_FWD_PREWAIT=0 off.
   fwd_prewait_k: bool = True
-  bwd_prewait: bool = False  # benchmarking hook: KVAX_MOSAIC_BWD_PREWAIT=1 (BwdConfig.prewait)
+  # benchmarking hook: KVAX_MOSAIC_BWD_PREWAIT=1 (BwdConfig.prewait); measured slower (session
+  # 7, 64k causal: dk/dv kernel 122.5 vs 112.2 ms, dq 77.2 vs 77.3), so off
+  bwd_prewait: bool = False
+  dkv_stages: int = 0  # benchmarking hook: KVAX_MOSAIC_DKV_STAGES (BwdConfig.dkv_stages)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -185,7 +188,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
       with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired,
       dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers, consumer_regs=cfg.consumer_regs,
-      dq_kv_tile=cfg.dq_kv_tile, prewait=cfg.bwd_prewait)
+      dq_kv_tile=cfg.dq_kv_tile, prewait=cfg.bwd_prewait, dkv_stages=cfg.dkv_stages)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -251,7 +254,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dq_kv_tile=_env_int("KVAX_MOSAIC_DQ_KV_TILE", 0),
                fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") != "0",
-               bwd_prewait=os.environ.get("KVAX_MOSAIC_BWD_PREWAIT", "") == "1")
+               bwd_prewait=os.environ.get("KVAX_MOSAIC_BWD_PREWAIT", "") == "1",
+               dkv_stages=_env_int("KVAX_MOSAIC_DKV_STAGES", 0))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

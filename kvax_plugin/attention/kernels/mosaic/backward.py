@@ -81,12 +81,19 @@ class BwdConfig:
   # causal on an H200). Needs a ring of >= 2 slots (the slot being read is not free yet).
   # Benchmarking hook KVAX_MOSAIC_BWD_PREWAIT=1.
   prewait: bool = False
+  # Ring depth of the deterministic dk/dv kernel's q / dO ring: 0 picks the deepest of 3, 2, 1
+  # that fits; 4 (benchmarking hook KVAX_MOSAIC_DKV_STAGES=4; fits at head dim 128) gives the
+  # producer's loads one more step of lead (a slot is released only after the step's last
+  # product, dK += dS^T Q, reads q).
+  dkv_stages: int = 0
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
     if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
       raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
                        f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
+    if self.dkv_stages not in (0, 1, 2, 3, 4):
+      raise ValueError(f"dkv_stages={self.dkv_stages}: expected 0 (automatic) or 1..4")
     if self.dq_kv_tile not in (0, 64, 128):
       raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
 
@@ -578,7 +585,8 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
       2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers) > SMEM_BUDGET:
     cfg = dataclasses.replace(cfg, dq_buffers=1)
-  stages = next((s for s in (3, 2, 1)
+  depths = (cfg.dkv_stages,) if cfg.dkv_stages and not with_dq else (3, 2, 1)
+  stages = next((s for s in depths
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
                                    cfg.dq_buffers if split else 1) <= SMEM_BUDGET),
                 None)
