@@ -227,6 +227,25 @@ def main(argv=None) -> dict:
     return {"all_gather_kv_ms": gather_ms, "reduce_scatter_dkv_ms": reduce_ms,
             "reduce_dtype": str(jnp.dtype(reduce_dtype))}
 
+  def arrangement_ms(pos, seg) -> float:
+    """ms of the balanced order's per-shard kv arrangement alone, on one device: the gathers
+    that put rank 0's all-gathered k and v in document order (forward) and dk / dv back
+    (backward), as context_parallel._arrange does, for this layout's real arrangement."""
+    from kvax_plugin.attention.context_parallel import _arrange
+    tok = orders.token_order(pos, seg, cp, order="balanced", block=unit)
+    gathered_pos = np.take_along_axis(pos, np.asarray(tok.order), axis=1)
+    gathered_seg = np.take_along_axis(seg, np.asarray(tok.order), axis=1)
+    arrangement = jax.device_put(orders.document_order(jnp.asarray(gathered_pos),
+                                                        jnp.asarray(gathered_seg)), dev0)
+    k, v = (jax.device_put(jnp.asarray(host[n], dtype), dev0) for n in ("k", "v"))
+
+    @jax.jit
+    def there_and_back(k, v, arrangement):
+      (a, b), vjp = jax.vjp(lambda k, v: (_arrange(k, arrangement), _arrange(v, arrangement)),
+                            k, v)
+      return vjp((a, b))
+    return _median_ms(there_and_back, (k, v, arrangement), args.iters, args.warmup)[0]
+
   # Permutations run on device 0 (gathers of ~1 GB arrays are slow on the host).
   permute = jax.jit(lambda xs, tok: orders.apply_token_order(xs, tok))
   unpermute = jax.jit(lambda x, tok: orders.undo_token_order(x, tok))
@@ -325,6 +344,7 @@ def main(argv=None) -> dict:
     layout["kept_pairs"] = pairs
     if "balanced" in args.orders:
       layout["balanced_order_ms"] = order_ms(pos, seg)
+      layout["arrangement_alone_ms"] = arrangement_ms(pos, seg)
     layout["wall_s"] = time.perf_counter() - t0
     results[name] = layout
     write(results)  # after every layout: a run cut short keeps what it measured
@@ -338,7 +358,8 @@ def main(argv=None) -> dict:
         f"{'fwd+bwd':>9}{'kept max/min':>14}{'blocks max/min':>16}{'rel L2 (max)':>14}")
   for name, lay in results.items():
     t = lay["single_device"]["timing"]
-    extra = (f"   (balanced order: {lay['balanced_order_ms']:.2f} ms)"
+    extra = (f"   (balanced order: {lay['balanced_order_ms']:.2f} ms; kv arrangement there "
+             f"and back alone: {lay['arrangement_alone_ms']:.2f} ms)"
              if "balanced_order_ms" in lay else "")
     print(f"  {name + ' 1 device':<22}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
           f"{t['fwd_bwd_ms']:>12.2f}{extra}")

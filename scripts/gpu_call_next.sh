@@ -118,7 +118,33 @@ lane_t2_1() {
   KVAX_MOSAIC_BWD_PREWAIT=1 T_TESTS=330 mosaic_tests 1 "one_token or random_positions or sliding or window_not or query_shorter or fused_and or mosaic_nan"
   T_BENCH=200 bench bench_64k_split mosaic,cudnn --split
 }
+# LANE=FINAL (session 7, last call, ~8.5 min): context parallelism on both GPUs (balanced order,
+# both backends, the library's bf16 dk / dv sum at cp=2, the collectives and the balanced order's
+# kv arrangement timed alone: the fixed costs between the measured speed-up and 2x), then two
+# lanes: GPU 0: 64k --split (the dk/dv ring 4 deep) and 16k head dim 128 rows; GPU 1: the cold
+# kernel compile times (visit order: predicted 4.7 -> ~3.5 s) and 16k at head dims 64 / 256.
+final_runs() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for b in auto triton; do
+    mkdir -p $OUT/cp_$b
+    timeout 130 python3 benchmarks/bench_context_parallel.py --backend $b --iters 15 \
+      --orders natural,balanced --out_dir $OUT/cp_$b 2>&1 | grep -vE "^WARNING" | tail -9 | tee -a $OUT/next.log
+  done
+  (export CUDA_VISIBLE_DEVICES=0
+   T_BENCH=170 bench bench_64k_split mosaic,cudnn --split
+   timeout 110 python3 benchmarks/bench_attention.py --seq 16384 --impls mosaic,cudnn,tokamax_mosaic \
+     --interleave --rounds 7 --out $OUT/bench_16k > $OUT/bench_16k.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 90 python3 benchmarks/kernel_compile_time.py --out $OUT/compile_time.json \
+     --impls kvax_mosaic,cudnn > $OUT/compile_time.log 2>&1
+   timeout 190 python3 benchmarks/bench_attention.py --seq 16384 --head-dims 64,256 \
+     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 5 \
+     --out $OUT/bench_16k_dims > $OUT/bench_16k_dims.log 2>&1) &
+  wait
+  grep -vE "WARNING" $OUT/compile_time.log | tail -5
+}
 case ${LANE:-both} in
+  FINAL) final_runs ;;
   T2) (export CUDA_VISIBLE_DEVICES=0; lane_t2_0) & (export CUDA_VISIBLE_DEVICES=1; lane_t2_1) & wait ;;
   T) (export CUDA_VISIBLE_DEVICES=0; lane_t0) & (export CUDA_VISIBLE_DEVICES=1; lane_t1) & wait ;;
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;

@@ -27,6 +27,7 @@ def test_bench_context_parallel_smoke(tmp_path):
     assert set(layout["context_parallel"]) == {"natural", "llama3", "balanced"}
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
+    assert layout["arrangement_alone_ms"] > 0
   comm = result["communication_alone"]
   assert comm["all_gather_kv_ms"] > 0 and comm["reduce_scatter_dkv_ms"] > 0
   assert comm["reduce_dtype"] == "float32"  # float32 inputs in the smoke run
