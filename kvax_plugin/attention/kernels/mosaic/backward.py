@@ -86,6 +86,9 @@ class BwdConfig:
   # producer's loads one more step of lead (a slot is released only after the step's last
   # product, dK += dS^T Q, reads q).
   dkv_stages: int = 0
+  # Order the deterministic dq kernel after the dk/dv kernel (benchmarking hook
+  # KVAX_MOSAIC_DQ_AFTER_DKV=1, for context parallelism; not yet measured on GPUs).
+  dq_after_dkv: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -596,6 +599,12 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   dq, dk, dv = dkv_call(cfg, stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                         *dkv_table)
   if dq is None:
+    if cfg.dq_after_dkv:
+      # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv):
+      # under context parallelism the reduce-scatter of dk / dv (2.0 ms at 128k on 2 x H200,
+      # half the gap to a 2x speed-up, not overlapped today) could then run while the dq
+      # kernel does. One GPU: nothing to overlap (one stream either way).
+      q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
     # The largest kv tile, then the deepest ring, that fits (head dim 256: 64 x 1 stage).
     tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
     fits = [(bk, st) for bk in tiles for st in (2, 1)
