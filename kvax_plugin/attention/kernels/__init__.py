@@ -54,6 +54,9 @@ class KernelBackend:
     device of `platforms` (None: any such device will do).
   mask_check: name of a function in `module`, (AttentionMask) -> (ok, reason), for what the
     mask's block sizes must allow (None: any mask).
+  auto_check: name of a function in `module`, (dtype, qk_head_dim, v_head_dim) -> (ok, reason),
+    consulted by "auto" only: cases the backend runs but measured slower than the next one in
+    AUTO_ORDER (an explicit request still runs them). None: "auto" takes it wherever it runs.
   options: keyword options beyond the common convention the function accepts; the public op
     passes only those.
   install_hint: what to install when `module` cannot be imported.
@@ -66,6 +69,7 @@ class KernelBackend:
   platforms: tuple[str, ...] = ()
   device_check: str | None = None
   mask_check: str | None = None
+  auto_check: str | None = None
   options: tuple[str, ...] = ()
   install_hint: str = ""
 
@@ -83,7 +87,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         description="FlashAttention-3-style Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, "
                     "warp-specialised producer / consumers)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
-        options=("deterministic_backward",)),
+        auto_check="auto_prefers", options=("deterministic_backward",)),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",
         description="blockwise online-softmax attention in plain JAX (any device)"),
@@ -168,16 +172,26 @@ def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
   return ok, why
 
 
+def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+  """(preferred, reason): whether "auto" should take backend `name` for these inputs where it
+  can run them (its `auto_check`; every backend without one is preferred wherever it runs)."""
+  record = _record(name)
+  if record.auto_check is None:
+    return True, ""
+  return getattr(_module(record), record.auto_check)(dtype, qk_head_dim, v_head_dim)
+
+
 def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
                         features: Iterable[str] = (), mask: Any = None) -> str:
-  """The backend for one call. "auto": the first of AUTO_ORDER that runs here and supports the
-  inputs (and `mask`, when given); an explicit name that cannot run them raises
-  BackendUnavailableError naming them."""
+  """The backend for one call. "auto": the first of AUTO_ORDER that runs here, supports the
+  inputs (and `mask`, when given) and is not measured slower there than the next (auto_check);
+  an explicit name that cannot run them raises BackendUnavailableError naming them."""
   features = tuple(features)
   if backend == "auto":
     for name in AUTO_ORDER:
-      if availability(name)[0] and supports_inputs(name, dtype, qk_head_dim, v_head_dim,
-                                                   features, mask)[0]:
+      if (availability(name)[0]
+          and supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)[0]
+          and auto_prefers(name, dtype, qk_head_dim, v_head_dim)[0]):
         return name
     raise BackendUnavailableError(
         f"no backend of {AUTO_ORDER} can run {jnp.dtype(dtype).name} inputs with head dims "
@@ -205,4 +219,5 @@ def backend_options(name: str, **options: Any) -> dict[str, Any]:
 
 __all__ = ["BackendUnavailableError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
            "AUTO_ORDER", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
+           "auto_prefers",
            "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]

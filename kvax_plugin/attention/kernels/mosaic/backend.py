@@ -58,6 +58,24 @@ def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str
   return True, ""
 
 
+# "auto" takes these kernels up to this head dim. Above it the dk/dv kernel runs a one-stage
+# ring and the dq kernel 64-row kv steps, and the Triton kernels train faster: 16k, one H200,
+# head dim 256, forward+backward causal 112.2 ms (Mosaic, session 7) vs 53.8 (Triton, session
+# 2), documents 22.4 vs 10.8, with cuDNN within 5% in both runs (35.2 / 36.9 causal);
+# benchmarks/results/mosaic/s7_bench_16k_dims.*, benchmarks/results/bench_16k_dims.*.
+AUTO_MAX_HEAD_DIM = 128
+
+
+def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+  """(ok, reason): whether backend="auto" should pick these kernels (they run up to head dim
+  256; above AUTO_MAX_HEAD_DIM the Triton ones were measured ~2x faster forward+backward)."""
+  if max(qk_head_dim, v_head_dim) > AUTO_MAX_HEAD_DIM:
+    return False, (f"head dims ({qk_head_dim}, {v_head_dim}) above {AUTO_MAX_HEAD_DIM}: the "
+                   "Triton kernels train faster there (measured on an H200); pass "
+                   'backend="mosaic" to use these anyway')
+  return True, ""
+
+
 def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   """(ok, reason): the kernels' tiles must divide the mask's table blocks."""
   fq, fk = mask.spec.fwd_params.query_block_size, mask.spec.fwd_params.kv_block_size
