@@ -39,6 +39,7 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           _ROW, _smem, accumulate,
                                                           accumulate_then, pair_keep,
                                                           produce_kv_ring, products_together,
+                                                          released_for_tma,
                                                           visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
@@ -339,6 +340,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         @pl.when(n >= stages)
         def _():
           plgpu.barrier_wait(q_free.at[slot])
+          released_for_tma(cfg.interpret)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, head], q_smem.at[slot], q_ready.at[slot])
         plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, qrows], lse_smem.at[slot],
                                 q_ready.at[slot])
@@ -346,6 +348,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         @pl.when(n >= stages)
         def _():
           plgpu.barrier_wait(do_free.at[slot])
+          released_for_tma(cfg.interpret)
         plgpu.copy_gmem_to_smem(do_ref.at[bi, qrows, head], do_smem.at[slot], do_ready.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[bi, head, qrows], delta_smem.at[slot],
                                 do_ready.at[slot])
@@ -545,7 +548,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       if not cfg.interpret:
         plgpu.set_max_registers(cfg.producer_regs, action="decrease")
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
-                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages)
+                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages,
+                      interpret=cfg.interpret)
 
   def entry(*refs):
     scratch = (

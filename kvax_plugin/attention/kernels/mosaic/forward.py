@@ -179,8 +179,22 @@ def visit_order(lower, full_lower, full_upper, upper):
   return masked, block
 
 
+def released_for_tma(interpret: bool) -> None:
+  """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
+
+  On the GPU nothing is needed: the consumers' reads of the slot complete before their arrive
+  (release), the producer's wait acquires them, and only then is the TMA write issued (the
+  pattern CUTLASS's TMA pipelines use, with no proxy fence). Pallas' interpreter race detector
+  orders a TMA write only after the issuing thread's *async-proxy* clock, which a barrier wait
+  does not advance, so it reports every such reuse as a race; there the producer commits its
+  clock (commit_smem, a proxy fence on the GPU) so the detector sees the ordering the hardware
+  gives, and a real missing barrier still shows."""
+  if interpret:
+    plgpu.commit_smem()
+
+
 def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, count,
-                    block, block_kv: int, stages: int):
+                    block, block_kv: int, stages: int, interpret: bool = False):
   """The producer warpgroup's loop: TMA-load the `count` kv blocks block(0), block(1), ... of
   one kv head (k_rows / v_rows: [Skv, D] views; `block` from visit_order) into a ring of
   `stages` slots; the n-th goes to slot n % stages once the consumers have released that
@@ -194,11 +208,13 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
     @pl.when(n >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])
+      released_for_tma(interpret)
     plgpu.copy_gmem_to_smem(k_rows.at[rows], k_smem.at[slot], k_ready.at[slot])
 
     @pl.when(n >= stages)
     def _():
       plgpu.barrier_wait(v_free.at[slot])
+      released_for_tma(interpret)
     plgpu.copy_gmem_to_smem(v_rows.at[rows], v_smem.at[slot], v_ready.at[slot])
 
   # Drain: observe the release of the last loads too, so every phase of the ring's barriers is
@@ -368,7 +384,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       if not cfg.interpret:
         plgpu.set_max_registers(40, action="decrease")
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
-                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages)
+                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages,
+                      interpret=cfg.interpret)
 
   def entry(*refs):
     scratch = (
