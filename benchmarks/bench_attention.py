@@ -187,6 +187,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # step (the default since session 7 awaits it behind the P V product)
   impls["mosaic_fwd_optbar"] = make_mosaic(env={"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"})
   impls["mosaic_fwd_noprewait"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PREWAIT": "0"})
+  # masked steps read the kv positions / segment ids from a ring the producer fills with K
+  impls["mosaic_fwd_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1"})
   # backward hook: the deterministic kernels await their next ring slot behind a step's last
   # product (dK += dS^T Q, dQ += dS K)
   impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})

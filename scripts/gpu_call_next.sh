@@ -12,6 +12,7 @@
 #     GPU 1 the cold kernel compile times (visit order: predicted 4.7 -> ~3.5 s) and the cold
 #     MaxText e2e, 16k one document per row, kvax vs cudnn_flash_jax (the forward is ~5% faster
 #     since session 6's 1.02x).
+#   LANE=FWD (~5 min): the documents forward with the kv-ids ring hook (below).
 #   LANE=NT1, LANE=NT2: the Triton backend under triton 3.9 + jax-triton 0.4.1 (see below).
 # Prediction for DQ_AFTER_DKV: packed 73.3 -> ~71.5 ms (1.92x) if XLA starts the reduce-scatter
 # before the dq custom call; no change if it does not (then: an explicit async start, or the
@@ -71,11 +72,29 @@ new_triton_tests() {
   wait
   grep -E "passed|failed" $R/new_triton_tests.log | tail -3 | tee -a $R/next.log
 }
+# LANE=FWD (~5 min, two lanes): the documents forward (0.92x / 0.96x tokamax Mosaic at 16k /
+# 64k in session 7) with KVAX_MOSAIC_FWD_IDS_TMA=1 (kv positions / segment ids TMA-loaded with
+# K instead of read from global memory in every masked step), same run as tokamax Mosaic; GPU 1
+# also runs the Mosaic GPU tests with the hook on (if it wins it becomes the default).
+fwd_runs() {
+  (export CUDA_VISIBLE_DEVICES=0
+   for s in 16384 65536; do
+     timeout 140 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,tokamax_mosaic \
+       --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_fwd_ids_$s > $R/bench_fwd_ids_$s.log 2>&1
+   done) &
+  (export CUDA_VISIBLE_DEVICES=1
+   KVAX_MOSAIC_FWD_IDS_TMA=1 timeout 280 python3 -m pytest -m gpu -v -p no:cacheprovider \
+     tests/gpu/test_mosaic_gpu.py -k "against_reference" > $R/gpu_tests_mosaic_ids_tma.log 2>&1) &
+  wait
+  for f in $R/bench_fwd_ids_*.log; do grep -E "^ +[0-9]+ (causal|docs)" $f; done | tee -a $R/next.log
+  grep -hE "passed|failed" $R/gpu_tests_mosaic_ids_tma.log | tail -3 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  FWD) fwd_runs ;;
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
   NT2) new_triton_tests ;;
   CP) cp_runs ;;
-  *) echo "LANE must be CP, NT1 or NT2"; exit 2 ;;
+  *) echo "LANE must be CP, FWD, NT1 or NT2"; exit 2 ;;
 esac
 rm -f $R/cp_*/*.png
 pack

@@ -130,6 +130,7 @@ class Static:
   # benchmarking hook: KVAX_MOSAIC_BWD_PREWAIT=1 (BwdConfig.prewait); measured slower (session
   # 7, 64k causal: dk/dv kernel 122.5 vs 112.2 ms, dq 77.2 vs 77.3), so off
   bwd_prewait: bool = False
+  fwd_ids_tma: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_IDS_TMA=1 (FwdConfig.ids_tma)
   dkv_stages: int = 0  # benchmarking hook: KVAX_MOSAIC_DKV_STAGES (BwdConfig.dkv_stages)
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
 
@@ -185,7 +186,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       block_kv=bk, stages=stages, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
-      opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k)
+      opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -275,6 +276,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") != "0",
                bwd_prewait=os.environ.get("KVAX_MOSAIC_BWD_PREWAIT", "") == "1",
+               fwd_ids_tma=os.environ.get("KVAX_MOSAIC_FWD_IDS_TMA", "") == "1",
                dkv_stages=_env_int("KVAX_MOSAIC_DKV_STAGES", 0),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

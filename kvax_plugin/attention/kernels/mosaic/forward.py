@@ -75,13 +75,19 @@ class FwdConfig:
   # (behind it) instead of at the start of the next step.
   opt_barrier: bool = False
   prewait_k: bool = False
+  # Benchmarking hook KVAX_MOSAIC_FWD_IDS_TMA=1 (off until measured): the producer TMA-loads
+  # each kv block's positions and segment ids into the ring with its K (same barrier), and a
+  # masked step reads them from shared memory instead of from global memory (whose latency the
+  # step waits out behind one product: the documents forward is mostly masked steps).
+  ids_tma: bool = False
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
-  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer, the K/V ring, lse."""
+  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer, the K/V ring (with room
+  for the kv ids ring of the ids_tma hook: it changes no launch of head dims 64..256), lse."""
   q = CONSUMERS * ROWS_PER_WG * dk * itemsize
   o = 0 if dv == dk else CONSUMERS * ROWS_PER_WG * dv * itemsize
-  ring = stages * block_kv * (dk + dv) * itemsize
+  ring = stages * block_kv * ((dk + dv) * itemsize + 2 * 4)
   return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
 
 
@@ -194,11 +200,12 @@ def released_for_tma(interpret: bool) -> None:
 
 
 def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, count,
-                    block, block_kv: int, stages: int, interpret: bool = False):
+                    block, block_kv: int, stages: int, interpret: bool = False, ids=None):
   """The producer warpgroup's loop: TMA-load the `count` kv blocks block(0), block(1), ... of
   one kv head (k_rows / v_rows: [Skv, D] views; `block` from visit_order) into a ring of
   `stages` slots; the n-th goes to slot n % stages once the consumers have released that
-  slot's previous block."""
+  slot's previous block. ids: None, or (pos_rows, seg_rows, pos_smem, seg_smem), [Skv] int32
+  views and [stages, block_kv] rings loaded with K (on k_ready)."""
 
   @pl.loop(0, count)
   def _(n):
@@ -210,6 +217,10 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
       plgpu.barrier_wait(k_free.at[slot])
       released_for_tma(interpret)
     plgpu.copy_gmem_to_smem(k_rows.at[rows], k_smem.at[slot], k_ready.at[slot])
+    if ids is not None:
+      pos_rows, seg_rows, pos_smem, seg_smem = ids
+      plgpu.copy_gmem_to_smem(pos_rows.at[rows], pos_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(seg_rows.at[rows], seg_smem.at[slot], k_ready.at[slot])
 
     @pl.when(n >= stages)
     def _():
@@ -244,7 +255,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
-             q_smem, o_smem, k_smem, v_smem, lse_smem,
+             q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
              q_ready, k_ready, v_ready, k_free, v_free, turn):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
@@ -290,13 +301,17 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         """The n-th visited block, kv block ki."""
         acc, m_i, l_i = carry
         slot = lax.rem(n, stages)
-        if masked:
+        if masked and not cfg.ids_tma:
           # Issued before the product, so their global-memory latency hides behind it.
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         if not cfg.prewait_k:
           plgpu.barrier_wait(k_ready.at[slot])
+        if masked and cfg.ids_tma:
+          # Arrived with K; read before k_free releases the slot to the producer.
+          kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
+          kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
 
         def logits(ref):
           plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
@@ -383,21 +398,27 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     def producer():
       if not cfg.interpret:
         plgpu.set_max_registers(40, action="decrease")
+      ids = ((kvpos_ref.at[bi], kvseg_ref.at[bi], kvpos_smem, kvseg_smem) if cfg.ids_tma
+             else None)
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
                       v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages,
-                      interpret=cfg.interpret)
+                      interpret=cfg.interpret, ids=ids)
 
   def entry(*refs):
+    ids_ring = lambda: plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None
     scratch = (
         _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
         None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
         _smem((stages, bk, dk), dtype),
         _smem((stages, bk, dv), dtype),
         plgpu.SMEM((CONSUMERS, ROWS_PER_WG), jnp.float32),
+        ids_ring(),
+        ids_ring(),
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
-        plgpu.Barrier(num_barriers=stages),
+        # k_ready: one arrival per TMA copy into the slot (K, and the ids with the hook)
+        plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
