@@ -189,6 +189,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_fwd_noprewait"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PREWAIT": "0"})
   # masked steps read the kv positions / segment ids from a ring the producer fills with K
   impls["mosaic_fwd_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1"})
+  # ... and the backward kernels' masked steps likewise (q ids in the dk/dv kernel's q ring,
+  # kv ids in the dq kernel's K ring)
+  impls["mosaic_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1",
+                                             "KVAX_MOSAIC_BWD_IDS_TMA": "1"})
   # backward hook: the deterministic kernels await their next ring slot behind a step's last
   # product (dK += dS^T Q, dQ += dS K)
   impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})

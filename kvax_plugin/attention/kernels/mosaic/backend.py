@@ -131,6 +131,7 @@ class Static:
   # 7, 64k causal: dk/dv kernel 122.5 vs 112.2 ms, dq 77.2 vs 77.3), so off
   bwd_prewait: bool = False
   fwd_ids_tma: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_IDS_TMA=1 (FwdConfig.ids_tma)
+  bwd_ids_tma: bool = False  # benchmarking hook: KVAX_MOSAIC_BWD_IDS_TMA=1 (BwdConfig.ids_tma)
   dkv_stages: int = 0  # benchmarking hook: KVAX_MOSAIC_DKV_STAGES (BwdConfig.dkv_stages)
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
 
@@ -209,7 +210,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired,
       dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers, consumer_regs=cfg.consumer_regs,
       dq_kv_tile=cfg.dq_kv_tile, prewait=cfg.bwd_prewait, dkv_stages=cfg.dkv_stages,
-      dq_after_dkv=cfg.dq_after_dkv)
+      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -277,6 +278,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") != "0",
                bwd_prewait=os.environ.get("KVAX_MOSAIC_BWD_PREWAIT", "") == "1",
                fwd_ids_tma=os.environ.get("KVAX_MOSAIC_FWD_IDS_TMA", "") == "1",
+               bwd_ids_tma=os.environ.get("KVAX_MOSAIC_BWD_IDS_TMA", "") == "1",
                dkv_stages=_env_int("KVAX_MOSAIC_DKV_STAGES", 0),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

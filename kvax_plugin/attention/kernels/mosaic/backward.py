@@ -90,6 +90,10 @@ class BwdConfig:
   # Order the deterministic dq kernel after the dk/dv kernel (benchmarking hook
   # KVAX_MOSAIC_DQ_AFTER_DKV=1, for context parallelism; not yet measured on GPUs).
   dq_after_dkv: bool = False
+  # Benchmarking hook KVAX_MOSAIC_BWD_IDS_TMA=1 (off until measured): the producers TMA-load the
+  # positions / segment ids of each ring block with it (q blocks in the dk/dv kernel, kv blocks
+  # in the dq kernel), and masked steps read them from shared memory instead of global memory.
+  ids_tma: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -112,9 +116,9 @@ def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
-                   split: bool = False, dq_buffers: int = 1) -> int:
+                   split: bool = False, dq_buffers: int = 1, ids: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * TILE_Q * ((dk + dv) * itemsize + 8)
+  ring = stages * TILE_Q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
   if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
     dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize
                       + dq_buffers * TILE_Q * (dk // CONSUMERS) * 4)
@@ -125,9 +129,10 @@ def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
   return kv + ring + dq + 1024
 
 
-def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
+def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
+                  ids: bool = False) -> int:
   qdo = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * block_kv * (dk + dv) * itemsize
+  ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))  # + kv ids (hook)
   return qdo + ring + 1024
 
 
@@ -169,6 +174,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+             qpos_smem, qseg_smem,
              k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
@@ -207,12 +213,15 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       def step(n, qi, head, carry, masked: bool):
         dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
-        if masked:  # loaded before the product, whose time hides their latency
+        if masked and not cfg.ids_tma:  # loaded before the product, which hides their latency
           cols = pl.ds(qi * TILE_Q, TILE_Q)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
         if not prewait:
           plgpu.barrier_wait(q_ready.at[slot])
+        if masked and cfg.ids_tma:  # arrived with q (the slot is released after the step)
+          q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
+          q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
         def scores(ref):
           plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
@@ -344,6 +353,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.copy_gmem_to_smem(q_ref.at[bi, qrows, head], q_smem.at[slot], q_ready.at[slot])
         plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, qrows], lse_smem.at[slot],
                                 q_ready.at[slot])
+        if cfg.ids_tma:
+          plgpu.copy_gmem_to_smem(qpos_ref.at[bi, qrows], qpos_smem.at[slot], q_ready.at[slot])
+          plgpu.copy_gmem_to_smem(qseg_ref.at[bi, qrows], qseg_smem.at[slot], q_ready.at[slot])
 
         @pl.when(n >= stages)
         def _():
@@ -374,11 +386,14 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
         (_smem((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if dq_buffers == 1 else
          _smem((dq_buffers, CONSUMERS, TILE_Q, dq_cols), jnp.float32)) if cfg.with_dq else None,
+        plgpu.SMEM((stages, TILE_Q), jnp.int32) if cfg.ids_tma else None,
+        plgpu.SMEM((stages, TILE_Q), jnp.int32) if cfg.ids_tma else None,
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=CONSUMERS),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        # q_ready: one arrival per TMA copy into the slot (q, lse; and the ids with the hook)
+        plgpu.Barrier(num_arrivals=4 if cfg.ids_tma else 2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
@@ -447,7 +462,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
-             q_smem, do_smem, k_smem, v_smem,
+             q_smem, do_smem, k_smem, v_smem, kvpos_smem, kvseg_smem,
              q_ready, k_ready, v_ready, k_free, v_free):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
@@ -486,12 +501,15 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       def step(n, ki, acc, masked: bool):
         """The n-th visited kv block, block ki."""
         slot = lax.rem(n, stages)
-        if masked:  # loaded before the products, whose time hides their latency
+        if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         if not prewait:
           plgpu.barrier_wait(k_ready.at[slot])
+        if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
+          kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
+          kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
         if cfg.paired:
           if not prewait:
             plgpu.barrier_wait(v_ready.at[slot])
@@ -547,9 +565,11 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     def producer():
       if not cfg.interpret:
         plgpu.set_max_registers(cfg.producer_regs, action="decrease")
+      ids = ((kvpos_ref.at[bi], kvseg_ref.at[bi], kvpos_smem, kvseg_smem) if cfg.ids_tma
+             else None)
       produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
                       v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages,
-                      interpret=cfg.interpret)
+                      interpret=cfg.interpret, ids=ids)
 
   def entry(*refs):
     scratch = (
@@ -557,10 +577,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
         _smem((stages, bk, dk), dtype),
         _smem((stages, bk, dv), dtype),
+        plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None,
+        plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None,
     )
     barriers = (
         plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
-        plgpu.Barrier(num_barriers=stages),
+        # k_ready: one arrival per TMA copy into the slot (K; and the ids with the hook)
+        plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
@@ -585,17 +608,18 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
   split = splits_dq(cfg, dk_dim)
+  ids = cfg.ids_tma
   with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
-                                           split) <= SMEM_BUDGET
+                                           split, ids=ids) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
   if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
-      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers) > SMEM_BUDGET:
+      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers, ids=ids) > SMEM_BUDGET:
     cfg = dataclasses.replace(cfg, dq_buffers=1)
   depths = (cfg.dkv_stages,) if cfg.dkv_stages and not with_dq else (3, 2, 1)
   stages = next((s for s in depths
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
-                                   cfg.dq_buffers if split else 1) <= SMEM_BUDGET),
+                                   cfg.dq_buffers if split else 1, ids=ids) <= SMEM_BUDGET),
                 None)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
@@ -612,8 +636,8 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
     # The largest kv tile, then the deepest ring, that fits (head dim 256: 64 x 1 stage).
     tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
     fits = [(bk, st) for bk in tiles for st in (2, 1)
-            if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim,
-                                                        itemsize) <= SMEM_BUDGET]
+            if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
+                                                        ids=ids) <= SMEM_BUDGET]
     if not fits:
       raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
                        "shared memory")
