@@ -81,7 +81,7 @@ new_triton_tests() {
 fwd_runs() {
   (export CUDA_VISIBLE_DEVICES=0
    for s in 16384 65536; do
-     timeout 140 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
+     timeout 200 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
        --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_fwd_ids_$s > $R/bench_fwd_ids_$s.log 2>&1
    done) &
   (export CUDA_VISIBLE_DEVICES=1
