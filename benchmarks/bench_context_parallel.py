@@ -34,6 +34,7 @@ layouts in the balanced order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -74,6 +75,10 @@ def _parse(argv):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--tol", type=float, default=None, help="rel L2 bound for `agree`")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--variant_env", action="append", default=[], metavar="NAME=VALUE[,...]",
+                  help="also time every order with these environment variables set while the "
+                       "kernels trace (benchmarking hooks, e.g. KVAX_MOSAIC_DQ_AFTER_DKV=1), "
+                       "same run; repeatable; rows '<order>+<NAME=VALUE>'")
   ap.add_argument("--kv_grad_reduce_dtype", choices=("auto", "float32", "input"), default="auto",
                   help="dtype of the cross-shard sum of dk / dv (context_parallel."
                   "KV_GRAD_REDUCE_DTYPE): auto (the library's choice: the input dtype with two "
@@ -90,7 +95,25 @@ def _parse(argv):
     if bad or not values:
       ap.error(f"--{name}: {bad or values} not among {allowed}")
     setattr(args, name, values)
+  for v in args.variant_env:
+    if not all("=" in item and item.split("=", 1)[0] for item in v.split(",")):
+      ap.error(f"--variant_env {v!r}: expected NAME=VALUE[,NAME=VALUE...]")
   return args
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+  """Set environment variables (benchmarking hooks) for the duration of the block."""
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def _median_ms(fn, args, iters: int, warmup: int):
@@ -305,6 +328,9 @@ def main(argv=None) -> dict:
   results_comm: dict = {}
   single_fns = make_fns(None)
   cp_fns = {order: make_fns(order) for order in args.orders}
+  variants = [(v, dict(item.split("=", 1) for item in v.split(","))) for v in args.variant_env]
+  variant_fns = {(order, label): make_fns(order) for order in args.orders
+                 for label, _ in variants}
   fwd_flops_per_pair = 4.0 * h * d
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
   results = {}
@@ -313,9 +339,13 @@ def main(argv=None) -> dict:
     single_t, single_res = run(single_fns, None, put_one, pos, seg)
     layout = {"single_device": {"timing": single_t}, "context_parallel": {}}
     pairs = None
-    for order in args.orders:
+    runs = [(order, order, cp_fns[order], {}) for order in args.orders]
+    runs += [(f"{order}+{label}", order, variant_fns[(order, label)], env)
+             for order in args.orders for label, env in variants]
+    for key, order, fns, env in runs:
       tok = orders.token_order(pos, seg, cp, order=order, block=unit)
-      cp_t, cp_res = run(cp_fns[order], tok, put_cp, pos, seg)
+      with _environment(env):  # the kernels read benchmarking hooks while tracing
+        cp_t, cp_res = run(fns, tok, put_cp, pos, seg)
       agreement = {}
       tok0 = jax.device_put(tok, dev0)
       for what, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):
@@ -326,7 +356,7 @@ def main(argv=None) -> dict:
       del cp_res
       bal = context_parallel_balance(pos, seg, cp, order=order)
       pairs = sum(bal["kept_pairs"])
-      layout["context_parallel"][order] = {
+      layout["context_parallel"][key] = {
           "timing": cp_t,
           "speedup": {"fwd": single_t["fwd_ms"] / cp_t["fwd_ms"],
                       "fwd_bwd": single_t["fwd_bwd_ms"] / cp_t["fwd_bwd_ms"]},

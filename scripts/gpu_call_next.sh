@@ -28,14 +28,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $R/next.l
 pack() { tar czf $OUT/results.tgz -C $R . && ls -la $OUT; }
 cp_runs() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  cpb() {  # name, backend, extra env
+  cpb() {  # name, backend, extra arguments
     mkdir -p $R/cp_$1
-    env $3 timeout 150 python3 benchmarks/bench_context_parallel.py --backend $2 --iters 15 \
-      --orders balanced --out_dir $R/cp_$1 2>&1 | grep -vE "^WARNING" | tail -9 | tee -a $R/next.log
+    timeout 200 python3 benchmarks/bench_context_parallel.py --backend $2 --iters 15 \
+      --orders balanced --out_dir $R/cp_$1 "${@:3}" 2>&1 | grep -vE "^WARNING" | tail -11 | tee -a $R/next.log
   }
-  cpb mosaic auto ""
-  cpb mosaic_dq_after_dkv auto "KVAX_MOSAIC_DQ_AFTER_DKV=1"
-  cpb triton triton ""
+  # the hook as a same-run variant row ("balanced+KVAX_MOSAIC_DQ_AFTER_DKV=1")
+  cpb mosaic auto --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1
+  cpb triton triton
   (export CUDA_VISIBLE_DEVICES=0
    timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
      -k "not test_against_reference and not 300-1000 and not 1-999" > $R/gpu_tests_triton.log 2>&1

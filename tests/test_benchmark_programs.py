@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_context_parallel_smoke(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the program sets its own
   done = subprocess.run([sys.executable, "benchmarks/bench_context_parallel.py", "--smoke",
+                         "--variant_env", "KVAX_BENCH_SMOKE_HOOK=1",
                          "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -24,7 +25,9 @@ def test_bench_context_parallel_smoke(tmp_path):
   assert result["complete"] and result["agree"], result
   assert set(result["layouts"]) == {"one_doc", "packed"}
   for layout in result["layouts"].values():
-    assert set(layout["context_parallel"]) == {"natural", "llama3", "balanced"}
+    orders = {"natural", "llama3", "balanced"}
+    assert set(layout["context_parallel"]) == orders | {
+        f"{o}+KVAX_BENCH_SMOKE_HOOK=1" for o in orders}  # --variant_env rows, same run
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
     assert layout["arrangement_alone_ms"] > 0
