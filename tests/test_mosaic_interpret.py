@@ -137,7 +137,7 @@ def test_kernels_lower_for_cuda(dims, det):
                                  {"KVAX_MOSAIC_DQ_AFTER_DKV": "1"},
                                  {"KVAX_MOSAIC_FWD_IDS_TMA": "1"},
                                  {"KVAX_MOSAIC_BWD_IDS_TMA": "1"}])
-def test_forward_hooks_match_reference_in_interpreter(env, monkeypatch):
+def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
   """The kernels' scheduling hooks (optimization barrier after the softmax; the next K awaited
   at the top of a step instead of behind the P V product, the default since session 7; the
   deterministic backward kernels awaiting their next ring slot behind a step's last product)
