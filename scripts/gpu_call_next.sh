@@ -35,7 +35,7 @@ cp_runs() {
   }
   # the hook as a same-run variant row ("balanced+KVAX_MOSAIC_DQ_AFTER_DKV=1")
   cpb mosaic auto --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1
-  cpb triton triton
+  cpb triton triton --variant_env KVAX_TRITON_DQ_AFTER_DKV=1
   (export CUDA_VISIBLE_DEVICES=0
    timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
      -k "not test_against_reference and not 300-1000 and not 1-999" > $R/gpu_tests_triton.log 2>&1

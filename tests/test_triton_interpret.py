@@ -77,6 +77,11 @@ _SCRIPT = textwrap.dedent("""
     case("softcap_sinks_window", cap=5.0, sinks=True, window=9, params=small)
     case("not_causal_mla_inplace", causal=False, dk=48, dv=32, inplace=True, params=small)
     case("decode_fp16", sq=1, skv=77, dtype=jnp.float16, params=small, tol=2e-3)
+    # The dq-after-dk/dv ordering hook (for context parallelism) computes the same gradients.
+    import os
+    os.environ["KVAX_TRITON_DQ_AFTER_DKV"] = "1"
+    case("dq_after_dkv_hook", sinks=True, params=small)
+    del os.environ["KVAX_TRITON_DQ_AFTER_DKV"]
 
     # The opt-in autotune runs candidates end to end (timings are meaningless here).
     seg = jnp.zeros((1, 40), jnp.int32); pos = jnp.arange(40, dtype=jnp.int32)[None]
@@ -106,4 +111,4 @@ def test_kernels_in_triton_interpreter():
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert proc.stdout.count(" ok") == 6, proc.stdout
+  assert proc.stdout.count(" ok") == 7, proc.stdout

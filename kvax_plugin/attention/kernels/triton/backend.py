@@ -391,6 +391,7 @@ class _Static:
   device_kind: str
   sm_count: int  # 0 on the CPU (Triton's interpreter)
   tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
+  dq_after_dkv: bool = False  # KVAX_TRITON_DQ_AFTER_DKV=1 at trace time (see _backward)
 
 
 def _pow2(n: int) -> int:
@@ -527,8 +528,16 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   d_out = d_out.astype(q.dtype)
   delta = _bwd_delta(out, d_out)
   ints = (q_pos, q_seg, kv_pos, kv_seg)
-  dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
-  dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
+  if cfg.dq_after_dkv:
+    # dk / dv first, and the dq kernel's q through a barrier with them: under context
+    # parallelism the dk / dv reduce-scatter can then run behind the dq kernel (benchmarking
+    # hook KVAX_TRITON_DQ_AFTER_DKV=1; the Mosaic backend has the same one; not yet measured).
+    dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
+    q, dk_out, dv_out = jax.lax.optimization_barrier((q, dk_out, dv_out))
+    dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
+  else:
+    dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
+    dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
   dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
   return dq, dk_out, dv_out, dsinks
 
@@ -565,7 +574,8 @@ def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float |
                  has_sinks=has_sinks, causal=bool(mask.spec.causal),
                  window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
                  gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                 sm_count=_sm_count(), tiles_override=os.environ.get("KVAX_TRITON_TILES", ""))
+                 sm_count=_sm_count(), tiles_override=os.environ.get("KVAX_TRITON_TILES", ""),
+                 dq_after_dkv=os.environ.get("KVAX_TRITON_DQ_AFTER_DKV", "") == "1")
 
 
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
