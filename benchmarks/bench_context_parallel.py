@@ -380,6 +380,17 @@ def main(argv=None) -> dict:
     write(results)  # after every layout: a run cut short keeps what it measured
   comm = communication_alone()
   results_comm.update(comm)
+  for lay in results.values():
+    # Where the time between the measured cp step and a perfect split goes: the collectives
+    # and (balanced order) the kv arrangement, each timed alone, against the gap.
+    single = lay["single_device"]["timing"]["fwd_bwd_ms"]
+    fixed = comm["all_gather_kv_ms"] + comm["reduce_scatter_dkv_ms"]
+    for key, r in lay["context_parallel"].items():
+      ideal = single / cp
+      gap = r["timing"]["fwd_bwd_ms"] - ideal
+      parts = fixed + (lay.get("arrangement_alone_ms", 0.0) if key.startswith("balanced") else 0.0)
+      r["gap_to_ideal"] = {"ideal_ms": ideal, "gap_ms": gap, "fixed_costs_alone_ms": parts,
+                           "fixed_share_of_gap": parts / gap if gap > 0 else float("nan")}
   result = write(results)
 
   print(f"context parallelism cp={cp} vs 1 device, backend={backend}, {devices[0].device_kind}, "
@@ -402,6 +413,12 @@ def main(argv=None) -> dict:
             f"{r['balance']['visited_max_over_min']:>16.2f}{worst:>14.3g}")
   print(f"  communication alone: k / v all-gather {comm['all_gather_kv_ms']:.2f} ms, dk / dv "
         f"reduce-scatter ({comm['reduce_dtype']}) {comm['reduce_scatter_dkv_ms']:.2f} ms")
+  for name, lay in results.items():
+    for order, r in lay["context_parallel"].items():
+      g = r["gap_to_ideal"]
+      print(f"  {name} {order}: {g['gap_ms']:.2f} ms over a perfect split "
+            f"({g['ideal_ms']:.2f}); collectives{' + arrangement' if order.startswith('balanced') else ''}"
+            f" alone {g['fixed_costs_alone_ms']:.2f} ms")
   from plot_context_parallel import plot
   png = result["path"][:-len(".json")] + ".png"
   plot([result], png)

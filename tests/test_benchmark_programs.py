@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +33,12 @@ def test_bench_context_parallel_smoke(tmp_path):
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
     assert layout["arrangement_alone_ms"] > 0
+    gap = layout["context_parallel"]["balanced"]["gap_to_ideal"]
+    assert gap["fixed_costs_alone_ms"] > layout["arrangement_alone_ms"]
+    single = layout["single_device"]["timing"]["fwd_bwd_ms"]
+    cp_ms = layout["context_parallel"]["balanced"]["timing"]["fwd_bwd_ms"]
+    assert gap["ideal_ms"] == pytest.approx(single / 2)  # cp = 2 simulated devices
+    assert gap["gap_ms"] == pytest.approx(cp_ms - single / 2)
   comm = result["communication_alone"]
   assert comm["all_gather_kv_ms"] > 0 and comm["reduce_scatter_dkv_ms"] > 0
   assert comm["reduce_dtype"] == "float32"  # float32 inputs in the smoke run
