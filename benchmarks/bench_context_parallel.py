@@ -25,6 +25,9 @@ Agreement: cp results are put back in natural order and compared with the one-de
 ranks of kept pairs and visited blocks). Finally the op's collectives are timed alone on the same shapes (the k / v all-gather; the dk / dv
 reduce-scatter in the dtype the library sums in): the communication a token order cannot remove,
 which is what separates a balanced cp step from the ideal cp-fold speed-up.
+--overlap both also times every order with the k / v collective overlapped with the local part
+of the attention (context_parallel.OVERLAP_KV_GATHER; rows '<order>+overlap', same run);
+--overlap on times only those.
 Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
 and .png (benchmarks/plot_context_parallel.py, which also plots several result files together)
 and prints a summary. Target (issue 16): fwd+bwd speed-up >= 1.9x on 2 GPUs at 128k for both
@@ -83,6 +86,10 @@ def _parse(argv):
                   help="dtype of the cross-shard sum of dk / dv (context_parallel."
                   "KV_GRAD_REDUCE_DTYPE): auto (the library's choice: the input dtype with two "
                   "context shards, float32 with more), float32, or the input dtype")
+  ap.add_argument("--overlap", choices=("off", "on", "both"), default="off",
+                  help="the context-parallel path with the k / v collective overlapped by the "
+                       "local part of the attention (context_parallel.OVERLAP_KV_GATHER): off, "
+                       "on (only those rows, '<order>+overlap'), or both in the same run")
   ap.add_argument("--cpu_devices", type=int, default=None,
                   help="run on CPU with this many simulated devices (sets XLA_FLAGS)")
   args = ap.parse_args(argv)
@@ -99,6 +106,18 @@ def _parse(argv):
     if not all("=" in item and item.split("=", 1)[0] for item in v.split(",")):
       ap.error(f"--variant_env {v!r}: expected NAME=VALUE[,NAME=VALUE...]")
   return args
+
+
+@contextlib.contextmanager
+def _overlap_kv_gather(enabled: bool):
+  """Masks traced in this block hold the overlapped path's tables (the op follows the mask)."""
+  from kvax_plugin.attention import context_parallel
+  saved = context_parallel.OVERLAP_KV_GATHER
+  context_parallel.OVERLAP_KV_GATHER = enabled
+  try:
+    yield
+  finally:
+    context_parallel.OVERLAP_KV_GATHER = saved
 
 
 @contextlib.contextmanager
@@ -311,7 +330,7 @@ def main(argv=None) -> dict:
                                                  "iters", "warmup", "seed", "orders", "layouts")},
         "order_unit": unit, "devices": [str(x) for x in devices[:cp]],
         "device_kind": devices[0].device_kind, "jax_version": jax.__version__,
-        "kv_grad_reduce_dtype": args.kv_grad_reduce_dtype,
+        "kv_grad_reduce_dtype": args.kv_grad_reduce_dtype, "overlap": args.overlap,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "python": platform.python_version(), "tolerance_rel_l2": tol, "layouts": results,
         "communication_alone": results_comm,
@@ -327,10 +346,12 @@ def main(argv=None) -> dict:
 
   results_comm: dict = {}
   single_fns = make_fns(None)
-  cp_fns = {order: make_fns(order) for order in args.orders}
+  overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+  suffix = lambda overlap: "+overlap" if overlap else ""
+  cp_fns = {(order, ov): make_fns(order) for order in args.orders for ov in overlaps}
   variants = [(v, dict(item.split("=", 1) for item in v.split(","))) for v in args.variant_env]
-  variant_fns = {(order, label): make_fns(order) for order in args.orders
-                 for label, _ in variants}
+  variant_fns = {(order, label, ov): make_fns(order) for order in args.orders
+                 for label, _ in variants for ov in overlaps}
   fwd_flops_per_pair = 4.0 * h * d
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
   results = {}
@@ -339,12 +360,14 @@ def main(argv=None) -> dict:
     single_t, single_res = run(single_fns, None, put_one, pos, seg)
     layout = {"single_device": {"timing": single_t}, "context_parallel": {}}
     pairs = None
-    runs = [(order, order, cp_fns[order], {}) for order in args.orders]
-    runs += [(f"{order}+{label}", order, variant_fns[(order, label)], env)
-             for order in args.orders for label, env in variants]
-    for key, order, fns, env in runs:
+    runs = [(order + suffix(ov), order, cp_fns[(order, ov)], {}, ov)
+            for order in args.orders for ov in overlaps]
+    runs += [(f"{order}{suffix(ov)}+{label}", order, variant_fns[(order, label, ov)], env, ov)
+             for order in args.orders for label, env in variants for ov in overlaps]
+    for key, order, fns, env, ov in runs:
       tok = orders.token_order(pos, seg, cp, order=order, block=unit)
-      with _environment(env):  # the kernels read benchmarking hooks while tracing
+      # The kernels read benchmarking hooks while tracing; the mask reads the overlap setting.
+      with _environment(env), _overlap_kv_gather(ov):
         cp_t, cp_res = run(fns, tok, put_cp, pos, seg)
       agreement = {}
       tok0 = jax.device_put(tok, dev0)
@@ -395,19 +418,19 @@ def main(argv=None) -> dict:
 
   print(f"context parallelism cp={cp} vs 1 device, backend={backend}, {devices[0].device_kind}, "
         f"S={s}, H={h} K={kh} D={d} {args.dtype}")
-  print(f"  {'':<22}{'mask ms':>9}{'fwd ms':>10}{'fwd+bwd ms':>12}{'speed-up fwd':>14}"
+  print(f"  {'':<32}{'mask ms':>9}{'fwd ms':>10}{'fwd+bwd ms':>12}{'speed-up fwd':>14}"
         f"{'fwd+bwd':>9}{'kept max/min':>14}{'blocks max/min':>16}{'rel L2 (max)':>14}")
   for name, lay in results.items():
     t = lay["single_device"]["timing"]
     extra = (f"   (balanced order: {lay['balanced_order_ms']:.2f} ms; kv arrangement there "
              f"and back alone: {lay['arrangement_alone_ms']:.2f} ms)"
              if "balanced_order_ms" in lay else "")
-    print(f"  {name + ' 1 device':<22}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
+    print(f"  {name + ' 1 device':<32}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
           f"{t['fwd_bwd_ms']:>12.2f}{extra}")
     for order, r in lay["context_parallel"].items():
       t = r["timing"]
       worst = max(a["rel_l2"] for a in r["agreement"].values())
-      print(f"  {f'{name} cp={cp} {order}':<22}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
+      print(f"  {f'{name} cp={cp} {order}':<32}{t['mask_ms']:>9.2f}{t['fwd_ms']:>10.2f}"
             f"{t['fwd_bwd_ms']:>12.2f}{r['speedup']['fwd']:>13.2f}x"
             f"{r['speedup']['fwd_bwd']:>8.2f}x{r['balance']['kept_max_over_min']:>14.2f}"
             f"{r['balance']['visited_max_over_min']:>16.2f}{worst:>14.3g}")

@@ -115,6 +115,12 @@ def flash_attention(query: jax.Array,
     kv_positions, kv_segment_ids = context_parallel.to_load_balanced_order(
         (kv_positions, kv_segment_ids), cp)
   if mesh is not None and isinstance(mask, context_parallel.ShardedAttentionMask):
+    if mask.layout.overlap_kv_gather and permuted != (mask.token_order == "llama3"):
+      raise ValueError(
+          "mask was built with context_parallel.OVERLAP_KV_GATHER on, whose tables index each "
+          "shard's key / value in the order they arrive: build it from kv positions / segment "
+          "ids in this call's order (the native kvax_plugin.create_attention_mask with "
+          "token_order=), or build it with the overlap off")
     # The tables index the gathered key / value in natural order either way (the op restores
     # it after the all-gather), so one mask serves both orders: state this call's.
     mask = dataclasses.replace(mask, layout=dataclasses.replace(

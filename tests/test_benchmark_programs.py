@@ -1,7 +1,7 @@
 """The benchmark programs' GPU-independent parts run on CPU, so a GPU session is never their
-first run: bench_context_parallel.py --smoke (2 simulated devices, float32, every token order and
-both layouts) must agree with one device and write its JSON and plot; bench_attention.py's
-round-robin timing (--interleave) must time every implementation in rotated order."""
+first run: bench_context_parallel.py --smoke (2 simulated devices, float32, the llama3 and
+balanced orders, both layouts, with and without the overlapped k / v collective) must agree with
+one device and write its JSON and plot; bench_attention.py's round-robin timing (--interleave) must time every implementation in rotated order."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_context_parallel_smoke(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the program sets its own
   done = subprocess.run([sys.executable, "benchmarks/bench_context_parallel.py", "--smoke",
-                         "--variant_env", "KVAX_BENCH_SMOKE_HOOK=1",
+                         "--variant_env", "KVAX_BENCH_SMOKE_HOOK=1", "--overlap", "both",
+                         # two orders keep the 4 rows per order (variant x overlap) cheap
+                         "--orders", "llama3,balanced",
                          "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -27,9 +29,10 @@ def test_bench_context_parallel_smoke(tmp_path):
   assert result["complete"] and result["agree"], result
   assert set(result["layouts"]) == {"one_doc", "packed"}
   for layout in result["layouts"].values():
-    orders = {"natural", "llama3", "balanced"}
-    assert set(layout["context_parallel"]) == orders | {
-        f"{o}+KVAX_BENCH_SMOKE_HOOK=1" for o in orders}  # --variant_env rows, same run
+    orders = {"llama3", "balanced"}
+    # --variant_env and --overlap rows, same run
+    rows = orders | {f"{o}+overlap" for o in orders}
+    assert set(layout["context_parallel"]) == rows | {f"{r}+KVAX_BENCH_SMOKE_HOOK=1" for r in rows}
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
     assert layout["arrangement_alone_ms"] > 0

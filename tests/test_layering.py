@@ -32,6 +32,7 @@ ATTENTION_LAYERS: list[tuple[str, ...]] = [
      f"{KERNELS}.custom_vjp"),
     ("<kernel leaves>",),
     (KERNELS,),
+    (f"{ATTENTION}.split_kv_attention",),
     (f"{ATTENTION}.context_parallel",),
     (f"{ATTENTION}.api",),
     (f"{ATTENTION}.compare",),

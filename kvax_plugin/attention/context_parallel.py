@@ -106,14 +106,22 @@ from jax.sharding import PartitionSpec as P
 from kvax_plugin.attention import arguments
 from kvax_plugin.attention import block_mask as bm
 from kvax_plugin.attention import kernels
+from kvax_plugin.attention import split_kv_attention as split_kv
 from kvax_plugin.attention import token_order as orders
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
+from kvax_plugin.attention.kernels.custom_vjp import KernelParts, capture_kernel_parts
 from kvax_plugin.attention.params import DEFAULT_FWD_PARAMS
 
 # dtype of the cross-shard sum of the key / value gradients (the all-gather's transpose). None:
 # the input dtype when two context shards add into each element (bit-identical to float32, see
 # "Gradients" above), float32 with more. A dtype forces it (benchmarks compare the two).
 KV_GRAD_REDUCE_DTYPE = None
+
+# Overlap of the key / value collective with attention ("Overlapping the all-gather" above).
+# Read when a sharded mask is built (create_attention_mask_sharded's overlap_kv_gather=None):
+# such a mask holds the local and remote parts' tables, and flash_attention follows the mask.
+# Off until measured faster on GPUs (benchmarks/bench_context_parallel.py --overlap both).
+OVERLAP_KV_GATHER = False
 
 
 def kv_grad_reduce_dtype(grad_dtype, context_size: int):
@@ -475,10 +483,15 @@ class ShardLayout:
   context_size: int
   token_order: str  # the order the inputs arrive in ("natural" whenever context_size == 1)
   local_spec: MaskSpec  # the per-shard problem: local batch and queries, gathered kv
+  # (with overlap_kv_gather: the local part, kv = the shard's own tokens)
   # The mesh and specs it was built for: flash_attention(mesh=None) runs on them, and an
   # explicit mesh must match (the mesh objects are hashable; a different one retraces).
   mesh: Any = None
   specs: AttentionSpecs | None = None
+  # Overlap of the kv collective: the tables are split into a local part (local_spec) and a
+  # remote part (remote_spec: kv = the other shards' tokens, ascending rank).
+  overlap_kv_gather: bool = False
+  remote_spec: MaskSpec | None = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -491,21 +504,27 @@ class ShardedAttentionMask(AttentionMask):
   [B, context_size * n_local] sharded (layout.batch_axes, layout.context_axes).
   kv_arrangement (balanced order only, else None): int32 [B, context_size * Skv], sharded the
   same way; each context shard's slice is the document-order permutation of its gathered kv.
+
+  With layout.overlap_kv_gather, fwd / dq / dkv are the *local* part's tables (each shard's
+  queries against its own kv shard) and `remote` = (fwd, dq, dkv) the remote part's (against
+  the other shards' kv, ascending rank), sharded the same way; kv_arrangement is then the
+  document order of the remote kv (cp > 2 with the llama3 / balanced orders), else None.
   """
 
   layout: ShardLayout | None = None
   kv_arrangement: jax.Array | None = None
+  remote: tuple[BlockTable, BlockTable | None, BlockTable | None] | None = None
 
   def tree_flatten(self):
-    return ((self.fwd, self.dq, self.dkv, self.fingerprint, self.kv_arrangement),
+    return ((self.fwd, self.dq, self.dkv, self.fingerprint, self.kv_arrangement, self.remote),
             (self.spec, self.layout))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     spec, layout = aux
-    fwd, dq, dkv, fingerprint, kv_arrangement = children
+    fwd, dq, dkv, fingerprint, kv_arrangement, remote = children
     return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
-               kv_arrangement=kv_arrangement)
+               kv_arrangement=kv_arrangement, remote=remote)
 
   @property
   def token_order(self) -> str:
@@ -515,6 +534,11 @@ class ShardedAttentionMask(AttentionMask):
             dkv: BlockTable | None) -> AttentionMask:
     """The mask one shard's backend sees, from that shard's slices of the tables."""
     return AttentionMask(self.layout.local_spec, fwd, dq, dkv)
+
+  def remote_part(self, fwd: BlockTable, dq: BlockTable | None,
+                  dkv: BlockTable | None) -> AttentionMask:
+    """The remote part's mask one shard's backend sees (overlap_kv_gather masks only)."""
+    return AttentionMask(self.layout.remote_spec, fwd, dq, dkv)
 
 
 def _mesh_axes(mesh) -> tuple[tuple[str, int], ...]:
@@ -544,6 +568,61 @@ class _GatherKvGradSum:
 
     gather.defvjp(fwd, bwd)
     return gather
+
+
+def _axis_name(axes: AxisNames):
+  return axes if len(axes) > 1 else axes[0]
+
+
+def _remote_ranks(axes: AxisNames, cp: int) -> jax.Array:
+  """int32 [cp - 1]: the other context ranks, ascending (inside shard_map)."""
+  i = jnp.arange(cp - 1, dtype=jnp.int32)
+  return i + (i >= jax.lax.axis_index(_axis_name(axes))).astype(jnp.int32)
+
+
+def _gather_remote(x: jax.Array, axes: AxisNames, cp: int) -> jax.Array:
+  """[B, n, ...] -> [B, (cp - 1) * n, ...]: the other context shards' tokens, ascending rank.
+  Two shards: one collective-permute (each receives the other's shard); more: an all-gather
+  then the other ranks' slices."""
+  name = _axis_name(axes)
+  if cp == 2:
+    return jax.lax.ppermute(x, name, perm=[(0, 1), (1, 0)])
+  g = jnp.take(jax.lax.all_gather(x, name, axis=0, tiled=False), _remote_ranks(axes, cp), axis=0)
+  return jnp.moveaxis(g, 0, 1).reshape((x.shape[0], (cp - 1) * x.shape[1]) + x.shape[2:])
+
+
+class _SplitKv:
+  """x -> (x, the other shards' x): the overlap path's kv. Its transpose sends the remote
+  cotangent back (collective-permute / reduce-scatter) and adds the local one, summed in
+  kv_grad_reduce_dtype: with two shards one addition of two input-dtype values (bit-identical
+  to float32, see "Gradients"), with more all cp terms in float32 and one rounding."""
+
+  @staticmethod
+  def make(axes: AxisNames, cp: int):
+    name = _axis_name(axes)
+
+    @jax.custom_vjp
+    def split(x):
+      return x, _gather_remote(x, axes, cp)
+
+    def fwd(x):
+      return split(x), None
+
+    def bwd(_, cts):
+      ct_local, ct_remote = cts
+      rd = kv_grad_reduce_dtype(ct_remote.dtype, cp)
+      ct_remote = ct_remote.astype(rd)
+      if cp == 2:
+        back = jax.lax.ppermute(ct_remote, name, perm=[(0, 1), (1, 0)])
+      else:
+        b, n = ct_remote.shape[0], ct_local.shape[1]
+        per_rank = jnp.moveaxis(ct_remote.reshape((b, cp - 1, n) + ct_remote.shape[2:]), 1, 0)
+        full = jnp.zeros((cp,) + per_rank.shape[1:], rd).at[_remote_ranks(axes, cp)].set(per_rank)
+        back = jax.lax.psum_scatter(full, name, scatter_dimension=0, tiled=False)
+      return ((ct_local.astype(rd) + back).astype(ct_local.dtype),)
+
+    split.defvjp(fwd, bwd)
+    return split
 
 
 def _take_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -636,14 +715,16 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                                   mesh,
                                   query_specs=None,
                                   kv_specs=None,
-                                  token_order: str = "llama3"
+                                  token_order: str = "llama3",
+                                  overlap_kv_gather: bool | None = None
                                   ) -> ShardedAttentionMask:
   """Per-shard block tables, built inside shard_map (see the module docstring).
 
   query_positions / query_segment_ids: int32 [B, Sq]; kv_positions / kv_segment_ids: int32
   [B, Skv], in the order flash_attention will receive the tokens, which `token_order`
   ("natural", "llama3" or "balanced"; see resolve_token_order) names. Specs: explicit or from
-  `attention_specs`.
+  `attention_specs`. overlap_kv_gather: build the local / remote tables of the overlapped path
+  (None: the module setting OVERLAP_KV_GATHER; no effect without context parallelism).
   """
   specs = resolve_specs(query_specs, kv_specs)
   check_specs(specs, mesh)
@@ -653,7 +734,27 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   order = resolve_token_order(token_order, None) if cp > 1 else "natural"
   check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, token_order=order)
   dp = _axes_size(mesh, specs.batch_axes)
+  overlap = OVERLAP_KV_GATHER if overlap_kv_gather is None else bool(overlap_kv_gather)
+  overlap = overlap and cp > 1
   local_specs: list[MaskSpec] = []
+  mask_kw = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
+                 skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
+
+  def per_shard_split(qp, qs, kp, ks):
+    # Local part: the shard's own kv as it arrives (every order keeps a shard's tokens in
+    # ascending natural order, so its tables are tight for the usual packing). Remote part:
+    # the other shards' kv, ascending rank; with more than two shards the llama3 / balanced
+    # orders interleave documents across ranks, so it is put in document order (carried).
+    m_local = bm.create_attention_mask(qp, qs, kp, ks, **mask_kw)
+    kp_r, ks_r = (_gather_remote(x, specs.context_axes, cp) for x in (kp, ks))
+    arrangement = None
+    if cp > 2 and order != "natural":
+      arrangement = orders.document_order(kp_r, ks_r)
+      kp_r, ks_r = _take_tokens(kp_r, arrangement), _take_tokens(ks_r, arrangement)
+    m_remote = bm.create_attention_mask(qp, qs, kp_r, ks_r, **mask_kw)
+    local_specs.append((m_local.spec, m_remote.spec))
+    return (m_local.fwd, m_local.dq, m_local.dkv, arrangement,
+            (m_remote.fwd, m_remote.dq, m_remote.dkv))
 
   def per_shard(qp, qs, kp, ks):
     gathered = "natural" if order == "balanced" else order
@@ -675,17 +776,27 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   # check_vma=False: the outputs are replicated over the unmentioned (head) axes by construction.
   # Under jit, inputs laid out otherwise (e.g. eager arrays on one device) are resharded to the
   # in_specs instead of being rejected by shard_map.
-  fwd, dq, dkv, arrangement = _call_shard_map(per_shard, mesh, (tok, tok, tok, tok), tok, ints)
-  local = local_specs[-1]
-  if local.batch * dp != b or local.q_len * cp != sq or local.kv_len != skv:
+  remote = remote_spec = None
+  if overlap:
+    fwd, dq, dkv, arrangement, remote = _call_shard_map(per_shard_split, mesh,
+                                                        (tok, tok, tok, tok), tok, ints)
+    local, remote_spec = local_specs[-1]
+    kv_ok = local.kv_len * cp == skv and remote_spec.kv_len == skv - local.kv_len
+  else:
+    fwd, dq, dkv, arrangement = _call_shard_map(per_shard, mesh, (tok, tok, tok, tok), tok,
+                                                ints)
+    local = local_specs[-1]
+    kv_ok = local.kv_len == skv
+  if local.batch * dp != b or local.q_len * cp != sq or not kv_ok:
     raise AssertionError(f"internal: local mask spec {local} does not tile the global problem")
   spec = dataclasses.replace(local, batch=b, q_len=sq, kv_len=skv)
   layout = ShardLayout(mesh_axes=_mesh_axes(mesh), batch_axes=specs.batch_axes,
                        context_axes=specs.context_axes, context_size=cp, token_order=order,
-                       local_spec=local, mesh=mesh, specs=specs)
+                       local_spec=local, mesh=mesh, specs=specs, overlap_kv_gather=overlap,
+                       remote_spec=remote_spec)
   fingerprint = bm.mask_fingerprint(*ints)  # global, order-free: matches any call order
   return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
-                              kv_arrangement=arrangement)
+                              kv_arrangement=arrangement, remote=remote)
 
 
 # ----------------------------------------------------------------------------- the sharded op
@@ -748,6 +859,32 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                                   deterministic_backward=deterministic_backward)
   has_sinks = sinks is not None
   layout_mask = mask
+  overlap = mask.layout.overlap_kv_gather
+
+  def per_shard_split(q, k, v, qp, qs, kp, ks, tables, arrangement, remote_tables, s):
+    # The local part reads only this shard's k / v; the remote part's k / v come by a
+    # collective that XLA can run behind the local part (split_kv_attention, "Order").
+    k, v = pick_kv_head(k), pick_kv_head(v)
+    split = _SplitKv.make(specs.context_axes, cp)
+    (k_loc, k_rem), (v_loc, v_rem) = split(k), split(v)
+    kp_rem, ks_rem = (_gather_remote(x, specs.context_axes, cp) for x in (kp, ks))
+    if arrangement is not None:
+      k_rem, v_rem = _arrange(k_rem, arrangement), _arrange(v_rem, arrangement)
+      kp_rem, ks_rem = _take_tokens(kp_rem, arrangement), _take_tokens(ks_rem, arrangement)
+    local_mask = layout_mask.local(*tables)
+    remote_mask = layout_mask.remote_part(*remote_tables)
+    opts = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=None, **extra)
+    with capture_kernel_parts():
+      parts_loc = backend_fn(q, k_loc, v_loc, qp, qs, kp, ks, local_mask, **opts)
+      parts_rem = backend_fn(q, k_rem, v_rem, qp, qs, kp_rem, ks_rem, remote_mask, **opts)
+    if not isinstance(parts_loc, KernelParts) or not isinstance(parts_rem, KernelParts):
+      raise ValueError(
+          f'backend="{backend}" has no separate forward / backward kernels, which the '
+          "overlapped context-parallel path (a mask built with overlap_kv_gather=True) needs: "
+          'use backend "jax", "triton" or "mosaic", or build the mask without the overlap')
+    return split_kv.split_kv_attention(
+        parts_loc, parts_rem, q, qp, qs, split_kv.KvPart(k_loc, v_loc, kp, ks, local_mask),
+        split_kv.KvPart(k_rem, v_rem, kp_rem, ks_rem, remote_mask), s if has_sinks else None)
 
   def per_shard(q, k, v, qp, qs, kp, ks, tables, arrangement, s):
     k, v = pick_kv_head(k), pick_kv_head(v)
@@ -780,6 +917,10 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   tables = (mask.fwd, mask.dq, mask.dkv)
+  if overlap:
+    return _call_shard_map(
+        per_shard_split, mesh, (x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, tok, tok, P(hd)),
+        x_spec, (query, key, value, *ints, tables, mask.kv_arrangement, mask.remote, s))
   return _call_shard_map(per_shard, mesh,
                          (x_spec, kv_spec, kv_spec, tok, tok, tok, tok, tok, tok, P(hd)), x_spec,
                          (query, key, value, *ints, tables, mask.kv_arrangement, s))

@@ -1,12 +1,20 @@
 """The custom VJP shared by the kernel backends that bring their own backward kernels (Triton,
 Mosaic GPU): residuals, the missing-backward-tables error, zero cotangents for the integer
 inputs and the mask, and the sinks' gradient, which needs no kernel.
+
+It also hands out a backend's kernels *as parts* (`KernelParts`: the forward returning out and
+lse, the backward taking them) for callers that merge several attention calls themselves (the
+context-parallel overlap: kvax_plugin.attention.split_kv_attention). A backend's public function
+called inside `capture_kernel_parts()` returns its KernelParts instead of running, after its own
+validation and launch configuration, so the parts see exactly what a normal call would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Callable
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +30,41 @@ def sinks_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Ar
   """
   p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
   return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+
+
+class KernelParts(NamedTuple):
+  """One backend's kernels for attention calls of one configuration, without sinks.
+
+  forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask) -> (out [B, Sq, H, Dv], lse [B, H, Sq]):
+    out in the input dtype or wider, lse float32 (or wider) natural-log softmax denominators,
+    +inf for rows with nothing attended (out 0 there).
+  backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out) -> (dq, dk, dv): the
+    gradients of the pairs this call's mask keeps, given any (out, lse) the softmax is
+    normalised by (delta = rowsum(d_out * out), P = exp(s - lse)); dtypes the input's or wider.
+  Shapes as the backend's public function (q [B, Sq, H, Dqk], k / v [B, Skv, K, D]).
+  """
+
+  forward: Callable[..., tuple[Any, Any]]
+  backward: Callable[..., tuple[Any, Any, Any]]
+
+
+_CAPTURE_PARTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvax_plugin_capture_kernel_parts", default=False)
+
+
+@contextlib.contextmanager
+def capture_kernel_parts() -> Iterator[None]:
+  """Inside this context a backend's public function returns its KernelParts (no sinks)."""
+  token = _CAPTURE_PARTS.set(True)
+  try:
+    yield
+  finally:
+    _CAPTURE_PARTS.reset(token)
+
+
+def capturing_kernel_parts() -> bool:
+  """True inside capture_kernel_parts() (backends without kernel_attention check it)."""
+  return _CAPTURE_PARTS.get()
 
 
 def _int_zero_cotangent(x):
@@ -59,4 +102,22 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
             int_zero(mask))
 
   attention.defvjp(attention_fwd, attention_bwd)
-  return attention
+
+  def call(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
+    if not _CAPTURE_PARTS.get():
+      return attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+    if getattr(cfg, "has_sinks", False):
+      raise ValueError("kernel parts are built without sinks (the caller merging the parts adds "
+                       "them): call the backend with sinks=None inside capture_kernel_parts()")
+
+    def part_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask):
+      return forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+
+    def part_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out):
+      dq, dk, dv, _ = backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
+                               lse, d_out)
+      return dq, dk, dv
+
+    return KernelParts(part_forward, part_backward)
+
+  return call

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks, token_keep
 from kvax_plugin.attention.kernels.capabilities import Capabilities
+from kvax_plugin.attention.kernels.custom_vjp import KernelParts, capturing_kernel_parts
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 # Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
@@ -296,6 +297,38 @@ def _attention_bwd(cfg, res, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _kernel_parts(cfg: _Static, kh: int) -> KernelParts:
+  """The forward and backward above in the KernelParts convention (q [B, Sq, H, D], lse
+  [B, H, Sq]); out, lse and the gradients stay in the compute dtype (the caller merges them)."""
+
+  def split_heads(q):
+    b, sq, h, d = q.shape
+    return q.reshape(b, sq, kh, h // kh, d)
+
+  def forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask):
+    p = mask.spec.fwd_params
+    b, sq, h, _ = q.shape
+    sinks = jnp.zeros((h,), cfg.compute_dtype)
+    out, lse = _forward(cfg, split_heads(q), k, v, sinks, q_pos, q_seg, kv_pos, kv_seg,
+                        mask.fwd, p.query_block_size, p.kv_block_size)
+    return out.reshape(b, sq, h, -1), jnp.moveaxis(lse.reshape(b, sq, h), 1, 2)
+
+  def backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out):
+    p = mask.spec.bwd_params
+    b, sq, h, _ = q.shape
+    f32 = lambda x: x.astype(cfg.compute_dtype)
+    do = f32(split_heads(d_out))
+    lse5 = jnp.moveaxis(lse, 1, 2).reshape(b, sq, kh, h // kh).astype(cfg.compute_dtype)
+    delta = jnp.sum(do * f32(split_heads(out)), axis=-1)
+    args = (cfg, f32(split_heads(q)), f32(k), f32(v), do, lse5, delta, q_pos, q_seg, kv_pos,
+            kv_seg)
+    dq = _backward_dq(*args, mask.dq, p.query_block_size, p.kv_block_size)
+    dk, dv = _backward_dkv(*args, mask.dkv, p.query_block_size, p.kv_block_size)
+    return dq.reshape(q.shape), dk, dv
+
+  return KernelParts(forward, backward)
+
+
 def flash_attention_jax(query, key, value, query_positions, query_segment_ids, kv_positions,
                         kv_segment_ids, mask: AttentionMask, *, scale: float,
                         logits_soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
@@ -306,6 +339,10 @@ def flash_attention_jax(query, key, value, query_positions, query_segment_ids, k
                 else float(logits_soft_cap), has_sinks=sinks is not None,
                 causal=mask.spec.causal, window=mask.spec.sliding_window,
                 compute_dtype=np.dtype(jnp.promote_types(query.dtype, jnp.float32)))
+  if capturing_kernel_parts():
+    if sinks is not None:
+      raise ValueError("kernel parts are built without sinks: pass sinks=None")
+    return _kernel_parts(cfg, kh)
   sinks_arr = (jnp.zeros((h,), jnp.float32) if sinks is None else sinks)
   q5 = query.reshape(b, sq, kh, h // kh, dqk)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,

@@ -1,0 +1,150 @@
+"""Attention over key / value given in two parts, merged by log-sum-exp.
+
+The context-parallel overlap (context_parallel.OVERLAP_KV_GATHER) splits each shard's attention
+into a *local* part, its queries against its own key / value shard (no communication), and a
+*remote* part, against the other shards' key / value (which arrive by a collective). Because the
+local part does not depend on the collective, XLA can run the collective behind it; in the
+backward the remote part's dk / dv go back by a collective that can run behind the local part's
+backward. This module holds the exact merge and its custom VJP; context_parallel.py holds the
+tables and the collectives.
+
+Forward. Each part is one call of a backend's forward kernel (custom_vjp.KernelParts, no sinks):
+out_p [B, Sq, H, Dv] and lse_p [B, H, Sq], natural-log softmax denominators with +inf meaning
+"nothing attended" (out_p is 0 there). With w_p = lse_p where finite-or-NaN, -inf where +inf:
+
+    lse = logaddexp(w_a, w_b [, sink_h])     (+inf again where both parts are empty)
+    out = out_a * exp(w_a - lse) + out_b * exp(w_b - lse)   (0 where both are empty)
+
+Sinks join the merge, not a part: a part that attends nothing would otherwise drop the sink from
+a row the other part attends (the reference counts a sink only in rows with something to
+attend). A NaN lse (a row whose logits hold NaN / +inf) keeps the merged row NaN.
+
+Backward. softmax(S) over the whole row has P = exp(S - lse) and dS = P * (dP - delta) with
+delta = rowsum(dO * out), both from the MERGED out and lse. Each part's backward kernels take
+(out, lse) as arguments, so giving them the merged ones makes every part's dq / dk / dv exact
+for the pairs it holds: dk / dv per part, dq = dq_a + dq_b (summed in float32, one rounding).
+The sinks' gradient is -sum_rows exp(sink - lse) * delta (custom_vjp.sinks_gradient).
+
+Order. The forward runs part a first and part b after it (an optimization barrier ties b's
+inputs to a's results), the backward the reverse: with a = local and b = remote, the collective
+bringing b's key / value has a's forward to hide behind, and the one taking b's dk / dv back has
+a's backward. Nothing else orders the two (they are independent), and the barriers change no
+value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvax_plugin.attention.block_mask import AttentionMask
+from kvax_plugin.attention.kernels.custom_vjp import KernelParts, sinks_gradient
+
+
+class KvPart(NamedTuple):
+  """One part of the key / value: k [B, S_p, K, Dqk], v [B, S_p, K, Dv], int32 positions and
+  segment ids [B, S_p], and the mask of the queries against these tokens (tables built for
+  exactly this buffer)."""
+
+  key: jax.Array
+  value: jax.Array
+  positions: jax.Array
+  segment_ids: jax.Array
+  mask: AttentionMask
+
+
+def _finite_or_minus_inf(lse):
+  """lse with +inf ("nothing attended") read as -inf (adds nothing in logaddexp); NaN stays."""
+  return jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def merge(out_a, lse_a, out_b, lse_b, sinks=None):
+  """Merged (out, lse) of two parts over disjoint key sets (shapes as KernelParts.forward).
+
+  out_*: [B, Sq, H, Dv]; lse_*: [B, H, Sq]; sinks: optional [H] logits added to every row that
+  attends something. Returns out [B, Sq, H, Dv] and lse [B, H, Sq] in float32 (float64 when an
+  input is float64).
+  """
+  ct = jnp.promote_types(jnp.promote_types(lse_a.dtype, lse_b.dtype), jnp.float32)
+  w_a = _finite_or_minus_inf(lse_a.astype(ct))
+  w_b = _finite_or_minus_inf(lse_b.astype(ct))
+  w = jnp.logaddexp(w_a, w_b)
+  empty = w == -jnp.inf  # both parts empty (NaN is not empty)
+  if sinks is not None:
+    w = jnp.logaddexp(w, sinks.astype(ct)[None, :, None])
+  safe = jnp.where(empty, 0.0, w)
+  lse = jnp.where(empty, jnp.inf, w)
+  to_rows = lambda x: jnp.moveaxis(x, 1, 2)[..., None]  # [B, H, Sq] -> [B, Sq, H, 1]
+  out = (out_a.astype(ct) * to_rows(jnp.exp(w_a - safe))
+         + out_b.astype(ct) * to_rows(jnp.exp(w_b - safe)))
+  return jnp.where(to_rows(empty), 0.0, out), lse
+
+
+def _zero_cotangents(tree):
+  """float0 zeros for integer leaves (positions, segment ids, tables); None stays None."""
+  return jax.tree.map(lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0), tree)
+
+
+def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Array,
+                       query_positions: jax.Array, query_segment_ids: jax.Array, a: KvPart,
+                       b: KvPart, sinks: jax.Array | None = None) -> jax.Array:
+  """Attention of `query` [B, Sq, H, Dqk] over the union of key / value parts a and b (disjoint
+  token sets; each with its own tables), exact as one call over both. parts_a / parts_b: the
+  kernels for each (custom_vjp.capture_kernel_parts; usually one backend, two masks).
+  sinks: optional float [H]. Returns [B, Sq, H, Dv] in query.dtype; differentiable in query,
+  both parts' key / value and sinks. Part a runs first in the forward, last in the backward.
+  """
+  has_sinks = sinks is not None
+  sinks_arr = (jnp.zeros((query.shape[2],), jnp.float32) if sinks is None else sinks)
+  ints = (query_positions, query_segment_ids, a.positions, a.segment_ids, a.mask,
+          b.positions, b.segment_ids, b.mask)
+
+  def forward(q, k_a, v_a, k_b, v_b, s, ints):
+    q_pos, q_seg, kp_a, ks_a, m_a, kp_b, ks_b, m_b = ints
+    out_a, lse_a = parts_a.forward(q, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a)
+    # Part b after part a (its inputs through a barrier with a's results): see "Order".
+    out_a, lse_a, q_b, k_b, v_b = jax.lax.optimization_barrier((out_a, lse_a, q, k_b, v_b))
+    out_b, lse_b = parts_b.forward(q_b, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b)
+    out, lse = merge(out_a, lse_a, out_b, lse_b, s if has_sinks else None)
+    return out.astype(q.dtype), lse
+
+  @jax.custom_vjp
+  def attention(q, k_a, v_a, k_b, v_b, s, ints):
+    return forward(q, k_a, v_a, k_b, v_b, s, ints)[0]
+
+  def attention_fwd(q, k_a, v_a, k_b, v_b, s, ints):
+    out, lse = forward(q, k_a, v_a, k_b, v_b, s, ints)
+    return out, (q, k_a, v_a, k_b, v_b, s, ints, out, lse)
+
+  def attention_bwd(res, d_out):
+    q, k_a, v_a, k_b, v_b, s, ints, out, lse = res
+    q_pos, q_seg, kp_a, ks_a, m_a, kp_b, ks_b, m_b = ints
+    for m in (m_a, m_b):
+      if not m.has_backward:
+        raise ValueError("mask has no backward tables: build it with "
+                         "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
+    d_out = d_out.astype(q.dtype)
+    dq_b, dk_b, dv_b = parts_b.backward(q, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b, out, lse,
+                                        d_out)
+    # Part a after part b, so b's dk / dv can leave (a collective) while a's backward runs.
+    dq_b, dk_b, dv_b, q_a, d_out_a = jax.lax.optimization_barrier((dq_b, dk_b, dv_b, q, d_out))
+    dq_a, dk_a, dv_a = parts_a.backward(q_a, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a, out, lse,
+                                        d_out_a)
+    f32 = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    dq = (f32(dq_a) + f32(dq_b)).astype(q.dtype)
+    if has_sinks:
+      delta = jnp.einsum("bshd,bshd->bhs", f32(d_out), f32(out))
+      ds = sinks_gradient(s, lse, delta)
+    else:
+      ds = jnp.zeros_like(s)
+    return (dq, dk_a.astype(k_a.dtype), dv_a.astype(v_a.dtype), dk_b.astype(k_b.dtype),
+            dv_b.astype(v_b.dtype), ds, _zero_cotangents(ints))
+
+  attention.defvjp(attention_fwd, attention_bwd)
+  return attention(query, a.key, a.value, b.key, b.value, sinks_arr, ints)
+
+
+__all__ = ["KvPart", "merge", "split_kv_attention"]
