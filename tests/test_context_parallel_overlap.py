@@ -231,52 +231,114 @@ def _hlo_graph(text: str):
     operands = [item.split()[-1].lstrip("%") for item in rhs[m.end():i - 1].split(",")
                 if item.strip()]
     called = re.findall(r"(?:to_apply|body|condition|calls)=%?([\w.\-]+)", rhs[i:])
+    index = re.search(r"index=(\d+)", rhs[i:])
+    if m.group(1) == "get-tuple-element" and index:
+      operands.append(int(index.group(1)))  # which element: read by _Dependencies
     insts[name] = (m.group(1), operands, called)
     comps[current].append(name)
   return insts, comps
 
 
-def test_local_part_does_not_wait_for_the_collective(data):
-  """In the HLO XLA optimises (cp=2: the kv arrives by collective-permute), the local part's
-  forward results (the first two values through the optimization barrier that orders the
-  parts) do not depend on any collective, while the remote part's key / value (the barrier's
-  last two) do: XLA may run the collective while the local part computes."""
+class _Dependencies:
+  """Data dependencies of an HLO module (pre-optimisation text: opt-barriers still in place).
+
+  depends(x, on) is True when instruction x needs one of the instructions `on` (or, for
+  on=None, any collective, also one inside a called computation). A get-tuple-element of an
+  opt-barrier of a tuple follows only that element, so values passed through the same barrier
+  stay apart (the barrier orders them, it does not mix them)."""
+
+  def __init__(self, text: str):
+    self.insts, self.comps = _hlo_graph(text)
+    self._memo: dict = {}
+
+  def operands(self, name):
+    op, operands, _ = self.insts[name]
+    if op == "get-tuple-element" and operands and isinstance(operands[-1], int):
+      source, index = operands[0], operands[-1]
+      if self.insts.get(source, ("",))[0] == "opt-barrier":
+        source = self.insts[source][1][0]
+      if self.insts.get(source, ("",))[0] == "tuple":
+        return [self.insts[source][1][index]]
+      return [source]
+    return [o for o in operands if isinstance(o, str)]
+
+  def _communicates(self, comp):
+    return any(self.insts[n][0] in _COLLECTIVES
+               or any(self._communicates(c) for c in self.insts[n][2])
+               for n in self.comps.get(comp, ()))
+
+  def depends(self, name, on=None):
+    key = (name, on)
+    if key not in self._memo:
+      self._memo[key] = False
+      if name in self.insts:
+        op, _, called = self.insts[name]
+        hit = (name in on) if on is not None else (
+            op in _COLLECTIVES or any(self._communicates(c) for c in called))
+        self._memo[key] = hit or any(self.depends(o, on) for o in self.operands(name))
+    return self._memo[key]
+
+  def barrier_elements(self):
+    """[(barrier name, its tuple's element names)] for every opt-barrier of a tuple."""
+    out = []
+    for name, (op, operands, _) in self.insts.items():
+      if op == "opt-barrier" and self.insts[operands[0]][0] == "tuple":
+        out.append((name, self.insts[operands[0]][1]))
+    return out
+
+  def element(self, barrier, index):
+    """The get-tuple-element instructions reading element `index` of `barrier`."""
+    return frozenset(n for n, (op, operands, _) in self.insts.items()
+                     if op == "get-tuple-element" and operands[0] == barrier
+                     and operands[-1] == index)
+
+
+def _program_text(data, *, grad: bool) -> str:
   mesh = _mesh(2)
   kw = dict(mesh=mesh, query_specs=QUERY_SPECS, kv_specs=KV_SPECS, token_order="natural")
   ints = tuple(jnp.asarray(data[n]) for n in ("q_pos", "q_seg", "kv_pos", "kv_seg"))
 
   def fwd(q, k, v):
     mask = context_parallel.create_attention_mask_sharded(
-        *ints, fwd_params=FWD, mesh=mesh, query_specs=QUERY_SPECS, kv_specs=KV_SPECS,
-        token_order="natural", overlap_kv_gather=True)
+        *ints, fwd_params=FWD, bwd_params=BWD, calc_bwd_mask=grad, mesh=mesh,
+        query_specs=QUERY_SPECS, kv_specs=KV_SPECS, token_order="natural",
+        overlap_kv_gather=True)
     return flash_attention(q, k, v, *ints, mask, backend="jax", **kw)
 
-  hlo = jax.jit(fwd).lower(data["q"], data["k"], data["v"]).compiler_ir("hlo").as_hlo_text()
-  insts, comps = _hlo_graph(hlo)
-  memo: dict[str, bool] = {}
+  fn = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=(0, 1, 2)) if grad else fwd
+  return jax.jit(fn).lower(data["q"], data["k"], data["v"]).compiler_ir("hlo").as_hlo_text()
 
-  def comp_communicates(comp):  # a called computation holding a collective, at any depth
-    return any(insts[n][0] in _COLLECTIVES or any(comp_communicates(c) for c in insts[n][2])
-               for n in comps.get(comp, ()))
 
-  def depends_on_collective(name):
-    if name not in memo:
-      memo[name] = False  # cycles cannot occur in HLO; this only stops re-walks
-      op, operands, called = insts.get(name, ("", [], []))
-      memo[name] = (op in _COLLECTIVES or any(comp_communicates(c) for c in called)
-                    or any(depends_on_collective(o) for o in operands))
-    return memo[name]
+def test_local_part_does_not_wait_for_the_collective(data):
+  """Forward, cp=2 (the kv arrives by collective-permute): the local part's results (the first
+  two values through the barrier that orders the parts) depend on no collective; the remote
+  part's key / value (its last two) do. XLA may run the permute while the local part computes."""
+  deps = _Dependencies(_program_text(data, grad=False))
+  assert any(op == "collective-permute" for op, _, _ in deps.insts.values())
+  barriers = [e for _, e in deps.barrier_elements() if len(e) == 5]
+  assert len(barriers) == 1, barriers
+  out_a, lse_a, _, k_b, v_b = barriers[0]
+  assert not deps.depends(out_a) and not deps.depends(lse_a)
+  assert deps.depends(k_b) and deps.depends(v_b)
 
-  assert any(op == "collective-permute" for op, _, _ in insts.values()), "no collective-permute"
-  checked = 0
-  for name, (op, operands, _) in insts.items():
-    if op != "opt-barrier":
-      continue
-    op, elements, _ = insts[operands[0]]
-    if op != "tuple" or len(elements) != 5:
-      continue
-    out_a, lse_a, _, k_b, v_b = elements
-    assert not depends_on_collective(out_a) and not depends_on_collective(lse_a)
-    assert depends_on_collective(k_b) and depends_on_collective(v_b)
-    checked += 1
-  assert checked == 1, f"expected one forward barrier of 5 values, checked {checked}"
+
+def test_remote_gradients_leave_before_the_local_backward(data):
+  """Backward, cp=2: the collective-permutes taking the remote part's dk / dv back to their
+  shard depend on the values the barrier hands to the remote part's results (elements 1, 2:
+  dk_b, dv_b) and not on what it hands to the local part's backward (elements 3, 4: q, dO),
+  so they can run behind the local part's backward."""
+  deps = _Dependencies(_program_text(data, grad=True))
+  backward = [(b, e) for b, e in deps.barrier_elements()
+              if len(e) == 5 and not deps.depends(e[3])]  # (dq_b, dk_b, dv_b, q, dO)
+  assert len(backward) == 1, backward
+  barrier, _ = backward[0]
+  remote_grads = deps.element(barrier, 1) | deps.element(barrier, 2)
+  local_inputs = deps.element(barrier, 3) | deps.element(barrier, 4)
+  assert remote_grads and local_inputs
+  sends = [n for n, (op, _, _) in deps.insts.items()
+           if op == "collective-permute" and deps.depends(n, remote_grads)]
+  assert len(sends) == 2, sends  # dk and dv
+  assert not any(deps.depends(n, local_inputs) for n in sends)
+  # The check can fail: the local part's backward loops do depend on the barrier's local inputs.
+  assert any(op == "while" and deps.depends(n, local_inputs)
+             for n, (op, _, _) in deps.insts.items())
