@@ -3,15 +3,16 @@
 # session 7. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
-#   LANE=CP (~7 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order:
-#     mosaic as is, mosaic with KVAX_MOSAIC_DQ_AFTER_DKV=1 (the dq kernel ordered after dk / dv
-#     so the dk / dv reduce-scatter (2.04 ms alone) can run behind it: session 7 measured 4.17 ms
-#     of un-overlapped fixed cost in the packed case, 1.88x; 1.9x needs 0.7 ms of it hidden),
-#     and triton with the bf16 dk / dv sum; then two lanes: GPU 0 the 6 Triton GPU tests not run
-#     since the layering move + the Triton float32 non-finite test with its corrected reference;
-#     GPU 1 the cold kernel compile times (visit order: predicted 4.7 -> ~3.5 s) and the cold
-#     MaxText e2e, 16k one document per row, kvax vs cudnn_flash_jax (the forward is ~5% faster
-#     since session 6's 1.02x).
+#   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
+#     mosaic then triton, each in one run: as is, with the overlap of the k / v collective
+#     (OVERLAP_KV_GATHER, --overlap both), and each with the dq kernel ordered after dk / dv so
+#     the dk / dv reduce-scatter (2.04 ms alone) can run behind it (--variant_env): session 7
+#     measured 4.17 ms of un-overlapped fixed cost in the packed case, 1.88x; 1.9x needs 0.7 ms
+#     of it hidden.
+#   LANE=SINGLES (~5 min, two lanes): GPU 0 the 6 Triton GPU tests not run since the layering
+#     move + the Triton float32 non-finite test with its corrected reference; GPU 1 the cold
+#     kernel compile times (visit order: predicted 4.7 -> ~3.5 s) and the cold MaxText e2e, 16k
+#     one document per row, kvax vs cudnn_flash_jax.
 #   LANE=FWD (~5 min): the documents forward with the kv-ids ring hook (below).
 #   LANE=NT1, LANE=NT2: the Triton backend under triton 3.9 + jax-triton 0.4.1 (see below).
 # Prediction for DQ_AFTER_DKV: packed 73.3 -> ~71.5 ms (1.92x) if XLA starts the reduce-scatter
@@ -30,12 +31,15 @@ cp_runs() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   cpb() {  # name, backend, extra arguments
     mkdir -p $R/cp_$1
-    timeout 200 python3 benchmarks/bench_context_parallel.py --backend $2 --iters 15 \
-      --orders balanced --out_dir $R/cp_$1 "${@:3}" 2>&1 | grep -vE "^WARNING" | tail -11 | tee -a $R/next.log
+    timeout 270 python3 benchmarks/bench_context_parallel.py --backend $2 --iters 15 \
+      --orders balanced --out_dir $R/cp_$1 "${@:3}" 2>&1 | grep -vE "^WARNING" | tail -24 | tee -a $R/next.log
   }
-  # the hook as a same-run variant row ("balanced+KVAX_MOSAIC_DQ_AFTER_DKV=1")
-  cpb mosaic auto --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1
-  cpb triton triton --variant_env KVAX_TRITON_DQ_AFTER_DKV=1
+  # same-run rows: balanced, balanced+overlap (OVERLAP_KV_GATHER: local / remote kv parts), and
+  # each with the dq-after-dk/dv hook ("...+KVAX_MOSAIC_DQ_AFTER_DKV=1")
+  cpb mosaic auto --overlap both --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1
+  cpb triton triton --overlap both --variant_env KVAX_TRITON_DQ_AFTER_DKV=1
+}
+singles() {
   (export CUDA_VISIBLE_DEVICES=0
    timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
      -k "not test_against_reference and not 300-1000 and not 1-999" > $R/gpu_tests_triton.log 2>&1
@@ -96,7 +100,8 @@ case ${LANE:-CP} in
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
   NT2) new_triton_tests ;;
   CP) cp_runs ;;
-  *) echo "LANE must be CP, FWD, NT1 or NT2"; exit 2 ;;
+  SINGLES) singles ;;
+  *) echo "LANE must be CP, SINGLES, FWD, NT1 or NT2"; exit 2 ;;
 esac
 rm -f $R/cp_*/*.png
 pack
