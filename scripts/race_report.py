@@ -52,6 +52,23 @@ def summarise(text: str) -> collections.Counter:
   return pairs
 
 
+def _with_kernel_source_lines(fn):
+  """fn traced with per-operation tracebacks: JAX traces a custom_vjp's backward under the
+  forward call's traceback, so without this every backward report names custom_vjp.py."""
+  from jax._src import source_info_util
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    ctx = source_info_util._source_info_context
+    saved = ctx.context
+    ctx.context = source_info_util.SourceInfo(None, saved.name_stack)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      ctx.context = saved
+  return wrapped
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("cases", nargs="+")
@@ -61,6 +78,8 @@ def main(argv=None) -> int:
 
   plgpu.InterpretGPUParams = functools.partial(plgpu.InterpretGPUParams, detect_races=True)
   from kvax_plugin.attention.kernels.mosaic import backward, forward
+  for name in ("dkv_call", "dq_call"):
+    setattr(backward, name, _with_kernel_source_lines(getattr(backward, name)))
   if args.no_release_commit:
     for module in (forward, backward):
       module.released_for_tma = lambda interpret: None
