@@ -83,6 +83,13 @@ _SCRIPT = textwrap.dedent("""
     case("dq_after_dkv_hook", sinks=True, params=small)
     del os.environ["KVAX_TRITON_DQ_AFTER_DKV"]
 
+    # The kernels as parts (the context-parallel overlap's path): kv in halves, merged by
+    # split_kv_attention under jit and grad (tests/kernel_parts_case.py).
+    import kernel_parts_case
+    kernel_parts_case.check(triton_backend.flash_attention_triton, s_len=96, d=32,
+                            dtype=jnp.float32, tol=1e-5)
+    print("kernel_parts ok")
+
     # The opt-in autotune runs candidates end to end (timings are meaningless here).
     seg = jnp.zeros((1, 40), jnp.int32); pos = jnp.arange(40, dtype=jnp.int32)[None]
     m = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, fwd_params=small[0],
@@ -111,4 +118,4 @@ def test_kernels_in_triton_interpreter():
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert proc.stdout.count(" ok") == 7, proc.stdout
+  assert proc.stdout.count(" ok") == 8, proc.stdout

@@ -110,12 +110,19 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
       raise ValueError("kernel parts are built without sinks (the caller merging the parts adds "
                        "them): call the backend with sinks=None inside capture_kernel_parts()")
 
+    # The parts run later, inside the caller's own traces (its custom_vjp's forward and
+    # backward), so they must not close over `sinks`: the backend made it (zeros, unused with
+    # has_sinks False) in the trace of THIS call, and a tracer captured from there leaks into
+    # theirs ("No constant handler for type: DynamicJaxprTracer" under jit on the GPU).
+    sinks_shape, sinks_dtype = np.shape(sinks), getattr(sinks, "dtype", jnp.float32)
+    no_sinks = lambda: jnp.zeros(sinks_shape, sinks_dtype)
+
     def part_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask):
-      return forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+      return forward(cfg, q, k, v, no_sinks(), q_pos, q_seg, kv_pos, kv_seg, mask)
 
     def part_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out):
-      dq, dk, dv, _ = backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out,
-                               lse, d_out)
+      dq, dk, dv, _ = backward(cfg, q, k, v, no_sinks(), q_pos, q_seg, kv_pos, kv_seg, mask,
+                               out, lse, d_out)
       return dq, dk, dv
 
     return KernelParts(part_forward, part_backward)

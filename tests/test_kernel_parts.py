@@ -1,0 +1,66 @@
+"""The kernel backends' forward / backward kernels taken as parts (the context-parallel overlap's
+path, kvax_plugin.attention.split_kv_attention) under jit and grad: the overlapped
+context-parallel op with the Mosaic GPU kernels lowered for CUDA on simulated devices, and the
+parts run in Pallas' interpreter against the float32 reference (tests/kernel_parts_case.py; the
+Triton kernels run the same check in tests/test_triton_interpret.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from kvax_plugin.attention import context_parallel, token_order
+from kvax_plugin.attention.api import create_attention_mask, flash_attention
+from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+
+import kernel_parts_case
+import layouts
+
+kernels = importlib.import_module("kvax_plugin.attention.kernels")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_context_parallel_mosaic_lowers_for_cuda_under_jit_and_grad(overlap, monkeypatch):
+  """Session 8's GPU failure, without a GPU. With the k / v gather overlapped, the op takes the
+  backend's kernels as parts; they closed over a tracer of the call that captured them, which
+  jit + grad of the sharded op turned into "No constant handler for type: DynamicJaxprTracer"
+  at lowering (the CPU tests run backend "jax", which has no parts to capture)."""
+  if len(jax.devices("cpu")) < 2:
+    pytest.skip("needs 2 CPU devices (tests/conftest.py)")
+  # Lowering for CUDA needs no GPU, but the op refuses an explicit backend it cannot run.
+  monkeypatch.setattr(kernels, "availability", lambda name: (True, "lowering only"))
+  monkeypatch.setattr(context_parallel, "OVERLAP_KV_GATHER", overlap)
+  s_len, h, kh, d, cp = 1024, 4, 2, 128, 2
+  pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s_len, num_docs=3,
+                                      pad_tail=40)
+  mesh = Mesh(np.array(jax.devices("cpu")[:cp]), ("context",))
+  kw = dict(mesh=mesh, query_specs=(None, "context", None, None), kv_specs=(None,) * 4,
+            token_order="balanced")
+  tok = token_order.token_order(pos, seg, cp, order="balanced", block=128)
+  pos, seg = token_order.apply_token_order((jnp.asarray(pos), jnp.asarray(seg)), tok)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw)
+  assert mask.layout.overlap_kv_gather == overlap
+
+  def fwd_bwd(q, k, v):
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(
+        q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5, backend="mosaic", **kw), q, k, v)
+    return out, vjp(out)
+
+  q = jnp.zeros((1, s_len, h, d), jnp.bfloat16)
+  k = jnp.zeros((1, s_len, kh, d), jnp.bfloat16)
+  text = jax.jit(fwd_bwd).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  # forward, dq and dk / dv kernels; twice over with the overlap (local and remote parts)
+  assert text.count("mosaic_gpu") >= (6 if overlap else 3)
+
+
+def test_mosaic_parts_in_interpreter_match_reference():
+  """The parts' contract (forward -> out, lse; backward from any merged out, lse) holds for the
+  Mosaic kernels: kv split in halves, merged by split_kv_attention, under jit and grad."""
+  errs = kernel_parts_case.check(mosaic.flash_attention_mosaic, s_len=256, d=64, interpret=True)
+  assert max(errs) < 1.5e-2, errs  # bf16 inputs, P and dS rounded to bf16
