@@ -95,7 +95,35 @@ fwd_runs() {
   for f in $R/bench_fwd_ids_*.log; do grep -E "^ +[0-9]+ (causal|docs)" $f; done | tee -a $R/next.log
   grep -hE "passed|failed" $R/gpu_tests_mosaic_ids_tma.log | tail -3 | tee -a $R/next.log
 }
+# Session 9 (only the 1-GPU kinds were lent; kind nvidia-h200, carry .whl):
+#   LANE=PROFILE (~7 min): cold Mosaic / cuDNN / Triton compile times of one fwd+bwd (visit
+#     order: predicted 4.7 -> ~3.5 s), per-kernel GPU time of the 64k fwd+bwd (mosaic, cuDNN,
+#     tokamax Mosaic; benchmarks/profile_kernels.py), the cold MaxText e2e (16k, one document
+#     per row, kvax vs cudnn_flash_jax: setup+compile target <= 1.5x, 1.51x in session 6).
+#   LANE=FWD1 (~6 min): LANE=FWD's benchmark rows on one GPU (no test lane).
+profile_runs() {
+  timeout 100 python3 benchmarks/kernel_compile_time.py --out $R/compile_time.json \
+    --impls kvax_mosaic,cudnn,kvax_triton > $R/compile_time.log 2>&1
+  grep -vE "WARNING" $R/compile_time.log | tail -4 | tee -a $R/next.log
+  timeout 200 python3 benchmarks/profile_kernels.py --seq 65536 --cases causal,docs \
+    --impls mosaic,cudnn,tokamax_mosaic --out $R/profile_64k > $R/profile_64k.log 2>&1
+  grep -vE "WARNING" $R/profile_64k.log | tail -60 | tee -a $R/next.log
+  timeout 230 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e --steps 8 \
+    --runs 16k-long:kvax,16k-long:cudnn_flash_jax > $R/e2e.log 2>&1
+  mkdir -p $R/e2e && cp /tmp/e2e/e2e.json $R/e2e/ 2>/dev/null
+  for d in /tmp/e2e/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e/$(basename "$d").summary.json"; done
+  tail -6 $R/e2e.log | tee -a $R/next.log
+}
+fwd1_runs() {
+  for s in 16384 65536; do
+    timeout 220 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
+      --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_fwd_ids_$s > $R/bench_fwd_ids_$s.log 2>&1
+  done
+  for f in $R/bench_fwd_ids_*.log; do grep -E "interleaved" $f; done | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  PROFILE) profile_runs ;;
+  FWD1) fwd1_runs ;;
   FWD) fwd_runs ;;
   NT1) mkdir -p /tmp/tri && cp .tri1/* /tmp/tri/ && ls -la /tmp/tri ;;
   NT2) new_triton_tests ;;
