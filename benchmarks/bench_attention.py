@@ -198,6 +198,9 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})
   impls["mosaic_bwd_prewait_regs240"] = make_mosaic(
       env={"KVAX_MOSAIC_BWD_PREWAIT": "1", **regs240})
+  # the dk/dv kernel stepping 128 queries (BwdConfig.dkv_tile_q), alone and at 240 registers
+  impls["mosaic_dkv128"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128"})
+  impls["mosaic_dkv128_regs240"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128", **regs240})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:
@@ -316,7 +319,15 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   # there (dkv 111.7 vs 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
   f240 = dc.replace(fcfg, consumer_regs=240)
   pw = dc.replace(cfg, prewait=True)
+  # Session 9: the dk/dv kernel stepping 128 queries (S^T / dP^T at N = 128: half the K / V
+  # shared-memory rereads; 2-slot ring), at 232 and 240 consumer registers.
+  wide = dc.replace(cfg, dkv_tile_q=128)
+  wide_stages = next(s for s in (3, 2, 1) if bk.dkv_smem_bytes(
+      s, dk_dim, dv_dim, itemsize, False, tile_q=128) <= bk.SMEM_BUDGET)
   variants = dict(
+      dkv_tile128=(lambda *a: bk.dkv_call(wide, wide_stages, *a, *mask.dkv)[1:]),
+      dkv_tile128_regs240=(lambda *a: bk.dkv_call(dc.replace(wide, consumer_regs=240),
+                                                  wide_stages, *a, *mask.dkv)[1:]),
       dkv_prewait=(lambda *a: bk.dkv_call(pw, stages, *a, *mask.dkv)[1:]),
       dq_prewait=(lambda *a: bk.dq_call(pw, bk_tile, 2, *a, *mask.dq)),
       dkv_4stages=(lambda *a: bk.dkv_call(cfg, 4, *a, *mask.dkv)[1:]),

@@ -112,7 +112,7 @@ def main():
                             "kv_heads": kh, "head_dim": d, "dtype": "bfloat16",
                             "steps": args.steps}, "runs": {}}
   for case in args.cases.split(","):
-    pos, seg, _ = bench.layout(case, args.seq, 0)
+    pos, seg, _ = bench.layout(case, args.seq, args.seq)  # bench_attention's seed
     impls, _ = bench.make_impls(case, pos, seg, h, kh, d, scale)
     key = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(key[0], (1, args.seq, h, d), jnp.bfloat16)

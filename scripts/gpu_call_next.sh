@@ -23,6 +23,18 @@ if [ -d .whl ]; then
 elif [ ! -d /tmp/site ]; then
   echo "no .whl carried and no /tmp/site from an earlier call on this (warm) machine"; exit 1
 fi
+# tokamax imports xprof.cli.tools at import (its own timing helper, which nothing here calls);
+# the xprof wheel (31 MB) does not fit the 64 MiB carry next to maxtext's wheels, so a stub module
+# stands in for it and says so if it is ever used.
+if ! PYTHONPATH=/tmp/site python3 -c "import xprof" 2>/dev/null; then
+  mkdir -p /tmp/site/xprof/cli && touch /tmp/site/xprof/__init__.py /tmp/site/xprof/cli/__init__.py
+  cat > /tmp/site/xprof/cli/tools.py <<'PY'
+class _NotCarried:
+  def __getattr__(self, name):
+    raise RuntimeError("xprof was not carried to this machine (scripts/gpu_call_next.sh)")
+get_kernel_stats_tool = _NotCarried()
+PY
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 R=/tmp/results; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $R/next.log
@@ -121,7 +133,18 @@ fwd1_runs() {
   done
   for f in $R/bench_fwd_ids_*.log; do grep -E "interleaved" $f; done | tee -a $R/next.log
 }
+#   LANE=DKV128 (~8 min): 64k causal + documents, same run (interleaved): mosaic as is, the dk/dv
+#     kernel stepping 128 queries (KVAX_MOSAIC_DKV_TILE_Q=128; at 232 and 240 registers), the ids
+#     ring hooks (forward and backward), cuDNN and tokamax Mosaic. Prediction: dk/dv 114.7 ->
+#     ~103-108 ms if shared-memory reads limit it (session 9's model), slower if ptxas spills.
+dkv128_runs() {
+  timeout 560 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs \
+    --impls mosaic,mosaic_dkv128,mosaic_dkv128_regs240,mosaic_ids_tma,cudnn,tokamax_mosaic \
+    --interleave --rounds 5 --max-dense-mask-seq 0 --out $R/bench_64k_dkv128 > $R/bench_64k_dkv128.log 2>&1
+  grep -vE "WARNING" $R/bench_64k_dkv128.log | grep -E "ms|FAIL" | tail -40 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  DKV128) dkv128_runs ;;
   PROFILE) profile_runs ;;
   FWD1) fwd1_runs ;;
   FWD) fwd_runs ;;

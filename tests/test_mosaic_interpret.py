@@ -107,7 +107,7 @@ def test_kernels_in_interpreter_match_reference(name):
 
 @pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((256, 256), False),
                                       ((96, 96), False)])
-def test_kernels_lower_for_cuda(dims, det):
+def test_kernels_lower_for_cuda(dims, det, cap=30.0):
   """Forward + backward lower to Mosaic GPU's CUDA module (shared memory fits, every op has a
   GPU lowering) for the head dims the backend claims; no GPU is needed to lower."""
   s_len, h, kh = 512, 4, 2
@@ -122,7 +122,7 @@ def test_kernels_lower_for_cuda(dims, det):
 
   def fwd_bwd(q, k, v):
     out, vjp = jax.vjp(lambda q, k, v: mosaic.flash_attention_mosaic(
-        q, k, v, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=30.0, sinks=None,
+        q, k, v, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=cap, sinks=None,
         deterministic_backward=det), q, k, v)
     return out, vjp(out)
 
@@ -147,6 +147,28 @@ def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
     monkeypatch.setenv(name, value)
   test_kernels_in_interpreter_match_reference("window_cap_sinks_det")
   test_kernels_lower_for_cuda((128, 128), True)
+
+
+@pytest.mark.parametrize("case", ["window_masked_full_masked_det", "docs_padding_gqa"])
+def test_dkv_kernel_with_128_query_steps_matches_reference(case, monkeypatch):
+  """KVAX_MOSAIC_DKV_TILE_Q=128 (BwdConfig.dkv_tile_q; session 9's shared-memory lever): the
+  deterministic dk/dv kernel steps 128 queries with P^T kept in 16 bits; interpreter against
+  the float32 reference (masked runs on both sides of full blocks; documents, a one-token
+  document, padding, GQA), and lowered for CUDA. The kernel must really take the wide steps."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  monkeypatch.setenv("KVAX_MOSAIC_DKV_TILE_Q", "128")
+  monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], det=True))
+  seen = []
+  real = bk.dkv_call
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(cfg.dkv_tile_q),
+                                                       real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [128], seen
+  test_kernels_lower_for_cuda((128, 128), True, cap=None)  # no soft cap: the wide path
+  assert seen[-1] == 128, seen
+  with pytest.raises(ValueError, match="dkv_tile_q=96"):
+    bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
+                 with_dq=False, interpret=False, dkv_tile_q=96)
 
 
 @pytest.mark.parametrize("env,det", [({"KVAX_MOSAIC_BWD_REGS": "240"}, True),

@@ -94,6 +94,18 @@ class BwdConfig:
   # positions / segment ids of each ring block with it (q blocks in the dk/dv kernel, kv blocks
   # in the dq kernel), and masked steps read them from shared memory instead of global memory.
   ids_tma: bool = False
+  # Query rows per step of the deterministic dk/dv kernel (benchmarking hook
+  # KVAX_MOSAIC_DKV_TILE_Q=128). Its S^T = K Q^T and dP^T = V dO^T products read both operands
+  # from shared memory; at 64 query columns per step a consumer rereads its 64 x D K (or V) tile
+  # for every 64 queries: 32 KiB of shared-memory reads per product step, against the ~128 B per
+  # clock an SM's shared memory gives (session 9's model: the dk/dv kernel moves ~224 KiB per
+  # 2048 tensor-core clocks of products, ~85% of that bandwidth; the dq kernel's N=128 steps
+  # ~81%, and it runs at 704 against 614 TF/s). 128 columns halve the K / V rereads (-14% shared
+  # memory traffic per query) at the cost of registers: S^T and dP^T become 64 x 128 float32
+  # (64 registers each), so P^T is kept only in 16 bits (dS^T = P^T * (dP^T - delta) then uses
+  # the rounded P^T, as the dV product already does), peak dK 64 + dV 64 + P^T 32 + dP^T 64.
+  # Ignored (64) with with_dq.
+  dkv_tile_q: int = 64
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -102,6 +114,8 @@ class BwdConfig:
                        f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
     if self.dkv_stages not in (0, 1, 2, 3, 4):
       raise ValueError(f"dkv_stages={self.dkv_stages}: expected 0 (automatic) or 1..4")
+    if self.dkv_tile_q not in (64, 128):
+      raise ValueError(f"dkv_tile_q={self.dkv_tile_q}: expected 64 or 128")
     if self.dq_kv_tile not in (0, 64, 128):
       raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
 
@@ -116,9 +130,10 @@ def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
-                   split: bool = False, dq_buffers: int = 1, ids: bool = False) -> int:
+                   split: bool = False, dq_buffers: int = 1, ids: bool = False,
+                   tile_q: int = TILE_Q) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * TILE_Q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
+  ring = stages * tile_q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
   if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
     dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize
                       + dq_buffers * TILE_Q * (dk // CONSUMERS) * 4)
@@ -158,7 +173,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   group = h // kh
-  rq = cfg.table_q // TILE_Q
+  # Query rows per step: cfg.dkv_tile_q in the deterministic kernel (backward_call checks that
+  # the tables' query block is a multiple of it), 64 with the fused dq.
+  tq = TILE_Q if cfg.with_dq else cfg.dkv_tile_q
+  wide = tq != TILE_Q  # P^T kept in 16 bits only (see BwdConfig.dkv_tile_q)
+  rq = cfg.table_q // tq
   rk = cfg.table_kv // TILE_KV
   dtype = q.dtype
   split = splits_dq(cfg, dk)
@@ -214,7 +233,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
         if masked and not cfg.ids_tma:  # loaded before the product, which hides their latency
-          cols = pl.ds(qi * TILE_Q, TILE_Q)
+          cols = pl.ds(qi * tq, tq)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
         if not prewait:
@@ -226,31 +245,38 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         def scores(ref):
           plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
           return ref[...]
-        st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
+        st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         z2, dz = _logit_terms(cfg, st)
         lse = plgpu.load(lse_smem.at[slot], layout=_COL)
         pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
         if masked:
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
+        pt16 = pt.astype(dtype)
+        if wide:  # from here on P^T lives in 16 bits only (registers; BwdConfig.dkv_tile_q)
+          pt = None
         if not prewait:
           plgpu.barrier_wait(do_ready.at[slot])
         if cfg.paired:
           dv_acc, dpt = products_together(
-              (dv_acc, pt.astype(dtype), do_smem.at[slot]),
-              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, TILE_Q)), cfg.interpret)
+              (dv_acc, pt16, do_smem.at[slot]),
+              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, tq)), cfg.interpret)
         else:
-          dv_acc = accumulate(dv_acc, pt.astype(dtype), do_smem.at[slot], cfg.interpret)
+          dv_acc = accumulate(dv_acc, pt16, do_smem.at[slot], cfg.interpret)
 
           def dprobs(ref):
             plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
             return ref[...]
-          dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, TILE_Q), jnp.float32))
+          dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         delta = plgpu.load(delta_smem.at[slot], layout=_COL)
-        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+        p_t = pt16.astype(jnp.float32) if wide else pt
+        dst = p_t * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
         if masked:
           # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
+          # Wide steps recompute the mask from the ids rather than keep it live.
+          if wide:
+            keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, dst.shape, q_dim=1)
           dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
         if split:
@@ -271,14 +297,14 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           plgpu.commit_smem()
           if cfg.paired:
             dk_acc, dq = products_together((dk_acc, ds16, q_smem.at[slot]),
-                                           (None, my_ds.T, my_k, (TILE_Q, dk)), cfg.interpret)
+                                           (None, my_ds.T, my_k, (tq, dk)), cfg.interpret)
           else:
             dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
 
             def dq_part(ref):
               plgpu.wgmma(ref, my_ds.T, my_k)
               return ref[...]
-            dq = pl.run_scoped(dq_part, plgpu.ACC((TILE_Q, dk), jnp.float32))
+            dq = pl.run_scoped(dq_part, plgpu.ACC((tq, dk), jnp.float32))
         elif prewait:
           def next_slot():
             pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
@@ -288,7 +314,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.barrier_arrive(q_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
         if cfg.with_dq:
-          qrows = pl.ds(qi * TILE_Q, TILE_Q)
+          qrows = pl.ds(qi * tq, tq)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
           if dq_buffers == 1:
             my_dq = dq_smem.at[wg]
@@ -344,7 +370,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         head = kv_head * group + lax.div(n, safe)
         qi = block(lax.rem(n, safe))
         slot = lax.rem(n, stages)
-        qrows = pl.ds(qi * TILE_Q, TILE_Q)
+        qrows = pl.ds(qi * tq, tq)
 
         @pl.when(n >= stages)
         def _():
@@ -375,19 +401,19 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     scratch = (
         _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
         _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
-        _smem((stages, TILE_Q, dk), dtype),
-        _smem((stages, TILE_Q, dv), dtype),
-        plgpu.SMEM((stages, TILE_Q), jnp.float32),
-        plgpu.SMEM((stages, TILE_Q), jnp.float32),
-        (_smem((2, CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if split else
-         _smem((CONSUMERS, ROWS_PER_WG, TILE_Q), dtype) if cfg.with_dq else None),
+        _smem((stages, tq, dk), dtype),
+        _smem((stages, tq, dv), dtype),
+        plgpu.SMEM((stages, tq), jnp.float32),
+        plgpu.SMEM((stages, tq), jnp.float32),
+        (_smem((2, CONSUMERS, ROWS_PER_WG, tq), dtype) if split else
+         _smem((CONSUMERS, ROWS_PER_WG, tq), dtype) if cfg.with_dq else None),
         # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
         # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
-        (_smem((CONSUMERS, TILE_Q, dq_cols), jnp.float32) if dq_buffers == 1 else
-         _smem((dq_buffers, CONSUMERS, TILE_Q, dq_cols), jnp.float32)) if cfg.with_dq else None,
-        plgpu.SMEM((stages, TILE_Q), jnp.int32) if cfg.ids_tma else None,
-        plgpu.SMEM((stages, TILE_Q), jnp.int32) if cfg.ids_tma else None,
+        (_smem((CONSUMERS, tq, dq_cols), jnp.float32) if dq_buffers == 1 else
+         _smem((dq_buffers, CONSUMERS, tq, dq_cols), jnp.float32)) if cfg.with_dq else None,
+        plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
+        plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
     )
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
@@ -616,11 +642,24 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
       2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers, ids=ids) > SMEM_BUDGET:
     cfg = dataclasses.replace(cfg, dq_buffers=1)
+  # 128-query steps (hook) only where the tables' query block allows them, without dq or soft
+  # cap (its derivative would be one more 64 x 128 float32 tile live), and in shared memory.
+  wide_ok = (cfg.dkv_tile_q != TILE_Q and not with_dq and not cfg.soft_cap
+             and cfg.table_q % cfg.dkv_tile_q == 0)
+  tile_q = cfg.dkv_tile_q if wide_ok else TILE_Q
   depths = (cfg.dkv_stages,) if cfg.dkv_stages and not with_dq else (3, 2, 1)
   stages = next((s for s in depths
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
-                                   cfg.dq_buffers if split else 1, ids=ids) <= SMEM_BUDGET),
+                                   cfg.dq_buffers if split else 1, ids=ids,
+                                   tile_q=tile_q) <= SMEM_BUDGET),
                 None)
+  if stages is None and tile_q != TILE_Q:  # the wide ring does not fit: back to 64 rows
+    tile_q = TILE_Q
+    stages = next((s for s in depths
+                   if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
+                                     cfg.dq_buffers if split else 1, ids=ids) <= SMEM_BUDGET),
+                  None)
+  cfg = dataclasses.replace(cfg, dkv_tile_q=tile_q)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
                      "shared memory")
