@@ -201,6 +201,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the dk/dv kernel stepping 128 queries (BwdConfig.dkv_tile_q), alone and at 240 registers
   impls["mosaic_dkv128"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128"})
   impls["mosaic_dkv128_regs240"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128", **regs240})
+  # dS^T from the 16-bit P^T; and K held in registers for S^T = K Q^T (BwdConfig.dkv_p16 /
+  # dkv_k_regs)
+  impls["mosaic_dkv_p16"] = make_mosaic(env={"KVAX_MOSAIC_DKV_P16": "1"})
+  impls["mosaic_dkv_kregs"] = make_mosaic(env={"KVAX_MOSAIC_DKV_K_REGS": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -143,7 +143,20 @@ dkv128_runs() {
     --interleave --rounds 5 --max-dense-mask-seq 0 --out $R/bench_64k_dkv128 > $R/bench_64k_dkv128.log 2>&1
   grep -vE "WARNING" $R/bench_64k_dkv128.log | grep -E "ms|FAIL" | tail -40 | tee -a $R/next.log
 }
+#   LANE=DKVREGS (~8 min): the same lever within the register budget: dS^T from the 16-bit P^T
+#     (KVAX_MOSAIC_DKV_P16=1), and K in registers for S^T (KVAX_MOSAIC_DKV_K_REGS=1); GPU tests of
+#     both against the float32 reference first, then 64k fwd+bwd causal + documents, interleaved.
+dkvregs_runs() {
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks" > $R/gpu_tests_dkv_hooks.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_dkv_hooks.log | tail -8 | tee -a $R/next.log
+  timeout 400 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_dkv_p16,mosaic_dkv_kregs,cudnn \
+    --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_64k_dkvregs > $R/bench_64k_dkvregs.log 2>&1
+  grep -vE "WARNING" $R/bench_64k_dkvregs.log | grep -E "ms|FAIL" | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  DKVREGS) dkvregs_runs ;;
   DKV128) dkv128_runs ;;
   PROFILE) profile_runs ;;
   FWD1) fwd1_runs ;;

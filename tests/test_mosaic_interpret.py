@@ -149,23 +149,29 @@ def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
   test_kernels_lower_for_cuda((128, 128), True)
 
 
-@pytest.mark.parametrize("case", ["window_masked_full_masked_det", "docs_padding_gqa"])
-def test_dkv_kernel_with_128_query_steps_matches_reference(case, monkeypatch):
-  """KVAX_MOSAIC_DKV_TILE_Q=128 (BwdConfig.dkv_tile_q; session 9's shared-memory lever): the
-  deterministic dk/dv kernel steps 128 queries with P^T kept in 16 bits; interpreter against
-  the float32 reference (masked runs on both sides of full blocks; documents, a one-token
-  document, padding, GQA), and lowered for CUDA. The kernel must really take the wide steps."""
+@pytest.mark.parametrize("case,env,field,value", [
+    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_P16": "1"}, "dkv_p16", True),
+    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_K_REGS": "1"}, "dkv_k_regs", True),
+])
+def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
+  """Session 9's dk/dv levers (BwdConfig.dkv_tile_q: 128-query steps; dkv_p16: dS^T from the
+  16-bit P^T; dkv_k_regs: K in registers for S^T): interpreter against the float32 reference
+  (masked runs on both sides of full blocks; documents, a one-token document, padding, GQA),
+  deterministic backward, and lowered for CUDA. The kernel must really get the setting."""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
-  monkeypatch.setenv("KVAX_MOSAIC_DKV_TILE_Q", "128")
+  for name, v in env.items():
+    monkeypatch.setenv(name, v)
   monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], det=True))
   seen = []
   real = bk.dkv_call
-  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(cfg.dkv_tile_q),
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(getattr(cfg, field)),
                                                        real(cfg, *a))[1])
   test_kernels_in_interpreter_match_reference(case)
-  assert seen == [128], seen
-  test_kernels_lower_for_cuda((128, 128), True, cap=None)  # no soft cap: the wide path
-  assert seen[-1] == 128, seen
+  assert seen == [value], seen
+  test_kernels_lower_for_cuda((128, 128), True, cap=None)  # no soft cap (wide steps need none)
+  assert seen[-1] == value, seen
   with pytest.raises(ValueError, match="dkv_tile_q=96"):
     bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
                  with_dq=False, interpret=False, dkv_tile_q=96)

@@ -106,6 +106,14 @@ class BwdConfig:
   # the rounded P^T, as the dV product already does), peak dK 64 + dV 64 + P^T 32 + dP^T 64.
   # Ignored (64) with with_dq.
   dkv_tile_q: int = 64
+  # Session 9, after the 128-query steps spilled (64k causal dk/dv +86 ms): the same lever at 64
+  # query columns within the register budget. dkv_p16: dS^T from the 16-bit P^T (no float32
+  # P^T kept across the dV / dP^T products: 32 registers fewer at the peak); dkv_k_regs (implies
+  # dkv_p16): this consumer's K tile held in registers (32 per thread) for S^T = K Q^T, so only
+  # Q^T is read from shared memory (-16 KiB per step per consumer, ~14% of the kernel's shared
+  # memory reads). Hooks KVAX_MOSAIC_DKV_P16=1, KVAX_MOSAIC_DKV_K_REGS=1 (deterministic path).
+  dkv_p16: bool = False
+  dkv_k_regs: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -176,7 +184,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   # Query rows per step: cfg.dkv_tile_q in the deterministic kernel (backward_call checks that
   # the tables' query block is a multiple of it), 64 with the fused dq.
   tq = TILE_Q if cfg.with_dq else cfg.dkv_tile_q
-  wide = tq != TILE_Q  # P^T kept in 16 bits only (see BwdConfig.dkv_tile_q)
+  k_regs = cfg.dkv_k_regs and not cfg.with_dq
+  # P^T kept in 16 bits only (see BwdConfig.dkv_tile_q / dkv_p16)
+  wide = tq != TILE_Q or k_regs or (cfg.dkv_p16 and not cfg.with_dq)
   rq = cfg.table_q // tq
   rk = cfg.table_kv // TILE_KV
   dtype = q.dtype
@@ -221,6 +231,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(k_ready.at[wg])
       plgpu.barrier_wait(v_ready.at[wg])
+      # With dkv_k_regs, S^T = K Q^T takes K from registers (loaded once per CTA).
+      k_operand = (plgpu.load(my_k, (), layout=plgpu.Layout.WGMMA, optimized=True)
+                   if k_regs and not cfg.interpret else my_k[...] if k_regs else my_k)
       total = group * count  # ring positions this CTA visits
 
       def wait_slot(slot):
@@ -242,10 +255,15 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        def scores(ref):
-          plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
-          return ref[...]
-        st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
+        if k_regs:
+          st = accumulate(plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, tq), jnp.float32),
+                                            plgpu.Layout.WGMMA),
+                          k_operand, q_smem.at[slot].T, cfg.interpret)
+        else:
+          def scores(ref):
+            plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
+            return ref[...]
+          st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         z2, dz = _logit_terms(cfg, st)
         lse = plgpu.load(lse_smem.at[slot], layout=_COL)
         pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
