@@ -155,7 +155,23 @@ dkvregs_runs() {
     --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_64k_dkvregs > $R/bench_64k_dkvregs.log 2>&1
   grep -vE "WARNING" $R/bench_64k_dkvregs.log | grep -E "ms|FAIL" | tail -30 | tee -a $R/next.log
 }
+#   LANE=E2E1 (~9 min): the cold MaxText e2e (16k, one document per row, kvax vs
+#     cudnn_flash_jax; failed in LANE=PROFILE on the missing xprof, now stubbed), then the 6
+#     Triton GPU tests not run since the layering move and the Triton non-finite test.
+e2e1_runs() {
+  timeout 250 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e --steps 8 \
+    --runs 16k-long:kvax,16k-long:cudnn_flash_jax > $R/e2e.log 2>&1
+  mkdir -p $R/e2e && cp /tmp/e2e/e2e.json $R/e2e/ 2>/dev/null
+  for d in /tmp/e2e/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e/$(basename "$d").summary.json"; done
+  tail -6 $R/e2e.log | tee -a $R/next.log
+  timeout 170 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+    -k "not test_against_reference and not 300-1000 and not 1-999" > $R/gpu_tests_triton.log 2>&1
+  timeout 110 python3 -m pytest -m gpu -v -p no:cacheprovider \
+    "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $R/gpu_tests_nonfinite.log 2>&1
+  grep -hE "passed|failed|FAILED" $R/gpu_tests_*.log | tail -8 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  E2E1) e2e1_runs ;;
   DKVREGS) dkvregs_runs ;;
   DKV128) dkv128_runs ;;
   PROFILE) profile_runs ;;
