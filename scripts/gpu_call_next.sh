@@ -170,7 +170,23 @@ e2e1_runs() {
     "tests/gpu/test_nonfinite_gpu.py::test_triton_nan_inf_follow_the_reference" > $R/gpu_tests_nonfinite.log 2>&1
   grep -hE "passed|failed|FAILED" $R/gpu_tests_*.log | tail -8 | tee -a $R/next.log
 }
+#   LANE=LPT (~8 min): every Mosaic kernel's CTAs in longest-first order (KVAX_MOSAIC_LPT=1):
+#     GPU tests against the float32 reference first, then 16k and 64k causal + documents,
+#     interleaved with mosaic as is, cuDNN and tokamax Mosaic. Prediction: causal unchanged (the
+#     reversed order is already longest-first), documents 1-2% faster (the launch tail).
+lpt_runs() {
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and env2" > $R/gpu_tests_lpt.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_lpt.log | tail -6 | tee -a $R/next.log
+  for s in 16384 65536; do
+    timeout 230 python3 benchmarks/bench_attention.py --seq $s --cases causal,docs \
+      --impls mosaic,mosaic_lpt,cudnn,tokamax_mosaic --interleave --rounds 7 \
+      --max-dense-mask-seq 0 --out $R/bench_lpt_$s > $R/bench_lpt_$s.log 2>&1
+    grep -E "interleaved|FAIL" $R/bench_lpt_$s.log | tee -a $R/next.log
+  done
+}
 case ${LANE:-CP} in
+  LPT) lpt_runs ;;
   E2E1) e2e1_runs ;;
   DKVREGS) dkvregs_runs ;;
   DKV128) dkv128_runs ;;

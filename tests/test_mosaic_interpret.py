@@ -136,7 +136,8 @@ def test_kernels_lower_for_cuda(dims, det, cap=30.0):
                                  {"KVAX_MOSAIC_DKV_STAGES": "4"},
                                  {"KVAX_MOSAIC_DQ_AFTER_DKV": "1"},
                                  {"KVAX_MOSAIC_FWD_IDS_TMA": "1"},
-                                 {"KVAX_MOSAIC_BWD_IDS_TMA": "1"}])
+                                 {"KVAX_MOSAIC_BWD_IDS_TMA": "1"},
+                                 {"KVAX_MOSAIC_LPT": "1"}])
 def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
   """The kernels' scheduling hooks (optimization barrier after the softmax; the next K awaited
   at the top of a step instead of behind the P V product, the default since session 7; the
@@ -147,6 +148,19 @@ def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
     monkeypatch.setenv(name, value)
   test_kernels_in_interpreter_match_reference("window_cap_sinks_det")
   test_kernels_lower_for_cuda((128, 128), True)
+
+
+def test_longest_first_launch_order(monkeypatch):
+  """KVAX_MOSAIC_LPT=1: every kernel takes its tile from forward.longest_first (a permutation,
+  descending visited blocks, ties in tile order); the fused backward with documents, a one-token
+  document and padding still matches the reference in the interpreter."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
+  upper = jnp.array([[1, 2, 3, 5, 0]], jnp.int32)
+  assert fw.longest_first(lower, upper, 1, 5).tolist() == [[3, 1, 0, 2, 4]]
+  assert fw.longest_first(lower, upper, 2, 9).tolist() == [[6, 7, 2, 3, 0, 1, 4, 5, 8]]
+  monkeypatch.setenv("KVAX_MOSAIC_LPT", "1")
+  test_kernels_in_interpreter_match_reference("docs_padding_gqa")
 
 
 @pytest.mark.parametrize("case,env,field,value", [

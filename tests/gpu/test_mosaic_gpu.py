@@ -177,12 +177,14 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
   assert errs["dq"] < 2e-3  # float32 summation order, one bf16 rounding
 
 
-@pytest.mark.parametrize("env", [{"KVAX_MOSAIC_DKV_P16": "1"}, {"KVAX_MOSAIC_DKV_K_REGS": "1"}])
+@pytest.mark.parametrize("env", [{"KVAX_MOSAIC_DKV_P16": "1"}, {"KVAX_MOSAIC_DKV_K_REGS": "1"},
+                                 {"KVAX_MOSAIC_LPT": "1"}])
 @pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
                                   "one_token_docs_fp16_d64"])
 def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
-  """Session 9's dk/dv kernel hooks (BwdConfig.dkv_p16 / dkv_k_regs; read while tracing)
-  against the float32 reference on the GPU before any timing of them counts."""
+  """Session 9's kernel hooks (BwdConfig.dkv_p16 / dkv_k_regs; the longest-first launch order
+  KVAX_MOSAIC_LPT; read while tracing) against the float32 reference on the GPU before any
+  timing of them counts."""
   for key, value in env.items():
     monkeypatch.setenv(key, value)
   build, kwargs = CASES[name]

@@ -40,7 +40,7 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           accumulate_then, pair_keep,
                                                           produce_kv_ring, products_together,
                                                           released_for_tma,
-                                                          visit_order)
+                                                          longest_first, visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -114,6 +114,9 @@ class BwdConfig:
   # memory reads). Hooks KVAX_MOSAIC_DKV_P16=1, KVAX_MOSAIC_DKV_K_REGS=1 (deterministic path).
   dkv_p16: bool = False
   dkv_k_regs: bool = False
+  # Benchmarking hook KVAX_MOSAIC_LPT=1: the dk/dv and dq kernels' CTAs take their tile from a
+  # longest-first order (forward.longest_first) instead of the tile index.
+  lpt: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -204,10 +207,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
              qpos_smem, qseg_smem,
-             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done):
+             k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done,
+             order_ref=None):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
+    if order_ref is not None:  # LPT hook (BwdConfig.lpt)
+      tile = order_ref[bi, tile]
     wg = lax.axis_index("wg")
     row = tile // rk
     lower = lo_ref[bi, row] * rq
@@ -444,12 +450,19 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
         plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
     )
-    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+    order_ref = None
+    if cfg.lpt:  # the order is the last of `args`: take it out of the kernel's positional refs
+      order_ref, refs = refs[len(args) - 1], refs[:len(args) - 1] + refs[len(args):]
+    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
+                  collective_axes="wg")
 
   out_types = (jax.ShapeDtypeStruct((b, skv, kh, dk), dtype),
                jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
   args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
           full_upper)
+  if cfg.lpt:
+    # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
+    args += (longest_first(lower, upper, rk, skv // TILE_KV),)
   launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
                 grid_names=("heads", "kv_tiles", "batch"), num_threads=CONSUMERS + 1,
                 thread_name="wg", **_interpret_params(cfg))
@@ -507,11 +520,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
              q_smem, do_smem, k_smem, v_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free):
+             q_ready, k_ready, v_ready, k_free, v_free, order_ref=None):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
         "q_tiles")
+    if order_ref is not None:  # LPT hook (BwdConfig.lpt)
+      tile = order_ref[bi, lax.axis_index("q_tiles")]
     wg = lax.axis_index("wg")
     row = tile // rq
     lower = lo_ref[bi, row] * rk
@@ -632,14 +647,22 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
-    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+    order_ref = None
+    if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
+      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
+    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
+                  collective_axes="wg")
 
+  inputs = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
+            full_upper)
+  if cfg.lpt:
+    inputs += (longest_first(lower, upper, rq, sq // DQ_TILE_Q),)
+  n_in = len(inputs)
   return plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct((b, sq, h, dk), dtype),
       grid=(h, sq // DQ_TILE_Q, b), grid_names=("heads", "q_tiles", "batch"),
       num_threads=CONSUMERS + 1, thread_name="wg", **_interpret_params(cfg),
-  )(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
-    full_upper)
+  )(*inputs)
 
 
 SMEM_BUDGET = 227 * 1024

@@ -80,6 +80,9 @@ class FwdConfig:
   # masked step reads them from shared memory instead of from global memory (whose latency the
   # step waits out behind one product: the documents forward is mostly masked steps).
   ids_tma: bool = False
+  # Benchmarking hook KVAX_MOSAIC_LPT=1 (off until measured): CTAs take their query tile from a
+  # longest-first order (longest_first) instead of the tile index (reversed under causal).
+  lpt: bool = False
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
@@ -185,6 +188,19 @@ def visit_order(lower, full_lower, full_upper, upper):
   return masked, block
 
 
+def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
+  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
+  lower of each tile's table row; ties in tile order), for the LPT hooks (KVAX_MOSAIC_LPT=1).
+
+  CTAs start in launch order, one grid step per free SM; a long tile started last keeps its SM
+  busy while the others have run dry (the launch tail). Under a causal mask the reversed tile
+  order is already longest-first (the kernels' default); with packed documents it is not: the
+  natural order ends with the long last tiles of the last document.
+  """
+  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
+
+
 def released_for_tma(interpret: bool) -> None:
   """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
 
@@ -256,11 +272,13 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
              q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, turn):
+             q_ready, k_ready, v_ready, k_free, v_free, turn, order_ref=None):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("q_tiles")
-    if cfg.causal:
+    if order_ref is not None:  # LPT hook: the launch order given by longest_first
+      tile = order_ref[bi, tile]
+    elif cfg.causal:
       # Last tiles first: under a causal mask they have the most work (shorter launch tail).
       tile = (sq // TILE_Q) - 1 - tile
     wg = lax.axis_index("wg")
@@ -424,10 +442,18 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS),
     )
-    pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch, *barriers, collective_axes="wg")
+    order_ref = None
+    if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
+      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
+    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
+                  collective_axes="wg")
 
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
+  inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
+  if cfg.lpt:
+    inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
+  n_in = len(inputs)
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
@@ -437,4 +463,4 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       **params,
-  )(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
+  )(*inputs)
