@@ -185,7 +185,25 @@ lpt_runs() {
     grep -E "interleaved|FAIL" $R/bench_lpt_$s.log | tee -a $R/next.log
   done
 }
+#   LANE=EXITREAD (~6 min): CTAs exit once their output stores have read shared memory
+#     (KVAX_MOSAIC_EXIT_AFTER_READ=1): GPU tests first, then 16k causal + documents and 64k
+#     documents, interleaved with mosaic as is and tokamax Mosaic. Prediction: documents (short
+#     CTAs) a few % faster (one global-write latency, ~1 us, of a ~26 us CTA at 16k), causal
+#     unchanged.
+exitread_runs() {
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and env3" > $R/gpu_tests_exitread.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_exitread.log | tail -6 | tee -a $R/next.log
+  timeout 150 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
+    --impls mosaic,mosaic_exit_read,cudnn,tokamax_mosaic --interleave --rounds 9 \
+    --max-dense-mask-seq 0 --out $R/bench_exitread_16384 > $R/bench_exitread_16384.log 2>&1
+  timeout 150 python3 benchmarks/bench_attention.py --seq 65536 --cases docs \
+    --impls mosaic,mosaic_exit_read,tokamax_mosaic --interleave --rounds 9 \
+    --max-dense-mask-seq 0 --out $R/bench_exitread_65536 > $R/bench_exitread_65536.log 2>&1
+  grep -hE "interleaved|FAIL" $R/bench_exitread_*.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  EXITREAD) exitread_runs ;;
   LPT) lpt_runs ;;
   E2E1) e2e1_runs ;;
   DKVREGS) dkvregs_runs ;;

@@ -137,6 +137,7 @@ class Static:
   dkv_p16: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_P16=1 (BwdConfig.dkv_p16)
   dkv_k_regs: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_K_REGS=1 (BwdConfig.dkv_k_regs)
   lpt: bool = False  # benchmarking hook: KVAX_MOSAIC_LPT=1, longest-first launch order (all kernels)
+  exit_after_read: bool = False  # benchmarking hook: KVAX_MOSAIC_EXIT_AFTER_READ=1 (FwdConfig)
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
 
 
@@ -192,7 +193,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt)
+      lpt=cfg.lpt, exit_after_read=cfg.exit_after_read)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -216,6 +217,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers, consumer_regs=cfg.consumer_regs,
       dq_kv_tile=cfg.dq_kv_tile, prewait=cfg.bwd_prewait, dkv_stages=cfg.dkv_stages,
       dkv_tile_q=cfg.dkv_tile_q, dkv_p16=cfg.dkv_p16, dkv_k_regs=cfg.dkv_k_regs, lpt=cfg.lpt,
+      exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
@@ -290,6 +292,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_p16=os.environ.get("KVAX_MOSAIC_DKV_P16", "") == "1",
                dkv_k_regs=os.environ.get("KVAX_MOSAIC_DKV_K_REGS", "") == "1",
                lpt=os.environ.get("KVAX_MOSAIC_LPT", "") == "1",
+               exit_after_read=os.environ.get("KVAX_MOSAIC_EXIT_AFTER_READ", "") == "1",
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,

@@ -117,6 +117,9 @@ class BwdConfig:
   # Benchmarking hook KVAX_MOSAIC_LPT=1: the dk/dv and dq kernels' CTAs take their tile from a
   # longest-first order (forward.longest_first) instead of the tile index.
   lpt: bool = False
+  # Benchmarking hook KVAX_MOSAIC_EXIT_AFTER_READ=1: the deterministic kernels' last wait on
+  # their output stores waits for the shared-memory reads only (forward.FwdConfig).
+  exit_after_read: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -380,7 +383,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, kv_head])
       plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, kv_head])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read and not cfg.with_dq)
 
     @pl.when(wg == CONSUMERS)
     def producer():
@@ -618,7 +621,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       my_q[...] = acc.astype(dtype)  # Q is no longer read: its buffer stages dq
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
 
     @pl.when(wg == CONSUMERS)
     def producer():

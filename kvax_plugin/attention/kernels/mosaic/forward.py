@@ -83,6 +83,12 @@ class FwdConfig:
   # Benchmarking hook KVAX_MOSAIC_LPT=1 (off until measured): CTAs take their query tile from a
   # longest-first order (longest_first) instead of the tile index (reversed under causal).
   lpt: bool = False
+  # Benchmarking hook KVAX_MOSAIC_EXIT_AFTER_READ=1 (off until measured): a CTA's last wait on
+  # its output stores (TMA, shared -> global) waits until the copies have READ shared memory,
+  # not until their global writes have landed (what CUTLASS's TMA store epilogues wait for; the
+  # writes are visible at the kernel's end either way), so the SM starts its next CTA sooner:
+  # a store's global-write latency per CTA, which counts where CTAs are short (documents).
+  exit_after_read: bool = False
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
@@ -410,7 +416,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
 
     @pl.when(wg == CONSUMERS)
     def producer():
