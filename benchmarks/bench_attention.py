@@ -207,8 +207,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_dkv_kregs"] = make_mosaic(env={"KVAX_MOSAIC_DKV_K_REGS": "1"})
   # every kernel's CTAs in longest-first order of their table rows (forward.longest_first)
   impls["mosaic_lpt"] = make_mosaic(env={"KVAX_MOSAIC_LPT": "1"})
-  # every kernel's CTA exits once its output stores have read shared memory
+  # every kernel's CTA exits once its output stores have read shared memory (the default since
+  # session 9; mosaic_exit_write: the old wait for the global writes)
   impls["mosaic_exit_read"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "1"})
+  impls["mosaic_exit_write"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "0"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -138,7 +138,7 @@ def test_kernels_lower_for_cuda(dims, det, cap=30.0):
                                  {"KVAX_MOSAIC_FWD_IDS_TMA": "1"},
                                  {"KVAX_MOSAIC_BWD_IDS_TMA": "1"},
                                  {"KVAX_MOSAIC_LPT": "1"},
-                                 {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"}])
+                                 {"KVAX_MOSAIC_EXIT_AFTER_READ": "0"}])
 def test_scheduling_hooks_match_reference_in_interpreter(env, monkeypatch):
   """The kernels' scheduling hooks (optimization barrier after the softmax; the next K awaited
   at the top of a step instead of behind the P V product, the default since session 7; the

@@ -117,7 +117,7 @@ class BwdConfig:
   # Benchmarking hook KVAX_MOSAIC_LPT=1: the dk/dv and dq kernels' CTAs take their tile from a
   # longest-first order (forward.longest_first) instead of the tile index.
   lpt: bool = False
-  # Benchmarking hook KVAX_MOSAIC_EXIT_AFTER_READ=1: the deterministic kernels' last wait on
+  # KVAX_MOSAIC_EXIT_AFTER_READ (on by default from the backend): the deterministic kernels' last wait on
   # their output stores waits for the shared-memory reads only (forward.FwdConfig).
   exit_after_read: bool = False
 

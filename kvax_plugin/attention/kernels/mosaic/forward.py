@@ -83,7 +83,8 @@ class FwdConfig:
   # Benchmarking hook KVAX_MOSAIC_LPT=1 (off until measured): CTAs take their query tile from a
   # longest-first order (longest_first) instead of the tile index (reversed under causal).
   lpt: bool = False
-  # Benchmarking hook KVAX_MOSAIC_EXIT_AFTER_READ=1 (off until measured): a CTA's last wait on
+  # On by default from the backend (KVAX_MOSAIC_EXIT_AFTER_READ=0 turns it off; session 9,
+  # benchmarks/NOTES.md): a CTA's last wait on
   # its output stores (TMA, shared -> global) waits until the copies have READ shared memory,
   # not until their global writes have landed (what CUTLASS's TMA store epilogues wait for; the
   # writes are visible at the kernel's end either way), so the SM starts its next CTA sooner:
