@@ -329,15 +329,9 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   # there (dkv 111.7 vs 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
   f240 = dc.replace(fcfg, consumer_regs=240)
   pw = dc.replace(cfg, prewait=True)
-  # Session 9: the dk/dv kernel stepping 128 queries (S^T / dP^T at N = 128: half the K / V
-  # shared-memory rereads; 2-slot ring), at 232 and 240 consumer registers.
-  wide = dc.replace(cfg, dkv_tile_q=128)
-  wide_stages = next(s for s in (3, 2, 1) if bk.dkv_smem_bytes(
-      s, dk_dim, dv_dim, itemsize, False, tile_q=128) <= bk.SMEM_BUDGET)
+  # (Session 9's dk/dv variants - 128-query steps, P^T in 16 bits, K in registers - were timed
+  # as whole-op rows mosaic_dkv128 / mosaic_dkv_p16 / mosaic_dkv_kregs: all slower.)
   variants = dict(
-      dkv_tile128=(lambda *a: bk.dkv_call(wide, wide_stages, *a, *mask.dkv)[1:]),
-      dkv_tile128_regs240=(lambda *a: bk.dkv_call(dc.replace(wide, consumer_regs=240),
-                                                  wide_stages, *a, *mask.dkv)[1:]),
       dkv_prewait=(lambda *a: bk.dkv_call(pw, stages, *a, *mask.dkv)[1:]),
       dq_prewait=(lambda *a: bk.dq_call(pw, bk_tile, 2, *a, *mask.dq)),
       dkv_4stages=(lambda *a: bk.dkv_call(cfg, 4, *a, *mask.dkv)[1:]),
