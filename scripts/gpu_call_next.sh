@@ -202,7 +202,18 @@ exitread_runs() {
     --max-dense-mask-seq 0 --out $R/bench_exitread_65536 > $R/bench_exitread_65536.log 2>&1
   grep -hE "interleaved|FAIL" $R/bench_exitread_*.log | tee -a $R/next.log
 }
+#   LANE=FINALTESTS (~7 min): the whole Mosaic GPU test file on the kernels as they are now
+#     (CTAs exit after their stores' reads, the default since LANE=EXITREAD), and both backends'
+#     kernel parts through split_kv_attention (the context-parallel overlap's path).
+finaltests_runs() {
+  timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "not register_hooks" > $R/gpu_tests_mosaic_all.log 2>&1
+  timeout 100 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+    -k "kernel_parts" > $R/gpu_tests_triton_parts.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed|kernel_parts\]" $R/gpu_tests_mosaic_all.log $R/gpu_tests_triton_parts.log | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  FINALTESTS) finaltests_runs ;;
   EXITREAD) exitread_runs ;;
   LPT) lpt_runs ;;
   E2E1) e2e1_runs ;;

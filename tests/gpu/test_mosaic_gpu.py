@@ -190,3 +190,13 @@ def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
   build, kwargs = CASES[name]
   seed = sum(map(ord, name))
   _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
+
+
+def test_kernel_parts_through_split_kv_attention():
+  """The kernels as parts (the context-parallel overlap's path; session 8's GPU run crashed
+  there): kv in halves, merged by split_kv_attention under jit and grad, against the float32
+  reference (tests/kernel_parts_case.py)."""
+  import kernel_parts_case  # tests/, on the path above
+  errs = kernel_parts_case.check(mosaic_backend.flash_attention_mosaic, s_len=2048, h=8, kh=2,
+                                 d=128)
+  print("\n[kernel_parts] " + " ".join(f"{e:.2e}" for e in errs))

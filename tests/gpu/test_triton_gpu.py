@@ -273,3 +273,13 @@ def test_float32_above_head_dim_128_is_refused_explicitly_and_auto_uses_jax():
     out = flash_attention(q, k, v, *ints, mask, backend="auto", debug=True)
     ref = reference_attention(q, k, v, *ints)
   assert _rel(out, ref) < 1e-5
+
+
+def test_kernel_parts_through_split_kv_attention():
+  """The Triton kernels as parts (the context-parallel overlap's path), kv in halves merged by
+  split_kv_attention under jit and grad, against the float32 reference."""
+  import kernel_parts_case  # tests/, on the path above
+  from kvax_plugin.attention.kernels.triton import backend as triton_backend
+  errs = kernel_parts_case.check(triton_backend.flash_attention_triton, s_len=2048, h=8, kh=2,
+                                 d=128)
+  print("\n[kernel_parts] " + " ".join(f"{e:.2e}" for e in errs))
