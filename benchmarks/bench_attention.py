@@ -211,6 +211,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # session 9; mosaic_exit_write: the old wait for the global writes)
   impls["mosaic_exit_read"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "1"})
   impls["mosaic_exit_write"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "0"})
+  # the forward as a persistent kernel, one CTA per SM (FwdConfig.num_ctas)
+  impls["mosaic_persistent"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -212,7 +212,25 @@ finaltests_runs() {
     -k "kernel_parts" > $R/gpu_tests_triton_parts.log 2>&1
   grep -hE "PASSED|FAILED|passed|failed|kernel_parts\]" $R/gpu_tests_mosaic_all.log $R/gpu_tests_triton_parts.log | tail -30 | tee -a $R/next.log
 }
+#   LANE=PERSIST (~6 min): the persistent forward (KVAX_MOSAIC_FWD_PERSISTENT=1, one CTA per
+#     SM): GPU tests first, then 16k causal + documents and 64k documents, interleaved with
+#     mosaic as is and tokamax Mosaic. Prediction: documents forward 16k -10% or more (the
+#     per-CTA start / end, ~5-7 us of ~27 us per CTA, hidden behind the previous item), 64k
+#     documents a few %, causal unchanged or slightly better.
+persist_runs() {
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and env4" > $R/gpu_tests_persist.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_persist.log | tail -6 | tee -a $R/next.log
+  timeout 160 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
+    --impls mosaic,mosaic_persistent,cudnn,tokamax_mosaic --interleave --rounds 9 \
+    --max-dense-mask-seq 0 --out $R/bench_persist_16384 > $R/bench_persist_16384.log 2>&1
+  timeout 150 python3 benchmarks/bench_attention.py --seq 65536 --cases docs \
+    --impls mosaic,mosaic_persistent,tokamax_mosaic --interleave --rounds 9 \
+    --max-dense-mask-seq 0 --out $R/bench_persist_65536 > $R/bench_persist_65536.log 2>&1
+  grep -hE "interleaved|FAIL" $R/bench_persist_*.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  PERSIST) persist_runs ;;
   FINALTESTS) finaltests_runs ;;
   EXITREAD) exitread_runs ;;
   LPT) lpt_runs ;;

@@ -164,6 +164,26 @@ def test_longest_first_launch_order(monkeypatch):
   test_kernels_in_interpreter_match_reference("docs_padding_gqa")
 
 
+@pytest.mark.parametrize("case", ["window_cap_sinks_det", "prefill_mla",
+                                  "window_masked_full_masked_fused"])
+def test_persistent_forward_matches_reference(case, monkeypatch):
+  """KVAX_MOSAIC_FWD_PERSISTENT=1 (FwdConfig.num_ctas): 3 CTAs in the interpreter, each taking
+  several (batch, query tile, head) items with one kv ring across them and Q loaded one item
+  ahead; soft cap + sinks + MQA + non-contiguous documents, Dv != Dk with Sq != Skv (the
+  separate O staging), a sliding window; against the float32 reference, and lowered for CUDA
+  (one CTA per SM). The kernel must really run persistent."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
+  seen = []
+  real = fw.forward_call
+  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
+                                                           real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [3], seen
+  test_kernels_lower_for_cuda((128, 128), True)
+  assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
+
+
 @pytest.mark.parametrize("case,env,field,value", [
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),

@@ -211,3 +211,14 @@ def test_kernels_have_no_race_in_the_interpreter(name, race_detector, capfd):
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference(name)
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
+
+
+def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
+  """The persistent forward (KVAX_MOSAIC_FWD_PERSISTENT=1; 3 CTAs in the interpreter, so each
+  runs several work items): one kv ring across a CTA's items, Q double-buffered and loaded one
+  item ahead into the buffer that staged the item before's output. No race reported; matches
+  the reference."""
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
+  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("docs_padding_gqa")
+  out, err = capfd.readouterr()
+  assert "RACE DETECTED" not in out + err, (out + err)[:4000]

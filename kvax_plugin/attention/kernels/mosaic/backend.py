@@ -95,6 +95,15 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def _sm_count() -> int:
+  """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM when unknown)."""
+  try:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  except RuntimeError:
+    gpus = []
+  return int(getattr(gpus[0], "core_count", 0) or 132) if gpus else 132
+
+
 def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int, int]:
   """(kv tile, stages): the largest kv tile, then the deepest ring, that fits shared memory."""
   for bk in (128, 64):
@@ -141,6 +150,9 @@ class Static:
   # by default since session 9 (16k documents forward 0.829 vs 0.850 ms interleaved, 0.799 vs
   # 0.818 alone; nothing else moved beyond the noise); KVAX_MOSAIC_EXIT_AFTER_READ=0 turns it off.
   exit_after_read: bool = True
+  # benchmarking hook: KVAX_MOSAIC_FWD_PERSISTENT=1, a persistent forward kernel with one CTA
+  # per SM (FwdConfig.num_ctas); in the interpreter 3 CTAs, so each takes several work items
+  fwd_persistent: bool = False
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
 
 
@@ -191,8 +203,14 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   spec = mask.spec
   bk, stages = forward_launch(spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3],
                               jnp.dtype(q.dtype).itemsize)
+  num_ctas = 0
+  if cfg.fwd_persistent and fwd_kernels.smem_bytes(
+      bk, stages, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize,
+      q_buffers=2) <= SMEM_BUDGET:
+    # One CTA per SM (the interpreter: 3, so that each CTA takes several work items).
+    num_ctas = 3 if cfg.interpret else _sm_count()
   fcfg = fwd_kernels.FwdConfig(
-      block_kv=bk, stages=stages, table_q=spec.fwd_params.query_block_size,
+      block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
@@ -296,6 +314,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_k_regs=os.environ.get("KVAX_MOSAIC_DKV_K_REGS", "") == "1",
                lpt=os.environ.get("KVAX_MOSAIC_LPT", "") == "1",
                exit_after_read=os.environ.get("KVAX_MOSAIC_EXIT_AFTER_READ", "") != "0",
+               fwd_persistent=os.environ.get("KVAX_MOSAIC_FWD_PERSISTENT", "") == "1",
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,

@@ -90,12 +90,22 @@ class FwdConfig:
   # writes are visible at the kernel's end either way), so the SM starts its next CTA sooner:
   # a store's global-write latency per CTA, which counts where CTAs are short (documents).
   exit_after_read: bool = False
+  # Benchmarking hook KVAX_MOSAIC_FWD_PERSISTENT=1 (off until measured): 0, one CTA per (batch,
+  # query tile, head) as before; N > 0, a persistent kernel of N CTAs (the SM count), each
+  # taking work items c, c + N, ... in launch order. Between two items of a CTA the producer
+  # loads the next item's first kv blocks and the consumers its Q (a second Q buffer) while the
+  # current one finishes, which hides the per-CTA start (table reads, Q / K / V latency) and end
+  # that a short documents tile pays in full (~5-7 us per CTA at 16k documents on an H200,
+  # estimated from causal vs documents times in session 9).
+  num_ctas: int = 0
 
 
-def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int) -> int:
-  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer, the K/V ring (with room
-  for the kv ids ring of the ids_tma hook: it changes no launch of head dims 64..256), lse."""
-  q = CONSUMERS * ROWS_PER_WG * dk * itemsize
+def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
+               q_buffers: int = 1) -> int:
+  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer (q_buffers Q buffers: 2 in
+  the persistent kernel), the K/V ring (with room for the kv ids ring of the ids_tma hook: it
+  changes no launch of head dims 64..256), lse."""
+  q = q_buffers * CONSUMERS * ROWS_PER_WG * dk * itemsize
   o = 0 if dv == dk else CONSUMERS * ROWS_PER_WG * dv * itemsize
   ring = stages * block_kv * ((dk + dv) * itemsize + 2 * 4)
   return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
@@ -223,19 +233,22 @@ def released_for_tma(interpret: bool) -> None:
 
 
 def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, count,
-                    block, block_kv: int, stages: int, interpret: bool = False, ids=None):
+                    block, block_kv: int, stages: int, interpret: bool = False, ids=None,
+                    base=0, drain: bool = True):
   """The producer warpgroup's loop: TMA-load the `count` kv blocks block(0), block(1), ... of
   one kv head (k_rows / v_rows: [Skv, D] views; `block` from visit_order) into a ring of
   `stages` slots; the n-th goes to slot n % stages once the consumers have released that
   slot's previous block. ids: None, or (pos_rows, seg_rows, pos_smem, seg_smem), [Skv] int32
-  views and [stages, block_kv] rings loaded with K (on k_ready)."""
+  views and [stages, block_kv] rings loaded with K (on k_ready). base: ring position of the
+  first block (blocks loaded before, by a persistent kernel's earlier work items); drain: also
+  wait for the consumers' release of the last blocks (drain_kv_ring) at the end."""
 
   @pl.loop(0, count)
   def _(n):
-    slot = lax.rem(n, stages)
+    slot = lax.rem(base + n, stages)
     rows = pl.ds(block(n) * block_kv, block_kv)
 
-    @pl.when(n >= stages)
+    @pl.when(base + n >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])
       released_for_tma(interpret)
@@ -245,16 +258,22 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
       plgpu.copy_gmem_to_smem(pos_rows.at[rows], pos_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(seg_rows.at[rows], seg_smem.at[slot], k_ready.at[slot])
 
-    @pl.when(n >= stages)
+    @pl.when(base + n >= stages)
     def _():
       plgpu.barrier_wait(v_free.at[slot])
       released_for_tma(interpret)
     plgpu.copy_gmem_to_smem(v_rows.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-  # Drain: observe the release of the last loads too, so every phase of the ring's barriers is
-  # waited on once (the interpreter checks this; on the GPU it is free, the producer has nothing
-  # else to do).
-  @pl.loop(lax.max(0, count - stages), count)
+  if drain:
+    drain_kv_ring(k_free, v_free, base + count, stages)
+
+
+def drain_kv_ring(k_free, v_free, total, stages: int):
+  """Observe the consumers' release of the last loads of a ring that has had `total` blocks, so
+  every phase of its barriers is waited on once (the interpreter checks this; on the GPU it is
+  free, the producer has nothing else to do)."""
+
+  @pl.loop(lax.max(0, total - stages), total)
   def _(n):
     slot = lax.rem(n, stages)
     plgpu.barrier_wait(k_free.at[slot])
@@ -275,57 +294,91 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   rq = cfg.table_q // TILE_Q
   rk = cfg.table_kv // bk
   dtype = q.dtype
+  n_tiles = sq // TILE_Q
+  n_work = b * n_tiles * h  # work items (batch, query tile, head)
+  q_buffers = 2 if cfg.num_ctas else 1
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
              q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
              q_ready, k_ready, v_ready, k_free, v_free, turn, order_ref=None):
-    head = lax.axis_index("heads")
-    bi = lax.axis_index("batch")
-    tile = lax.axis_index("q_tiles")
-    if order_ref is not None:  # LPT hook: the launch order given by longest_first
-      tile = order_ref[bi, tile]
-    elif cfg.causal:
-      # Last tiles first: under a causal mask they have the most work (shorter launch tail).
-      tile = (sq // TILE_Q) - 1 - tile
     wg = lax.axis_index("wg")
-    row = tile // rq
-    lower = lo_ref[bi, row] * rk
-    upper = up_ref[bi, row] * rk
-    full_lower = flo_ref[bi, row] * rk
-    full_upper = fup_ref[bi, row] * rk
-    count = upper - lower
-    masked_count, block = visit_order(lower, full_lower, full_upper, upper)
+    if cfg.num_ctas:
+      # Persistent (hook): CTA c takes work items c, c + G, c + 2G, ... of the B x tiles x
+      # heads list (heads fastest, tiles longest-first), G = cfg.num_ctas.
+      n_items = lax.div(n_work - lax.axis_index("sm") + cfg.num_ctas - 1, cfg.num_ctas)
+    else:
+      n_items = 1
+
+    def coords(i):
+      """(batch, head, query tile) of this CTA's i-th work item."""
+      if not cfg.num_ctas:
+        head, bi, t = (lax.axis_index(n) for n in ("heads", "batch", "q_tiles"))
+      else:
+        w = lax.axis_index("sm") + i * cfg.num_ctas
+        bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
+        t, head = lax.div(r, h), lax.rem(r, h)
+      if order_ref is not None:  # LPT hook: the launch order given by longest_first
+        tile = order_ref[bi, t]
+      elif cfg.causal:
+        # Last tiles first: under a causal mask they have the most work (shorter launch tail).
+        tile = n_tiles - 1 - t
+      else:
+        tile = t
+      return bi, head, tile
+
+    def item_table(bi, tile):
+      """(count, masked_count, block, full_lower) of a query tile's table row."""
+      row = tile // rq
+      lower = lo_ref[bi, row] * rk
+      upper = up_ref[bi, row] * rk
+      full_lower = flo_ref[bi, row] * rk
+      full_upper = fup_ref[bi, row] * rk
+      masked_count, block = visit_order(lower, full_lower, full_upper, upper)
+      return upper - lower, masked_count, block, full_lower
 
     def take_turn():
       plgpu.barrier_arrive(turn)
       plgpu.barrier_wait(turn)
 
-    @pl.when(wg < CONSUMERS)
-    def consumer():
-      if not cfg.interpret:
-        plgpu.set_max_registers(232, action="increase")
+    def load_q(i, buf):
+      """Start the TMA load of work item i's query rows of this consumer into Q buffer buf."""
+      bi, head, tile = coords(i)
+      rows = pl.ds(tile * TILE_Q + wg * ROWS_PER_WG, ROWS_PER_WG)
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[buf, wg],
+                              q_ready.at[buf * CONSUMERS + wg])
+
+    def consume_item(i, base):
+      """Work item i with the kv ring at position `base` (blocks consumed before it)."""
+      bi, head, tile = coords(i)
+      count, masked_count, block, full_lower = item_table(bi, tile)
       q_base = tile * TILE_Q + wg * ROWS_PER_WG
       rows = pl.ds(q_base, ROWS_PER_WG)
-      my_q = q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], my_q, q_ready.at[wg])
+      buf = lax.rem(i, q_buffers) if q_buffers > 1 else 0
+      my_q = q_smem.at[buf, wg]
+      if not cfg.num_ctas:
+        load_q(i, buf)
       q_pos = plgpu.load(qpos_ref.at[bi, rows], layout=_ROW, optimized=False)
       q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=_ROW, optimized=False)
       m_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), M_INIT, jnp.float32), _ROW)
       l_i = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
-      plgpu.barrier_wait(q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[buf * CONSUMERS + wg])
+      if cfg.num_ctas:
+        # The next item's Q into the other buffer now, behind this item's work (that buffer
+        # staged the previous item's output, whose store has read it: see the end).
+        pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
       if cfg.prewait_k:  # the first block's K here; every later one inside the previous P V
 
         @pl.when(count > 0)
         def _():
-          plgpu.barrier_wait(k_ready.at[0])
+          plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
       pl.when(wg == 1)(take_turn)
 
       def step(n, ki, carry, masked: bool):
         """The n-th visited block, kv block ki."""
         acc, m_i, l_i = carry
-        slot = lax.rem(n, stages)
+        slot = lax.rem(base + n, stages)
         if masked and not cfg.ids_tma:
           # Issued before the product, so their global-memory latency hides behind it.
           cols = pl.ds(ki * bk, bk)
@@ -375,7 +428,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
             @pl.when(n + 1 < count)
             def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(n + 1, stages)])
+              plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
           acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
         else:
           acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
@@ -383,7 +436,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
             @pl.when(n + 1 < count)
             def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(n + 1, stages)])
+              plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
@@ -417,22 +470,50 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
+      # (Persistent: the next item reuses the O / lse staging and, one item later, this Q
+      # buffer; the stores must have read them, which even the read-only wait ensures.)
       plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
+      return base + count
+
+    @pl.when(wg < CONSUMERS)
+    def consumer():
+      if not cfg.interpret:
+        plgpu.set_max_registers(232, action="increase")
+      if cfg.num_ctas:
+        pl.when(n_items > 0)(lambda: load_q(0, 0))
+        lax.fori_loop(0, n_items, consume_item, jnp.int32(0))
+      else:
+        consume_item(0, 0)
 
     @pl.when(wg == CONSUMERS)
     def producer():
       if not cfg.interpret:
         plgpu.set_max_registers(40, action="decrease")
-      ids = ((kvpos_ref.at[bi], kvseg_ref.at[bi], kvpos_smem, kvseg_smem) if cfg.ids_tma
-             else None)
-      produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group], k_smem,
-                      v_smem, k_ready, v_ready, k_free, v_free, count, block, bk, stages,
-                      interpret=cfg.interpret, ids=ids)
+
+      def produce_item(i, base):
+        bi, head, tile = coords(i)
+        count, _, block, _ = item_table(bi, tile)
+        ids = ((kvpos_ref.at[bi], kvseg_ref.at[bi], kvpos_smem, kvseg_smem) if cfg.ids_tma
+               else None)
+        produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group],
+                        k_smem, v_smem, k_ready, v_ready, k_free, v_free, count, block, bk,
+                        stages, interpret=cfg.interpret, ids=ids, base=base,
+                        drain=not cfg.num_ctas)
+        return base + count
+
+      if cfg.num_ctas:
+        # One ring across the CTA's items: the next item's first blocks load as soon as the
+        # consumers release slots of this one; drained once, after the last item.
+        total = lax.fori_loop(0, n_items, produce_item, jnp.int32(0))
+        drain_kv_ring(k_free, v_free, total, stages)
+      else:
+        produce_item(0, 0)
+
 
   def entry(*refs):
     ids_ring = lambda: plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None
     scratch = (
-        _smem((CONSUMERS, ROWS_PER_WG, dk), dtype),
+        _smem((q_buffers, CONSUMERS, ROWS_PER_WG, dk), dtype),
         None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
         _smem((stages, bk, dk), dtype),
         _smem((stages, bk, dv), dtype),
@@ -441,7 +522,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         ids_ring(),
     )
     barriers = (
-        plgpu.Barrier(num_barriers=CONSUMERS),
+        plgpu.Barrier(num_barriers=q_buffers * CONSUMERS),
         # k_ready: one arrival per TMA copy into the slot (K, and the ids with the hook)
         plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
@@ -465,8 +546,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       entry,
       out_type=(jax.ShapeDtypeStruct((b, sq, h, dv), dtype),
                 jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
-      grid=(h, sq // TILE_Q, b),
-      grid_names=("heads", "q_tiles", "batch"),
+      **(dict(grid=(cfg.num_ctas,), grid_names=("sm",)) if cfg.num_ctas else
+         dict(grid=(h, sq // TILE_Q, b), grid_names=("heads", "q_tiles", "batch"))),
       num_threads=CONSUMERS + 1,
       thread_name="wg",
       **params,
