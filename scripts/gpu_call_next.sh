@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The next session's device calls (kind nvidia-h200-x2, carry .whl), written at the end of
-# session 7. Everything each call writes is packed into ONE archive under $OUT (the device
+# The device calls of sessions 8-9 and the next one (carry .whl); LANE=CP needs the 2-GPU kind
+# (not lent in session 9: run it first when it is). Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
@@ -48,7 +48,10 @@ cp_runs() {
   }
   # same-run rows: balanced, balanced+overlap (OVERLAP_KV_GATHER: local / remote kv parts), and
   # each with the dq-after-dk/dv hook ("...+KVAX_MOSAIC_DQ_AFTER_DKV=1")
-  cpb mosaic auto --overlap both --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1
+  # (session 9: + the per-tile forward next to the persistent default, which holds every SM
+  # while the overlapped permute would run)
+  cpb mosaic auto --overlap both --variant_env KVAX_MOSAIC_DQ_AFTER_DKV=1 \
+    --variant_env KVAX_MOSAIC_FWD_PERSISTENT=0
   cpb triton triton --overlap both --variant_env KVAX_TRITON_DQ_AFTER_DKV=1
 }
 singles() {
