@@ -90,13 +90,14 @@ class FwdConfig:
   # writes are visible at the kernel's end either way), so the SM starts its next CTA sooner:
   # a store's global-write latency per CTA, which counts where CTAs are short (documents).
   exit_after_read: bool = False
-  # Benchmarking hook KVAX_MOSAIC_FWD_PERSISTENT=1 (off until measured): 0, one CTA per (batch,
-  # query tile, head) as before; N > 0, a persistent kernel of N CTAs (the SM count), each
+  # The backend sets the SM count here by default since session 9 (KVAX_MOSAIC_FWD_PERSISTENT=0:
+  # 0). 0, one CTA per (batch, query tile, head); N > 0, a persistent kernel of N CTAs, each
   # taking work items c, c + N, ... in launch order. Between two items of a CTA the producer
   # loads the next item's first kv blocks and the consumers its Q (a second Q buffer) while the
   # current one finishes, which hides the per-CTA start (table reads, Q / K / V latency) and end
   # that a short documents tile pays in full (~5-7 us per CTA at 16k documents on an H200,
-  # estimated from causal vs documents times in session 9).
+  # estimated from causal vs documents times in session 9; measured: 16k documents forward
+  # 0.835 -> 0.778 ms, 64k 10.09 -> 9.80, causal unchanged; benchmarks/NOTES.md).
   num_ctas: int = 0
 
 
@@ -304,8 +305,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
              q_ready, k_ready, v_ready, k_free, v_free, turn, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
-      # Persistent (hook): CTA c takes work items c, c + G, c + 2G, ... of the B x tiles x
-      # heads list (heads fastest, tiles longest-first), G = cfg.num_ctas.
+      # Persistent (the backend's default): CTA c takes work items c, c + G, c + 2G, ... of
+      # the B x tiles x heads list (heads fastest, tiles longest-first), G = cfg.num_ctas.
       n_items = lax.div(n_work - lax.axis_index("sm") + cfg.num_ctas - 1, cfg.num_ctas)
     else:
       n_items = 1
