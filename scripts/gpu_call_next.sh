@@ -232,7 +232,16 @@ persist_runs() {
     --max-dense-mask-seq 0 --out $R/bench_persist_65536 > $R/bench_persist_65536.log 2>&1
   grep -hE "interleaved|FAIL" $R/bench_persist_*.log | tee -a $R/next.log
 }
+#   Session 10 (1-GPU kinds again):
+#   LANE=MOSAICTESTS (~9.5 min): the whole Mosaic GPU test file on the kernels with the persistent
+#     forward as the default (session 9's LANE=FINALTESTS cut its 15th test at 420 s).
+mosaictests_runs() {
+  timeout 560 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "not register_hooks" --durations=0 > $R/gpu_tests_mosaic_all.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_all.log | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  MOSAICTESTS) mosaictests_runs ;;
   PERSIST) persist_runs ;;
   FINALTESTS) finaltests_runs ;;
   EXITREAD) exitread_runs ;;
