@@ -84,11 +84,12 @@ new_triton_tests() {
   export PYTHONPATH=/tmp/trisite:$PYTHONPATH TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas \
          TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas TRITON_DEFAULT_FP_FUSION=1
   python3 -c "import jax, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__)" | tee $R/new_triton_tests.log
-  (CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
-     -k "odd_length or softcap_sinks or 1-999 or float32_d128 or mla or bitwise or explicit_backend" >> $R/new_triton_tests.log 2>&1) &
-  (CUDA_VISIBLE_DEVICES=1 timeout 400 python3 benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn \
-     --rounds 7 --interleave --out $R/bench_16k_triton39 > $R/bench_16k_triton39.log 2>&1) &
-  wait
+  # one GPU (session 10: only the 1-GPU kinds): the tests, then the 16k benchmark
+  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+     -k "odd_length or softcap_sinks or 1-999 or float32_d128 or mla or bitwise or explicit_backend" >> $R/new_triton_tests.log 2>&1
+  timeout 200 python3 benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn \
+     --rounds 7 --interleave --out $R/bench_16k_triton39 > $R/bench_16k_triton39.log 2>&1
+  grep -E "interleaved|FAIL" $R/bench_16k_triton39.log | tee -a $R/next.log
   grep -E "passed|failed" $R/new_triton_tests.log | tail -3 | tee -a $R/next.log
 }
 # LANE=FWD (~5 min, two lanes): the documents forward (0.92x / 0.96x tokamax Mosaic at 16k /
@@ -240,7 +241,20 @@ mosaictests_runs() {
     -k "not register_hooks" --durations=0 > $R/gpu_tests_mosaic_all.log 2>&1
   grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_all.log | tail -30 | tee -a $R/next.log
 }
+#   LANE=BIG (~7 min): the Mosaic non-finite test (last run in session 7), then the 128k rows the
+#     issue asks for (causal + documents, fwd and fwd+bwd, mosaic / triton / cuDNN / tokamax
+#     Mosaic, interleaved). Run it right before NT1 / NT2 (it leaves /tmp/site on the machine).
+big_runs() {
+  timeout 100 python3 -m pytest -m gpu -v -p no:cacheprovider \
+    "tests/gpu/test_nonfinite_gpu.py::test_mosaic_nan_inf_follow_the_reference" > $R/gpu_tests_nonfinite_mosaic.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_nonfinite_mosaic.log | tail -3 | tee -a $R/next.log
+  timeout 420 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
+    --out $R/bench_128k > $R/bench_128k.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_128k.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  BIG) big_runs ;;
   MOSAICTESTS) mosaictests_runs ;;
   PERSIST) persist_runs ;;
   FINALTESTS) finaltests_runs ;;
