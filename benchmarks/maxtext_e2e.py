@@ -34,6 +34,11 @@ Before the runs, one throwaway process imports the launcher's packages (jax, kva
 MaxText) so that the first run does not pay alone for reading them from disk: in session 6's
 pair, kvax (run first) spent 20.2 s in "MaxText import + config" against cudnn_flash_jax's 14.4 s.
 
+`--profile` adds MaxText's own profiler (profiler=xplane, --profile_steps steps after
+--profile_skip; trace: <run>/tensorboard/plugins/profile/<time>/<host>.xplane.pb), and
+benchmarks/profile_e2e.py puts GPU ms per step by kernel category (attention, matmul, collectives,
+other, idle) in the row's "profile". Profiled runs' step times include the profiler's overhead.
+
 Writes e2e.json (conditions included) and e2e.png.
 
     python benchmarks/maxtext_e2e.py --variant tiny --runs 2k-short:kvax,2k-short:dot_product \
@@ -55,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = ("16k-long:kvax,16k-long:cudnn_flash_jax,16k-short:kvax,16k-short:flash,"
                 "16k-short:cudnn_flash_jax,64k-short:kvax,64k-short:flash")
-SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048}
+SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048, "1k": 1024}  # 1k: CPU tests
 
 
 # Columns of the printed table: compile_breakdown parts, shortened ("other": the rest).
@@ -104,7 +109,7 @@ def run_one(label: str, attention: str, args, out_dir: Path) -> dict:
     warm = run_launcher(label, attention, args, out_dir / f"{label}_{attention}_warm", caches)
     row["warm"] = {k: warm.get(k) for k in ("wall_s", "tokens_per_s", "setup_and_compile_s",
                                              "first_step_s", "first_step_result_s",
-                                             "compile_breakdown", "error")}
+                                             "compile_breakdown", "error", "profile")}
   return row
 
 
@@ -123,6 +128,8 @@ def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[s
   if args.variant != "tiny":
     cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
   cmd.append(f"jax_cache_dir={caches['jax_cache_dir']}")
+  if args.profile:
+    cmd += profiler_overrides(args)
   env = dict(os.environ, TRITON_CACHE_DIR=caches["TRITON_CACHE_DIR"],
              CUDA_CACHE_PATH=caches["CUDA_CACHE_PATH"])
   row = dict(label=label, seq_len=seq, layout=layout, attention=attention,
@@ -149,7 +156,30 @@ def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[s
              last_loss=s.get("last_loss"),
              blocks_skipped=s.get("blocks_skipped"), documents_per_row=s.get("documents_per_row"),
              attention_ran=s.get("attention"), backend_ran=s.get("kvax_backend"))
+  if args.profile:
+    row["profile"] = profile_of(run_dir, args.profile_steps, args.platform == "cpu")
   return row
+
+
+def profiler_overrides(args) -> list[str]:
+  """MaxText's own profiler keys (configs/base.yml; maxtext/common/profiler.py): an xplane trace
+  of steps [skip, skip + steps) under the run's tensorboard/ folder."""
+  if args.profile_skip + args.profile_steps > args.steps:
+    raise SystemExit(f"--profile_skip {args.profile_skip} + --profile_steps {args.profile_steps} "
+                     f"is more than --steps {args.steps}")
+  return ["profiler=xplane", f"skip_first_n_steps_for_profiler={args.profile_skip}",
+          f"profiler_steps={args.profile_steps}"]
+
+
+def profile_of(run_dir: Path, steps: int, host_fallback: bool) -> dict:
+  """benchmarks/profile_e2e.py's summary of the run's trace; an "error" entry if it fails.
+  host_fallback: CPU runs only (host XLA ops stand in for the missing GPU plane)."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  try:
+    import profile_e2e
+    return profile_e2e.summarize_xplane(run_dir, steps=steps, host_fallback=host_fallback)
+  except Exception as e:  # noqa: BLE001 - the run's numbers stand without it
+    return {"error": f"profile analysis failed: {e!r}"[:2000]}
 
 
 def plot(rows, path: Path) -> None:
@@ -190,25 +220,54 @@ def main():
   ap.add_argument("--timeout", type=int, default=300)
   ap.add_argument("--warm", action="store_true",
                   help="run each program twice over one set of caches; report cold and warm")
+  ap.add_argument("--profile", action="store_true",
+                  help="MaxText's xplane profiler on --profile_steps steps after --profile_skip; "
+                  "each row gets 'profile' (GPU time per step by kernel category, "
+                  "benchmarks/profile_e2e.py). Step times / tokens/s of profiled runs include "
+                  "the profiler's overhead for the profiled steps")
+  ap.add_argument("--profile_skip", type=int, default=3,
+                  help="steps before the profiled ones (MaxText's skip_first_n_steps_for_profiler)")
+  ap.add_argument("--profile_steps", type=int, default=2,
+                  help="profiled steps (MaxText's profiler_steps)")
   args = ap.parse_args()
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   import jax
+  args.platform = jax.devices()[0].platform
   result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[],
                 caches="warm: each program run twice over shared caches" if args.warm
                 else "cold: every run with empty compilation caches of its own")
+  if args.profile:
+    profiler_overrides(args)  # checks the step counts before any run
+    result["profile"] = dict(skip=args.profile_skip, steps=args.profile_steps,
+                             note="step times of these runs include profiler overhead")
   result["import_warmup_s"] = warm_imports()
   for spec in args.runs.split(","):
     label, attention = spec.split(":")
     row = run_one(label, attention, args, out_dir)
     result["runs"].append(row)
-    short = {k: v for k, v in row.items() if k not in ("command", "compile_breakdown", "warm")}
+    short = {k: v for k, v in row.items()
+             if k not in ("command", "compile_breakdown", "warm", "profile")}
     print(json.dumps(short)[:600], flush=True)
     (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
   plot(result["runs"], out_dir / "e2e.png")
   print_table(result["runs"])
+  if args.profile:
+    print_profiles(result["runs"])
+
+
+def print_profiles(rows) -> None:
+  """profile_e2e's table per profiled run; for two runs, their difference per category."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  import profile_e2e
+  profiled = [(r["label"] + ":" + r["attention"], r["profile"]) for r in rows if r.get("profile")]
+  for name, prof in profiled:
+    print(profile_e2e.format_summary(name, prof))
+  if len(profiled) == 2:
+    print(f"{profiled[0][0]} - {profiled[1][0]}:")
+    print(profile_e2e.format_comparison([n for n, _ in profiled], profiled[0][1], profiled[1][1]))
 
 
 def print_table(rows) -> None:

@@ -1,7 +1,9 @@
 """The benchmark programs' GPU-independent parts run on CPU, so a GPU session is never their
 first run: bench_context_parallel.py --smoke (2 simulated devices, float32, the llama3 and
 balanced orders, both layouts, with and without the overlapped k / v collective) must agree with
-one device and write its JSON and plot; bench_attention.py's round-robin timing (--interleave) must time every implementation in rotated order."""
+one device and write its JSON and plot; bench_attention.py's round-robin timing (--interleave) must time every implementation in rotated order;
+maxtext_e2e.py --profile and profile_e2e.py's kernel categories and per-step sums (on a made-up GPU
+trace, and on the tiny MaxText run's CPU trace) must hold."""
 
 from __future__ import annotations
 
@@ -96,3 +98,124 @@ def test_bench_attention_split_parts_run_in_the_interpreter():
               "dkv_4stages", "fused_dkv_dq_unpaired_regs240"}
   assert set(parts) == expected
   assert all(isinstance(v, float) and v > 0 for v in parts.values()), parts
+
+
+def _profile_e2e():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import profile_e2e
+  return profile_e2e
+
+
+def test_profile_e2e_categorizes_kernel_names():
+  """Made-up kernel names in the forms the GPU gives them, one or more per category."""
+  p = _profile_e2e()
+  expected = {
+      p.ATTN_KVAX: ["entry_mosaic_gpu_kernel", "entry_no_dq_mosaic_gpu_kernel", "attn_fwd_kernel",
+                    "attn_bwd_dkv_kernel", "attn_bwd_delta_kernel"],
+      p.ATTN_CUDNN: ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128",
+                     "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)",
+                     "fmha_reduce_head", "my_flash_fwd_kernel"],
+      p.ATTN_PALLAS: ["pallas_flash_attention_vjp", "pallas_flash_attention_fwd"],
+      p.MATMUL: ["nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", "gemm_fusion_dot_42",
+                 "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas",
+                 "cutlass3x_sm90_tensorop_s64x128x16gemm_bf16", "dot.3", "dot_fusion.1",
+                 "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_tn"],
+      p.COLLECTIVES: ["ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                      "all-gather-start.1", "reduce-scatter.2"],
+      p.MEMCPY: ["MemcpyD2D", "MemcpyH2D", "Memset 3"],
+      p.OTHER: ["loop_multiply_fusion", "input_reduce_fusion", "loop_broadcast_fusion_2",
+                "wrapped_cosine", "copy_bitcast_fusion.10", "dotted_transpose_fusion"],
+  }
+  assert set(expected) == set(p.CATEGORIES)
+  for category, names in expected.items():
+    for name in names:
+      assert p.categorize(name) == category, (name, p.categorize(name))
+
+
+def _gpu_trace(path: Path) -> None:
+  """A two-step trace in the layout the CUPTI collector writes: kernels on 'Stream #N(...)'
+  lines of /device:GPU:0 (plus a derived 'XLA Ops' line that must not count), MaxText's
+  'train' step annotations on the host."""
+  from jax.profiler import ProfileData
+  names = {1: "entry_mosaic_gpu_kernel", 2: "nvjet_hsh_256x128", 3: "ncclDevKernel_AllGather",
+           4: "loop_add_fusion", 5: "fusion.1", 6: "train"}
+  ms = 10**9  # ps
+  def event(mid, start_ms, dur_ms, stats=""):
+    return (f"events {{ metadata_id: {mid} offset_ps: {int(start_ms * ms)} "
+            f"duration_ps: {int(dur_ms * ms)} {stats} }}")
+  meta = "".join(f'event_metadata {{ key: {k} value {{ id: {k} name: "{n}" }} }} '
+                 for k, n in names.items())
+  text = (
+      'planes { id: 1 name: "/device:GPU:0" '
+      f'lines {{ id: 7 name: "Stream #7(Kernel)" timestamp_ns: 5000 '
+      f'{event(1, 0, 2)} {event(2, 2, 1)} {event(4, 5, 1)} }} '
+      f'lines {{ id: 9 name: "Stream #9(Kernel,Memset)" timestamp_ns: 5000 {event(3, 2.5, 1.5)} }} '
+      f'lines {{ id: 100 name: "XLA Ops" timestamp_ns: 5000 {event(5, 0, 6)} }} {meta} }} '
+      'planes { id: 2 name: "/host:CPU" '
+      f'lines {{ id: 1 name: "python" timestamp_ns: 0 '
+      f'{event(6, 0, 3, "stats { metadata_id: 9 int64_value: 3 }")} '
+      f'{event(6, 3, 3, "stats { metadata_id: 9 int64_value: 4 }")} }} {meta} '
+      'stat_metadata { key: 9 value { id: 9 name: "step_num" } } }')
+  path.write_bytes(ProfileData.text_proto_to_serialized_xspace(text))
+
+
+def test_profile_e2e_sums_gpu_stream_lines_per_step(tmp_path):
+  p = _profile_e2e()
+  trace = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00" / "host.xplane.pb"
+  trace.parent.mkdir(parents=True)
+  _gpu_trace(trace)
+  s = p.summarize_xplane(tmp_path)  # the directory: finds the newest trace under it
+  assert "error" not in s, s
+  assert s["xplane"] == str(trace) and s["steps"] == 2 and s["trace_step_nums"] == [3, 4]
+  assert list(s["devices"]) == ["/device:GPU:0"]
+  assert s["devices"]["/device:GPU:0"]["kernel_lines"] == ["Stream #7(Kernel)",
+                                                            "Stream #9(Kernel,Memset)"]
+  per = s["per_step_ms"]  # ms per step: the 'XLA Ops' line's 6 ms are not counted
+  assert set(per) == set(p.CATEGORIES)
+  assert per[p.ATTN_KVAX] == pytest.approx(1.0) and per[p.MATMUL] == pytest.approx(0.5)
+  assert per[p.COLLECTIVES] == pytest.approx(0.75) and per[p.OTHER] == pytest.approx(0.5)
+  assert per[p.ATTN_CUDNN] == 0 and s["kernel_sum_ms_per_step"] == pytest.approx(2.75)
+  # busy: [0, 4] and [5, 6] ms (the all-gather overlaps the matmul); span 6 ms; over 2 steps
+  assert s["busy_ms_per_step"] == pytest.approx(2.5) and s["span_ms_per_step"] == pytest.approx(3)
+  assert s["idle_ms_per_step"] == pytest.approx(0.5)
+  assert [k["name"] for k in s["top_kernels"]][:2] == ["entry_mosaic_gpu_kernel",
+                                                       "ncclDevKernel_AllGather"]
+  assert p.summarize_xplane(trace, steps=1)["per_step_ms"][p.ATTN_KVAX] == pytest.approx(2.0)
+  # Nothing there: an error entry, no exception.
+  assert "no .xplane.pb" in p.summarize_xplane(tmp_path / "nothing")["error"]
+  # Two runs: the side-by-side table prints the difference per category.
+  table = p.format_comparison(["a", "b"], s, p.summarize_xplane(trace, steps=1))
+  assert "attention (kvax custom calls)" in table and "-1.000" in table
+
+
+def test_maxtext_e2e_profile_on_cpu(tmp_path):
+  """--profile: MaxText's xplane profiler on one step of the tiny variant; the row keeps its
+  usual numbers and gets the profile summary (host XLA ops: no GPU plane on CPU)."""
+  p = _profile_e2e()
+  # conftest's XLA_FLAGS (8 simulated devices, LLVM -O0) would make MaxText's steps ~4x slower
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, "benchmarks/maxtext_e2e.py", "--variant", "tiny",
+                         "--runs", "1k-long:kvax", "--kvax_backend", "jax", "--steps", "3",
+                         "--profile", "--profile_skip", "1", "--profile_steps", "1",
+                         "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  result = json.loads((tmp_path / "e2e.json").read_text())
+  assert result["profile"]["steps"] == 1
+  row = result["runs"][0]
+  assert "error" not in row, row.get("error")
+  assert row["tokens_per_s"] > 0 and row["setup_and_compile_s"] > 0
+  assert "profiler=xplane" in row["command"] and "profiler_steps=1" in row["command"]
+  prof = row["profile"]
+  assert "error" not in prof, prof
+  # MaxText writes <run dir>/tensorboard/plugins/profile/<timestamp>/<host>.xplane.pb
+  rel = Path(prof["xplane"]).relative_to(tmp_path / "1k-long_kvax")
+  assert rel.parts[:3] == ("tensorboard", "plugins", "profile") and rel.name.endswith(".xplane.pb")
+  assert prof["steps"] == 1 and prof["trace_step_nums"] == [1]
+  assert list(prof["devices"]) == ["/host:CPU"] and "no GPU device plane" in prof["source"]
+  assert set(prof["per_step_ms"]) == set(p.CATEGORIES)
+  assert prof["events"] > 0 and prof["busy_ms_per_step"] > 0 and prof["span_ms_per_step"] > 0
+  assert prof["idle_ms_per_step"] >= 0 and prof["kernel_sum_ms_per_step"] > 0
+  assert len(prof["top_kernels"]) == 15 and all(k["ms_per_step"] > 0 for k in prof["top_kernels"])
+  assert "jit_train_step" in prof["modules_ms_per_step"]
+  assert "busy" in done.stdout and "top kernels" in done.stdout
