@@ -215,6 +215,9 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_persistent"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1"})
   # ... and the per-tile grid (one CTA per (query tile, head)) it replaced as the default
   impls["mosaic_pertile"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "0"})
+  # the persistent forward with its odd rounds of items mirrored across the CTAs (FwdConfig.zigzag)
+  impls["mosaic_zigzag"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1",
+                                            "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -253,7 +253,52 @@ big_runs() {
     --out $R/bench_128k > $R/bench_128k.log 2>&1
   grep -hE "interleaved|FAIL|Error" $R/bench_128k.log | tee -a $R/next.log
 }
+#   LANE=FWDGRID (~4 min): the persistent forward (default) against the per-tile grid at 64k and
+#     128k, causal + documents, forward only, interleaved with cuDNN and tokamax Mosaic: at 128k
+#     the causal forward ran 0.93x cuDNN and 0.87x tokamax Mosaic (LANE=BIG), against 1.0x at
+#     64k with the per-tile grid (session 7). Then LANE=E2EPROF's runs if E2EPROF=1.
+fwdgrid_runs() {
+  for s in 65536 131072; do
+    timeout 200 python3 benchmarks/bench_attention.py --seq $s --cases causal,docs --passes fwd \
+      --impls mosaic,mosaic_pertile,cudnn,tokamax_mosaic --interleave --rounds 5 \
+      --max-dense-mask-seq 0 --out $R/bench_fwdgrid_$s > $R/bench_fwdgrid_$s.log 2>&1
+    grep -hE "interleaved|FAIL|Error" $R/bench_fwdgrid_$s.log | tee -a $R/next.log
+  done
+}
+#   LANE=E2EPROF (~5 min): MaxText e2e, 16k one document per row, kvax vs cudnn_flash_jax, 10
+#     steps, MaxText's xplane profiler over 2 steps, summarized per kernel category
+#     (benchmarks/profile_e2e.py): where a step's GPU time goes in each.
+e2eprof_runs() {
+  timeout 330 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2ep --steps 10 --profile \
+    --runs 16k-long:kvax,16k-long:cudnn_flash_jax > $R/e2e_prof.log 2>&1
+  mkdir -p $R/e2e_prof && cp /tmp/e2ep/e2e.json $R/e2e_prof/ 2>/dev/null
+  for d in /tmp/e2ep/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_prof/$(basename "$d").summary.json"; done
+  timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2ep/16k-long_kvax /tmp/e2ep/16k-long_cudnn_flash_jax \
+    > $R/e2e_prof_table.log 2>&1
+  tail -6 $R/e2e_prof.log | tee -a $R/next.log; tail -60 $R/e2e_prof_table.log | tee -a $R/next.log
+}
+#   LANE=ZIGZAG (~6 min): GPU tests of the zigzag persistent forward (KVAX_MOSAIC_FWD_ZIGZAG=1)
+#     against the float32 reference, then 64k and 128k causal + documents forward, interleaved:
+#     mosaic (the default: persistent up to 64k kv rows, per-tile above), forced persistent,
+#     per-tile, zigzag, cuDNN, tokamax Mosaic. Prediction if the CTAs' drift is what costs the
+#     persistent kernel 13% at 128k causal: zigzag at the per-tile grid's time there, and no
+#     change for documents.
+zigzag_runs() {
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and env5" > $R/gpu_tests_zigzag.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_zigzag.log | tail -6 | tee -a $R/next.log
+  timeout 170 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --passes fwd \
+    --impls mosaic,mosaic_pertile,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 7 \
+    --max-dense-mask-seq 0 --out $R/bench_zigzag_65536 > $R/bench_zigzag_65536.log 2>&1
+  timeout 230 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs --passes fwd \
+    --impls mosaic,mosaic_persistent,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 5 \
+    --max-dense-mask-seq 0 --out $R/bench_zigzag_131072 > $R/bench_zigzag_131072.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_*.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  ZIGZAG) zigzag_runs ;;
+  FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
+  E2EPROF) e2eprof_runs ;;
   BIG) big_runs ;;
   MOSAICTESTS) mosaictests_runs ;;
   PERSIST) persist_runs ;;

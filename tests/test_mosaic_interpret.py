@@ -164,9 +164,11 @@ def test_longest_first_launch_order(monkeypatch):
   test_kernels_in_interpreter_match_reference("docs_padding_gqa")
 
 
-@pytest.mark.parametrize("case", ["window_cap_sinks_det", "prefill_mla",
-                                  "window_masked_full_masked_fused"])
-def test_persistent_forward_matches_reference(case, monkeypatch):
+@pytest.mark.parametrize("case,zigzag", [("window_cap_sinks_det", False), ("prefill_mla", False),
+                                         ("window_masked_full_masked_fused", False),
+                                         ("docs_padding_gqa", True), ("prefill_mla", True),
+                                         ("odd_rounds_mqa", True)])
+def test_persistent_forward_matches_reference(case, zigzag, monkeypatch):
   """KVAX_MOSAIC_FWD_PERSISTENT=1 (FwdConfig.num_ctas): 3 CTAs in the interpreter, each taking
   several (batch, query tile, head) items with one kv ring across them and Q loaded one item
   ahead; soft cap + sinks + MQA + non-contiguous documents, Dv != Dk with Sq != Skv (the
@@ -174,14 +176,56 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
   (one CTA per SM). The kernel must really run persistent."""
   from kvax_plugin.attention.kernels.mosaic import forward as fw
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
+  if zigzag:  # KVAX_MOSAIC_FWD_ZIGZAG=1: odd rounds of items mirrored across the CTAs
+    monkeypatch.setenv("KVAX_MOSAIC_FWD_ZIGZAG", "1")
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
-                                                           real(cfg, *a))[1])
+                                                           assert_zigzag(cfg),
+                                                           real(cfg, *a))[2])
+
+  def assert_zigzag(cfg):
+    assert cfg.zigzag == zigzag
+  # 2 query tiles x 2 heads = 4 items over 3 CTAs: one full (odd, mirrored) round and a partial
+  # one, whose only item belongs to the last CTA under zigzag (to the first without it)
+  monkeypatch.setitem(CASES, "odd_rounds_mqa", dict(segs=[1] * 130 + [2] * 100 + [-1] * 26,
+                                                    h=2, kh=1))
   test_kernels_in_interpreter_match_reference(case)
   assert seen == [3], seen
   test_kernels_lower_for_cuda((128, 128), True)
   assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
+
+
+@pytest.mark.parametrize("env,kv_len,persistent", [("", 65536, True), ("", 65536 + 1, False),
+                                                   ("1", 65536 + 1, True), ("0", 4096, False)])
+def test_forward_grid_choice(env, kv_len, persistent, monkeypatch):
+  """KVAX_MOSAIC_FWD_PERSISTENT unset ("auto"): the persistent forward up to
+  backend.PERSISTENT_MAX_KV padded kv rows, one CTA per (batch, query tile, head) above (13%
+  faster at 128k causal on an H200, session 10); "1" / "0" force either. Checked on the
+  forward's config while lowering for CUDA (no GPU needed); a bad value is refused by name."""
+  from kvax_plugin.attention.kernels.mosaic import backend as be
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", env)
+  seen = []
+  monkeypatch.setattr(fw, "forward_call", lambda cfg, q, *a: (
+      seen.append(cfg.num_ctas),
+      (jnp.zeros(q.shape[:3] + (a[1].shape[3],), q.dtype),
+       jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))[1])
+  q_len, h, d = 128, 2, 64
+  q_pos = jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32)[None]
+  kv_pos = jnp.arange(kv_len, dtype=jnp.int32)[None]
+  q_seg, kv_seg = jnp.zeros_like(q_pos), jnp.zeros_like(kv_pos)
+  mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=False)
+  q = jnp.zeros((1, q_len, h, d), jnp.bfloat16)
+  kv = jnp.zeros((1, kv_len, 1, d), jnp.bfloat16)
+  jax.jit(lambda q, k, v: be.flash_attention_mosaic(
+      q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1, logits_soft_cap=None,
+      sinks=None)).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+  assert len(seen) == 1 and (seen[0] > 0) == persistent, seen
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "yes")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_PERSISTENT='yes'"):
+    be.flash_attention_mosaic(q, kv, kv, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1,
+                              logits_soft_cap=None, sinks=None)
 
 
 @pytest.mark.parametrize("case,env,field,value", [

@@ -27,6 +27,9 @@ SMEM_BUDGET = 227 * 1024  # sm90: 227 KiB of shared memory per CTA
 HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements (smaller dims are padded)
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
+# The persistent forward is the default up to this many (padded) kv rows; above, one CTA per
+# (batch, query tile, head) (Static.fwd_persistent: measured 13% faster at 128k causal).
+PERSISTENT_MAX_KV = 65536
 
 # wgmma takes 16-bit inputs here (no float32: auto routes float32 to Triton / JAX); head dims
 # are zero-padded to multiples of 64 inside, so any multiple of 16 up to 256 runs.
@@ -151,11 +154,16 @@ class Static:
   # 0.818 alone; nothing else moved beyond the noise); KVAX_MOSAIC_EXIT_AFTER_READ=0 turns it off.
   exit_after_read: bool = True
   # A persistent forward kernel with one CTA per SM (FwdConfig.num_ctas; in the interpreter 3
-  # CTAs, so each takes several work items): the default since session 9 (H200, interleaved:
-  # documents forward 16k 0.778 vs 0.835 ms, 64k 9.80 vs 10.09; causal unchanged);
-  # KVAX_MOSAIC_FWD_PERSISTENT=0 launches one CTA per (batch, query tile, head) instead.
-  fwd_persistent: bool = True
+  # CTAs, so each takes several work items) or one CTA per (batch, query tile, head).
+  # "auto" (the default): persistent up to PERSISTENT_MAX_KV padded kv rows, per-tile above.
+  # Measured on an H200 (interleaved, benchmarks/NOTES.md sessions 9-10), persistent vs
+  # per-tile: documents forward 16k 0.778 vs 0.835 ms, 64k 9.64 vs 9.83, 128k 28.9 vs 29.7;
+  # causal 16k 3.80 vs 3.81, 64k within the noise (59.6 vs 63.1 interleaved, 65.0 vs 57.8
+  # alone), 128k 268.4 vs 236.6 (the per-tile grid 13% faster). KVAX_MOSAIC_FWD_PERSISTENT=1
+  # / =0 forces one or the other.
+  fwd_persistent: str = "auto"
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
+  fwd_zigzag: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_ZIGZAG=1 (FwdConfig.zigzag)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -206,7 +214,9 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   bk, stages = forward_launch(spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3],
                               jnp.dtype(q.dtype).itemsize)
   num_ctas = 0
-  if cfg.fwd_persistent and fwd_kernels.smem_bytes(
+  persistent = (cfg.fwd_persistent == "1" or
+                (cfg.fwd_persistent == "auto" and p.k.shape[1] <= PERSISTENT_MAX_KV))
+  if persistent and fwd_kernels.smem_bytes(
       bk, stages, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize,
       q_buffers=2) <= SMEM_BUDGET:
     # One CTA per SM (the interpreter: 3, so that each CTA takes several work items).
@@ -216,7 +226,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt, exit_after_read=cfg.exit_after_read)
+      lpt=cfg.lpt, exit_after_read=cfg.exit_after_read, zigzag=cfg.fwd_zigzag and num_ctas > 0)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -258,6 +268,14 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 
 
 _attention = kernel_attention(_forward, _backward)
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+  """A benchmarking hook with a few allowed values (the first: unset), or an error naming it."""
+  raw = os.environ.get(name, "") or choices[0]
+  if raw not in choices:
+    raise ValueError(f"environment variable {name}={raw!r}: expected one of {choices}")
+  return raw
 
 
 def _env_int(name: str, default: int) -> int:
@@ -316,8 +334,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_k_regs=os.environ.get("KVAX_MOSAIC_DKV_K_REGS", "") == "1",
                lpt=os.environ.get("KVAX_MOSAIC_LPT", "") == "1",
                exit_after_read=os.environ.get("KVAX_MOSAIC_EXIT_AFTER_READ", "") != "0",
-               fwd_persistent=os.environ.get("KVAX_MOSAIC_FWD_PERSISTENT", "") != "0",
-               dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1")
+               fwd_persistent=_env_choice("KVAX_MOSAIC_FWD_PERSISTENT", ("auto", "1", "0")),
+               dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
+               fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

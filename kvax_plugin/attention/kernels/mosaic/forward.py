@@ -99,6 +99,14 @@ class FwdConfig:
   # estimated from causal vs documents times in session 9; measured: 16k documents forward
   # 0.835 -> 0.778 ms, 64k 10.09 -> 9.80, causal unchanged; benchmarks/NOTES.md).
   num_ctas: int = 0
+  # Benchmarking hook KVAX_MOSAIC_FWD_ZIGZAG=1 (persistent kernel only): CTA c takes item c of
+  # every even round of G items and item G - 1 - c of every odd one. Plain round-robin gives
+  # CTA 0 the longest item of every round under the longest-first causal order, so the CTAs
+  # drift apart over a long row (at 128k, ~4 kv blocks per round for ~250 rounds) and items
+  # that share a kv head's K / V stop running side by side; zigzag cancels the drift every two
+  # rounds. Session 10: the persistent causal forward ran 268 ms at 128k against 237 ms for the
+  # per-tile grid (benchmarks/NOTES.md).
+  zigzag: bool = False
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
@@ -307,7 +315,15 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     if cfg.num_ctas:
       # Persistent (the backend's default): CTA c takes work items c, c + G, c + 2G, ... of
       # the B x tiles x heads list (heads fastest, tiles longest-first), G = cfg.num_ctas.
-      n_items = lax.div(n_work - lax.axis_index("sm") + cfg.num_ctas - 1, cfg.num_ctas)
+      sm = lax.axis_index("sm")
+      if cfg.zigzag:
+        # Full rounds, plus one item of the last (partial) round if this CTA's slot there,
+        # mirrored in odd rounds, is one of its first n_work % G.
+        full, part = divmod(n_work, cfg.num_ctas)
+        slot = sm if full % 2 == 0 else cfg.num_ctas - 1 - sm
+        n_items = full + (slot < part).astype(jnp.int32)
+      else:
+        n_items = lax.div(n_work - sm + cfg.num_ctas - 1, cfg.num_ctas)
     else:
       n_items = 1
 
@@ -316,7 +332,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       if not cfg.num_ctas:
         head, bi, t = (lax.axis_index(n) for n in ("heads", "batch", "q_tiles"))
       else:
-        w = lax.axis_index("sm") + i * cfg.num_ctas
+        sm = lax.axis_index("sm")
+        if cfg.zigzag:
+          sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)
+        w = sm + i * cfg.num_ctas
         bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
         t, head = lax.div(r, h), lax.rem(r, h)
       if order_ref is not None:  # LPT hook: the launch order given by longest_first
