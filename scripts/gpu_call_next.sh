@@ -295,7 +295,24 @@ zigzag_runs() {
     --max-dense-mask-seq 0 --out $R/bench_zigzag_131072 > $R/bench_zigzag_131072.log 2>&1
   grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_*.log | tee -a $R/next.log
 }
+#   LANE=Z16E2E (~7 min): 16k causal + documents forward, persistent vs zigzag vs per-tile
+#     (is zigzag a safe default for the persistent kernel?), then MaxText e2e, 16k one document
+#     per row, 12 steps, kvax / cudnn_flash_jax in two runs of alternating order.
+z16e2e_runs() {
+  timeout 150 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --passes fwd \
+    --impls mosaic,mosaic_zigzag,mosaic_pertile,cudnn,tokamax_mosaic --interleave --rounds 9 \
+    --max-dense-mask-seq 0 --out $R/bench_zigzag_16384 > $R/bench_zigzag_16384.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_16384.log | tee -a $R/next.log
+  for run in a:16k-long:kvax,16k-long:cudnn_flash_jax b:16k-long:cudnn_flash_jax,16k-long:kvax; do
+    timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e_${run%%:*} --steps 12 \
+      --runs ${run#*:} > $R/e2e_${run%%:*}.log 2>&1
+    mkdir -p $R/e2e_${run%%:*} && cp /tmp/e2e_${run%%:*}/e2e.json $R/e2e_${run%%:*}/ 2>/dev/null
+    for d in /tmp/e2e_${run%%:*}/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_${run%%:*}/$(basename "$d").summary.json"; done
+    tail -5 $R/e2e_${run%%:*}.log | tee -a $R/next.log
+  done
+}
 case ${LANE:-CP} in
+  Z16E2E) z16e2e_runs ;;
   ZIGZAG) zigzag_runs ;;
   FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
   E2EPROF) e2eprof_runs ;;
