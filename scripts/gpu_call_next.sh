@@ -311,7 +311,21 @@ z16e2e_runs() {
     tail -5 $R/e2e_${run%%:*}.log | tee -a $R/next.log
   done
 }
+#   LANE=H100 (~6 min, kind nvidia-h100-x1): the Mosaic and Triton backends on an H100 for the
+#     first time since the lowering fix: a subset of the Mosaic GPU tests against the float32
+#     reference, then the 16k rows (causal + documents, fwd and fwd+bwd) with cuDNN and tokamax.
+h100_runs() {
+  timeout 260 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "odd_length_padding or softcap_sinks or mla_192_128 or one_token_docs or huge_segment or 1-999" \
+    > $R/gpu_tests_mosaic_h100.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_h100.log | tail -10 | tee -a $R/next.log
+  timeout 250 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5 \
+    --out $R/bench_16k_h100 > $R/bench_16k_h100.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_h100.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  H100) h100_runs ;;
   Z16E2E) z16e2e_runs ;;
   ZIGZAG) zigzag_runs ;;
   FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
