@@ -324,7 +324,16 @@ h100_runs() {
     --out $R/bench_16k_h100 > $R/bench_16k_h100.log 2>&1
   grep -hE "interleaved|FAIL|Error" $R/bench_16k_h100.log | tee -a $R/next.log
 }
+#   LANE=BIG2 (~4 min): 128k forward+backward with the length-chosen forward grid (per-tile at
+#     128k), mosaic vs cuDNN, interleaved (LANE=BIG timed it with the persistent forward).
+big2_runs() {
+  timeout 330 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs \
+    --passes fwd,fwd_bwd --impls mosaic,cudnn --interleave --rounds 3 --max-dense-mask-seq 0 \
+    --out $R/bench_128k_auto > $R/bench_128k_auto.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_128k_auto.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  BIG2) big2_runs ;;
   H100) h100_runs ;;
   Z16E2E) z16e2e_runs ;;
   ZIGZAG) zigzag_runs ;;
