@@ -135,8 +135,15 @@ def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[s
   row = dict(label=label, seq_len=seq, layout=layout, attention=attention,
              kvax_backend=args.kvax_backend if attention == "kvax" else None, command=" ".join(cmd))
   t0 = time.time()
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=args.timeout)
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=args.timeout)
+  except subprocess.TimeoutExpired as e:  # one slow run is an error row, not the sweep's end
+    out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                  for x in (e.stdout, e.stderr))
+    row["wall_s"] = round(time.time() - t0, 1)
+    row["error"] = f"timed out after {args.timeout} s (--timeout): {out[-3000:]}"
+    return row
   row["wall_s"] = round(time.time() - t0, 1)
   tail = (proc.stdout + proc.stderr)[-3000:]
   summary_path = run_dir / "summary.json"

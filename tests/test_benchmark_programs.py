@@ -219,3 +219,19 @@ def test_maxtext_e2e_profile_on_cpu(tmp_path):
   assert len(prof["top_kernels"]) == 15 and all(k["ms_per_step"] > 0 for k in prof["top_kernels"])
   assert "jit_train_step" in prof["modules_ms_per_step"]
   assert "busy" in done.stdout and "top kernels" in done.stdout
+
+
+def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
+  """A run past --timeout becomes a row with an error that names the limit; the sweep goes on
+  (before: subprocess.TimeoutExpired ended the whole program and its other runs' results)."""
+  import types
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import maxtext_e2e
+  args = types.SimpleNamespace(variant="tiny", steps=3, kvax_backend="jax", layers=2, vocab=512,
+                               timeout=1, profile=False, warm=False)
+  row = maxtext_e2e.run_launcher("1k-long", "kvax", args, tmp_path / "run",
+                                 {"jax_cache_dir": str(tmp_path / "jax"),
+                                  "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                                  "CUDA_CACHE_PATH": str(tmp_path / "cuda")})
+  assert row["error"].startswith("timed out after 1 s (--timeout)"), row
+  assert row["wall_s"] >= 1
