@@ -102,6 +102,15 @@ def round_ms(fn, args, inner: int) -> float:
   return (time.perf_counter() - t0) * 1e3 / inner
 
 
+def parse_head_dims(spec: str) -> tuple[int, int]:
+  """'128' -> (128, 128); '192:128' -> (192, 128): query / key and value head dims."""
+  parts = spec.split(":")
+  if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+    raise ValueError(f"--head-dims entry {spec!r}: expected D or DK:DV, e.g. 128 or 192:128")
+  dk = int(parts[0])
+  return dk, int(parts[-1])
+
+
 def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
   """Times the compiled implementations of each pass round-robin (--interleave): per round one
   `inner`-call round of each, in an order rotated every round; rows get ms (median of these
@@ -400,7 +409,9 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seq", default="16384,65536")
   ap.add_argument("--cases", default="causal,docs")
-  ap.add_argument("--head-dims", default="128")
+  ap.add_argument("--head-dims", default="128",
+                  help="comma-separated head dims; DK:DV for a value head dim unlike the "
+                       "query / key one (MLA: 192:128)")
   ap.add_argument("--impls", default="mosaic,mosaic_fused,ours,cudnn,tokamax_mosaic,"
                                      "tokamax_triton")
   ap.add_argument("--passes", default="fwd,fwd_bwd")
@@ -439,20 +450,20 @@ def main():
   results = []
   dev = jax.devices()[0]
   print(f"device: {dev.device_kind}; versions: {versions()}", flush=True)
-  for d in map(int, args.head_dims.split(",")):
+  for d, dv in map(parse_head_dims, args.head_dims.split(",")):
     for seq in map(int, args.seq.split(",")):
       for case in args.cases.split(","):
         pos, seg, lengths = layout(case, seq, seed=seq)
         pairs = kept_pairs(lengths)
-        flops_fwd = 4.0 * heads * d * pairs
+        flops_fwd = 2.0 * heads * (d + dv) * pairs  # Q K^T (2 d) and P V (2 dv) per pair
         scale = d ** -0.5
         keys = jax.random.split(jax.random.PRNGKey(seq + d), 4)
         q = jax.random.normal(keys[0], (1, seq, heads, d), jnp.bfloat16)
         k = jax.random.normal(keys[1], (1, seq, kv_heads, d), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (1, seq, kv_heads, d), jnp.bfloat16)
-        cot = jax.random.normal(keys[3], (1, seq, heads, d), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (1, seq, kv_heads, dv), jnp.bfloat16)
+        cot = jax.random.normal(keys[3], (1, seq, heads, dv), jnp.bfloat16)
         mask_ms = bench_mask_build(pos, seg, args.rounds)
-        results.append(dict(impl="ours_mask_build", seq=seq, case=case, head_dim=d,
+        results.append(dict(impl="ours_mask_build", seq=seq, case=case, head_dim=d, head_dim_v=dv,
                             **{"pass": "mask"}, ms=mask_ms, tflops=None, pairs=pairs))
         print(f"S={seq} {case} D={d}: mask build {mask_ms:.3f} ms; kept pairs {pairs:.3e}",
               flush=True)
@@ -462,7 +473,7 @@ def main():
         for name in wanted:
           fn = impls.get(name, f"unknown implementation {name}")
           for p in passes:
-            row = dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs, ms=None,
+            row = dict(impl=name, seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs, ms=None,
                        tflops=None, **{"pass": p})
             if isinstance(fn, str):
               row["error"] = fn
@@ -521,7 +532,7 @@ def main():
                 kparts = time_parts_mosaic(fn.mask, pos, seg, q, k, v, cot, scale, args.rounds)
               else:
                 kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
-              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, pairs=pairs,
+              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs,
                                   **{"pass": "parts"}, parts_ms=kparts,
                                   tiles=getattr(fn, "tiles", None)))
               print(f"  {name:15s} parts    " + "  ".join(
@@ -543,7 +554,7 @@ def main():
               err = float(jnp.linalg.norm(jnp.where(real, a - b, 0)) /
                           jnp.linalg.norm(jnp.where(real, b, 0)))
               print(f"  check: ours vs {other} rel-L2 {err:.2e} (non-padding rows)", flush=True)
-              results.append(dict(impl=f"check_vs_{other}", seq=seq, case=case, head_dim=d,
+              results.append(dict(impl=f"check_vs_{other}", seq=seq, case=case, head_dim=d, head_dim_v=dv,
                                   **{"pass": "check"}, rel_l2=err, ms=None))
         del impls, outs
   out = Path(args.out)
@@ -552,7 +563,7 @@ def main():
               gpu=dev.device_kind, versions=versions(), command=" ".join(sys.argv),
               env={k: v for k, v in os.environ.items() if k.startswith("KVAX_")},
               layout="B=1, 32 q heads, 8 kv heads, bf16; docs = 12 random documents + 1000 pad",
-              flops="fwd 4*H*D*kept_pairs; fwd_bwd 3.5x that")
+              flops="fwd 2*H*(Dk+Dv)*kept_pairs (4*H*D when Dk = Dv); fwd_bwd 3.5x that")
   out.with_suffix(".json").write_text(json.dumps(dict(conditions=meta, results=results),
                                                  indent=1))
   plot(results, out.with_suffix(".png"))

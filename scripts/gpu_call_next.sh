@@ -332,7 +332,19 @@ big2_runs() {
     --out $R/bench_128k_auto > $R/bench_128k_auto.log 2>&1
   grep -hE "interleaved|FAIL|Error" $R/bench_128k_auto.log | tee -a $R/next.log
 }
+#   LANE=MLA (~7 min): MLA head dims (query / key 192, value 128; --head-dims 192:128), 16k with
+#     both backends, cuDNN and tokamax Mosaic, then 64k without Triton; never timed before.
+mla_runs() {
+  timeout 250 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5 \
+    --out $R/bench_mla_16k > $R/bench_mla_16k.log 2>&1
+  timeout 250 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
+    --out $R/bench_mla_64k > $R/bench_mla_64k.log 2>&1
+  grep -hE "interleaved|FAIL|Error|unavailable" $R/bench_mla_*.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  MLA) mla_runs ;;
   BIG2) big2_runs ;;
   H100) h100_runs ;;
   Z16E2E) z16e2e_runs ;;

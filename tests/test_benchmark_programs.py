@@ -235,3 +235,15 @@ def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
                                   "CUDA_CACHE_PATH": str(tmp_path / "cuda")})
   assert row["error"].startswith("timed out after 1 s (--timeout)"), row
   assert row["wall_s"] >= 1
+
+
+def test_bench_attention_head_dims_take_a_value_head_dim():
+  """--head-dims 192:128 (MLA) times query / key head dim 192 with value head dim 128; a plain
+  D means both; anything else is refused by name."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import bench_attention
+  assert bench_attention.parse_head_dims("128") == (128, 128)
+  assert bench_attention.parse_head_dims("192:128") == (192, 128)
+  for bad in ("192:", "a", "1:2:3"):
+    with pytest.raises(ValueError, match="--head-dims entry"):
+      bench_attention.parse_head_dims(bad)
