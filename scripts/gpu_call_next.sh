@@ -343,7 +343,27 @@ mla_runs() {
     --out $R/bench_mla_64k > $R/bench_mla_64k.log 2>&1
   grep -hE "interleaved|FAIL|Error|unavailable" $R/bench_mla_*.log | tee -a $R/next.log
 }
+#   LANE=MLA2 (~7 min): MLA after two changes (the per-tile forward stages O in Q's memory, so
+#     128-row kv blocks fit; the dq kernel prefers a 2-deep ring of 64-row blocks over one 128-row
+#     slot): the MLA GPU test on both forward grids, then 64k and 16k, mosaic (auto: persistent,
+#     64-row blocks) vs mosaic_pertile (128-row blocks) vs tokamax Mosaic. Prediction: the dq
+#     change takes the 64k causal forward+backward from 513 ms toward tokamax's 372; the 128-row
+#     per-tile forward from 91 ms toward tokamax's 69.
+mla2_runs() {
+  timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py -k "mla_192_128" > $R/gpu_tests_mla.log 2>&1
+  KVAX_MOSAIC_FWD_PERSISTENT=0 timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py -k "mla_192_128" >> $R/gpu_tests_mla.log 2>&1
+  grep -E "passed|failed|rel|Error" $R/gpu_tests_mla.log | tail -6 | tee -a $R/next.log
+  timeout 220 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
+    --out $R/bench_mla2_64k > $R/bench_mla2_64k.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_mla2_64k.log | tee -a $R/next.log
+  timeout 110 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 5 \
+    --out $R/bench_mla2_16k > $R/bench_mla2_16k.log 2>&1
+  grep -hE "interleaved|FAIL|Error" $R/bench_mla2_16k.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  MLA2) mla2_runs ;;
   MLA) mla_runs ;;
   BIG2) big2_runs ;;
   H100) h100_runs ;;

@@ -196,6 +196,29 @@ def test_persistent_forward_matches_reference(case, zigzag, monkeypatch):
   assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
 
 
+@pytest.mark.parametrize("case", ["prefill_mla", "mla_docs"])
+def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
+  """Dv < Dk in the per-tile forward (KVAX_MOSAIC_FWD_PERSISTENT=0): O is staged in a RefUnion
+  with Q (forward.o_in_q), both consumers meeting at a barrier after their last Q K^T product,
+  which lets MLA (192 / 128) use 128-row kv blocks. Interpreter against the float32 reference
+  (two query tiles, documents, GQA) and lowered for CUDA; the kernel must get the 128 block."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "0")
+  monkeypatch.setitem(CASES, "mla_docs", dict(segs=[4] * 100 + [7] * 130 + [-1] * 26, h=4, kh=2,
+                                              dk=192, dv=128))
+  seen = []
+  real = fw.forward_call
+  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append((cfg.num_ctas,
+                                                                        cfg.block_kv)),
+                                                           real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [(0, 128)], seen
+  test_kernels_lower_for_cuda((192, 128), True)
+  assert seen[-1] == (0, 128), seen
+  assert fw.smem_bytes(128, 2, 192, 128, 2) <= mosaic.SMEM_BUDGET < fw.smem_bytes(
+      128, 2, 192, 128, 2, q_buffers=2)
+
+
 @pytest.mark.parametrize("env,kv_len,persistent", [("", 65536, True), ("", 65536 + 1, False),
                                                    ("1", 65536 + 1, True), ("0", 4096, False)])
 def test_forward_grid_choice(env, kv_len, persistent, monkeypatch):

@@ -222,3 +222,15 @@ def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd,
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference("docs_padding_gqa")
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
+
+
+def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkeypatch):
+  """The per-tile forward at MLA head dims stages O in a RefUnion with Q (forward.o_in_q): no
+  race between one consumer's O store and the other's Q reads (the detector checks accesses of a
+  union's different members); matches the reference. (The consumers' ping-pong barrier already
+  orders them here: without the explicit q_dead barrier the detector reports nothing either; the
+  barrier keeps the union safe independently of the ping-pong protocol.)"""
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "0")
+  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("prefill_mla")
+  out, err = capfd.readouterr()
+  assert "RACE DETECTED" not in out + err, (out + err)[:4000]

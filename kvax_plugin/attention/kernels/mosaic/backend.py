@@ -107,16 +107,25 @@ def _sm_count() -> int:
   return int(getattr(gpus[0], "core_count", 0) or 132) if gpus else 132
 
 
-def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int, int]:
-  """(kv tile, stages): the largest kv tile, then the deepest ring, that fits shared memory."""
+def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int,
+                   q_buffers: int = 1) -> tuple[int, int] | None:
+  """(kv tile, stages): the largest kv tile, then the deepest ring, that fits shared memory with
+  q_buffers Q buffers (2: the persistent kernel); None if nothing fits."""
   for bk in (128, 64):
     if table_kv % bk:
       continue
     # Two slots: a third 128-row slot at head dim 128 overshoots shared memory by the barriers'
     # 120 bytes (232568 > 232448, lowered for CUDA).
     for stages in (2,):
-      if fwd_kernels.smem_bytes(bk, stages, dk, dv, itemsize) <= SMEM_BUDGET:
+      if fwd_kernels.smem_bytes(bk, stages, dk, dv, itemsize, q_buffers=q_buffers) <= SMEM_BUDGET:
         return bk, stages
+  return None
+
+
+def _forward_launch_or_raise(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int, int]:
+  launch = forward_launch(table_kv, dk, dv, itemsize)
+  if launch is not None:
+    return launch
   raise ValueError(f"head dims ({dk}, {dv}) do not fit the Mosaic GPU forward kernel's shared "
                    "memory")
 
@@ -211,16 +220,23 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 natural-log (+inf: nothing attended)."""
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   spec = mask.spec
-  bk, stages = forward_launch(spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3],
-                              jnp.dtype(q.dtype).itemsize)
-  num_ctas = 0
+  dims = (spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize)
   persistent = (cfg.fwd_persistent == "1" or
                 (cfg.fwd_persistent == "auto" and p.k.shape[1] <= PERSISTENT_MAX_KV))
-  if persistent and fwd_kernels.smem_bytes(
-      bk, stages, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize,
-      q_buffers=2) <= SMEM_BUDGET:
+  # The persistent kernel needs a second Q buffer (and O apart from Q when Dv != Dk): where that
+  # does not fit (head dim 256), the per-tile grid; an explicit request for it is refused.
+  launch = forward_launch(*dims, q_buffers=2) if persistent else None
+  if launch is None and cfg.fwd_persistent == "1":
+    raise ValueError(f"KVAX_MOSAIC_FWD_PERSISTENT=1: head dims ({p.q.shape[3]}, "
+                     f"{p.v.shape[3]}) do not fit the persistent forward's shared memory; "
+                     "unset it (auto) or set 0")
+  if launch is not None:
+    bk, stages = launch
     # One CTA per SM (the interpreter: 3, so that each CTA takes several work items).
     num_ctas = 3 if cfg.interpret else _sm_count()
+  else:
+    bk, stages = _forward_launch_or_raise(*dims)
+    num_ctas = 0
   fcfg = fwd_kernels.FwdConfig(
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,

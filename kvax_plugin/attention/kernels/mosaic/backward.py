@@ -716,9 +716,11 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
       # half the gap to a 2x speed-up, not overlapped today) could then run while the dq
       # kernel does. One GPU: nothing to overlap (one stream either way).
       q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
-    # The largest kv tile, then the deepest ring, that fits (head dim 256: 64 x 1 stage).
+    # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
+    # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without
+    # overlap); head dim 256: 64 x 1.
     tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
-    fits = [(bk, st) for bk in tiles for st in (2, 1)
+    fits = [(bk, st) for st in (2, 1) for bk in tiles
             if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
                                                         ids=ids) <= SMEM_BUDGET]
     if not fits:

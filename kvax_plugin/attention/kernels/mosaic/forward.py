@@ -109,13 +109,22 @@ class FwdConfig:
   zigzag: bool = False
 
 
+def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
+  """Whether the output tile is staged in Q's shared memory: always when Dv == Dk (the same
+  buffer); with Dv < Dk (MLA, 192 / 128) in the per-tile kernel through a RefUnion of the Q and O
+  buffers, both consumers past their last Q K^T product before either writes O. That frees
+  32 KiB, so MLA's forward fits 128-row kv blocks (216,576 of 232,448 bytes instead of 249,344)."""
+  return dv == dk or (dv < dk and q_buffers == 1)
+
+
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                q_buffers: int = 1) -> int:
   """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer (q_buffers Q buffers: 2 in
   the persistent kernel), the K/V ring (with room for the kv ids ring of the ids_tma hook: it
-  changes no launch of head dims 64..256), lse."""
+  changes no launch of head dims 64..256), lse. O shares Q's memory where it fits there (Dv <=
+  Dk, one Q buffer: o_in_q)."""
   q = q_buffers * CONSUMERS * ROWS_PER_WG * dk * itemsize
-  o = 0 if dv == dk else CONSUMERS * ROWS_PER_WG * dv * itemsize
+  o = 0 if o_in_q(dk, dv, q_buffers) else CONSUMERS * ROWS_PER_WG * dv * itemsize
   ring = stages * block_kv * ((dk + dv) * itemsize + 2 * 4)
   return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
 
@@ -306,11 +315,12 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   n_tiles = sq // TILE_Q
   n_work = b * n_tiles * h  # work items (batch, query tile, head)
   q_buffers = 2 if cfg.num_ctas else 1
+  union = dv != dk and o_in_q(dk, dv, q_buffers)  # O staged in Q's memory (RefUnion)
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
              q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, turn, order_ref=None):
+             q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
       # Persistent (the backend's default): CTA c takes work items c, c + G, c + 2G, ... of
@@ -484,6 +494,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
       lse = (m_i + jnp.log2(l_safe)) * LN2
       lse = jnp.where(empty, jnp.inf, jnp.where(lse == jnp.inf, jnp.nan, lse))
+      if union:
+        # O and Q share memory in no agreed layout (RefUnion): both consumers must be past
+        # their last Q K^T product (awaited in their loops) before either writes O.
+        plgpu.barrier_arrive(q_dead)
+        plgpu.barrier_wait(q_dead)
       my_o = my_q if o_smem is None else o_smem.at[wg]
       my_o[...] = out.astype(dtype)
       lse_smem.at[wg][...] = lse
@@ -532,9 +547,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
   def entry(*refs):
     ids_ring = lambda: plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None
+    q_spec = _smem((q_buffers, CONSUMERS, ROWS_PER_WG, dk), dtype)
+    o_spec = None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype)
     scratch = (
-        _smem((q_buffers, CONSUMERS, ROWS_PER_WG, dk), dtype),
-        None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype),
+        plgpu.RefUnion(q_spec, o_spec) if union else q_spec,
+        None if union else o_spec,
         _smem((stages, bk, dk), dtype),
         _smem((stages, bk, dv), dtype),
         plgpu.SMEM((CONSUMERS, ROWS_PER_WG), jnp.float32),
@@ -549,12 +566,15 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS),
+        plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,  # q_dead
     )
     order_ref = None
     if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
       order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
-    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
-                  collective_axes="wg")
+    def scoped(q_or_union, o_smem, *rest):
+      q_smem, o_smem = q_or_union if union else (q_or_union, o_smem)
+      kernel(*refs, q_smem, o_smem, *rest, order_ref=order_ref)
+    pl.run_scoped(scoped, *scratch, *barriers, collective_axes="wg")
 
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
