@@ -219,13 +219,16 @@ def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
       128, 2, 192, 128, 2, q_buffers=2)
 
 
-@pytest.mark.parametrize("env,kv_len,persistent", [("", 65536, True), ("", 65536 + 1, False),
-                                                   ("1", 65536 + 1, True), ("0", 4096, False)])
-def test_forward_grid_choice(env, kv_len, persistent, monkeypatch):
+@pytest.mark.parametrize("env,kv_len,dims,persistent", [
+    ("", 65536, (64, 64), True), ("", 65536 + 1, (64, 64), False), ("1", 65536 + 1, (64, 64), True),
+    ("0", 4096, (64, 64), False), ("", 4096, (192, 128), False), ("1", 4096, (192, 128), True)])
+def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
   """KVAX_MOSAIC_FWD_PERSISTENT unset ("auto"): the persistent forward up to
   backend.PERSISTENT_MAX_KV padded kv rows, one CTA per (batch, query tile, head) above (13%
-  faster at 128k causal on an H200, session 10); "1" / "0" force either. Checked on the
-  forward's config while lowering for CUDA (no GPU needed); a bad value is refused by name."""
+  faster at 128k causal on an H200, session 10), and also where the persistent kernel's second Q
+  buffer would cost the kv tile (MLA 192 / 128: 64 rows against 128); "1" / "0" force either.
+  Checked on the forward's config while lowering for CUDA (no GPU needed); a bad value is
+  refused by name."""
   from kvax_plugin.attention.kernels.mosaic import backend as be
   from kvax_plugin.attention.kernels.mosaic import forward as fw
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", env)
@@ -234,20 +237,22 @@ def test_forward_grid_choice(env, kv_len, persistent, monkeypatch):
       seen.append(cfg.num_ctas),
       (jnp.zeros(q.shape[:3] + (a[1].shape[3],), q.dtype),
        jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)))[1])
-  q_len, h, d = 128, 2, 64
+  q_len, h = 128, 2
+  d, dv = dims
   q_pos = jnp.arange(kv_len - q_len, kv_len, dtype=jnp.int32)[None]
   kv_pos = jnp.arange(kv_len, dtype=jnp.int32)[None]
   q_seg, kv_seg = jnp.zeros_like(q_pos), jnp.zeros_like(kv_pos)
   mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=False)
   q = jnp.zeros((1, q_len, h, d), jnp.bfloat16)
   kv = jnp.zeros((1, kv_len, 1, d), jnp.bfloat16)
+  v = jnp.zeros((1, kv_len, 1, dv), jnp.bfloat16)
   jax.jit(lambda q, k, v: be.flash_attention_mosaic(
       q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1, logits_soft_cap=None,
-      sinks=None)).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+      sinks=None)).trace(q, kv, v).lower(lowering_platforms=("cuda",))
   assert len(seen) == 1 and (seen[0] > 0) == persistent, seen
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "yes")
   with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_PERSISTENT='yes'"):
-    be.flash_attention_mosaic(q, kv, kv, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1,
+    be.flash_attention_mosaic(q, kv, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1,
                               logits_soft_cap=None, sinks=None)
 
 
