@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The device calls of sessions 8-9 and the next one (carry .whl); LANE=CP needs the 2-GPU kind
-# (not lent in session 9: run it first when it is). Everything each call writes is packed into ONE archive under $OUT (the device
+# The device calls of sessions 8-10 and the next one (carry .whl); LANE=CP needs the 2-GPU kind
+# (not lent in sessions 9 and 10: run it first when it is; with a 1-GPU kind, the next kernel
+# work is the single-warpgroup backward in benchmarks/NOTES.md, session 10's last paragraphs). Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
