@@ -250,6 +250,11 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
       q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1, logits_soft_cap=None,
       sinks=None)).trace(q, kv, v).lower(lowering_platforms=("cuda",))
   assert len(seen) == 1 and (seen[0] > 0) == persistent, seen
+  if env == "1":  # an explicit request that cannot fit is refused, not silently per-tile
+    q256, kv256 = (jnp.zeros(x.shape[:3] + (256,), jnp.bfloat16) for x in (q, kv))
+    with pytest.raises(ValueError, match=r"KVAX_MOSAIC_FWD_PERSISTENT=1: head dims \(256, 256\)"):
+      be.flash_attention_mosaic(q256, kv256, kv256, q_pos, q_seg, kv_pos, kv_seg, mask,
+                                scale=0.1, logits_soft_cap=None, sinks=None)
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "yes")
   with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_PERSISTENT='yes'"):
     be.flash_attention_mosaic(q, kv, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=0.1,
