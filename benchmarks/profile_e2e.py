@@ -64,23 +64,17 @@ _MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|(^|[^a-z])dot([^a-z
 _MEMCPY = re.compile(r"^(memcpy|memset)")
 
 
+# First matching rule wins, in this order (cuDNN's "flash" would also match MaxText's Pallas
+# "pallas_flash_attention"; memcpy / memset names carry no matmul words, but keep them apart).
+_RULES = ((_COLLECTIVE, COLLECTIVES), (_KVAX, ATTN_KVAX), (_PALLAS, ATTN_PALLAS),
+          (_CUDNN, ATTN_CUDNN), (_MEMCPY, MEMCPY), (_MATMUL, MATMUL))
+
+
 def categorize(name: str) -> str:
-  """The category of one kernel (or XLA op) name; first matching rule wins, in this order:
-  collectives, kvax, other Pallas, cuDNN, memcpy / memset, matmul, other fusions."""
+  """The category of one kernel (or XLA op) name: the first of _RULES that matches, else
+  "other fusions"."""
   n = name.lower()
-  if _COLLECTIVE.search(n):
-    return COLLECTIVES
-  if _KVAX.search(n):
-    return ATTN_KVAX
-  if _PALLAS.search(n):
-    return ATTN_PALLAS
-  if _CUDNN.search(n):
-    return ATTN_CUDNN
-  if _MEMCPY.search(n):
-    return MEMCPY
-  if _MATMUL.search(n):
-    return MATMUL
-  return OTHER
+  return next((category for rule, category in _RULES if rule.search(n)), OTHER)
 
 
 def find_xplanes(path) -> list[Path]:
@@ -96,7 +90,8 @@ def find_xplanes(path) -> list[Path]:
   return sorted(f for f in found if f.parent == newest.parent)
 
 
-def _union_ns(intervals) -> float:
+def union_length(intervals) -> float:
+  """Total length covered by (start, end) intervals, overlaps counted once."""
   total, cur_s, cur_e = 0.0, None, None
   for s, e in sorted(intervals):
     if cur_e is None or s > cur_e:
@@ -160,7 +155,7 @@ def _summarize_events(events, steps: int) -> dict:
     calls[name] += 1
     if stats.get("hlo_module"):
       modules[str(stats["hlo_module"])] += self_ns
-  busy = _union_ns((s, t) for _, s, t, _, _ in events)
+  busy = union_length((s, t) for _, s, t, _, _ in events)
   span = (max(e[2] for e in events) - min(e[1] for e in events)) if events else 0.0
   ms = lambda ns: round(ns / 1e6 / steps, 4)  # noqa: E731
   top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]

@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as bench  # noqa: E402
+import profile_e2e  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -79,16 +80,7 @@ def summarize(events: list[dict], steps: int) -> dict:
   # Busy time: union of the events' intervals across streams (kernels on different streams may
   # overlap; idle = span - busy).
   spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
-  busy, cur_s, cur_e = 0.0, None, None
-  for s, t in spans:
-    if cur_e is None or s > cur_e:
-      if cur_e is not None:
-        busy += cur_e - cur_s
-      cur_s, cur_e = s, t
-    else:
-      cur_e = max(cur_e, t)
-  if cur_e is not None:
-    busy += cur_e - cur_s
+  busy = profile_e2e.union_length(spans)
   span = (spans[-1][1] - spans[0][0]) if spans else 0.0
   rows = sorted(((n, ms / steps, count[n] / steps) for n, ms in by_name.items()),
                 key=lambda r: -r[1])

@@ -247,3 +247,19 @@ def test_bench_attention_head_dims_take_a_value_head_dim():
   for bad in ("192:", "a", "1:2:3"):
     with pytest.raises(ValueError, match="--head-dims entry"):
       bench_attention.parse_head_dims(bad)
+
+
+def test_profile_kernels_summarize_counts_overlaps_once():
+  """profile_kernels.summarize on made-up GPU events (us): busy is the union of the intervals
+  (two overlapping kernels count once), idle the rest of the span, per-step ms by name."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import profile_kernels
+  events = [dict(name="a", ts=0.0, dur=100.0), dict(name="b", ts=50.0, dur=100.0),
+            dict(name="a", ts=300.0, dur=100.0)]
+  s = profile_kernels.summarize(events, steps=2)
+  by = {r["name"]: r for r in s["per_step_ms"]}
+  assert by["a"]["ms"] == pytest.approx(0.1) and by["a"]["calls"] == 1
+  assert by["b"]["ms"] == pytest.approx(0.05)
+  # busy: [0, 150] and [300, 400] us = 250 us over 2 steps; span 400 us
+  assert s["busy_ms_per_step"] == pytest.approx(0.125)
+  assert s["span_ms_per_step"] == pytest.approx(0.2) and s["events"] == 3
