@@ -40,6 +40,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCAT
 R=/tmp/results; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $R/next.log
 pack() { tar czf $OUT/results.tgz -C $R . && ls -la $OUT; }
+bench() {  # timeout (s), result name under $R (and its .log), bench_attention.py's arguments
+  local t=$1 name=$2; shift 2
+  timeout "$t" python3 benchmarks/bench_attention.py "$@" --out "$R/$name" > "$R/$name.log" 2>&1
+}
 cp_runs() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   cpb() {  # name, backend, extra arguments
@@ -88,8 +92,8 @@ new_triton_tests() {
   # one GPU (session 10: only the 1-GPU kinds): the tests, then the 16k benchmark
   timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
      -k "odd_length or softcap_sinks or 1-999 or float32_d128 or mla or bitwise or explicit_backend" >> $R/new_triton_tests.log 2>&1
-  timeout 200 python3 benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn \
-     --rounds 7 --interleave --out $R/bench_16k_triton39 > $R/bench_16k_triton39.log 2>&1
+  bench 200 bench_16k_triton39 --seq 16384 --impls ours,cudnn \
+     --rounds 7 --interleave
   grep -E "interleaved|FAIL" $R/bench_16k_triton39.log | tee -a $R/next.log
   grep -E "passed|failed" $R/new_triton_tests.log | tail -3 | tee -a $R/next.log
 }
@@ -102,8 +106,8 @@ new_triton_tests() {
 fwd_runs() {
   (export CUDA_VISIBLE_DEVICES=0
    for s in 16384 65536; do
-     timeout 200 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
-       --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_fwd_ids_$s > $R/bench_fwd_ids_$s.log 2>&1
+     bench 200 bench_fwd_ids_$s --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
+       --interleave --rounds 7 --max-dense-mask-seq 0
    done) &
   (export CUDA_VISIBLE_DEVICES=1
    KVAX_MOSAIC_FWD_IDS_TMA=1 KVAX_MOSAIC_BWD_IDS_TMA=1 timeout 280 python3 -m pytest -m gpu -v -p no:cacheprovider \
@@ -133,8 +137,8 @@ profile_runs() {
 }
 fwd1_runs() {
   for s in 16384 65536; do
-    timeout 220 python3 benchmarks/bench_attention.py --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
-      --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_fwd_ids_$s > $R/bench_fwd_ids_$s.log 2>&1
+    bench 220 bench_fwd_ids_$s --seq $s --impls mosaic,mosaic_fwd_ids_tma,mosaic_ids_tma,tokamax_mosaic \
+      --interleave --rounds 7 --max-dense-mask-seq 0
   done
   for f in $R/bench_fwd_ids_*.log; do grep -E "interleaved" $f; done | tee -a $R/next.log
 }
@@ -143,9 +147,9 @@ fwd1_runs() {
 #     ring hooks (forward and backward), cuDNN and tokamax Mosaic. Prediction: dk/dv 114.7 ->
 #     ~103-108 ms if shared-memory reads limit it (session 9's model), slower if ptxas spills.
 dkv128_runs() {
-  timeout 560 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs \
+  bench 560 bench_64k_dkv128 --seq 65536 --cases causal,docs \
     --impls mosaic,mosaic_dkv128,mosaic_dkv128_regs240,mosaic_ids_tma,cudnn,tokamax_mosaic \
-    --interleave --rounds 5 --max-dense-mask-seq 0 --out $R/bench_64k_dkv128 > $R/bench_64k_dkv128.log 2>&1
+    --interleave --rounds 5 --max-dense-mask-seq 0
   grep -vE "WARNING" $R/bench_64k_dkv128.log | grep -E "ms|FAIL" | tail -40 | tee -a $R/next.log
 }
 #   LANE=DKVREGS (~8 min): the same lever within the register budget: dS^T from the 16-bit P^T
@@ -155,9 +159,9 @@ dkvregs_runs() {
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "register_hooks" > $R/gpu_tests_dkv_hooks.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_dkv_hooks.log | tail -8 | tee -a $R/next.log
-  timeout 400 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --passes fwd_bwd \
+  bench 400 bench_64k_dkvregs --seq 65536 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_dkv_p16,mosaic_dkv_kregs,cudnn \
-    --interleave --rounds 7 --max-dense-mask-seq 0 --out $R/bench_64k_dkvregs > $R/bench_64k_dkvregs.log 2>&1
+    --interleave --rounds 7 --max-dense-mask-seq 0
   grep -vE "WARNING" $R/bench_64k_dkvregs.log | grep -E "ms|FAIL" | tail -30 | tee -a $R/next.log
 }
 #   LANE=E2E1 (~9 min): the cold MaxText e2e (16k, one document per row, kvax vs
@@ -184,9 +188,9 @@ lpt_runs() {
     -k "register_hooks and env2" > $R/gpu_tests_lpt.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_lpt.log | tail -6 | tee -a $R/next.log
   for s in 16384 65536; do
-    timeout 230 python3 benchmarks/bench_attention.py --seq $s --cases causal,docs \
+    bench 230 bench_lpt_$s --seq $s --cases causal,docs \
       --impls mosaic,mosaic_lpt,cudnn,tokamax_mosaic --interleave --rounds 7 \
-      --max-dense-mask-seq 0 --out $R/bench_lpt_$s > $R/bench_lpt_$s.log 2>&1
+      --max-dense-mask-seq 0
     grep -E "interleaved|FAIL" $R/bench_lpt_$s.log | tee -a $R/next.log
   done
 }
@@ -199,12 +203,12 @@ exitread_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "register_hooks and env3" > $R/gpu_tests_exitread.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_exitread.log | tail -6 | tee -a $R/next.log
-  timeout 150 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
+  bench 150 bench_exitread_16384 --seq 16384 --cases causal,docs \
     --impls mosaic,mosaic_exit_read,cudnn,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0 --out $R/bench_exitread_16384 > $R/bench_exitread_16384.log 2>&1
-  timeout 150 python3 benchmarks/bench_attention.py --seq 65536 --cases docs \
+    --max-dense-mask-seq 0
+  bench 150 bench_exitread_65536 --seq 65536 --cases docs \
     --impls mosaic,mosaic_exit_read,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0 --out $R/bench_exitread_65536 > $R/bench_exitread_65536.log 2>&1
+    --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL" $R/bench_exitread_*.log | tee -a $R/next.log
 }
 #   LANE=FINALTESTS (~7 min): the whole Mosaic GPU test file on the kernels as they are now
@@ -226,12 +230,12 @@ persist_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "register_hooks and env4" > $R/gpu_tests_persist.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_persist.log | tail -6 | tee -a $R/next.log
-  timeout 160 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
+  bench 160 bench_persist_16384 --seq 16384 --cases causal,docs \
     --impls mosaic,mosaic_persistent,cudnn,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0 --out $R/bench_persist_16384 > $R/bench_persist_16384.log 2>&1
-  timeout 150 python3 benchmarks/bench_attention.py --seq 65536 --cases docs \
+    --max-dense-mask-seq 0
+  bench 150 bench_persist_65536 --seq 65536 --cases docs \
     --impls mosaic,mosaic_persistent,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0 --out $R/bench_persist_65536 > $R/bench_persist_65536.log 2>&1
+    --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL" $R/bench_persist_*.log | tee -a $R/next.log
 }
 #   Session 10 (1-GPU kinds again):
@@ -249,9 +253,8 @@ big_runs() {
   timeout 100 python3 -m pytest -m gpu -v -p no:cacheprovider \
     "tests/gpu/test_nonfinite_gpu.py::test_mosaic_nan_inf_follow_the_reference" > $R/gpu_tests_nonfinite_mosaic.log 2>&1
   grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_nonfinite_mosaic.log | tail -3 | tee -a $R/next.log
-  timeout 420 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs \
-    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
-    --out $R/bench_128k > $R/bench_128k.log 2>&1
+  bench 420 bench_128k --seq 131072 --cases causal,docs \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_128k.log | tee -a $R/next.log
 }
 #   LANE=FWDGRID (~4 min): the persistent forward (default) against the per-tile grid at 64k and
@@ -260,9 +263,9 @@ big_runs() {
 #     64k with the per-tile grid (session 7). Then LANE=E2EPROF's runs if E2EPROF=1.
 fwdgrid_runs() {
   for s in 65536 131072; do
-    timeout 200 python3 benchmarks/bench_attention.py --seq $s --cases causal,docs --passes fwd \
+    bench 200 bench_fwdgrid_$s --seq $s --cases causal,docs --passes fwd \
       --impls mosaic,mosaic_pertile,cudnn,tokamax_mosaic --interleave --rounds 5 \
-      --max-dense-mask-seq 0 --out $R/bench_fwdgrid_$s > $R/bench_fwdgrid_$s.log 2>&1
+      --max-dense-mask-seq 0
     grep -hE "interleaved|FAIL|Error" $R/bench_fwdgrid_$s.log | tee -a $R/next.log
   done
 }
@@ -288,21 +291,21 @@ zigzag_runs() {
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "register_hooks and env5" > $R/gpu_tests_zigzag.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_zigzag.log | tail -6 | tee -a $R/next.log
-  timeout 170 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --passes fwd \
+  bench 170 bench_zigzag_65536 --seq 65536 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_pertile,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 7 \
-    --max-dense-mask-seq 0 --out $R/bench_zigzag_65536 > $R/bench_zigzag_65536.log 2>&1
-  timeout 230 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs --passes fwd \
+    --max-dense-mask-seq 0
+  bench 230 bench_zigzag_131072 --seq 131072 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_persistent,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 5 \
-    --max-dense-mask-seq 0 --out $R/bench_zigzag_131072 > $R/bench_zigzag_131072.log 2>&1
+    --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_*.log | tee -a $R/next.log
 }
 #   LANE=Z16E2E (~7 min): 16k causal + documents forward, persistent vs zigzag vs per-tile
 #     (is zigzag a safe default for the persistent kernel?), then MaxText e2e, 16k one document
 #     per row, 12 steps, kvax / cudnn_flash_jax in two runs of alternating order.
 z16e2e_runs() {
-  timeout 150 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --passes fwd \
+  bench 150 bench_zigzag_16384 --seq 16384 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_zigzag,mosaic_pertile,cudnn,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0 --out $R/bench_zigzag_16384 > $R/bench_zigzag_16384.log 2>&1
+    --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_16384.log | tee -a $R/next.log
   for run in a:16k-long:kvax,16k-long:cudnn_flash_jax b:16k-long:cudnn_flash_jax,16k-long:kvax; do
     timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e_${run%%:*} --steps 12 \
@@ -320,28 +323,24 @@ h100_runs() {
     -k "odd_length_padding or softcap_sinks or mla_192_128 or one_token_docs or huge_segment or 1-999" \
     > $R/gpu_tests_mosaic_h100.log 2>&1
   grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_h100.log | tail -10 | tee -a $R/next.log
-  timeout 250 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs \
-    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5 \
-    --out $R/bench_16k_h100 > $R/bench_16k_h100.log 2>&1
+  bench 250 bench_16k_h100 --seq 16384 --cases causal,docs \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_16k_h100.log | tee -a $R/next.log
 }
 #   LANE=BIG2 (~4 min): 128k forward+backward with the length-chosen forward grid (per-tile at
 #     128k), mosaic vs cuDNN, interleaved (LANE=BIG timed it with the persistent forward).
 big2_runs() {
-  timeout 330 python3 benchmarks/bench_attention.py --seq 131072 --cases causal,docs \
-    --passes fwd,fwd_bwd --impls mosaic,cudnn --interleave --rounds 3 --max-dense-mask-seq 0 \
-    --out $R/bench_128k_auto > $R/bench_128k_auto.log 2>&1
+  bench 330 bench_128k_auto --seq 131072 --cases causal,docs \
+    --passes fwd,fwd_bwd --impls mosaic,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_128k_auto.log | tee -a $R/next.log
 }
 #   LANE=MLA (~7 min): MLA head dims (query / key 192, value 128; --head-dims 192:128), 16k with
 #     both backends, cuDNN and tokamax Mosaic, then 64k without Triton; never timed before.
 mla_runs() {
-  timeout 250 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --head-dims 192:128 \
-    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5 \
-    --out $R/bench_mla_16k > $R/bench_mla_16k.log 2>&1
-  timeout 250 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --head-dims 192:128 \
-    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
-    --out $R/bench_mla_64k > $R/bench_mla_64k.log 2>&1
+  bench 250 bench_mla_16k --seq 16384 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,ours,cudnn,tokamax_mosaic --interleave --rounds 5
+  bench 250 bench_mla_64k --seq 65536 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error|unavailable" $R/bench_mla_*.log | tee -a $R/next.log
 }
 #   LANE=MLA2 (~7 min): MLA after two changes (the per-tile forward stages O in Q's memory, so
@@ -354,13 +353,11 @@ mla2_runs() {
   timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py -k "mla_192_128" > $R/gpu_tests_mla.log 2>&1
   KVAX_MOSAIC_FWD_PERSISTENT=0 timeout 80 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py -k "mla_192_128" >> $R/gpu_tests_mla.log 2>&1
   grep -E "passed|failed|rel|Error" $R/gpu_tests_mla.log | tail -6 | tee -a $R/next.log
-  timeout 220 python3 benchmarks/bench_attention.py --seq 65536 --cases causal,docs --head-dims 192:128 \
-    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0 \
-    --out $R/bench_mla2_64k > $R/bench_mla2_64k.log 2>&1
+  bench 220 bench_mla2_64k --seq 65536 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_mla2_64k.log | tee -a $R/next.log
-  timeout 110 python3 benchmarks/bench_attention.py --seq 16384 --cases causal,docs --head-dims 192:128 \
-    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 5 \
-    --out $R/bench_mla2_16k > $R/bench_mla2_16k.log 2>&1
+  bench 110 bench_mla2_16k --seq 16384 --cases causal,docs --head-dims 192:128 \
+    --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_mla2_16k.log | tee -a $R/next.log
 }
 case ${LANE:-CP} in
