@@ -127,14 +127,6 @@ def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int,
   return None
 
 
-def _forward_launch_or_raise(table_kv: int, dk: int, dv: int, itemsize: int) -> tuple[int, int]:
-  launch = forward_launch(table_kv, dk, dv, itemsize)
-  if launch is not None:
-    return launch
-  raise ValueError(f"head dims ({dk}, {dv}) do not fit the Mosaic GPU forward kernel's shared "
-                   "memory")
-
-
 @dataclasses.dataclass(frozen=True)
 class Static:
   scale: float
@@ -245,9 +237,12 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
     bk, stages = launch
     # One CTA per SM (the interpreter: 3, so that each CTA takes several work items).
     num_ctas = 3 if cfg.interpret else _sm_count()
-  else:
-    bk, stages = _forward_launch_or_raise(*dims)
+  elif per_tile is not None:
+    bk, stages = per_tile
     num_ctas = 0
+  else:
+    raise ValueError(f"head dims ({p.q.shape[3]}, {p.v.shape[3]}) do not fit the Mosaic GPU "
+                     "forward kernel's shared memory")
   fcfg = fwd_kernels.FwdConfig(
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
