@@ -227,6 +227,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the persistent forward with its odd rounds of items mirrored across the CTAs (FwdConfig.zigzag)
   impls["mosaic_zigzag"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1",
                                             "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
+  # session 11: the dk/dv kernel in small CTAs (one warpgroup of 64 kv rows, two CTAs per SM;
+  # backward_small.py), with the deterministic dq kernel after it, and with the fused dq
+  impls["mosaic_small"] = make_mosaic(env={"KVAX_MOSAIC_BWD_SMALL": "1"})
+  impls["mosaic_small_fused"] = make_mosaic(det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

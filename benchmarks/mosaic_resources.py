@@ -3,7 +3,7 @@
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/ptxas python benchmarks/mosaic_resources.py
 
 Compiles forward + backward once per backward mode (deterministic, fused with column-split dq,
-fused with whole dq partials) at a small causal shape with head dim 128, so that Mosaic GPU
+fused with whole dq partials, and the small-CTA dk/dv kernel fused and deterministic) at a small causal shape with head dim 128, so that Mosaic GPU
 writes each kernel's ptxas report (registers per thread, spill stores / loads, shared memory)
 into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel variant spills.
 """
@@ -29,8 +29,11 @@ def main():
   k = jax.random.normal(keys[1], (1, s, kh, d), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, s, kh, d), jnp.bfloat16)
   for label, det, env in (("deterministic", True, {}), ("fused_split", False, {}),
-                          ("fused_whole", False, {"KVAX_MOSAIC_DQ_WHOLE": "1"})):
-    os.environ.pop("KVAX_MOSAIC_DQ_WHOLE", None)
+                          ("fused_whole", False, {"KVAX_MOSAIC_DQ_WHOLE": "1"}),
+                          ("small_fused", False, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
+                          ("small_deterministic", True, {"KVAX_MOSAIC_BWD_SMALL": "1"})):
+    for name in ("KVAX_MOSAIC_DQ_WHOLE", "KVAX_MOSAIC_BWD_SMALL"):
+      os.environ.pop(name, None)
     os.environ.update(env)
 
     def loss(q, k, v, det=det):

@@ -360,6 +360,25 @@ mla2_runs() {
     --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_mla2_16k.log | tee -a $R/next.log
 }
+#   LANE=SMALL (~9.5 min): session 11's small-CTA backward (KVAX_MOSAIC_BWD_SMALL=1, one warpgroup
+#     of 64 kv rows per CTA, two CTAs per SM; backward_small.py): ptxas registers / spills of
+#     every backward mode first, then 16k fwd+bwd causal + documents interleaved against the
+#     default, the big-CTA fused backward and cuDNN, then its GPU tests against the float32
+#     reference (fused and deterministic dq) in what time is left.
+small_runs() {
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$R/ptxas timeout 150 python3 \
+    benchmarks/mosaic_resources.py > $R/ptxas.log 2>&1
+  grep -hE "===|registers|spill" $R/ptxas.log $R/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
+    | tail -60 | tee -a $R/next.log
+  bench 190 bench_16k_small --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_small,mosaic_small_fused,mosaic_fused,cudnn \
+    --interleave --rounds 5 --max-dense-mask-seq 0
+  grep -vE "WARNING" $R/bench_16k_small.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
+  timeout ${SMALL_TEST_S:-200} python3 -m pytest -m gpu -v -s -p no:cacheprovider \
+    tests/gpu/test_mosaic_gpu.py -k "small_cta" > $R/gpu_tests_small.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rel-L2|Error|\] out=" $R/gpu_tests_small.log | tail -40 \
+    | tee -a $R/next.log
+}
 case ${LANE:-CP} in
   MLA2) mla2_runs ;;
   MLA) mla_runs ;;
@@ -367,6 +386,7 @@ case ${LANE:-CP} in
   H100) h100_runs ;;
   Z16E2E) z16e2e_runs ;;
   ZIGZAG) zigzag_runs ;;
+  SMALL) small_runs ;;
   FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
   E2EPROF) e2eprof_runs ;;
   BIG) big_runs ;;

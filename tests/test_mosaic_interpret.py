@@ -330,3 +330,37 @@ def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
       dtype=jnp.bfloat16, head_dim=64, tol=3e-2,
       params=FlashAttentionParamsConfig(128, 128, 8, 2))
   assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case,fused", [("docs_padding_gqa", True),
+                                        ("window_masked_full_masked_fused", True),
+                                        ("window_masked_full_masked_det", False),
+                                        ("window_cap_sinks_det", False)])
+def test_small_cta_backward_matches_reference(case, fused, monkeypatch):
+  """KVAX_MOSAIC_BWD_SMALL=1 (backward_small.py: one warpgroup of 64 kv rows per CTA, two CTAs
+  per SM): outputs and every gradient against the float32 reference in the interpreter, with
+  the fused dq (64-column chunks reduce-added through V's memory) and with the deterministic dq
+  kernel after it; documents, a one-token document, padding, GQA / MQA, windows with masked runs
+  on both sides, soft cap, sinks, huge segment ids. The small kernel must really run."""
+  from kvax_plugin.attention.kernels.mosaic import backward_small
+  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  seen = []
+  real = backward_small.dkv_call
+  monkeypatch.setattr(backward_small, "dkv_call",
+                      lambda cfg, *a: (seen.append(cfg.with_dq), real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [fused], seen
+
+
+@pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((64, 64), False)])
+def test_small_cta_backward_lowers_for_cuda(dims, det, monkeypatch):
+  """The small-CTA backward lowers for CUDA at the head dims where two CTAs fit an SM; where they
+  do not (MLA 192 / 128 with the fused dq, 256), the explicit hook is refused by name."""
+  from kvax_plugin.attention.kernels.mosaic import backward_small
+  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  assert backward_small.fits(*dims, 2, not det)
+  assert backward_small.smem_bytes(128, 128, 2, True) == 108288  # module docstring: 105.75 KiB
+  test_kernels_lower_for_cuda(dims, det)
+  assert not backward_small.fits(192, 128, 2, True) and not backward_small.fits(256, 256, 2, False)
+  with pytest.raises(ValueError, match=r"KVAX_MOSAIC_BWD_SMALL=1: head dims \(256, 256\)"):
+    test_kernels_lower_for_cuda((256, 256), False)

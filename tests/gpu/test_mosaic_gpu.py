@@ -202,3 +202,21 @@ def test_kernel_parts_through_split_kv_attention():
   errs = kernel_parts_case.check(mosaic_backend.flash_attention_mosaic, s_len=2048, h=8, kh=2,
                                  d=128)
   print("\n[kernel_parts] " + " ".join(f"{e:.2e}" for e in errs))
+
+
+SMALL_CASES = ["odd_length_padding_bf16", "one_token_docs_fp16_d64", "non_contiguous_segments",
+               "huge_segment_ids_fused", "softcap_sinks", "sliding_window_fused",
+               "window_not_causal_fp16", "not_causal_gqa8"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", SMALL_CASES)
+def test_small_cta_backward_against_reference(name, deterministic, monkeypatch):
+  """KVAX_MOSAIC_BWD_SMALL=1 (backward_small.py, one warpgroup of 64 kv rows per CTA, two CTAs
+  per SM): every case whose head dims fit it, with the fused dq and with the deterministic dq
+  kernel, against the float32 reference."""
+  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name))
+  _run(name, *build(np.random.default_rng(seed)), seed=seed,
+       **dict(kwargs, deterministic=deterministic))

@@ -35,6 +35,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from kvax_plugin.attention.kernels.mosaic import backward_small
+from kvax_plugin.attention.kernels.mosaic.backward_small import _logit_terms
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate,
                                                           accumulate_then, pair_keep,
@@ -120,6 +122,10 @@ class BwdConfig:
   # KVAX_MOSAIC_EXIT_AFTER_READ (on by default from the backend): the deterministic kernels' last wait on
   # their output stores waits for the shared-memory reads only (forward.FwdConfig).
   exit_after_read: bool = False
+  # Benchmarking hook KVAX_MOSAIC_BWD_SMALL=1 (session 11, off until measured): the dk/dv kernel
+  # (and with with_dq the fused dq) in small CTAs, one warpgroup of 64 kv rows each, two per SM
+  # (backward_small.py); the deterministic dq kernel is unchanged.
+  small_ctas: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -163,15 +169,6 @@ def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
   qdo = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))  # + kv ids (hook)
   return qdo + ring + 1024
-
-
-def _logit_terms(cfg, st):
-  """(base-2 logits, d logit / d (q.k)) of raw products st; the derivative is None when it is
-  the constant scale."""
-  if cfg.soft_cap:
-    t = jnp.tanh(st * (cfg.scale / cfg.soft_cap))
-    return t * (cfg.soft_cap * LOG2E), (1.0 - t * t) * cfg.scale
-  return st * (cfg.scale * LOG2E), None
 
 
 def _interpret_params(cfg):
@@ -677,6 +674,18 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   cfg.with_dq and it fits shared memory, else from the deterministic dq kernel."""
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
+  if cfg.small_ctas:
+    if not backward_small.fits(dk_dim, dv_dim, itemsize, cfg.with_dq):
+      raise ValueError(
+          f"KVAX_MOSAIC_BWD_SMALL=1: head dims ({dk_dim}, {dv_dim}) do not fit two small "
+          f"backward CTAs per SM ({backward_small.smem_bytes(dk_dim, dv_dim, itemsize, cfg.with_dq)}"
+          f" > {backward_small.TWO_PER_SM_BYTES} bytes of shared memory each); unset it")
+    dq, dk, dv = backward_small.dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos,
+                                         kv_seg, *dkv_table)
+    if dq is not None:
+      return dq, dk, dv
+    return _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                             dk, dv, dq_table)
   split = splits_dq(cfg, dk_dim)
   ids = cfg.ids_tma
   with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
@@ -710,23 +719,34 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   dq, dk, dv = dkv_call(cfg, stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                         *dkv_table)
   if dq is None:
-    if cfg.dq_after_dkv:
-      # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv):
-      # under context parallelism the reduce-scatter of dk / dv (2.0 ms at 128k on 2 x H200,
-      # half the gap to a 2x speed-up, not overlapped today) could then run while the dq
-      # kernel does. One GPU: nothing to overlap (one stream either way).
-      q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
-    # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
-    # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without
-    # overlap); head dim 256: 64 x 1.
-    tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
-    fits = [(bk, st) for st in (2, 1) for bk in tiles
-            if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
-                                                        ids=ids) <= SMEM_BUDGET]
-    if not fits:
-      raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
-                       "shared memory")
-    bk, dq_stages = fits[0]
-    dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                 *dq_table)
+    return _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                             dk, dv, dq_table)
+  return dq, dk, dv
+
+
+def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, dk, dv,
+                      dq_table):
+  """(dq in q.dtype, dk, dv): the dq kernel after a dk/dv kernel that computed no dq."""
+  dk_dim, dv_dim = q.shape[3], v.shape[3]
+  itemsize = jnp.dtype(q.dtype).itemsize
+  ids = cfg.ids_tma
+  if cfg.dq_after_dkv:
+    # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv):
+    # under context parallelism the reduce-scatter of dk / dv (2.0 ms at 128k on 2 x H200,
+    # half the gap to a 2x speed-up, not overlapped today) could then run while the dq
+    # kernel does. One GPU: nothing to overlap (one stream either way).
+    q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
+  # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
+  # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without
+  # overlap); head dim 256: 64 x 1.
+  tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
+  fits = [(bk, st) for st in (2, 1) for bk in tiles
+          if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
+                                                      ids=ids) <= SMEM_BUDGET]
+  if not fits:
+    raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
+                     "shared memory")
+  bk, dq_stages = fits[0]
+  dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+               *dq_table)
   return dq, dk, dv
