@@ -231,6 +231,11 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # backward_small.py), with the deterministic dq kernel after it, and with the fused dq
   impls["mosaic_small"] = make_mosaic(env={"KVAX_MOSAIC_BWD_SMALL": "1"})
   impls["mosaic_small_fused"] = make_mosaic(det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1"})
+  # session 12: the fused dq added with atomic adds from registers, no shared-memory staging
+  # (BwdConfig.dq_atomic), in the big and the small CTAs
+  impls["mosaic_fused_atomic"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_ATOMIC": "1"})
+  impls["mosaic_small_fused_atomic"] = make_mosaic(
+      det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1", "KVAX_MOSAIC_DQ_ATOMIC": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

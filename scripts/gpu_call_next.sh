@@ -368,8 +368,8 @@ mla2_runs() {
 small_runs() {
   MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$R/ptxas timeout 150 python3 \
     benchmarks/mosaic_resources.py > $R/ptxas.log 2>&1
-  grep -hE "===|registers|spill" $R/ptxas.log $R/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
-    | tail -60 | tee -a $R/next.log
+  grep -ahE "===|registers|spill" $R/ptxas.log $R/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
+    | tail -60 > $R/ptxas_summary.log; rm -rf $R/ptxas; cat $R/ptxas_summary.log >> $R/next.log
   bench 190 bench_16k_small --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_small,mosaic_small_fused,mosaic_fused,cudnn \
     --interleave --rounds 5 --max-dense-mask-seq 0
@@ -379,7 +379,28 @@ small_runs() {
   grep -E "PASSED|FAILED|passed|failed|rel-L2|Error|\] out=" $R/gpu_tests_small.log | tail -40 \
     | tee -a $R/next.log
 }
+#   LANE=ATOMIC (~9 min): session 12's fused dq added with atomic adds from registers
+#     (KVAX_MOSAIC_DQ_ATOMIC=1, BwdConfig.dq_atomic: no shared-memory staging, no bulk reduce),
+#     big and small CTAs, 16k then 64k fwd+bwd interleaved against the default, the staged fused
+#     path and cuDNN; then its GPU tests against the float32 reference. Prediction if shared
+#     memory bounds the backward (session 9's model): the fused kernel from ~1.09x the
+#     deterministic pair's time to ~0.9x (64k causal backward 186 -> ~165 ms); no gain if the
+#     L2 atomics cost more than the staging they replace.
+atomic_runs() {
+  bench 170 bench_16k_atomic --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fused,mosaic_fused_atomic,mosaic_small_fused_atomic,cudnn \
+    --interleave --rounds 5 --max-dense-mask-seq 0
+  grep -vE "WARNING" $R/bench_16k_atomic.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
+  bench 200 bench_64k_atomic --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fused_atomic,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+  grep -vE "WARNING" $R/bench_64k_atomic.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
+  timeout ${ATOMIC_TEST_S:-170} python3 -m pytest -m gpu -v -s -p no:cacheprovider \
+    tests/gpu/test_mosaic_gpu.py -k "atomic_dq" > $R/gpu_tests_atomic.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|Error|\] out=" $R/gpu_tests_atomic.log | tail -30 \
+    | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  ATOMIC) atomic_runs ;;
   MLA2) mla2_runs ;;
   MLA) mla_runs ;;
   BIG2) big2_runs ;;

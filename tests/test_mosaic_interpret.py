@@ -364,3 +364,44 @@ def test_small_cta_backward_lowers_for_cuda(dims, det, monkeypatch):
   assert not backward_small.fits(192, 128, 2, True) and not backward_small.fits(256, 256, 2, False)
   with pytest.raises(ValueError, match=r"KVAX_MOSAIC_BWD_SMALL=1: head dims \(256, 256\)"):
     test_kernels_lower_for_cuda((256, 256), False)
+
+
+@pytest.mark.parametrize("case,small", [("docs_padding_gqa", False),
+                                        ("window_masked_full_masked_fused", False),
+                                        ("prefill_mla", False),
+                                        ("docs_padding_gqa", True)])
+def test_atomic_dq_matches_reference(case, small, monkeypatch):
+  """KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic): the fused backward adds its dq partials with
+  atomic adds from registers (no shared-memory staging, no bulk reduce), in the big CTAs (the
+  column-split partials at head dim 128, whole partials at MLA's 192) and in the small CTAs:
+  outputs and every gradient against the float32 reference in the interpreter. The hook must
+  reach the kernel (with a 3-deep q / dO ring at head dim 128)."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bwd
+  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
+  if small:
+    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  seen = []
+  real = bwd.dkv_call if not small else bwd.backward_small.dkv_call
+  target = bwd if not small else bwd.backward_small
+  if small:
+    monkeypatch.setattr(target, "dkv_call",
+                        lambda cfg, *a: (seen.append((cfg.dq_atomic, cfg.with_dq)), real(cfg, *a))[1])
+  else:
+    monkeypatch.setattr(target, "dkv_call", lambda cfg, stages, *a: (
+        seen.append((cfg.dq_atomic, cfg.with_dq, stages)), real(cfg, stages, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen and all(s[0] and s[1] for s in seen), seen
+  if not small and CASES[case].get("dk", 64) == 128:
+    assert seen[0][2] == 3, seen
+  # no float32 staging: 2 consumers x 64 x 64 x 4 bytes less shared memory
+  assert (bwd.dkv_smem_bytes(3, 128, 128, 2, True, True)
+          - bwd.dkv_smem_bytes(3, 128, 128, 2, True, True, dq_atomic=True)) == 32768
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_atomic_dq_lowers_for_cuda(small, monkeypatch):
+  """The atomic-dq hook lowers for CUDA (red.global.add.f32 from the WGMMA register layout)."""
+  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
+  if small:
+    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  test_kernels_lower_for_cuda((128, 128), False)

@@ -220,3 +220,23 @@ def test_small_cta_backward_against_reference(name, deterministic, monkeypatch):
   seed = sum(map(ord, name))
   _run(name, *build(np.random.default_rng(seed)), seed=seed,
        **dict(kwargs, deterministic=deterministic))
+
+
+ATOMIC_CASES = [(name, small) for small in (False, True)
+                for name in ("odd_length_padding_bf16", "one_token_docs_fp16_d64",
+                             "huge_segment_ids_fused", "softcap_sinks", "mla_192_128")
+                if not (small and name == "mla_192_128")]  # MLA: two small CTAs do not fit
+
+
+@pytest.mark.parametrize("name,small", ATOMIC_CASES)
+def test_atomic_dq_against_reference(name, small, monkeypatch):
+  """KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic, session 12): the fused backward's dq partials
+  added with atomic adds from registers, in the big CTAs and (where its head dims fit) the small
+  ones, against the float32 reference."""
+  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
+  if small:
+    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name))
+  _run(name, *build(np.random.default_rng(seed)), seed=seed,
+       **dict(kwargs, deterministic=False))

@@ -126,6 +126,16 @@ class BwdConfig:
   # (and with with_dq the fused dq) in small CTAs, one warpgroup of 64 kv rows each, two per SM
   # (backward_small.py); the deterministic dq kernel is unchanged.
   small_ctas: bool = False
+  # Benchmarking hook KVAX_MOSAIC_DQ_ATOMIC=1 (session 12, off until measured): with with_dq,
+  # each consumer adds its dq partial into the float32 buffer with atomic adds straight from
+  # registers (red.global.add.f32) instead of staging it in shared memory for a TMA bulk
+  # reduce. Why: the backward is bound by shared-memory bandwidth (session 9's model: the
+  # dk/dv kernel at ~85% of it); the staged reduce writes 16 KiB and TMA reads it back per
+  # step per consumer, so the fused kernel moves ~168 KiB of shared memory per 64 x 64 tile
+  # pair against ~160 KiB for dk/dv + the dq kernel (which recomputes 2 products) and ~136 KiB
+  # for the fused kernel with atomics (and 32 KiB less shared memory). The global atomics' cost
+  # in L2 (scalar 4-byte reds, 32 per thread per step) is what the GPU run decides.
+  dq_atomic: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -151,14 +161,16 @@ def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
                    split: bool = False, dq_buffers: int = 1, ids: bool = False,
-                   tile_q: int = TILE_Q) -> int:
+                   tile_q: int = TILE_Q, dq_atomic: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * tile_q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
+  if dq_atomic and with_dq:  # no float32 staging: only dS (shared between consumers if split)
+    dq_buffers = 0
   if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
     dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize
                       + dq_buffers * TILE_Q * (dk // CONSUMERS) * 4)
   elif with_dq:
-    dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
+    dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + (0 if dq_atomic else TILE_Q * dk * 4))
   else:
     dq = 0
   return kv + ring + dq + 1024
@@ -340,6 +352,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         if cfg.with_dq:
           qrows = pl.ds(qi * tq, tq)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
+          if cfg.dq_atomic:  # straight from registers (BwdConfig.dq_atomic)
+            if cfg.interpret:  # a buffer of its own (see dq_copies): a plain add is exact
+              target = dq_ref.at[tile * CONSUMERS + wg, bi, qrows, head, cols]
+              target[...] = target[...] + dq
+            else:
+              plgpu.atomic_add(dq_ref.at[0, bi, qrows, head, cols], dq)
+            return dk_acc, dv_acc
           if dq_buffers == 1:
             my_dq = dq_smem.at[wg]
           else:
@@ -435,7 +454,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
         (_smem((CONSUMERS, tq, dq_cols), jnp.float32) if dq_buffers == 1 else
-         _smem((dq_buffers, CONSUMERS, tq, dq_cols), jnp.float32)) if cfg.with_dq else None,
+         _smem((dq_buffers, CONSUMERS, tq, dq_cols), jnp.float32))
+        if cfg.with_dq and not cfg.dq_atomic else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
     )
@@ -688,12 +708,14 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
                              dk, dv, dq_table)
   split = splits_dq(cfg, dk_dim)
   ids = cfg.ids_tma
+  atomic = cfg.dq_atomic
   with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
-                                           split, ids=ids) <= SMEM_BUDGET
+                                           split, ids=ids, dq_atomic=atomic) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
   if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
-      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers, ids=ids) > SMEM_BUDGET:
+      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers, ids=ids,
+      dq_atomic=atomic) > SMEM_BUDGET:
     cfg = dataclasses.replace(cfg, dq_buffers=1)
   # 128-query steps (hook) only where the tables' query block allows them, without dq or soft
   # cap (its derivative would be one more 64 x 128 float32 tile live), and in shared memory.
@@ -704,7 +726,7 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   stages = next((s for s in depths
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
                                    cfg.dq_buffers if split else 1, ids=ids,
-                                   tile_q=tile_q) <= SMEM_BUDGET),
+                                   tile_q=tile_q, dq_atomic=atomic) <= SMEM_BUDGET),
                 None)
   if stages is None and tile_q != TILE_Q:  # the wide ring does not fit: back to 64 rows
     tile_q = TILE_Q

@@ -155,7 +155,7 @@ def dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lowe
     # V is the A operand of dP^T = V dO^T: held in registers for the whole CTA.
     v_regs = (v_smem[...] if cfg.interpret
               else plgpu.load(v_smem, (), layout=plgpu.Layout.WGMMA, optimized=True))
-    if with_dq:
+    if with_dq and not cfg.dq_atomic:
       # V's memory becomes the dq staging (a RefUnion): every thread has read V first (the
       # fence + warpgroup barrier of commit_smem).
       plgpu.commit_smem()
@@ -163,10 +163,18 @@ def dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lowe
     dv_acc = plgpu.layout_cast(jnp.zeros((TILE, dv), jnp.float32), plgpu.Layout.WGMMA)
 
     def store_dq_chunk(n, c, head, qrows, part):
-      """Bulk-reduce-add dQ_part[:, chunk c] of step n through a staging buffer."""
+      """Bulk-reduce-add dQ_part[:, chunk c] of step n through a staging buffer (or, with
+      cfg.dq_atomic, atomic adds straight from registers)."""
+      cols = pl.ds(c * DQ_CHUNK, DQ_CHUNK)
+      if cfg.dq_atomic:
+        if cfg.interpret:  # a buffer of its own (see dq_copies): a plain add is exact
+          target = dq_ref.at[tile, bi, qrows, head, cols]
+          target[...] = target[...] + part
+        else:
+          plgpu.atomic_add(dq_ref.at[0, bi, qrows, head, cols], part)
+        return
       buf = c % 2 if chunks % 2 == 0 else lax.rem(n * chunks + c, 2)
       my_stage = stage.at[buf]
-      cols = pl.ds(c * DQ_CHUNK, DQ_CHUNK)
       # The reduce that last used this buffer (two chunks ago) has read it; this also makes
       # every thread wait for it (the wait ends with a warpgroup barrier).
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -276,7 +284,7 @@ def dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lowe
   def entry(*refs):
     scratch = (
         _smem((TILE, dk), dtype),
-        plgpu.RefUnion(v_spec, stage_spec) if with_dq else v_spec,
+        plgpu.RefUnion(v_spec, stage_spec) if with_dq and not cfg.dq_atomic else v_spec,
         _smem((2, TILE, dk), dtype),
         plgpu.SMEM((2, TILE), jnp.float32),
         _smem((TILE, dv), dtype),
@@ -291,7 +299,8 @@ def dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lowe
     )
 
     def scoped(k_smem, v_or_union, *rest):
-      v_smem, stage = v_or_union if with_dq else (v_or_union, None)
+      v_smem, stage = (v_or_union if with_dq and not cfg.dq_atomic
+                       else (v_or_union, None))
       kernel(*refs, k_smem, v_smem, stage, *rest)
     pl.run_scoped(scoped, *scratch, *barriers)
 
