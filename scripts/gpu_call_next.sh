@@ -399,7 +399,36 @@ atomic_runs() {
   grep -E "PASSED|FAILED|passed|failed|Error|\] out=" $R/gpu_tests_atomic.log | tail -30 \
     | tee -a $R/next.log
 }
+#   LANE=E2EALL (~9.5 min): the whole MaxText e2e matrix (maxtext_e2e.py's default runs: 16k one
+#     document per row kvax / cudnn_flash_jax, 16k short documents kvax / flash / cudnn_flash_jax,
+#     64k short documents kvax / flash), cold, 6 steps, on the kernels as they are now: README's
+#     e2e table still holds run 1's short-document rows (with the feeder's per-step sync).
+e2eall_runs() {
+  timeout 540 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2eall --steps 6 --timeout 150 \
+    > $R/e2e_all.log 2>&1
+  mkdir -p $R/e2e_all && cp /tmp/e2eall/e2e.json /tmp/e2eall/e2e.png $R/e2e_all/ 2>/dev/null
+  for d in /tmp/e2eall/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_all/$(basename "$d").summary.json"; done
+  tail -14 $R/e2e_all.log | tee -a $R/next.log
+}
+#   LANE=EARLYDP (~7 min): the deterministic dk/dv step's products in two pairs
+#     (KVAX_MOSAIC_DKV_EARLY_DP=1: S^T with dP^T, then dV with dK; two wgmma waits per step, not
+#     three): GPU tests first (3 layouts against the float32 reference), then 16k and 64k
+#     causal + documents fwd+bwd interleaved with the default and cuDNN. Prediction: the dk/dv
+#     kernel a few % faster if its waits leave the tensor cores idle (64k causal fwd+bwd
+#     ~250 -> ~240 ms); unchanged if the other consumer already fills them.
+earlydp_runs() {
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and env6" > $R/gpu_tests_earlydp.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_earlydp.log | tail -6 | tee -a $R/next.log
+  bench 150 bench_16k_earlydp --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 7 --max-dense-mask-seq 0
+  bench 230 bench_64k_earlydp --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_*_earlydp.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  EARLYDP) earlydp_runs ;;
+  E2EALL) e2eall_runs ;;
   ATOMIC) atomic_runs ;;
   MLA2) mla2_runs ;;
   MLA) mla_runs ;;

@@ -266,6 +266,10 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_P16": "1"}, "dkv_p16", True),
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_K_REGS": "1"}, "dkv_k_regs", True),
+    # session 12: the step's products as two pairs (S^T with dP^T, then dV with dK)
+    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
+    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
   """Session 9's dk/dv levers (BwdConfig.dkv_tile_q: 128-query steps; dkv_p16: dS^T from the

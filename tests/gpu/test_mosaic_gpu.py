@@ -180,7 +180,8 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
 @pytest.mark.parametrize("env", [{"KVAX_MOSAIC_DKV_P16": "1"}, {"KVAX_MOSAIC_DKV_K_REGS": "1"},
                                  {"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
                                  {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
-                                 {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"}])
+                                 {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
+                                 {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}])
 @pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
                                   "one_token_docs_fp16_d64"])
 def test_dkv_register_hooks_against_reference(name, env, monkeypatch):

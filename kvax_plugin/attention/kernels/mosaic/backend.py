@@ -172,6 +172,7 @@ class Static:
   fwd_zigzag: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_ZIGZAG=1 (FwdConfig.zigzag)
   bwd_small: bool = False  # benchmarking hook: KVAX_MOSAIC_BWD_SMALL=1 (BwdConfig.small_ctas)
   dq_atomic: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic)
+  dkv_early_dp: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_EARLY_DP=1 (BwdConfig)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -276,7 +277,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dkv_tile_q=cfg.dkv_tile_q, dkv_p16=cfg.dkv_p16, dkv_k_regs=cfg.dkv_k_regs, lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, small_ctas=cfg.bwd_small,
-      dq_atomic=cfg.dq_atomic)
+      dq_atomic=cfg.dq_atomic, dkv_early_dp=cfg.dkv_early_dp)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -363,7 +364,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
                bwd_small=_env_choice("KVAX_MOSAIC_BWD_SMALL", ("0", "1")) == "1",
-               dq_atomic=_env_choice("KVAX_MOSAIC_DQ_ATOMIC", ("0", "1")) == "1")
+               dq_atomic=_env_choice("KVAX_MOSAIC_DQ_ATOMIC", ("0", "1")) == "1",
+               dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("0", "1")) == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -136,6 +136,12 @@ class BwdConfig:
   # for the fused kernel with atomics (and 32 KiB less shared memory). The global atomics' cost
   # in L2 (scalar 4-byte reds, 32 per thread per step) is what the GPU run decides.
   dq_atomic: bool = False
+  # Benchmarking hook KVAX_MOSAIC_DKV_EARLY_DP=1 (session 12, deterministic dk/dv kernel at 64
+  # query rows only): the step's products in two pairs instead of 1 + 2 + 1, i.e. S^T = K Q^T
+  # and dP^T = V dO^T issued together (both only need the ring slot), then P^T and dS^T, then
+  # dV += P^T dO and dK += dS^T Q together: two wgmma waits per step instead of three, and the
+  # element-wise work in one stretch (the other consumer's pair fills the tensor cores then).
+  dkv_early_dp: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -214,6 +220,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   prewait = cfg.prewait and not cfg.with_dq and stages >= 2
+  early_dp = cfg.dkv_early_dp and not cfg.with_dq and not wide and not k_regs and cfg.paired
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -273,7 +280,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if k_regs:
+        if early_dp:
+          if not prewait:
+            plgpu.barrier_wait(do_ready.at[slot])
+          shape = (ROWS_PER_WG, tq)
+          st, dpt = products_together((None, my_k, q_smem.at[slot].T, shape),
+                                      (None, my_v, do_smem.at[slot].T, shape), cfg.interpret)
+        elif k_regs:
           st = accumulate(plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, tq), jnp.float32),
                                             plgpu.Layout.WGMMA),
                           k_operand, q_smem.at[slot].T, cfg.interpret)
@@ -291,9 +304,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         pt16 = pt.astype(dtype)
         if wide:  # from here on P^T lives in 16 bits only (registers; BwdConfig.dkv_tile_q)
           pt = None
-        if not prewait:
+        if not prewait and not early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
-        if cfg.paired:
+        if early_dp:
+          pass  # dP^T is here; dV's product goes with dK's below
+        elif cfg.paired:
           dv_acc, dpt = products_together(
               (dv_acc, pt16, do_smem.at[slot]),
               (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, tq)), cfg.interpret)
@@ -341,6 +356,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               plgpu.wgmma(ref, my_ds.T, my_k)
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((tq, dk), jnp.float32))
+        elif early_dp:
+          if prewait:
+            raise ValueError("dkv_early_dp with prewait: not built (both hooks off by default)")
+          dv_acc, dk_acc = products_together((dv_acc, pt16, do_smem.at[slot]),
+                                             (dk_acc, ds16, q_smem.at[slot]), cfg.interpret)
         elif prewait:
           def next_slot():
             pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
