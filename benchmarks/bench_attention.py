@@ -236,8 +236,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_fused_atomic"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_ATOMIC": "1"})
   impls["mosaic_small_fused_atomic"] = make_mosaic(
       det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1", "KVAX_MOSAIC_DQ_ATOMIC": "1"})
-  # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK)
+  # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK): the
+  # default since session 12; the row before it (1 + 2 + 1 products per step)
   impls["mosaic_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "1"})
+  impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

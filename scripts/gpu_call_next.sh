@@ -426,7 +426,19 @@ earlydp_runs() {
     --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_*_earlydp.log | tee -a $R/next.log
 }
+#   LANE=DEFAULTS (~9.5 min): the whole Mosaic GPU test file on the new default (the dk/dv step's
+#     products in two pairs), hooks aside, then 16k fwd and fwd+bwd interleaved with cuDNN and
+#     tokamax Mosaic.
+defaults_runs() {
+  timeout 390 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "not register_hooks and not small_cta and not atomic_dq" --durations=0 > $R/gpu_tests_mosaic_all.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_all.log | tail -20 | tee -a $R/next.log
+  bench 160 bench_16k_defaults --seq 16384 --cases causal,docs \
+    --impls mosaic,mosaic_no_early_dp,cudnn,tokamax_mosaic --interleave --rounds 5
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_defaults.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  DEFAULTS) defaults_runs ;;
   EARLYDP) earlydp_runs ;;
   E2EALL) e2eall_runs ;;
   ATOMIC) atomic_runs ;;
