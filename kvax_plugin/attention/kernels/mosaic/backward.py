@@ -220,7 +220,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   prewait = cfg.prewait and not cfg.with_dq and stages >= 2
-  early_dp = cfg.dkv_early_dp and not cfg.with_dq and not wide and not k_regs and cfg.paired
+  # (the prewait hook keeps the 1 + 2 + 1 order: its next-slot wait rides on the dK product)
+  early_dp = (cfg.dkv_early_dp and not cfg.with_dq and not wide and not k_regs and cfg.paired
+              and not prewait)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -357,8 +359,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((tq, dk), jnp.float32))
         elif early_dp:
-          if prewait:
-            raise ValueError("dkv_early_dp with prewait: not built (both hooks off by default)")
           dv_acc, dk_acc = products_together((dv_acc, pt16, do_smem.at[slot]),
                                              (dk_acc, ds16, q_smem.at[slot]), cfg.interpret)
         elif prewait:
