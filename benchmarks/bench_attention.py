@@ -240,6 +240,11 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # default since session 12; the row before it (1 + 2 + 1 products per step)
   impls["mosaic_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "1"})
   impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
+  # the two-pair step software-pipelined (one wait per step; BwdConfig.dkv_pipeline), and with
+  # 8 more registers per consumer thread
+  impls["mosaic_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DKV_PIPELINE": "1"})
+  impls["mosaic_pipeline_regs240"] = make_mosaic(
+      env={"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -3,13 +3,18 @@
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/ptxas python benchmarks/mosaic_resources.py
 
 Compiles forward + backward once per backward mode (deterministic, fused with column-split dq,
-fused with whole dq partials, and the small-CTA dk/dv kernel fused and deterministic) at a small causal shape with head dim 128, so that Mosaic GPU
-writes each kernel's ptxas report (registers per thread, spill stores / loads, shared memory)
-into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel variant spills.
+fused with whole dq partials, and the small-CTA dk/dv kernel fused and deterministic; with
+--modes, the named ones, e.g. the dk/dv pipelining hook) at a small causal shape with head dim
+128, so that Mosaic GPU writes each kernel's ptxas report (registers per thread, spill stores /
+loads, shared memory) into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel variant
+spills.
+
+    ... python benchmarks/mosaic_resources.py --modes deterministic,pipeline,pipeline_regs240
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import jax
@@ -19,7 +24,30 @@ from kvax_plugin.attention.block_mask import create_attention_mask
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
 
+# label: (deterministic backward, environment); every hook named here is reset between modes
+MODES = {
+    "deterministic": (True, {}),
+    "fused_split": (False, {}),
+    "fused_whole": (False, {"KVAX_MOSAIC_DQ_WHOLE": "1"}),
+    "small_fused": (False, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
+    "small_deterministic": (True, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
+    "one_by_one": (True, {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}),
+    "pipeline": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1"}),
+    "pipeline_regs240": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"}),
+}
+DEFAULT_MODES = "deterministic,fused_split,fused_whole,small_fused,small_deterministic"
+
+
 def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--modes", default=DEFAULT_MODES,
+                  help=f"comma-separated, of: {', '.join(MODES)}")
+  args = ap.parse_args()
+  labels = args.modes.split(",")
+  unknown = [m for m in labels if m not in MODES]
+  if unknown:
+    ap.error(f"--modes: unknown {unknown}; expected some of {list(MODES)}")
+  hooks = sorted({name for _, env in MODES.values() for name in env})
   s, h, kh, d = 2048, 8, 2, 128
   pos = jnp.arange(s, dtype=jnp.int32)[None]
   seg = jnp.zeros((1, s), jnp.int32)
@@ -28,11 +56,9 @@ def main():
   q = jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)
   k = jax.random.normal(keys[1], (1, s, kh, d), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, s, kh, d), jnp.bfloat16)
-  for label, det, env in (("deterministic", True, {}), ("fused_split", False, {}),
-                          ("fused_whole", False, {"KVAX_MOSAIC_DQ_WHOLE": "1"}),
-                          ("small_fused", False, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
-                          ("small_deterministic", True, {"KVAX_MOSAIC_BWD_SMALL": "1"})):
-    for name in ("KVAX_MOSAIC_DQ_WHOLE", "KVAX_MOSAIC_BWD_SMALL"):
+  for label in labels:
+    det, env = MODES[label]
+    for name in hooks:
       os.environ.pop(name, None)
     os.environ.update(env)
 

@@ -437,7 +437,31 @@ defaults_runs() {
     --impls mosaic,mosaic_no_early_dp,cudnn,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_16k_defaults.log | tee -a $R/next.log
 }
+#   LANE=PIPELINE (~9 min): the dk/dv step software-pipelined (KVAX_MOSAIC_DKV_PIPELINE=1: the
+#     next step's S^T / dP^T issued with this step's dV / dK, one wgmma wait per step; built in
+#     session 12, interpreter / race-detector / lowering only): ptxas registers and spills of the
+#     deterministic kernels (two pairs, pipelined at 232 and 240 registers), GPU tests against
+#     the float32 reference (3 layouts x both register splits), then 16k and 64k fwd+bwd
+#     causal + documents interleaved with the default and cuDNN. Prediction: -1..3% more off the
+#     dk/dv kernel if it does not spill (the two-pair change gave 1.7-3%); slower if it spills.
+pipeline_runs() {
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas timeout 150 python3 \
+    benchmarks/mosaic_resources.py --modes deterministic,pipeline,pipeline_regs240 > $R/ptxas.log 2>&1
+  grep -ahE "===|registers|spill" $R/ptxas.log /tmp/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
+    | tail -60 > $R/ptxas_summary.log; cat $R/ptxas_summary.log >> $R/next.log
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "register_hooks and (env7 or env8)" > $R/gpu_tests_pipeline.log 2>&1
+  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_pipeline.log | tail -6 | tee -a $R/next.log
+  bench 130 bench_16k_pipeline --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_pipeline,mosaic_pipeline_regs240,cudnn --interleave --rounds 5 \
+    --max-dense-mask-seq 0
+  bench 200 bench_64k_pipeline --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_pipeline,mosaic_pipeline_regs240,cudnn --interleave --rounds 3 \
+    --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_*_pipeline.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  PIPELINE) pipeline_runs ;;
   DEFAULTS) defaults_runs ;;
   EARLYDP) earlydp_runs ;;
   E2EALL) e2eall_runs ;;

@@ -41,6 +41,7 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           _ROW, _smem, accumulate,
                                                           accumulate_then, pair_keep,
                                                           produce_kv_ring, products_together,
+                                                          products_issued_together,
                                                           released_for_tma,
                                                           longest_first, visit_order)
 
@@ -142,6 +143,15 @@ class BwdConfig:
   # dV += P^T dO and dK += dS^T Q together: two wgmma waits per step instead of three, and the
   # element-wise work in one stretch (the other consumer's pair fills the tensor cores then).
   dkv_early_dp: bool = False
+  # Benchmarking hook KVAX_MOSAIC_DKV_PIPELINE=1 (session 12, not yet GPU-run; with dkv_early_dp
+  # and a ring of >= 2 slots): the dk/dv step software-pipelined across steps, one wgmma wait
+  # per step instead of two. Step n's element-wise work (P^T, dS^T from S^T(n), dP^T(n) carried
+  # in registers) is followed by ONE group of four products: dV += P^T(n) dO(n), dK += dS^T(n)
+  # Q(n), and the next step's S^T(n+1) = K Q(n+1)^T, dP^T(n+1) = V dO(n+1)^T; slot n is released
+  # after that wait. Peak registers: dK 64 + dV 64 + P^T, dS^T 16-bit 16 + 16 + the next S^T,
+  # dP^T 32 + 32 = 224 per thread (two more 64 x 64 float32 tiles than now): ptxas decides
+  # whether it spills (KVAX_MOSAIC_BWD_REGS=240 gives 8 more).
+  dkv_pipeline: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -223,6 +233,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   # (the prewait hook keeps the 1 + 2 + 1 order: its next-slot wait rides on the dK product)
   early_dp = (cfg.dkv_early_dp and not cfg.with_dq and not wide and not k_regs and cfg.paired
               and not prewait)
+  pipeline = early_dp and cfg.dkv_pipeline and stages >= 2  # BwdConfig.dkv_pipeline
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -270,19 +281,24 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         pl.when(total > 0)(lambda: wait_slot(0))
 
       def step(n, qi, head, carry, masked: bool):
-        dk_acc, dv_acc = carry
+        if pipeline:  # this step's S^T and dP^T were issued (and awaited) by the step before
+          dk_acc, dv_acc, st, dpt = carry
+        else:
+          dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
         if masked and not cfg.ids_tma:  # loaded before the product, which hides their latency
           cols = pl.ds(qi * tq, tq)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not prewait:
+        if not prewait and not pipeline:
           plgpu.barrier_wait(q_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with q (the slot is released after the step)
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if early_dp:
+        if pipeline:
+          pass
+        elif early_dp:
           if not prewait:
             plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
@@ -358,6 +374,16 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               plgpu.wgmma(ref, my_ds.T, my_k)
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((tq, dk), jnp.float32))
+        elif pipeline:
+          # The next step's slot (waited here, once); after the last step the products of
+          # "the next" read this step's slot again, unused (no conditional wgmma needed).
+          pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
+          nxt = lax.rem(lax.min(n + 1, total - 1), stages)
+          shape = (ROWS_PER_WG, tq)
+          dv_acc, dk_acc, st, dpt = products_issued_together(
+              ((dv_acc, pt16, do_smem.at[slot]), (dk_acc, ds16, q_smem.at[slot]),
+               (None, my_k, q_smem.at[nxt].T, shape), (None, my_v, do_smem.at[nxt].T, shape)),
+              cfg.interpret)
         elif early_dp:
           dv_acc, dk_acc = products_together((dv_acc, pt16, do_smem.at[slot]),
                                              (dk_acc, ds16, q_smem.at[slot]), cfg.interpret)
@@ -395,6 +421,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[0, bi, qrows, head, cols],
                                     reduction_op="add")
+        if pipeline:
+          return dk_acc, dv_acc, st, dpt
         return dk_acc, dv_acc
 
       def one_head(g, carry):
@@ -406,7 +434,17 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             masked_count, count,
             lambda m, c: step(base + m, full_lower + (m - masked_count), head, c, False), carry)
 
-      dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
+      init = (dk_acc, dv_acc)
+      if pipeline:
+        # Prologue: the first step's S^T and dP^T (with no step at all they read an unloaded
+        # slot and are never used).
+        pl.when(total > 0)(lambda: wait_slot(0))
+        shape = (ROWS_PER_WG, tq)
+        # slot 0 as a traced index: a Python 0 indexing a wgmma operand failed to lower
+        first = total - total
+        init += products_together((None, my_k, q_smem.at[first].T, shape),
+                                  (None, my_v, do_smem.at[first].T, shape), cfg.interpret)
+      dk_acc, dv_acc = lax.fori_loop(0, group, one_head, init)[:2]
       if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
       if split:
