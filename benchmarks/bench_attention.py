@@ -245,6 +245,10 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DKV_PIPELINE": "1"})
   impls["mosaic_pipeline_regs240"] = make_mosaic(
       env={"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"})
+  # the dq kernel pipelined the same way (BwdConfig.dq_pipeline), alone and with both
+  impls["mosaic_dq_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DQ_PIPELINE": "1"})
+  impls["mosaic_both_pipelines"] = make_mosaic(
+      env={"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1"})
   # the dk/dv kernel's q / dO ring 4 deep instead of 3
   impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:

@@ -34,6 +34,7 @@ MODES = {
     "one_by_one": (True, {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}),
     "pipeline": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1"}),
     "pipeline_regs240": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"}),
+    "dq_pipeline": (True, {"KVAX_MOSAIC_DQ_PIPELINE": "1"}),
 }
 DEFAULT_MODES = "deterministic,fused_split,fused_whole,small_fused,small_deterministic"
 

@@ -274,6 +274,10 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
     ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
+    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DQ_PIPELINE": "1"}, "dq_pipeline", True),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DQ_PIPELINE": "1"}, "dq_pipeline", True),
+    ("window_cap_sinks_det", {"KVAX_MOSAIC_DQ_PIPELINE": "1",
+                              "KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dq_pipeline", True),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
   """Session 9's dk/dv levers (BwdConfig.dkv_tile_q: 128-query steps; dkv_p16: dS^T from the

@@ -183,7 +183,10 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
                                  {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
                                  {"KVAX_MOSAIC_DKV_EARLY_DP": "1"},
                                  {"KVAX_MOSAIC_DKV_PIPELINE": "1"},
-                                 {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"}])
+                                 {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"},
+                                 {"KVAX_MOSAIC_DQ_PIPELINE": "1"},
+                                 {"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1",
+                                  "KVAX_MOSAIC_BWD_REGS": "240"}])
 @pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
                                   "one_token_docs_fp16_d64"])
 def test_dkv_register_hooks_against_reference(name, env, monkeypatch):

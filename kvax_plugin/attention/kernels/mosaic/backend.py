@@ -178,6 +178,7 @@ class Static:
   # KVAX_MOSAIC_DKV_EARLY_DP=0 turns it off.
   dkv_early_dp: bool = True
   dkv_pipeline: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_PIPELINE=1 (BwdConfig)
+  dq_pipeline: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_PIPELINE=1 (BwdConfig)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -282,7 +283,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dkv_tile_q=cfg.dkv_tile_q, dkv_p16=cfg.dkv_p16, dkv_k_regs=cfg.dkv_k_regs, lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, small_ctas=cfg.bwd_small,
-      dq_atomic=cfg.dq_atomic, dkv_early_dp=cfg.dkv_early_dp, dkv_pipeline=cfg.dkv_pipeline)
+      dq_atomic=cfg.dq_atomic, dkv_early_dp=cfg.dkv_early_dp, dkv_pipeline=cfg.dkv_pipeline,
+      dq_pipeline=cfg.dq_pipeline)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -371,7 +373,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                bwd_small=_env_choice("KVAX_MOSAIC_BWD_SMALL", ("0", "1")) == "1",
                dq_atomic=_env_choice("KVAX_MOSAIC_DQ_ATOMIC", ("0", "1")) == "1",
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
-               dkv_pipeline=_env_choice("KVAX_MOSAIC_DKV_PIPELINE", ("0", "1")) == "1")
+               dkv_pipeline=_env_choice("KVAX_MOSAIC_DKV_PIPELINE", ("0", "1")) == "1",
+               dq_pipeline=_env_choice("KVAX_MOSAIC_DQ_PIPELINE", ("0", "1")) == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -152,6 +152,11 @@ class BwdConfig:
   # dP^T 32 + 32 = 224 per thread (two more 64 x 64 float32 tiles than now): ptxas decides
   # whether it spills (KVAX_MOSAIC_BWD_REGS=240 gives 8 more).
   dkv_pipeline: bool = False
+  # Benchmarking hook KVAX_MOSAIC_DQ_PIPELINE=1 (session 12, not yet GPU-run): the same for the
+  # deterministic dq kernel: step n's dQ += dS(n) K(n) issued with the next step's
+  # S(n+1) = Q K(n+1)^T and dP(n+1) = dO V(n+1)^T, one wait per step instead of two; K and V
+  # slot n released after it. Peak: dQ 64 + dS 16-bit 32 + S, dP 64 + 64 = 224 registers.
+  dq_pipeline: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -594,6 +599,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   rk = cfg.table_kv // bk
   dtype = q.dtype
   prewait = cfg.prewait and stages >= 2
+  pipeline = cfg.dq_pipeline and cfg.paired and not prewait and stages >= 2
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
@@ -635,19 +641,25 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       if prewait:  # the first slot here; every later one behind the previous step's dQ product
         pl.when(count > 0)(lambda: wait_slot(0))
 
-      def step(n, ki, acc, masked: bool):
+      def step(n, ki, carry, masked: bool):
         """The n-th visited kv block, block ki."""
+        if pipeline:  # this step's S and dP were issued (and awaited) by the step before
+          acc, s, dp = carry
+        else:
+          acc = carry
         slot = lax.rem(n, stages)
         if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not prewait:
+        if not prewait and not pipeline:
           plgpu.barrier_wait(k_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
           kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
           kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
-        if cfg.paired:
+        if pipeline:
+          pass
+        elif cfg.paired:
           if not prewait:
             plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
@@ -678,6 +690,19 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if masked:
           # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
           ds = jnp.where(keep, ds, 0.0)
+        if pipeline:
+          # The next step's slot (waited here, once); after the last step the products of
+          # "the next" read this step's slot again, unused.
+          pl.when(n + 1 < count)(lambda: wait_slot(lax.rem(n + 1, stages)))
+          nxt = lax.rem(lax.min(n + 1, count - 1), stages)
+          shape = (ROWS_PER_WG, bk)
+          acc, s, dp = products_issued_together(
+              ((acc, ds.astype(dtype), k_smem.at[slot]),
+               (None, my_q, k_smem.at[nxt].T, shape), (None, my_do, v_smem.at[nxt].T, shape)),
+              cfg.interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          return acc, s, dp
         if prewait:
           def next_slot():
             pl.when(n + 1 < count)(lambda: wait_slot(lax.rem(n + 1, stages)))
@@ -687,9 +712,20 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
-      acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
-      acc = lax.fori_loop(masked_count, count,
-                          lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
+      carry = acc
+      if pipeline:
+        # Prologue: the first step's S and dP (with no step they read an unloaded slot, unused).
+        pl.when(count > 0)(lambda: wait_slot(0))
+        first = count - count  # slot 0 as a traced index (see dkv_call's prologue)
+        shape = (ROWS_PER_WG, bk)
+        carry = (acc,) + products_together((None, my_q, k_smem.at[first].T, shape),
+                                           (None, my_do, v_smem.at[first].T, shape),
+                                           cfg.interpret)
+      carry = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), carry)
+      carry = lax.fori_loop(masked_count, count,
+                            lambda n, a: step(n, full_lower + (n - masked_count), a, False),
+                            carry)
+      acc = carry[0] if pipeline else carry
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
       # reached them through 0 * NaN inside dS K.
       acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
