@@ -176,8 +176,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})
-  # fused dq with two shared-memory buffers per consumer for the dq partial
-  impls["mosaic_fused_2buf"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_BUFFERS": "2"})
   # register split 240 / 24 for the backward's consumers / producer (ptxas spills at 232 / 40),
   # the dq kernel stepping 64 kv rows (half the S / dP registers), and their combinations
   regs240 = {"KVAX_MOSAIC_BWD_REGS": "240"}
@@ -185,8 +183,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_dq64"] = make_mosaic(env={"KVAX_MOSAIC_DQ_KV_TILE": "64"})
   impls["mosaic_regs240_dq64"] = make_mosaic(env={**regs240, "KVAX_MOSAIC_DQ_KV_TILE": "64"})
   impls["mosaic_fused_regs240"] = make_mosaic(det=False, env=regs240)
-  impls["mosaic_fused_2buf_regs240"] = make_mosaic(
-      det=False, env={**regs240, "KVAX_MOSAIC_DQ_BUFFERS": "2"})
   impls["mosaic_fused_unpaired"] = make_mosaic(det=False, env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # unpaired frees P's 16-bit copy before dP is accumulated (16 registers at the fused kernel's
   # peak: dK 64 + dV 64 + P 32 + dP 32 float32 per thread)
@@ -202,18 +198,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # kv ids in the dq kernel's K ring)
   impls["mosaic_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1",
                                              "KVAX_MOSAIC_BWD_IDS_TMA": "1"})
-  # backward hook: the deterministic kernels await their next ring slot behind a step's last
-  # product (dK += dS^T Q, dQ += dS K)
-  impls["mosaic_bwd_prewait"] = make_mosaic(env={"KVAX_MOSAIC_BWD_PREWAIT": "1"})
-  impls["mosaic_bwd_prewait_regs240"] = make_mosaic(
-      env={"KVAX_MOSAIC_BWD_PREWAIT": "1", **regs240})
-  # the dk/dv kernel stepping 128 queries (BwdConfig.dkv_tile_q), alone and at 240 registers
-  impls["mosaic_dkv128"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128"})
-  impls["mosaic_dkv128_regs240"] = make_mosaic(env={"KVAX_MOSAIC_DKV_TILE_Q": "128", **regs240})
-  # dS^T from the 16-bit P^T; and K held in registers for S^T = K Q^T (BwdConfig.dkv_p16 /
-  # dkv_k_regs)
-  impls["mosaic_dkv_p16"] = make_mosaic(env={"KVAX_MOSAIC_DKV_P16": "1"})
-  impls["mosaic_dkv_kregs"] = make_mosaic(env={"KVAX_MOSAIC_DKV_K_REGS": "1"})
   # every kernel's CTAs in longest-first order of their table rows (forward.longest_first)
   impls["mosaic_lpt"] = make_mosaic(env={"KVAX_MOSAIC_LPT": "1"})
   # every kernel's CTA exits once its output stores have read shared memory (the default since
@@ -227,15 +211,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the persistent forward with its odd rounds of items mirrored across the CTAs (FwdConfig.zigzag)
   impls["mosaic_zigzag"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1",
                                             "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
-  # session 11: the dk/dv kernel in small CTAs (one warpgroup of 64 kv rows, two CTAs per SM;
-  # backward_small.py), with the deterministic dq kernel after it, and with the fused dq
-  impls["mosaic_small"] = make_mosaic(env={"KVAX_MOSAIC_BWD_SMALL": "1"})
-  impls["mosaic_small_fused"] = make_mosaic(det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1"})
-  # session 12: the fused dq added with atomic adds from registers, no shared-memory staging
-  # (BwdConfig.dq_atomic), in the big and the small CTAs
-  impls["mosaic_fused_atomic"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_ATOMIC": "1"})
-  impls["mosaic_small_fused_atomic"] = make_mosaic(
-      det=False, env={"KVAX_MOSAIC_BWD_SMALL": "1", "KVAX_MOSAIC_DQ_ATOMIC": "1"})
   # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK): the
   # default since session 12; the row before it (1 + 2 + 1 products per step)
   impls["mosaic_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "1"})
@@ -249,8 +224,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_dq_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DQ_PIPELINE": "1"})
   impls["mosaic_both_pipelines"] = make_mosaic(
       env={"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1"})
-  # the dk/dv kernel's q / dO ring 4 deep instead of 3
-  impls["mosaic_dkv4"] = make_mosaic(env={"KVAX_MOSAIC_DKV_STAGES": "4"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -360,19 +333,18 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
   parts = dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
                fused_dkv_dq=ms(fused, args))
-  # Variants of single kernels: the deterministic kernels awaiting their next ring slot behind
-  # a step's last product (KVAX_MOSAIC_BWD_PREWAIT), and the fastest fused variant measured in
+  # Variants of single kernels: the software-pipelined deterministic kernels (one wait per
+  # step; BwdConfig.dkv_pipeline / dq_pipeline), and the fastest fused variant measured in
   # session 7 (consumers at 240 registers, products awaited one by one). The register split
   # 240 / 24 and the dq kernel's 64-row kv steps changed nothing for the deterministic kernels
   # there (dkv 111.7 vs 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
+  # (Hooks measured slower and removed in session 12 - backward pre-waits, a 4-deep ring,
+  # 128-query steps, P^T in 16 bits, K in registers - are in benchmarks/NOTES.md.)
   f240 = dc.replace(fcfg, consumer_regs=240)
-  pw = dc.replace(cfg, prewait=True)
-  # (Session 9's dk/dv variants - 128-query steps, P^T in 16 bits, K in registers - were timed
-  # as whole-op rows mosaic_dkv128 / mosaic_dkv_p16 / mosaic_dkv_kregs: all slower.)
+  piped = dc.replace(cfg, dkv_pipeline=True, dq_pipeline=True)
   variants = dict(
-      dkv_prewait=(lambda *a: bk.dkv_call(pw, stages, *a, *mask.dkv)[1:]),
-      dq_prewait=(lambda *a: bk.dq_call(pw, bk_tile, 2, *a, *mask.dq)),
-      dkv_4stages=(lambda *a: bk.dkv_call(cfg, 4, *a, *mask.dkv)[1:]),
+      dkv_pipeline=(lambda *a: bk.dkv_call(piped, stages, *a, *mask.dkv)[1:]),
+      dq_pipeline=(lambda *a: bk.dq_call(piped, bk_tile, 2, *a, *mask.dq)),
       fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
           dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
   for name, fn in variants.items():

@@ -3,9 +3,8 @@
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/ptxas python benchmarks/mosaic_resources.py
 
 Compiles forward + backward once per backward mode (deterministic, fused with column-split dq,
-fused with whole dq partials, and the small-CTA dk/dv kernel fused and deterministic; with
---modes, the named ones, e.g. the dk/dv pipelining hook) at a small causal shape with head dim
-128, so that Mosaic GPU writes each kernel's ptxas report (registers per thread, spill stores /
+fused with whole dq partials, the pipelined dk/dv and dq steps; with --modes, the named ones)
+at a small causal shape with head dim 128, so that Mosaic GPU writes each kernel's ptxas report (registers per thread, spill stores /
 loads, shared memory) into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel variant
 spills.
 
@@ -29,14 +28,12 @@ MODES = {
     "deterministic": (True, {}),
     "fused_split": (False, {}),
     "fused_whole": (False, {"KVAX_MOSAIC_DQ_WHOLE": "1"}),
-    "small_fused": (False, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
-    "small_deterministic": (True, {"KVAX_MOSAIC_BWD_SMALL": "1"}),
     "one_by_one": (True, {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}),
     "pipeline": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1"}),
     "pipeline_regs240": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"}),
     "dq_pipeline": (True, {"KVAX_MOSAIC_DQ_PIPELINE": "1"}),
 }
-DEFAULT_MODES = "deterministic,fused_split,fused_whole,small_fused,small_deterministic"
+DEFAULT_MODES = "deterministic,fused_split,fused_whole,pipeline,dq_pipeline"
 
 
 def main():

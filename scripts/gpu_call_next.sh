@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device calls of sessions 8-12 and the next one (carry .whl); LANE=CP needs the 2-GPU kind
+# The device calls of sessions 8-12 and the next one (carry .whl; lanes of hooks removed in
+# session 12 - SMALL, ATOMIC, DKV128, DKVREGS - are in git history); LANE=CP needs the 2-GPU kind
 # (not lent in sessions 9-12: run it first when it is). With a 1-GPU kind the next kernel work
 # is LANE=PIPELINE then LANE=PIPELINE64 (session 12's software-pipelined dk/dv and dq steps,
 # built and checked on the CPU only). Everything each call writes is packed into ONE archive under $OUT (the device
@@ -143,28 +144,6 @@ fwd1_runs() {
   done
   for f in $R/bench_fwd_ids_*.log; do grep -E "interleaved" $f; done | tee -a $R/next.log
 }
-#   LANE=DKV128 (~8 min): 64k causal + documents, same run (interleaved): mosaic as is, the dk/dv
-#     kernel stepping 128 queries (KVAX_MOSAIC_DKV_TILE_Q=128; at 232 and 240 registers), the ids
-#     ring hooks (forward and backward), cuDNN and tokamax Mosaic. Prediction: dk/dv 114.7 ->
-#     ~103-108 ms if shared-memory reads limit it (session 9's model), slower if ptxas spills.
-dkv128_runs() {
-  bench 560 bench_64k_dkv128 --seq 65536 --cases causal,docs \
-    --impls mosaic,mosaic_dkv128,mosaic_dkv128_regs240,mosaic_ids_tma,cudnn,tokamax_mosaic \
-    --interleave --rounds 5 --max-dense-mask-seq 0
-  grep -vE "WARNING" $R/bench_64k_dkv128.log | grep -E "ms|FAIL" | tail -40 | tee -a $R/next.log
-}
-#   LANE=DKVREGS (~8 min): the same lever within the register budget: dS^T from the 16-bit P^T
-#     (KVAX_MOSAIC_DKV_P16=1), and K in registers for S^T (KVAX_MOSAIC_DKV_K_REGS=1); GPU tests of
-#     both against the float32 reference first, then 64k fwd+bwd causal + documents, interleaved.
-dkvregs_runs() {
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks" > $R/gpu_tests_dkv_hooks.log 2>&1
-  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_dkv_hooks.log | tail -8 | tee -a $R/next.log
-  bench 400 bench_64k_dkvregs --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_dkv_p16,mosaic_dkv_kregs,cudnn \
-    --interleave --rounds 7 --max-dense-mask-seq 0
-  grep -vE "WARNING" $R/bench_64k_dkvregs.log | grep -E "ms|FAIL" | tail -30 | tee -a $R/next.log
-}
 #   LANE=E2E1 (~9 min): the cold MaxText e2e (16k, one document per row, kvax vs
 #     cudnn_flash_jax; failed in LANE=PROFILE on the missing xprof, now stubbed), then the 6
 #     Triton GPU tests not run since the layering move and the Triton non-finite test.
@@ -186,7 +165,7 @@ e2e1_runs() {
 #     reversed order is already longest-first), documents 1-2% faster (the launch tail).
 lpt_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and env2" > $R/gpu_tests_lpt.log 2>&1
+    -k "register_hooks and LPT" > $R/gpu_tests_lpt.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_lpt.log | tail -6 | tee -a $R/next.log
   for s in 16384 65536; do
     bench 230 bench_lpt_$s --seq $s --cases causal,docs \
@@ -202,7 +181,7 @@ lpt_runs() {
 #     unchanged.
 exitread_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and env3" > $R/gpu_tests_exitread.log 2>&1
+    -k "register_hooks and EXIT_AFTER_READ" > $R/gpu_tests_exitread.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_exitread.log | tail -6 | tee -a $R/next.log
   bench 150 bench_exitread_16384 --seq 16384 --cases causal,docs \
     --impls mosaic,mosaic_exit_read,cudnn,tokamax_mosaic --interleave --rounds 9 \
@@ -229,7 +208,7 @@ finaltests_runs() {
 #     documents a few %, causal unchanged or slightly better.
 persist_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and env4" > $R/gpu_tests_persist.log 2>&1
+    -k "register_hooks and FWD_PERSISTENT and not ZIGZAG" > $R/gpu_tests_persist.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_persist.log | tail -6 | tee -a $R/next.log
   bench 160 bench_persist_16384 --seq 16384 --cases causal,docs \
     --impls mosaic,mosaic_persistent,cudnn,tokamax_mosaic --interleave --rounds 9 \
@@ -290,7 +269,7 @@ e2eprof_runs() {
 #     change for documents.
 zigzag_runs() {
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and env5" > $R/gpu_tests_zigzag.log 2>&1
+    -k "register_hooks and ZIGZAG" > $R/gpu_tests_zigzag.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_zigzag.log | tail -6 | tee -a $R/next.log
   bench 170 bench_zigzag_65536 --seq 65536 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_pertile,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 7 \
@@ -361,45 +340,6 @@ mla2_runs() {
     --impls mosaic,mosaic_pertile,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_mla2_16k.log | tee -a $R/next.log
 }
-#   LANE=SMALL (~9.5 min): session 11's small-CTA backward (KVAX_MOSAIC_BWD_SMALL=1, one warpgroup
-#     of 64 kv rows per CTA, two CTAs per SM; backward_small.py): ptxas registers / spills of
-#     every backward mode first, then 16k fwd+bwd causal + documents interleaved against the
-#     default, the big-CTA fused backward and cuDNN, then its GPU tests against the float32
-#     reference (fused and deterministic dq) in what time is left.
-small_runs() {
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$R/ptxas timeout 150 python3 \
-    benchmarks/mosaic_resources.py > $R/ptxas.log 2>&1
-  grep -ahE "===|registers|spill" $R/ptxas.log $R/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
-    | tail -60 > $R/ptxas_summary.log; rm -rf $R/ptxas; cat $R/ptxas_summary.log >> $R/next.log
-  bench 190 bench_16k_small --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_small,mosaic_small_fused,mosaic_fused,cudnn \
-    --interleave --rounds 5 --max-dense-mask-seq 0
-  grep -vE "WARNING" $R/bench_16k_small.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
-  timeout ${SMALL_TEST_S:-200} python3 -m pytest -m gpu -v -s -p no:cacheprovider \
-    tests/gpu/test_mosaic_gpu.py -k "small_cta" > $R/gpu_tests_small.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rel-L2|Error|\] out=" $R/gpu_tests_small.log | tail -40 \
-    | tee -a $R/next.log
-}
-#   LANE=ATOMIC (~9 min): session 12's fused dq added with atomic adds from registers
-#     (KVAX_MOSAIC_DQ_ATOMIC=1, BwdConfig.dq_atomic: no shared-memory staging, no bulk reduce),
-#     big and small CTAs, 16k then 64k fwd+bwd interleaved against the default, the staged fused
-#     path and cuDNN; then its GPU tests against the float32 reference. Prediction if shared
-#     memory bounds the backward (session 9's model): the fused kernel from ~1.09x the
-#     deterministic pair's time to ~0.9x (64k causal backward 186 -> ~165 ms); no gain if the
-#     L2 atomics cost more than the staging they replace.
-atomic_runs() {
-  bench 170 bench_16k_atomic --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fused,mosaic_fused_atomic,mosaic_small_fused_atomic,cudnn \
-    --interleave --rounds 5 --max-dense-mask-seq 0
-  grep -vE "WARNING" $R/bench_16k_atomic.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
-  bench 200 bench_64k_atomic --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fused_atomic,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
-  grep -vE "WARNING" $R/bench_64k_atomic.log | grep -E "ms|FAIL|Error" | tail -30 | tee -a $R/next.log
-  timeout ${ATOMIC_TEST_S:-170} python3 -m pytest -m gpu -v -s -p no:cacheprovider \
-    tests/gpu/test_mosaic_gpu.py -k "atomic_dq" > $R/gpu_tests_atomic.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|Error|\] out=" $R/gpu_tests_atomic.log | tail -30 \
-    | tee -a $R/next.log
-}
 #   LANE=E2EALL (~9.5 min): the whole MaxText e2e matrix (maxtext_e2e.py's default runs: 16k one
 #     document per row kvax / cudnn_flash_jax, 16k short documents kvax / flash / cudnn_flash_jax,
 #     64k short documents kvax / flash), cold, 6 steps, on the kernels as they are now: README's
@@ -419,7 +359,7 @@ e2eall_runs() {
 #     ~250 -> ~240 ms); unchanged if the other consumer already fills them.
 earlydp_runs() {
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and env6" > $R/gpu_tests_earlydp.log 2>&1
+    -k "register_hooks and EARLY_DP" > $R/gpu_tests_earlydp.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_earlydp.log | tail -6 | tee -a $R/next.log
   bench 150 bench_16k_earlydp --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 7 --max-dense-mask-seq 0
@@ -432,7 +372,7 @@ earlydp_runs() {
 #     tokamax Mosaic.
 defaults_runs() {
   timeout 390 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "not register_hooks and not small_cta and not atomic_dq" --durations=0 > $R/gpu_tests_mosaic_all.log 2>&1
+    -k "not register_hooks" --durations=0 > $R/gpu_tests_mosaic_all.log 2>&1
   grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_all.log | tail -20 | tee -a $R/next.log
   bench 160 bench_16k_defaults --seq 16384 --cases causal,docs \
     --impls mosaic,mosaic_no_early_dp,cudnn,tokamax_mosaic --interleave --rounds 5
@@ -453,7 +393,7 @@ pipeline_runs() {
   grep -ahE "===|registers|spill" $R/ptxas.log /tmp/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
     | tail -60 > $R/ptxas_summary.log; cat $R/ptxas_summary.log >> $R/next.log
   timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and (env7 or env8 or env9 or env10)" > $R/gpu_tests_pipeline.log 2>&1
+    -k "register_hooks and PIPELINE" > $R/gpu_tests_pipeline.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_pipeline.log | tail -6 | tee -a $R/next.log
   bench 170 bench_16k_pipeline --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_pipeline,mosaic_pipeline_regs240,mosaic_dq_pipeline,mosaic_both_pipelines,cudnn \
@@ -474,14 +414,12 @@ case ${LANE:-CP} in
   DEFAULTS) defaults_runs ;;
   EARLYDP) earlydp_runs ;;
   E2EALL) e2eall_runs ;;
-  ATOMIC) atomic_runs ;;
   MLA2) mla2_runs ;;
   MLA) mla_runs ;;
   BIG2) big2_runs ;;
   H100) h100_runs ;;
   Z16E2E) z16e2e_runs ;;
   ZIGZAG) zigzag_runs ;;
-  SMALL) small_runs ;;
   FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
   E2EPROF) e2eprof_runs ;;
   BIG) big_runs ;;
@@ -491,8 +429,6 @@ case ${LANE:-CP} in
   EXITREAD) exitread_runs ;;
   LPT) lpt_runs ;;
   E2E1) e2e1_runs ;;
-  DKVREGS) dkvregs_runs ;;
-  DKV128) dkv128_runs ;;
   PROFILE) profile_runs ;;
   FWD1) fwd1_runs ;;
   FWD) fwd_runs ;;

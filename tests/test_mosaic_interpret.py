@@ -132,8 +132,6 @@ def test_kernels_lower_for_cuda(dims, det, cap=30.0):
 
 @pytest.mark.parametrize("env", [{"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"},
                                  {"KVAX_MOSAIC_FWD_PREWAIT": "0"},
-                                 {"KVAX_MOSAIC_BWD_PREWAIT": "1"},
-                                 {"KVAX_MOSAIC_DKV_STAGES": "4"},
                                  {"KVAX_MOSAIC_DQ_AFTER_DKV": "1"},
                                  {"KVAX_MOSAIC_FWD_IDS_TMA": "1"},
                                  {"KVAX_MOSAIC_BWD_IDS_TMA": "1"},
@@ -262,10 +260,6 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
 
 
 @pytest.mark.parametrize("case,env,field,value", [
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_TILE_Q": "128"}, "dkv_tile_q", 128),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_P16": "1"}, "dkv_p16", True),
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_K_REGS": "1"}, "dkv_k_regs", True),
     # session 12: the step's products as two pairs (S^T with dP^T, then dV with dK)
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
@@ -280,10 +274,12 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
                               "KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dq_pipeline", True),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
-  """Session 9's dk/dv levers (BwdConfig.dkv_tile_q: 128-query steps; dkv_p16: dS^T from the
-  16-bit P^T; dkv_k_regs: K in registers for S^T): interpreter against the float32 reference
-  (masked runs on both sides of full blocks; documents, a one-token document, padding, GQA),
-  deterministic backward, and lowered for CUDA. The kernel must really get the setting."""
+  """The deterministic backward's step-order levers (BwdConfig.dkv_early_dp: two product pairs
+  per dk/dv step, the default; dkv_pipeline / dq_pipeline: one wait per step, the next step's
+  products issued with this step's): interpreter against the float32 reference (masked runs
+  on both sides of full blocks; documents, a one-token document, padding, GQA; soft cap and
+  sinks), and lowered for CUDA. The kernel must really get the setting. (Session 9's register
+  levers were removed after measuring slower: test_removed_hooks_are_refused.)"""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   for name, v in env.items():
     monkeypatch.setenv(name, v)
@@ -294,11 +290,20 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
                                                        real(cfg, *a))[1])
   test_kernels_in_interpreter_match_reference(case)
   assert seen == [value], seen
-  test_kernels_lower_for_cuda((128, 128), True, cap=None)  # no soft cap (wide steps need none)
+  test_kernels_lower_for_cuda((128, 128), True)
   assert seen[-1] == value, seen
-  with pytest.raises(ValueError, match="dkv_tile_q=96"):
+  with pytest.raises(ValueError, match="consumer_regs=236"):
     bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
-                 with_dq=False, interpret=False, dkv_tile_q=96)
+                 with_dq=False, interpret=False, consumer_regs=236)
+
+
+@pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
+def test_removed_hooks_are_refused(name, monkeypatch):
+  """Benchmarking hooks removed after measuring slower (session 12) are refused by name, not
+  silently ignored: a benchmark that sets one would otherwise time the default kernels."""
+  monkeypatch.setenv(name, "1")
+  with pytest.raises(ValueError, match=f"{name}: this benchmarking hook was removed"):
+    test_kernels_lower_for_cuda((128, 128), True)
 
 
 @pytest.mark.parametrize("env,det", [({"KVAX_MOSAIC_BWD_REGS": "240"}, True),
@@ -344,76 +349,3 @@ def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("case,fused", [("docs_padding_gqa", True),
-                                        ("window_masked_full_masked_fused", True),
-                                        ("window_masked_full_masked_det", False),
-                                        ("window_cap_sinks_det", False)])
-def test_small_cta_backward_matches_reference(case, fused, monkeypatch):
-  """KVAX_MOSAIC_BWD_SMALL=1 (backward_small.py: one warpgroup of 64 kv rows per CTA, two CTAs
-  per SM): outputs and every gradient against the float32 reference in the interpreter, with
-  the fused dq (64-column chunks reduce-added through V's memory) and with the deterministic dq
-  kernel after it; documents, a one-token document, padding, GQA / MQA, windows with masked runs
-  on both sides, soft cap, sinks, huge segment ids. The small kernel must really run."""
-  from kvax_plugin.attention.kernels.mosaic import backward_small
-  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  seen = []
-  real = backward_small.dkv_call
-  monkeypatch.setattr(backward_small, "dkv_call",
-                      lambda cfg, *a: (seen.append(cfg.with_dq), real(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [fused], seen
-
-
-@pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((64, 64), False)])
-def test_small_cta_backward_lowers_for_cuda(dims, det, monkeypatch):
-  """The small-CTA backward lowers for CUDA at the head dims where two CTAs fit an SM; where they
-  do not (MLA 192 / 128 with the fused dq, 256), the explicit hook is refused by name."""
-  from kvax_plugin.attention.kernels.mosaic import backward_small
-  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  assert backward_small.fits(*dims, 2, not det)
-  assert backward_small.smem_bytes(128, 128, 2, True) == 108288  # module docstring: 105.75 KiB
-  test_kernels_lower_for_cuda(dims, det)
-  assert not backward_small.fits(192, 128, 2, True) and not backward_small.fits(256, 256, 2, False)
-  with pytest.raises(ValueError, match=r"KVAX_MOSAIC_BWD_SMALL=1: head dims \(256, 256\)"):
-    test_kernels_lower_for_cuda((256, 256), False)
-
-
-@pytest.mark.parametrize("case,small", [("docs_padding_gqa", False),
-                                        ("window_masked_full_masked_fused", False),
-                                        ("prefill_mla", False),
-                                        ("docs_padding_gqa", True)])
-def test_atomic_dq_matches_reference(case, small, monkeypatch):
-  """KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic): the fused backward adds its dq partials with
-  atomic adds from registers (no shared-memory staging, no bulk reduce), in the big CTAs (the
-  column-split partials at head dim 128, whole partials at MLA's 192) and in the small CTAs:
-  outputs and every gradient against the float32 reference in the interpreter. The hook must
-  reach the kernel (with a 3-deep q / dO ring at head dim 128)."""
-  from kvax_plugin.attention.kernels.mosaic import backward as bwd
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
-  if small:
-    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  seen = []
-  real = bwd.dkv_call if not small else bwd.backward_small.dkv_call
-  target = bwd if not small else bwd.backward_small
-  if small:
-    monkeypatch.setattr(target, "dkv_call",
-                        lambda cfg, *a: (seen.append((cfg.dq_atomic, cfg.with_dq)), real(cfg, *a))[1])
-  else:
-    monkeypatch.setattr(target, "dkv_call", lambda cfg, stages, *a: (
-        seen.append((cfg.dq_atomic, cfg.with_dq, stages)), real(cfg, stages, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen and all(s[0] and s[1] for s in seen), seen
-  if not small and CASES[case].get("dk", 64) == 128:
-    assert seen[0][2] == 3, seen
-  # no float32 staging: 2 consumers x 64 x 64 x 4 bytes less shared memory
-  assert (bwd.dkv_smem_bytes(3, 128, 128, 2, True, True)
-          - bwd.dkv_smem_bytes(3, 128, 128, 2, True, True, dq_atomic=True)) == 32768
-
-
-@pytest.mark.parametrize("small", [False, True])
-def test_atomic_dq_lowers_for_cuda(small, monkeypatch):
-  """The atomic-dq hook lowers for CUDA (red.global.add.f32 from the WGMMA register layout)."""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
-  if small:
-    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  test_kernels_lower_for_cuda((128, 128), False)

@@ -236,19 +236,6 @@ def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkey
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
 
 
-@pytest.mark.parametrize("name", ["docs_padding_gqa", "window_masked_full_masked_det"])
-def test_small_cta_backward_has_no_race_in_the_interpreter(name, race_detector, capfd,
-                                                           monkeypatch):
-  """KVAX_MOSAIC_BWD_SMALL=1: the one-warpgroup backward loads its own Q / dO one step ahead
-  into slots the previous step read (after a fence + warpgroup barrier), stages dq chunks in V's
-  memory (a RefUnion, after V went to registers) and dK / dV in K and the dO slot. No race
-  reported (fused dq, and the deterministic dq kernel after it); matches the reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference(name)
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
-
-
 def test_pipelined_dkv_step_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
   """KVAX_MOSAIC_DKV_PIPELINE=1 and KVAX_MOSAIC_DQ_PIPELINE=1: the dk/dv consumers issue the next step's S^T / dP^T (reading
   ring slot n + 1) together with this step's dV / dK (slot n) and release slot n only after

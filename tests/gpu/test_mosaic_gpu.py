@@ -177,22 +177,29 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
   assert errs["dq"] < 2e-3  # float32 summation order, one bf16 rounding
 
 
-@pytest.mark.parametrize("env", [{"KVAX_MOSAIC_DKV_P16": "1"}, {"KVAX_MOSAIC_DKV_K_REGS": "1"},
-                                 {"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
-                                 {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
-                                 {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
-                                 {"KVAX_MOSAIC_DKV_EARLY_DP": "1"},
-                                 {"KVAX_MOSAIC_DKV_PIPELINE": "1"},
-                                 {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"},
-                                 {"KVAX_MOSAIC_DQ_PIPELINE": "1"},
-                                 {"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1",
-                                  "KVAX_MOSAIC_BWD_REGS": "240"}])
+# Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "DKV_PIPELINE".
+HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
+             {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
+             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
+             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"},
+             {"KVAX_MOSAIC_DKV_PIPELINE": "1"},
+             {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"},
+             {"KVAX_MOSAIC_DQ_PIPELINE": "1"},
+             {"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1",
+              "KVAX_MOSAIC_BWD_REGS": "240"}]
+
+
+def _hook_id(env):
+  return "+".join(f"{k.removeprefix('KVAX_MOSAIC_')}={v}" for k, v in env.items())
+
+
+@pytest.mark.parametrize("env", HOOK_ENVS, ids=_hook_id)
 @pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
                                   "one_token_docs_fp16_d64"])
 def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
-  """Session 9's kernel hooks (BwdConfig.dkv_p16 / dkv_k_regs; the longest-first launch order
-  KVAX_MOSAIC_LPT; read while tracing) against the float32 reference on the GPU before any
-  timing of them counts."""
+  """The kernels' benchmarking hooks (HOOK_ENVS: launch order, forward grid, the backward's
+  step order and pipelining; read while tracing) against the float32 reference on the GPU
+  before any timing of them counts."""
   for key, value in env.items():
     monkeypatch.setenv(key, value)
   build, kwargs = CASES[name]
@@ -208,41 +215,3 @@ def test_kernel_parts_through_split_kv_attention():
   errs = kernel_parts_case.check(mosaic_backend.flash_attention_mosaic, s_len=2048, h=8, kh=2,
                                  d=128)
   print("\n[kernel_parts] " + " ".join(f"{e:.2e}" for e in errs))
-
-
-SMALL_CASES = ["odd_length_padding_bf16", "one_token_docs_fp16_d64", "non_contiguous_segments",
-               "huge_segment_ids_fused", "softcap_sinks", "sliding_window_fused",
-               "window_not_causal_fp16", "not_causal_gqa8"]
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("name", SMALL_CASES)
-def test_small_cta_backward_against_reference(name, deterministic, monkeypatch):
-  """KVAX_MOSAIC_BWD_SMALL=1 (backward_small.py, one warpgroup of 64 kv rows per CTA, two CTAs
-  per SM): every case whose head dims fit it, with the fused dq and with the deterministic dq
-  kernel, against the float32 reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  build, kwargs = CASES[name]
-  seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed,
-       **dict(kwargs, deterministic=deterministic))
-
-
-ATOMIC_CASES = [(name, small) for small in (False, True)
-                for name in ("odd_length_padding_bf16", "one_token_docs_fp16_d64",
-                             "huge_segment_ids_fused", "softcap_sinks", "mla_192_128")
-                if not (small and name == "mla_192_128")]  # MLA: two small CTAs do not fit
-
-
-@pytest.mark.parametrize("name,small", ATOMIC_CASES)
-def test_atomic_dq_against_reference(name, small, monkeypatch):
-  """KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic, session 12): the fused backward's dq partials
-  added with atomic adds from registers, in the big CTAs and (where its head dims fit) the small
-  ones, against the float32 reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_ATOMIC", "1")
-  if small:
-    monkeypatch.setenv("KVAX_MOSAIC_BWD_SMALL", "1")
-  build, kwargs = CASES[name]
-  seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed,
-       **dict(kwargs, deterministic=False))

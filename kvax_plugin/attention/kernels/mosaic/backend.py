@@ -138,22 +138,14 @@ class Static:
   interpret: bool
   paired: bool = True  # benchmarking hook: KVAX_MOSAIC_UNPAIRED=1 awaits every product alone
   dq_split: bool = True  # benchmarking hook: KVAX_MOSAIC_DQ_WHOLE=1 (see BwdConfig.dq_split)
-  dq_buffers: int = 1  # benchmarking hook: KVAX_MOSAIC_DQ_BUFFERS=2 (see BwdConfig.dq_buffers)
   consumer_regs: int = 232  # benchmarking hook: KVAX_MOSAIC_BWD_REGS (BwdConfig.consumer_regs)
   dq_kv_tile: int = 0  # benchmarking hook: KVAX_MOSAIC_DQ_KV_TILE (BwdConfig.dq_kv_tile)
   fwd_opt_barrier: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_OPT_BARRIER=1 (FwdConfig)
   # The next K awaited behind the P V product: on by default (64k causal forward on an H200,
   # session 7: 57.3 vs 62.5 ms interleaved, 57.9 vs 60.0 alone); KVAX_MOSAIC_FWD_PREWAIT=0 off.
   fwd_prewait_k: bool = True
-  # benchmarking hook: KVAX_MOSAIC_BWD_PREWAIT=1 (BwdConfig.prewait); measured slower (session
-  # 7, 64k causal: dk/dv kernel 122.5 vs 112.2 ms, dq 77.2 vs 77.3), so off
-  bwd_prewait: bool = False
   fwd_ids_tma: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_IDS_TMA=1 (FwdConfig.ids_tma)
   bwd_ids_tma: bool = False  # benchmarking hook: KVAX_MOSAIC_BWD_IDS_TMA=1 (BwdConfig.ids_tma)
-  dkv_stages: int = 0  # benchmarking hook: KVAX_MOSAIC_DKV_STAGES (BwdConfig.dkv_stages)
-  dkv_tile_q: int = 64  # benchmarking hook: KVAX_MOSAIC_DKV_TILE_Q=128 (BwdConfig.dkv_tile_q)
-  dkv_p16: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_P16=1 (BwdConfig.dkv_p16)
-  dkv_k_regs: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_K_REGS=1 (BwdConfig.dkv_k_regs)
   lpt: bool = False  # benchmarking hook: KVAX_MOSAIC_LPT=1, longest-first launch order (all kernels)
   # CTAs exit once their output stores have read shared memory (FwdConfig.exit_after_read): on
   # by default since session 9 (16k documents forward 0.829 vs 0.850 ms interleaved, 0.799 vs
@@ -170,8 +162,6 @@ class Static:
   fwd_persistent: str = "auto"
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
   fwd_zigzag: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_ZIGZAG=1 (FwdConfig.zigzag)
-  bwd_small: bool = False  # benchmarking hook: KVAX_MOSAIC_BWD_SMALL=1 (BwdConfig.small_ctas)
-  dq_atomic: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_ATOMIC=1 (BwdConfig.dq_atomic)
   # The deterministic dk/dv step's products in two pairs (BwdConfig.dkv_early_dp): on by
   # default since session 12 (H200, interleaved, fwd+bwd: 16k causal 16.05 vs 16.33 ms, docs
   # 3.78 vs 3.85; 64k causal 257.6 vs 262.4, docs 41.4 vs 42.7; faster in every row, alone too);
@@ -278,12 +268,10 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
       with_dq=not cfg.deterministic, interpret=cfg.interpret, paired=cfg.paired,
-      dq_split=cfg.dq_split, dq_buffers=cfg.dq_buffers, consumer_regs=cfg.consumer_regs,
-      dq_kv_tile=cfg.dq_kv_tile, prewait=cfg.bwd_prewait, dkv_stages=cfg.dkv_stages,
-      dkv_tile_q=cfg.dkv_tile_q, dkv_p16=cfg.dkv_p16, dkv_k_regs=cfg.dkv_k_regs, lpt=cfg.lpt,
+      dq_split=cfg.dq_split, consumer_regs=cfg.consumer_regs, dq_kv_tile=cfg.dq_kv_tile,
+      lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
-      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, small_ctas=cfg.bwd_small,
-      dq_atomic=cfg.dq_atomic, dkv_early_dp=cfg.dkv_early_dp, dkv_pipeline=cfg.dkv_pipeline,
+      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp, dkv_pipeline=cfg.dkv_pipeline,
       dq_pipeline=cfg.dq_pipeline)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
@@ -301,6 +289,27 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 
 
 _attention = kernel_attention(_forward, _backward)
+
+
+# Benchmarking hooks that were measured, found slower on an H200, and removed (session 12; the
+# numbers are in benchmarks/NOTES.md). Setting one is an error, not a silent no-op.
+REMOVED_HOOKS = {
+    "KVAX_MOSAIC_BWD_SMALL": "small-CTA backward (session 12: 16k fwd+bwd 18.2 vs 15.7 ms)",
+    "KVAX_MOSAIC_DQ_ATOMIC": "fused dq by register atomics (session 12: 26.7 vs 18.0 ms)",
+    "KVAX_MOSAIC_DKV_TILE_Q": "128-query dk/dv steps (session 9: 64k 335.8 vs 249.2 ms)",
+    "KVAX_MOSAIC_DKV_P16": "dS^T from the 16-bit P^T (session 9: 252.8 vs 245.4 ms)",
+    "KVAX_MOSAIC_DKV_K_REGS": "K in registers (session 9: 280.8 vs 245.4 ms)",
+    "KVAX_MOSAIC_BWD_PREWAIT": "backward next-slot waits (session 7: dk/dv 122.5 vs 112.2 ms)",
+    "KVAX_MOSAIC_DKV_STAGES": "a 4-deep dk/dv ring (session 7: no change)",
+    "KVAX_MOSAIC_DQ_BUFFERS": "two fused dq buffers (session 6: fused 258.1 vs deterministic 245.8 ms)",
+}
+
+
+def _check_removed_hooks() -> None:
+  for name, what in REMOVED_HOOKS.items():
+    if os.environ.get(name):
+      raise ValueError(f"environment variable {name}: this benchmarking hook was removed after "
+                       f"measuring slower ({what}; benchmarks/NOTES.md); unset it")
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -339,6 +348,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   way is also the faster (64k causal forward+backward 245 vs 268 ms; benchmarks/NOTES.md), so
   it is the default.
   """
+  _check_removed_hooks()
   ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])
   if not ok:
     raise ValueError(f"query: {why}")
@@ -353,25 +363,17 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                deterministic=bool(deterministic_backward), interpret=bool(interpret),
                paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
-               dq_buffers=_env_int("KVAX_MOSAIC_DQ_BUFFERS", 1),
                consumer_regs=_env_int("KVAX_MOSAIC_BWD_REGS", 232),
                dq_kv_tile=_env_int("KVAX_MOSAIC_DQ_KV_TILE", 0),
                fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") != "0",
-               bwd_prewait=os.environ.get("KVAX_MOSAIC_BWD_PREWAIT", "") == "1",
                fwd_ids_tma=os.environ.get("KVAX_MOSAIC_FWD_IDS_TMA", "") == "1",
                bwd_ids_tma=os.environ.get("KVAX_MOSAIC_BWD_IDS_TMA", "") == "1",
-               dkv_stages=_env_int("KVAX_MOSAIC_DKV_STAGES", 0),
-               dkv_tile_q=_env_int("KVAX_MOSAIC_DKV_TILE_Q", 64),
-               dkv_p16=os.environ.get("KVAX_MOSAIC_DKV_P16", "") == "1",
-               dkv_k_regs=os.environ.get("KVAX_MOSAIC_DKV_K_REGS", "") == "1",
                lpt=os.environ.get("KVAX_MOSAIC_LPT", "") == "1",
                exit_after_read=os.environ.get("KVAX_MOSAIC_EXIT_AFTER_READ", "") != "0",
                fwd_persistent=_env_choice("KVAX_MOSAIC_FWD_PERSISTENT", ("auto", "1", "0")),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
-               bwd_small=_env_choice("KVAX_MOSAIC_BWD_SMALL", ("0", "1")) == "1",
-               dq_atomic=_env_choice("KVAX_MOSAIC_DQ_ATOMIC", ("0", "1")) == "1",
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_pipeline=_env_choice("KVAX_MOSAIC_DKV_PIPELINE", ("0", "1")) == "1",
                dq_pipeline=_env_choice("KVAX_MOSAIC_DQ_PIPELINE", ("0", "1")) == "1")

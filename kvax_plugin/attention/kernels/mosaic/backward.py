@@ -35,11 +35,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from kvax_plugin.attention.kernels.mosaic import backward_small
-from kvax_plugin.attention.kernels.mosaic.backward_small import _logit_terms
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate,
-                                                          accumulate_then, pair_keep,
+                                                          pair_keep,
                                                           produce_kv_ring, products_together,
                                                           products_issued_together,
                                                           released_for_tma,
@@ -48,6 +46,15 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
 DQ_TILE_Q = ROWS_PER_WG * CONSUMERS  # query rows per dq CTA
+
+
+def _logit_terms(cfg, st):
+  """(base-2 logits, d logit / d (q.k)) of raw products st; the derivative is None when it is
+  the constant scale."""
+  if cfg.soft_cap:
+    t = jnp.tanh(st * (cfg.scale / cfg.soft_cap))
+    return t * (cfg.soft_cap * LOG2E), (1.0 - t * t) * cfg.scale
+  return st * (cfg.scale * LOG2E), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +74,6 @@ class BwdConfig:
   # 64 kv rows (twice the registers, two reduce-adds of the same rows). False: the whole-tile
   # partials (benchmarking hook KVAX_MOSAIC_DQ_WHOLE=1).
   dq_split: bool = True
-  # Shared-memory buffers per consumer for the dq partial: 2 lets a step's store start while the
-  # previous step's reduce may still be reading (where it fits; benchmarking hook
-  # KVAX_MOSAIC_DQ_BUFFERS=2).
-  dq_buffers: int = 1
   # Registers per thread of the two consumer warpgroups (setmaxnreg); the producer gets what is
   # left of the CTA's 168 x 384 launch registers: 504 - 2 x consumer_regs (232 -> 40, 240 -> 24,
   # FlashAttention 3's split). Benchmarking hook KVAX_MOSAIC_BWD_REGS=240 (ptxas reports spills
@@ -79,17 +82,6 @@ class BwdConfig:
   # kv rows per step of the deterministic dq kernel: 0 picks the largest that fits (128 at head
   # dim 128); 64 halves the S / dP tiles in registers (benchmarking hook KVAX_MOSAIC_DQ_KV_TILE).
   dq_kv_tile: int = 0
-  # The deterministic kernels (dk/dv without dq, and dq) wait for the NEXT step's ring slot
-  # behind their last product of a step (dK += dS^T Q; dQ += dS K) instead of at the top of the
-  # next step, as the forward does with K (KVAX_MOSAIC_FWD_PREWAIT, 57.3 vs 60.0-62.5 ms at 64k
-  # causal on an H200). Needs a ring of >= 2 slots (the slot being read is not free yet).
-  # Benchmarking hook KVAX_MOSAIC_BWD_PREWAIT=1.
-  prewait: bool = False
-  # Ring depth of the deterministic dk/dv kernel's q / dO ring: 0 picks the deepest of 3, 2, 1
-  # that fits; 4 (benchmarking hook KVAX_MOSAIC_DKV_STAGES=4; fits at head dim 128) gives the
-  # producer's loads one more step of lead (a slot is released only after the step's last
-  # product, dK += dS^T Q, reads q).
-  dkv_stages: int = 0
   # Order the deterministic dq kernel after the dk/dv kernel (benchmarking hook
   # KVAX_MOSAIC_DQ_AFTER_DKV=1, for context parallelism; not yet measured on GPUs).
   dq_after_dkv: bool = False
@@ -97,52 +89,19 @@ class BwdConfig:
   # positions / segment ids of each ring block with it (q blocks in the dk/dv kernel, kv blocks
   # in the dq kernel), and masked steps read them from shared memory instead of global memory.
   ids_tma: bool = False
-  # Query rows per step of the deterministic dk/dv kernel (benchmarking hook
-  # KVAX_MOSAIC_DKV_TILE_Q=128). Its S^T = K Q^T and dP^T = V dO^T products read both operands
-  # from shared memory; at 64 query columns per step a consumer rereads its 64 x D K (or V) tile
-  # for every 64 queries: 32 KiB of shared-memory reads per product step, against the ~128 B per
-  # clock an SM's shared memory gives (session 9's model: the dk/dv kernel moves ~224 KiB per
-  # 2048 tensor-core clocks of products, ~85% of that bandwidth; the dq kernel's N=128 steps
-  # ~81%, and it runs at 704 against 614 TF/s). 128 columns halve the K / V rereads (-14% shared
-  # memory traffic per query) at the cost of registers: S^T and dP^T become 64 x 128 float32
-  # (64 registers each), so P^T is kept only in 16 bits (dS^T = P^T * (dP^T - delta) then uses
-  # the rounded P^T, as the dV product already does), peak dK 64 + dV 64 + P^T 32 + dP^T 64.
-  # Ignored (64) with with_dq.
-  dkv_tile_q: int = 64
-  # Session 9, after the 128-query steps spilled (64k causal dk/dv +86 ms): the same lever at 64
-  # query columns within the register budget. dkv_p16: dS^T from the 16-bit P^T (no float32
-  # P^T kept across the dV / dP^T products: 32 registers fewer at the peak); dkv_k_regs (implies
-  # dkv_p16): this consumer's K tile held in registers (32 per thread) for S^T = K Q^T, so only
-  # Q^T is read from shared memory (-16 KiB per step per consumer, ~14% of the kernel's shared
-  # memory reads). Hooks KVAX_MOSAIC_DKV_P16=1, KVAX_MOSAIC_DKV_K_REGS=1 (deterministic path).
-  dkv_p16: bool = False
-  dkv_k_regs: bool = False
   # Benchmarking hook KVAX_MOSAIC_LPT=1: the dk/dv and dq kernels' CTAs take their tile from a
   # longest-first order (forward.longest_first) instead of the tile index.
   lpt: bool = False
   # KVAX_MOSAIC_EXIT_AFTER_READ (on by default from the backend): the deterministic kernels' last wait on
   # their output stores waits for the shared-memory reads only (forward.FwdConfig).
   exit_after_read: bool = False
-  # Benchmarking hook KVAX_MOSAIC_BWD_SMALL=1 (session 11, off until measured): the dk/dv kernel
-  # (and with with_dq the fused dq) in small CTAs, one warpgroup of 64 kv rows each, two per SM
-  # (backward_small.py); the deterministic dq kernel is unchanged.
-  small_ctas: bool = False
-  # Benchmarking hook KVAX_MOSAIC_DQ_ATOMIC=1 (session 12, off until measured): with with_dq,
-  # each consumer adds its dq partial into the float32 buffer with atomic adds straight from
-  # registers (red.global.add.f32) instead of staging it in shared memory for a TMA bulk
-  # reduce. Why: the backward is bound by shared-memory bandwidth (session 9's model: the
-  # dk/dv kernel at ~85% of it); the staged reduce writes 16 KiB and TMA reads it back per
-  # step per consumer, so the fused kernel moves ~168 KiB of shared memory per 64 x 64 tile
-  # pair against ~160 KiB for dk/dv + the dq kernel (which recomputes 2 products) and ~136 KiB
-  # for the fused kernel with atomics (and 32 KiB less shared memory). The global atomics' cost
-  # in L2 (scalar 4-byte reds, 32 per thread per step) is what the GPU run decides.
-  dq_atomic: bool = False
   # KVAX_MOSAIC_DKV_EARLY_DP (on by default from the backend since session 12: 1.7-3% off
-  # fwd+bwd on an H200; deterministic dk/dv kernel at 64 query rows only): the step's products in two pairs instead of 1 + 2 + 1, i.e. S^T = K Q^T
+  # fwd+bwd on an H200; the deterministic dk/dv kernel): the step's products in two pairs
+  # instead of 1 + 2 + 1, i.e. S^T = K Q^T
   # and dP^T = V dO^T issued together (both only need the ring slot), then P^T and dS^T, then
   # dV += P^T dO and dK += dS^T Q together: two wgmma waits per step instead of three, and the
   # element-wise work in one stretch (the other consumer's pair fills the tensor cores then).
-  dkv_early_dp: bool = False
+  dkv_early_dp: bool = True
   # Benchmarking hook KVAX_MOSAIC_DKV_PIPELINE=1 (session 12, not yet GPU-run; with dkv_early_dp
   # and a ring of >= 2 slots): the dk/dv step software-pipelined across steps, one wgmma wait
   # per step instead of two. Step n's element-wise work (P^T, dS^T from S^T(n), dP^T(n) carried
@@ -163,10 +122,6 @@ class BwdConfig:
     if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
       raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
                        f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
-    if self.dkv_stages not in (0, 1, 2, 3, 4):
-      raise ValueError(f"dkv_stages={self.dkv_stages}: expected 0 (automatic) or 1..4")
-    if self.dkv_tile_q not in (64, 128):
-      raise ValueError(f"dkv_tile_q={self.dkv_tile_q}: expected 64 or 128")
     if self.dq_kv_tile not in (0, 64, 128):
       raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
 
@@ -181,17 +136,13 @@ def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
-                   split: bool = False, dq_buffers: int = 1, ids: bool = False,
-                   tile_q: int = TILE_Q, dq_atomic: bool = False) -> int:
+                   split: bool = False, ids: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * tile_q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
-  if dq_atomic and with_dq:  # no float32 staging: only dS (shared between consumers if split)
-    dq_buffers = 0
+  ring = stages * TILE_Q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
   if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
-    dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize
-                      + dq_buffers * TILE_Q * (dk // CONSUMERS) * 4)
+    dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * (dk // CONSUMERS) * 4)
   elif with_dq:
-    dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + (0 if dq_atomic else TILE_Q * dk * 4))
+    dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
   else:
     dq = 0
   return kv + ring + dq + 1024
@@ -217,27 +168,18 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   group = h // kh
-  # Query rows per step: cfg.dkv_tile_q in the deterministic kernel (backward_call checks that
-  # the tables' query block is a multiple of it), 64 with the fused dq.
-  tq = TILE_Q if cfg.with_dq else cfg.dkv_tile_q
-  k_regs = cfg.dkv_k_regs and not cfg.with_dq
-  # P^T kept in 16 bits only (see BwdConfig.dkv_tile_q / dkv_p16)
-  wide = tq != TILE_Q or k_regs or (cfg.dkv_p16 and not cfg.with_dq)
+  tq = TILE_Q  # query rows per step
   rq = cfg.table_q // tq
   rk = cfg.table_kv // TILE_KV
   dtype = q.dtype
   split = splits_dq(cfg, dk)
   dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
-  dq_buffers = cfg.dq_buffers if split else 1
   # The interpreter has no bulk reduce (an atomic add on the GPU): there each consumer of each
   # kv tile adds into a buffer of its own (CTAs of other kv tiles add into the same dq rows and
   # may run concurrently in the interpreter), summed after the kernel.
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
-  prewait = cfg.prewait and not cfg.with_dq and stages >= 2
-  # (the prewait hook keeps the 1 + 2 + 1 order: its next-slot wait rides on the dK product)
-  early_dp = (cfg.dkv_early_dp and not cfg.with_dq and not wide and not k_regs and cfg.paired
-              and not prewait)
+  early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
   pipeline = early_dp and cfg.dkv_pipeline and stages >= 2  # BwdConfig.dkv_pipeline
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
@@ -274,16 +216,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(k_ready.at[wg])
       plgpu.barrier_wait(v_ready.at[wg])
-      # With dkv_k_regs, S^T = K Q^T takes K from registers (loaded once per CTA).
-      k_operand = (plgpu.load(my_k, (), layout=plgpu.Layout.WGMMA, optimized=True)
-                   if k_regs and not cfg.interpret else my_k[...] if k_regs else my_k)
       total = group * count  # ring positions this CTA visits
 
       def wait_slot(slot):
         plgpu.barrier_wait(q_ready.at[slot])
         plgpu.barrier_wait(do_ready.at[slot])
-      if prewait:  # the first slot here; every later one behind the previous step's dK product
-        pl.when(total > 0)(lambda: wait_slot(0))
 
       def step(n, qi, head, carry, masked: bool):
         if pipeline:  # this step's S^T and dP^T were issued (and awaited) by the step before
@@ -295,7 +232,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           cols = pl.ds(qi * tq, tq)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not prewait and not pipeline:
+        if not pipeline:
           plgpu.barrier_wait(q_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with q (the slot is released after the step)
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
@@ -304,15 +241,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         if pipeline:
           pass
         elif early_dp:
-          if not prewait:
-            plgpu.barrier_wait(do_ready.at[slot])
+          plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
           st, dpt = products_together((None, my_k, q_smem.at[slot].T, shape),
                                       (None, my_v, do_smem.at[slot].T, shape), cfg.interpret)
-        elif k_regs:
-          st = accumulate(plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, tq), jnp.float32),
-                                            plgpu.Layout.WGMMA),
-                          k_operand, q_smem.at[slot].T, cfg.interpret)
         else:
           def scores(ref):
             plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
@@ -325,9 +257,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         pt16 = pt.astype(dtype)
-        if wide:  # from here on P^T lives in 16 bits only (registers; BwdConfig.dkv_tile_q)
-          pt = None
-        if not prewait and not early_dp:
+        if not early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
         if early_dp:
           pass  # dP^T is here; dV's product goes with dK's below
@@ -343,14 +273,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             return ref[...]
           dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         delta = plgpu.load(delta_smem.at[slot], layout=_COL)
-        p_t = pt16.astype(jnp.float32) if wide else pt
-        dst = p_t * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
         if masked:
           # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
-          # Wide steps recompute the mask from the ids rather than keep it live.
-          if wide:
-            keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, dst.shape, q_dim=1)
           dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
         if split:
@@ -392,10 +318,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         elif early_dp:
           dv_acc, dk_acc = products_together((dv_acc, pt16, do_smem.at[slot]),
                                              (dk_acc, ds16, q_smem.at[slot]), cfg.interpret)
-        elif prewait:
-          def next_slot():
-            pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
-          dk_acc = accumulate_then(dk_acc, ds16, q_smem.at[slot], cfg.interpret, next_slot)
         else:
           dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(q_free.at[slot])
@@ -403,19 +325,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         if cfg.with_dq:
           qrows = pl.ds(qi * tq, tq)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
-          if cfg.dq_atomic:  # straight from registers (BwdConfig.dq_atomic)
-            if cfg.interpret:  # a buffer of its own (see dq_copies): a plain add is exact
-              target = dq_ref.at[tile * CONSUMERS + wg, bi, qrows, head, cols]
-              target[...] = target[...] + dq
-            else:
-              plgpu.atomic_add(dq_ref.at[0, bi, qrows, head, cols], dq)
-            return dk_acc, dv_acc
-          if dq_buffers == 1:
-            my_dq = dq_smem.at[wg]
-          else:
-            my_dq = dq_smem.at[lax.rem(n, dq_buffers), wg]
-          # The reduce that last used my_dq has read it (with 2 buffers, the one before last).
-          plgpu.wait_smem_to_gmem(dq_buffers - 1, wait_read_only=True)
+          my_dq = dq_smem.at[wg]
+          # The reduce that last used my_dq has read it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           if cfg.interpret:
             target = dq_ref.at[tile * CONSUMERS + wg, bi, qrows, head, cols]
             my_dq[...] = dq + target[...]
@@ -516,9 +428,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
         # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
-        (_smem((CONSUMERS, tq, dq_cols), jnp.float32) if dq_buffers == 1 else
-         _smem((dq_buffers, CONSUMERS, tq, dq_cols), jnp.float32))
-        if cfg.with_dq and not cfg.dq_atomic else None,
+        _smem((CONSUMERS, tq, dq_cols), jnp.float32) if cfg.with_dq else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
     )
@@ -598,8 +508,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   rq = cfg.table_q // DQ_TILE_Q
   rk = cfg.table_kv // bk
   dtype = q.dtype
-  prewait = cfg.prewait and stages >= 2
-  pipeline = cfg.dq_pipeline and cfg.paired and not prewait and stages >= 2
+  pipeline = cfg.dq_pipeline and cfg.paired and stages >= 2
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
@@ -638,8 +547,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       def wait_slot(slot):
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
-      if prewait:  # the first slot here; every later one behind the previous step's dQ product
-        pl.when(count > 0)(lambda: wait_slot(0))
 
       def step(n, ki, carry, masked: bool):
         """The n-th visited kv block, block ki."""
@@ -652,7 +559,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not prewait and not pipeline:
+        if not pipeline:
           plgpu.barrier_wait(k_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
           kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
@@ -660,8 +567,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if pipeline:
           pass
         elif cfg.paired:
-          if not prewait:
-            plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     cfg.interpret)
@@ -677,8 +583,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, p.shape)
           p = jnp.where(keep, p, 0.0)
         if not cfg.paired:
-          if not prewait:
-            plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(v_ready.at[slot])
 
           def dprobs(ref):
             plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
@@ -703,12 +608,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           plgpu.barrier_arrive(v_free.at[slot])
           plgpu.barrier_arrive(k_free.at[slot])
           return acc, s, dp
-        if prewait:
-          def next_slot():
-            pl.when(n + 1 < count)(lambda: wait_slot(lax.rem(n + 1, stages)))
-          acc = accumulate_then(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret, next_slot)
-        else:
-          acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
+        acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
@@ -788,47 +688,17 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   cfg.with_dq and it fits shared memory, else from the deterministic dq kernel."""
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
-  if cfg.small_ctas:
-    if not backward_small.fits(dk_dim, dv_dim, itemsize, cfg.with_dq):
-      raise ValueError(
-          f"KVAX_MOSAIC_BWD_SMALL=1: head dims ({dk_dim}, {dv_dim}) do not fit two small "
-          f"backward CTAs per SM ({backward_small.smem_bytes(dk_dim, dv_dim, itemsize, cfg.with_dq)}"
-          f" > {backward_small.TWO_PER_SM_BYTES} bytes of shared memory each); unset it")
-    dq, dk, dv = backward_small.dkv_call(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos,
-                                         kv_seg, *dkv_table)
-    if dq is not None:
-      return dq, dk, dv
-    return _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                             dk, dv, dq_table)
   split = splits_dq(cfg, dk_dim)
   ids = cfg.ids_tma
-  atomic = cfg.dq_atomic
   with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
-                                           split, ids=ids, dq_atomic=atomic) <= SMEM_BUDGET
+                                           split, ids=ids) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
-  if split and cfg.dq_buffers > 1 and dkv_smem_bytes(
-      2, dk_dim, dv_dim, itemsize, True, True, cfg.dq_buffers, ids=ids,
-      dq_atomic=atomic) > SMEM_BUDGET:
-    cfg = dataclasses.replace(cfg, dq_buffers=1)
-  # 128-query steps (hook) only where the tables' query block allows them, without dq or soft
-  # cap (its derivative would be one more 64 x 128 float32 tile live), and in shared memory.
-  wide_ok = (cfg.dkv_tile_q != TILE_Q and not with_dq and not cfg.soft_cap
-             and cfg.table_q % cfg.dkv_tile_q == 0)
-  tile_q = cfg.dkv_tile_q if wide_ok else TILE_Q
-  depths = (cfg.dkv_stages,) if cfg.dkv_stages and not with_dq else (3, 2, 1)
-  stages = next((s for s in depths
+  # The deepest q / dO ring that fits (3 at head dim 128).
+  stages = next((s for s in (3, 2, 1)
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
-                                   cfg.dq_buffers if split else 1, ids=ids,
-                                   tile_q=tile_q, dq_atomic=atomic) <= SMEM_BUDGET),
+                                   ids=ids) <= SMEM_BUDGET),
                 None)
-  if stages is None and tile_q != TILE_Q:  # the wide ring does not fit: back to 64 rows
-    tile_q = TILE_Q
-    stages = next((s for s in depths
-                   if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
-                                     cfg.dq_buffers if split else 1, ids=ids) <= SMEM_BUDGET),
-                  None)
-  cfg = dataclasses.replace(cfg, dkv_tile_q=tile_q)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
                      "shared memory")
