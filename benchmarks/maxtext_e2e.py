@@ -128,6 +128,7 @@ def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[s
   if args.variant != "tiny":
     cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
   cmd.append(f"jax_cache_dir={caches['jax_cache_dir']}")
+  cmd += list(getattr(args, "maxtext_override", []))
   if args.profile:
     cmd += profiler_overrides(args)
   env = dict(os.environ, TRITON_CACHE_DIR=caches["TRITON_CACHE_DIR"],
@@ -236,7 +237,13 @@ def main():
                   help="steps before the profiled ones (MaxText's skip_first_n_steps_for_profiler)")
   ap.add_argument("--profile_steps", type=int, default=2,
                   help="profiled steps (MaxText's profiler_steps)")
+  ap.add_argument("--maxtext_override", action="append", default=[], metavar="KEY=VALUE",
+                  help="a raw MaxText key for every run, e.g. remat_policy=minimal_with_context "
+                       "(repeatable; recorded with the results)")
   args = ap.parse_args()
+  for item in args.maxtext_override:
+    if "=" not in item or not item.split("=", 1)[0]:
+      ap.error(f"--maxtext_override {item!r}: expected KEY=VALUE")
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   import jax
@@ -244,6 +251,7 @@ def main():
   result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[],
+                maxtext_overrides=list(args.maxtext_override),
                 caches="warm: each program run twice over shared caches" if args.warm
                 else "cold: every run with empty compilation caches of its own")
   if args.profile:

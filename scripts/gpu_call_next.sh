@@ -408,7 +408,23 @@ pipeline64_runs() {
     --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_64k_pipeline.log | tee -a $R/next.log
 }
+#   LANE=E2EREMAT (~8 min): MaxText e2e, 16k one document per row, kvax vs cudnn_flash_jax with
+#     remat_policy=minimal_with_context (kvax's forward output and lse carry the name "context",
+#     custom_vjp.RESIDUAL_NAME, so the backward does not rerun kvax's forward kernel; whether
+#     cudnn_flash_jax's are kept depends on its own residuals), and again with the default "full",
+#     two processes each. Prediction: kvax's GPU time per step down by ~4 forwards (~15 ms of
+#     ~268 at 16k); memory up by one output + lse per layer.
+e2eremat_runs() {
+  for policy in minimal_with_context full; do
+    timeout 280 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2er_$policy --steps 8 --timeout 130 \
+      --runs 16k-long:kvax,16k-long:cudnn_flash_jax --maxtext_override remat_policy=$policy \
+      > $R/e2e_remat_$policy.log 2>&1
+    mkdir -p $R/e2e_remat_$policy && cp /tmp/e2er_$policy/e2e.json $R/e2e_remat_$policy/ 2>/dev/null
+    tail -5 $R/e2e_remat_$policy.log | tee -a $R/next.log
+  done
+}
 case ${LANE:-CP} in
+  E2EREMAT) e2eremat_runs ;;
   PIPELINE) pipeline_runs ;;
   PIPELINE64) pipeline64_runs ;;
   DEFAULTS) defaults_runs ;;

@@ -235,6 +235,13 @@ def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
                                   "CUDA_CACHE_PATH": str(tmp_path / "cuda")})
   assert row["error"].startswith("timed out after 1 s (--timeout)"), row
   assert row["wall_s"] >= 1
+  # raw MaxText keys given with --maxtext_override reach every run's command line
+  args.maxtext_override = ["remat_policy=minimal_with_context"]
+  row = maxtext_e2e.run_launcher("1k-long", "kvax", args, tmp_path / "run2",
+                                 {"jax_cache_dir": str(tmp_path / "jax"),
+                                  "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                                  "CUDA_CACHE_PATH": str(tmp_path / "cuda")})
+  assert row["command"].endswith("remat_policy=minimal_with_context"), row["command"]
 
 
 def test_bench_attention_head_dims_take_a_value_head_dim():

@@ -349,3 +349,31 @@ def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   assert not failures, "\n".join(failures)
 
 
+
+
+@pytest.mark.parametrize("saves_context,kernels", [(False, 4), (True, 3)])
+def test_remat_policy_saving_context_keeps_the_forward(saves_context, kernels):
+  """The forward's residuals (output, lse) carry MaxText's name "context"
+  (custom_vjp.RESIDUAL_NAME): under jax.checkpoint with a policy that saves it (MaxText's
+  minimal_with_context, save_dot_with_context_except_mlp) the backward does not run the forward
+  kernel again: 3 Mosaic kernels (forward, dk/dv, dq) instead of 4 in the lowered loss-and-
+  gradient step; with a policy that saves nothing (MaxText's default "full") the forward reruns."""
+  import re
+  from kvax_plugin.attention.kernels.custom_vjp import RESIDUAL_NAME
+  s_len, h, kh, d = 512, 4, 2, 128
+  pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s_len, num_docs=3,
+                                      pad_tail=9)
+  pos, seg = jnp.asarray(pos), jnp.asarray(seg)
+  q = jnp.zeros((1, s_len, h, d), jnp.bfloat16)
+  k = jnp.zeros((1, s_len, kh, d), jnp.bfloat16)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+
+  def layer(q, k, v):
+    out = mosaic.flash_attention_mosaic(q, k, v, pos, seg, pos, seg, mask, scale=0.1,
+                                        logits_soft_cap=None, sinks=None)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  policy = (jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME) if saves_context
+            else jax.checkpoint_policies.nothing_saveable)
+  step = jax.value_and_grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1, 2))
+  text = jax.jit(step).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == kernels

@@ -19,6 +19,15 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+# The name the forward's residuals (the output and the log-sum-exp) carry: MaxText's name for
+# the attention output and its lse. A rematerialization policy that saves it (MaxText's
+# remat_policy minimal_with_context / save_dot_with_context_except_mlp, or
+# jax.checkpoint_policies.save_only_these_names("context")) keeps them from the forward pass,
+# so the backward does not run the forward kernel again; policies that do not name it
+# (MaxText's default "full") recompute it as before.
+RESIDUAL_NAME = "context"
 
 
 def sinks_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
@@ -88,6 +97,7 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
 
   def attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
     out, lse = forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask)
+    out, lse = checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
     return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
 
   def attention_bwd(cfg, res, d_out):
