@@ -4,9 +4,9 @@
 
 Compiles forward + backward once per backward mode (deterministic, fused with column-split dq,
 fused with whole dq partials, the pipelined dk/dv and dq steps; with --modes, the named ones)
-at a small causal shape with head dim 128, so that Mosaic GPU writes each kernel's ptxas report (registers per thread, spill stores /
-loads, shared memory) into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel variant
-spills.
+at a small causal shape with head dim 128, so that Mosaic GPU writes each kernel's ptxas
+report (registers per thread, spill stores / loads, shared memory) into $MOSAIC_GPU_DUMP_TO.
+The reports answer whether a kernel variant spills.
 
     ... python benchmarks/mosaic_resources.py --modes deterministic,pipeline,pipeline_regs240
 """

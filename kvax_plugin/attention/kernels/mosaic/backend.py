@@ -271,8 +271,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dq_split=cfg.dq_split, consumer_regs=cfg.consumer_regs, dq_kv_tile=cfg.dq_kv_tile,
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
-      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp, dkv_pipeline=cfg.dkv_pipeline,
-      dq_pipeline=cfg.dq_pipeline)
+      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
+      dkv_pipeline=cfg.dkv_pipeline, dq_pipeline=cfg.dq_pipeline)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -301,7 +301,8 @@ REMOVED_HOOKS = {
     "KVAX_MOSAIC_DKV_K_REGS": "K in registers (session 9: 280.8 vs 245.4 ms)",
     "KVAX_MOSAIC_BWD_PREWAIT": "backward next-slot waits (session 7: dk/dv 122.5 vs 112.2 ms)",
     "KVAX_MOSAIC_DKV_STAGES": "a 4-deep dk/dv ring (session 7: no change)",
-    "KVAX_MOSAIC_DQ_BUFFERS": "two fused dq buffers (session 6: fused 258.1 vs deterministic 245.8 ms)",
+    "KVAX_MOSAIC_DQ_BUFFERS": ("two fused dq buffers (session 6: fused 258.1 vs deterministic "
+                               "245.8 ms)"),
 }
 
 

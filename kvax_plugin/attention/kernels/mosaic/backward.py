@@ -95,12 +95,12 @@ class BwdConfig:
   # KVAX_MOSAIC_EXIT_AFTER_READ (on by default from the backend): the deterministic kernels' last wait on
   # their output stores waits for the shared-memory reads only (forward.FwdConfig).
   exit_after_read: bool = False
-  # KVAX_MOSAIC_DKV_EARLY_DP (on by default from the backend since session 12: 1.7-3% off
-  # fwd+bwd on an H200; the deterministic dk/dv kernel): the step's products in two pairs
-  # instead of 1 + 2 + 1, i.e. S^T = K Q^T
-  # and dP^T = V dO^T issued together (both only need the ring slot), then P^T and dS^T, then
-  # dV += P^T dO and dK += dS^T Q together: two wgmma waits per step instead of three, and the
-  # element-wise work in one stretch (the other consumer's pair fills the tensor cores then).
+  # KVAX_MOSAIC_DKV_EARLY_DP (on by default since session 12: 1.7-3% off fwd+bwd on an H200;
+  # the deterministic dk/dv kernel): the step's products in two pairs instead of 1 + 2 + 1:
+  # S^T = K Q^T and dP^T = V dO^T issued together (both only need the ring slot), then P^T and
+  # dS^T, then dV += P^T dO and dK += dS^T Q together. Two wgmma waits per step instead of
+  # three, and the element-wise work in one stretch (the other consumer's pair fills the tensor
+  # cores then).
   dkv_early_dp: bool = True
   # Benchmarking hook KVAX_MOSAIC_DKV_PIPELINE=1 (session 12, not yet GPU-run; with dkv_early_dp
   # and a ring of >= 2 slots): the dk/dv step software-pipelined across steps, one wgmma wait
@@ -238,14 +238,12 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if pipeline:
-          pass
-        elif early_dp:
+        if early_dp and not pipeline:
           plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
           st, dpt = products_together((None, my_k, q_smem.at[slot].T, shape),
                                       (None, my_v, do_smem.at[slot].T, shape), cfg.interpret)
-        else:
+        elif not early_dp:
           def scores(ref):
             plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
             return ref[...]
@@ -257,21 +255,20 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         pt16 = pt.astype(dtype)
+        # With early_dp, dP^T is here already and dV's product goes with dK's below.
         if not early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
-        if early_dp:
-          pass  # dP^T is here; dV's product goes with dK's below
-        elif cfg.paired:
-          dv_acc, dpt = products_together(
-              (dv_acc, pt16, do_smem.at[slot]),
-              (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, tq)), cfg.interpret)
-        else:
-          dv_acc = accumulate(dv_acc, pt16, do_smem.at[slot], cfg.interpret)
+          if cfg.paired:
+            dv_acc, dpt = products_together(
+                (dv_acc, pt16, do_smem.at[slot]),
+                (None, my_v, do_smem.at[slot].T, (ROWS_PER_WG, tq)), cfg.interpret)
+          else:
+            dv_acc = accumulate(dv_acc, pt16, do_smem.at[slot], cfg.interpret)
 
-          def dprobs(ref):
-            plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
-            return ref[...]
-          dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
+            def dprobs(ref):
+              plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
+              return ref[...]
+            dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         delta = plgpu.load(delta_smem.at[slot], layout=_COL)
         dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
@@ -564,15 +561,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
           kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
           kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
-        if pipeline:
-          pass
-        elif cfg.paired:
+        if cfg.paired and not pipeline:
           plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     cfg.interpret)
           plgpu.barrier_arrive(v_free.at[slot])
-        else:
+        elif not cfg.paired:  # (pipelined: this step's S and dP came with the carry)
           def scores(ref):
             plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
             return ref[...]
