@@ -211,9 +211,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the persistent forward with its odd rounds of items mirrored across the CTAs (FwdConfig.zigzag)
   impls["mosaic_zigzag"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1",
                                             "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
-  # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK): the
-  # default since session 12; the row before it (1 + 2 + 1 products per step)
-  impls["mosaic_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "1"})
+  # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK) are the
+  # default since session 12 ("mosaic"); the order before it (1 + 2 + 1 products per step)
   impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
   # the two-pair step software-pipelined (one wait per step; BwdConfig.dkv_pipeline), and with
   # 8 more registers per consumer thread

@@ -353,8 +353,9 @@ e2eall_runs() {
 }
 #   LANE=EARLYDP (~7 min): the deterministic dk/dv step's products in two pairs
 #     (KVAX_MOSAIC_DKV_EARLY_DP=1: S^T with dP^T, then dV with dK; two wgmma waits per step, not
-#     three): GPU tests first (3 layouts against the float32 reference), then 16k and 64k
-#     causal + documents fwd+bwd interleaved with the default and cuDNN. Prediction: the dk/dv
+#     three; the default since this lane ran, so it now tests and times the old order,
+#     KVAX_MOSAIC_DKV_EARLY_DP=0, beside it): GPU tests first (3 layouts against the float32
+#     reference), then 16k and 64k causal + documents fwd+bwd interleaved with cuDNN. Prediction: the dk/dv
 #     kernel a few % faster if its waits leave the tensor cores idle (64k causal fwd+bwd
 #     ~250 -> ~240 ms); unchanged if the other consumer already fills them.
 earlydp_runs() {
@@ -362,9 +363,9 @@ earlydp_runs() {
     -k "register_hooks and EARLY_DP" > $R/gpu_tests_earlydp.log 2>&1
   grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_earlydp.log | tail -6 | tee -a $R/next.log
   bench 150 bench_16k_earlydp --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 7 --max-dense-mask-seq 0
+    --impls mosaic,mosaic_no_early_dp,cudnn --interleave --rounds 7 --max-dense-mask-seq 0
   bench 230 bench_64k_earlydp --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_early_dp,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+    --impls mosaic,mosaic_no_early_dp,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_*_earlydp.log | tee -a $R/next.log
 }
 #   LANE=DEFAULTS (~9.5 min): the whole Mosaic GPU test file on the new default (the dk/dv step's
