@@ -9,7 +9,7 @@ cap, sliding window, sinks) it lowers forward + backward of a small packed-docum
 writes the StableHLO text, serialized Mosaic kernels included. Source locations are dropped
 before tracing (every equation gets an empty source info), and the kernel hash attribute is
 removed, so the text depends on the kernels alone, not on file paths or line numbers; run it on
-two checkouts (e.g. `git worktree add`) with PYTHONPATH pointing at each. Kernel symbols are
+two checkouts (e.g. `git worktree add`; each run imports its own checkout). Kernel symbols are
 numbered in lowering order within a process (entry_0, entry_1, ...), so compare runs made with
 the same --only. Benchmarking hooks set in the environment (KVAX_MOSAIC_*) apply as usual.
 """
@@ -28,7 +28,7 @@ import numpy as np
 from jax._src import source_info_util
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's kvax_plugin, tests/layouts.py
 import layouts  # noqa: E402  (tests/layouts.py: the packed-documents batches the tests use)
 
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402

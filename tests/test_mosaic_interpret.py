@@ -379,18 +379,23 @@ def test_remat_policy_saving_context_keeps_the_forward(saves_context, kernels):
   assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == kernels
 
 
-def test_lowered_kernel_fingerprints_hold_no_source_locations():
+def test_lowered_kernel_fingerprints_hold_no_source_locations(tmp_path):
   """scripts/lowered_kernels.py (how a refactor is shown to leave GPU-verified kernels as they
-  were): the lowered text holds the serialized Mosaic kernels but no file path and no kernel
-  hash, so two checkouts at different paths or line numbers can compare equal (session 12 did so
-  for 50 cases between the GPU-tested commit and the cleaned-up kernels)."""
-  import importlib.util
+  were), in a fresh process as it is meant to run (traces cached by earlier lowerings in the
+  same process keep their source locations): the lowered text holds the serialized Mosaic
+  kernels but no file path and no kernel hash, so two checkouts at different paths or line
+  numbers can compare equal (session 12 did so for 50 cases between the GPU-tested commit and
+  the cleaned-up kernels); the digest file lists the case."""
+  import subprocess
+  import sys
   from pathlib import Path
-  path = Path(__file__).resolve().parents[1] / "scripts" / "lowered_kernels.py"
-  spec = importlib.util.spec_from_file_location("lowered_kernels", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  case = dict(dk=64, dv=64, det=True, cap=None, window=None, sinks=False)
-  text = module.lowered_text(**case)
+  root = Path(__file__).resolve().parents[1]
+  done = subprocess.run([sys.executable, "scripts/lowered_kernels.py", "--out", str(tmp_path),
+                         "--only", "d64_64_det1_capNone_wNone_s0"], cwd=root,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  text = (tmp_path / "d64_64_det1_capNone_wNone_s0.txt").read_text()
   assert "mosaic_gpu" in text
   assert "kernel_hash" not in text and "kvax_plugin/" not in text and ".py" not in text
+  digests = (tmp_path / "digests.txt").read_text().split()
+  assert digests[0] == "d64_64_det1_capNone_wNone_s0" and len(digests[1]) == 32
