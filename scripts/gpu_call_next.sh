@@ -415,6 +415,112 @@ pipeline64_runs() {
 #     cudnn_flash_jax's are kept depends on its own residuals), and again with the default "full",
 #     two processes each. Prediction: kvax's GPU time per step down by ~4 forwards (~15 ms of
 #     ~268 at 16k); memory up by one output + lse per layer.
+#   LANE=REMATPROF (~9 min, session 13): MaxText e2e profiled, 16k one document per row, kvax vs
+#     cudnn_flash_jax, remat_policy=minimal_with_context (LANE=E2EREMAT: 67.7k vs 70.5k tokens/s,
+#     both up from 61.8k / 62.3k with "full"): calls per step of each attention kernel (kvax's
+#     forward should run 4 times per step, not 8) and where the two runs differ; then 64k causal +
+#     documents forward+backward, the default against cuDNN and tokamax Mosaic (session 12's
+#     machine ran the 64k default 5-7% slower than sessions 7-10).
+#   LANE=REMATHLO (~4 min, session 13): why LANE=REMATPROF's kvax step ran its forward kernel 8
+#     times per step (entry x12 = 8 forwards + 4 dq) although the CPU-traced train step's jaxpr holds
+#     one forward, one dk/dv and one dq kernel under minimal_with_context: the same MaxText run
+#     (kvax, 16k, one document per row, 3 steps) with the jaxpr of train_step dumped
+#     (JAX_DUMP_IR_TO, jaxpr mode) and XLA's optimized HLO of it (--xla_dump_to); counts of the
+#     Mosaic custom calls in each and the while loops holding them.
+#   LANE=REMATFIX (~8 min, session 13): the optimization barrier between the forward kernel and its
+#     saved residuals (custom_vjp.saved_residuals): the GPU test (tests/gpu/test_remat_gpu.py:
+#     3 Mosaic calls in the compiled step under a saving policy), the toy decoder's kernel count
+#     and step time with the barrier, without it, and without it but with XLA's dynamic-slice
+#     fusion off; then MaxText e2e 16k one document per row, minimal_with_context, kvax vs
+#     cudnn_flash_jax, profiled (kvax's forward launches per step: 4 expected, 8 before).
+#     Prediction: kvax 67.7k -> ~71-72k tokens/s (4 forwards of ~3.7 ms off a ~242 ms step).
+#   LANE=E2EFIX (~6 min, session 13): MaxText e2e unprofiled after the residual barrier, remat_policy=
+#     minimal_with_context (MaxText's own configs/gpu/models/llama3_8b.yml policy): 16k one
+#     document per row kvax / cudnn_flash_jax in two processes each, alternating who goes first,
+#     then 16k short documents kvax / cudnn_flash_jax. Prediction from LANE=REMATFIX's profile
+#     (GPU busy 218.8 vs 231.2 ms per step): kvax ~1.04x cudnn_flash_jax with one document.
+#   LANE=GAP (~6 min, session 13): why kvax's unprofiled MaxText step (232 ms, 16k one document,
+#     minimal_with_context) is ~13 ms longer than its profiled GPU busy time (218.8 ms) while
+#     cudnn_flash_jax's matches its own (231.8 vs 231.2): kvax as is, with the feeder's per-batch
+#     mask statistics off (KVAX_FEED_MASK_STATS=0), and kvax + cudnn_flash_jax with three
+#     computations in flight instead of MaxText's 2 (max_inflight_computations=3).
+gap_runs() {
+  e2eg() {  # name, runs, extra maxtext_e2e arguments
+    timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2eg_$1 --steps 10 --timeout 120 \
+      --runs $2 --maxtext_override remat_policy=minimal_with_context "${@:3}" > $R/e2e_gap_$1.log 2>&1
+    mkdir -p $R/e2e_gap_$1 && cp /tmp/e2eg_$1/e2e.json $R/e2e_gap_$1/ 2>/dev/null
+    cp /tmp/e2eg_$1/*/*.log $R/e2e_gap_$1/ 2>/dev/null
+    echo "== $1" | tee -a $R/next.log; tail -3 $R/e2e_gap_$1.log | tee -a $R/next.log
+  }
+  e2eg asis 16k-long:kvax
+  KVAX_FEED_MASK_STATS=0 e2eg nostats 16k-long:kvax
+  e2eg inflight3 16k-long:kvax,16k-long:cudnn_flash_jax --maxtext_override max_inflight_computations=3
+}
+e2efix_runs() {
+  for runs in 16k-long:kvax,16k-long:cudnn_flash_jax 16k-long:cudnn_flash_jax,16k-long:kvax \
+              16k-short:kvax,16k-short:cudnn_flash_jax; do
+    name=$(echo $runs | tr ':,' '__')
+    timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2ef_$name --steps 8 --timeout 120 \
+      --runs $runs --maxtext_override remat_policy=minimal_with_context > $R/e2e_fix_$name.log 2>&1
+    mkdir -p $R/e2e_fix_$name && cp /tmp/e2ef_$name/e2e.json $R/e2e_fix_$name/ 2>/dev/null
+    tail -3 $R/e2e_fix_$name.log | tee -a $R/next.log
+  done
+}
+rematfix_runs() {
+  timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_remat_gpu.py \
+    > $R/gpu_tests_remat.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|Error|assert" $R/gpu_tests_remat.log | tail -8 | tee -a $R/next.log
+  timeout 90 python3 benchmarks/remat_clone_check.py 2>&1 | tail -1 | tee -a $R/next.log
+  KVAX_RESIDUAL_BARRIER=0 timeout 90 python3 benchmarks/remat_clone_check.py 2>&1 | tail -1 | tee -a $R/next.log
+  KVAX_RESIDUAL_BARRIER=0 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false timeout 90 \
+    python3 benchmarks/remat_clone_check.py 2>&1 | tail -1 | tee -a $R/next.log
+  timeout 300 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2erf --steps 10 --profile \
+    --runs 16k-long:kvax,16k-long:cudnn_flash_jax \
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_rematfix.log 2>&1
+  mkdir -p $R/e2e_rematfix && cp /tmp/e2erf/e2e.json $R/e2e_rematfix/ 2>/dev/null
+  timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2erf/16k-long_kvax \
+    /tmp/e2erf/16k-long_cudnn_flash_jax --json $R/e2e_rematfix/profile.json \
+    > $R/e2e_rematfix_table.log 2>&1
+  tail -4 $R/e2e_rematfix.log | tee -a $R/next.log
+  grep -E "entry|attention \(|busy|window" $R/e2e_rematfix_table.log | tee -a $R/next.log
+}
+remathlo_runs() {
+  rm -rf /tmp/ir /tmp/xla; mkdir -p $R/remathlo
+  JAX_DUMP_IR_TO=/tmp/ir JAX_DUMP_IR_MODES=jaxpr \
+  XLA_FLAGS="--xla_dump_to=/tmp/xla --xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_as_text" \
+    timeout 240 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2eh --steps 3 --timeout 200 \
+    --runs 16k-long:kvax --maxtext_override remat_policy=minimal_with_context \
+    > $R/remathlo/e2e.log 2>&1
+  tail -3 $R/remathlo/e2e.log | tee -a $R/next.log
+  ls /tmp/ir | grep -i train_step | tee -a $R/next.log
+  for f in /tmp/ir/*train_step*jaxpr*; do
+    echo "jaxpr $f: $(grep -o 'name=entry[a-z_]*' "$f" | sort | uniq -c | tr '\n' ' ')" | tee -a $R/next.log
+  done
+  ls /tmp/xla | grep -i "train_step" | grep -i "after_optimizations.txt" | tee -a $R/next.log
+  for f in /tmp/xla/*train_step*after_optimizations.txt; do
+    cp "$f" $R/remathlo/ 2>/dev/null
+    echo "hlo $f: $(grep -c 'custom_call_target="mosaic_gpu' "$f") mosaic custom calls" | tee -a $R/next.log
+    # which computation holds each Mosaic call (kernel name from its backend config), and which
+    # while loops run those computations
+    awk '/^[^ ].*\{$/ {comp=$1} /custom_call_target="mosaic_gpu/ {n=$1; print "  in " comp ": " n}
+         / while\(/ {match($0, /body=[^,]*/); print "  while " $1 " in " comp " " substr($0, RSTART, RLENGTH)}' "$f" \
+      | cut -c1-200 | tee -a $R/next.log
+  done
+  gzip -9 $R/remathlo/*.txt 2>/dev/null
+}
+rematprof_runs() {
+  timeout 330 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2erp --steps 10 --profile \
+    --runs 16k-long:kvax,16k-long:cudnn_flash_jax \
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_rematprof.log 2>&1
+  mkdir -p $R/e2e_rematprof && cp /tmp/e2erp/e2e.json $R/e2e_rematprof/ 2>/dev/null
+  timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2erp/16k-long_kvax \
+    /tmp/e2erp/16k-long_cudnn_flash_jax --json $R/e2e_rematprof/profile.json \
+    > $R/e2e_rematprof_table.log 2>&1
+  tail -4 $R/e2e_rematprof.log | tee -a $R/next.log; tail -70 $R/e2e_rematprof_table.log | tee -a $R/next.log
+  bench 230 bench_64k_s13 --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s13.log | tee -a $R/next.log
+}
 e2eremat_runs() {
   for policy in minimal_with_context full; do
     timeout 280 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2er_$policy --steps 8 --timeout 130 \
@@ -425,6 +531,11 @@ e2eremat_runs() {
   done
 }
 case ${LANE:-CP} in
+  GAP) gap_runs ;;
+  E2EFIX) e2efix_runs ;;
+  REMATFIX) rematfix_runs ;;
+  REMATHLO) remathlo_runs ;;
+  REMATPROF) rematprof_runs ;;
   E2EREMAT) e2eremat_runs ;;
   PIPELINE) pipeline_runs ;;
   PIPELINE64) pipeline64_runs ;;

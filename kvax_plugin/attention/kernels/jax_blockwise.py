@@ -27,7 +27,8 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks, token_keep
 from kvax_plugin.attention.kernels.capabilities import Capabilities
-from kvax_plugin.attention.kernels.custom_vjp import KernelParts, capturing_kernel_parts
+from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, capturing_kernel_parts,
+                                                      saved_residuals)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 # Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
@@ -266,6 +267,9 @@ def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Atte
   out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask.fwd,
                       p.query_block_size, p.kv_block_size)
   out = out.astype(q.dtype)
+  # Named like the kernel backends' residuals: a remat policy that saves "context" (MaxText's
+  # minimal_with_context) keeps them instead of rerunning this forward.
+  out, lse = saved_residuals(out, lse)
   return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
 
 

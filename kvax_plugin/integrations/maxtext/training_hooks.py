@@ -51,7 +51,8 @@ def packed_corpus_pipeline(cfg, holder: dict):
                           host_index=loading.index(jax.process_index()), host_count=len(loading),
                           sliding_window=window,
                           # Masks only for a kvax run: another kernel's run reports no skipping.
-                          mask_stats=str(config.attention) == "kvax")
+                          mask_stats=(str(config.attention) == "kvax"
+                                      and os.environ.get("KVAX_FEED_MASK_STATS", "") != "0"))
     holder["corpus"] = corpus
     return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
 

@@ -1,0 +1,48 @@
+"""How many Mosaic kernels XLA's compiled training step holds under a remat policy that saves
+the attention residuals (tests/gpu/test_remat_gpu.py's toy decoder), and how long the step takes:
+with and without the optimization barrier in custom_vjp.saved_residuals (KVAX_RESIDUAL_BARRIER=0
+drops it), and with XLA's dynamic-slice fusion switched off. One configuration per process (XLA
+flags are read at start-up):
+
+    python benchmarks/remat_clone_check.py                      # as shipped
+    KVAX_RESIDUAL_BARRIER=0 python benchmarks/remat_clone_check.py
+    KVAX_RESIDUAL_BARRIER=0 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false \\
+        python benchmarks/remat_clone_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+
+import jax  # noqa: E402
+
+import test_remat_gpu as t  # noqa: E402
+from kvax_plugin.attention.kernels.custom_vjp import RESIDUAL_NAME  # noqa: E402
+
+
+def main():
+  rows = {}
+  for name, policy in (("save_context", jax.checkpoint_policies.save_only_these_names(
+      RESIDUAL_NAME)), ("nothing_saveable", jax.checkpoint_policies.nothing_saveable)):
+    step, args = t.scanned_layers_step(policy)
+    calls = t.mosaic_calls(step, args)
+    jax.block_until_ready(step(*args))
+    t0 = time.perf_counter()
+    for _ in range(20):
+      out = step(*args)
+    jax.block_until_ready(out)
+    rows[name] = dict(mosaic_calls=calls, step_ms=round((time.perf_counter() - t0) / 20 * 1e3, 3))
+  print(json.dumps(dict(barrier=os.environ.get("KVAX_RESIDUAL_BARRIER", "1"),
+                        xla_flags=os.environ.get("XLA_FLAGS", ""), layers=t.LAYERS, seq=t.S,
+                        rows=rows)))
+
+
+if __name__ == "__main__":
+  main()
