@@ -444,6 +444,18 @@ pipeline64_runs() {
 #     cudnn_flash_jax's matches its own (231.8 vs 231.2): kvax as is, with the feeder's per-batch
 #     mask statistics off (KVAX_FEED_MASK_STATS=0), and kvax + cudnn_flash_jax with three
 #     computations in flight instead of MaxText's 2 (max_inflight_computations=3).
+#   LANE=TESTS13 (~9.5 min, session 13): the GPU tests after the residual barrier in the shared
+#     custom VJP (every Triton / Mosaic training step now passes its forward's out and lse
+#     through an optimization barrier): the Mosaic GPU file (minus the register hooks), the
+#     Triton GPU file, the remat test.
+tests13_runs() {
+  timeout 400 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "not register_hooks" --durations=0 > $R/gpu_tests_mosaic_s13.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_s13.log | tail -24 | tee -a $R/next.log
+  timeout 170 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+    tests/gpu/test_remat_gpu.py > $R/gpu_tests_triton_s13.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_triton_s13.log | tail -16 | tee -a $R/next.log
+}
 gap_runs() {
   e2eg() {  # name, runs, extra maxtext_e2e arguments
     timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2eg_$1 --steps 10 --timeout 120 \
@@ -531,6 +543,7 @@ e2eremat_runs() {
   done
 }
 case ${LANE:-CP} in
+  TESTS13) tests13_runs ;;
   GAP) gap_runs ;;
   E2EFIX) e2efix_runs ;;
   REMATFIX) rematfix_runs ;;
