@@ -448,6 +448,17 @@ pipeline64_runs() {
 #     custom VJP (every Triton / Mosaic training step now passes its forward's out and lse
 #     through an optimization barrier): the Mosaic GPU file (minus the register hooks), the
 #     Triton GPU file, the remat test.
+#   LANE=TESTS13B (~7 min, session 13): what LANE=TESTS13's limits cut: the two last Mosaic GPU
+#     tests (fused vs deterministic backward, kernel parts) and five Triton GPU tests.
+tests13b_runs() {
+  timeout 230 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "fused_and_deterministic or kernel_parts" > $R/gpu_tests_mosaic_s13b.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_mosaic_s13b.log | tail -6 | tee -a $R/next.log
+  timeout 230 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+    -k "odd_length_padding_bf16 or softcap_sinks or memory_optimized_gqa or bitwise or not_causal_gqa8" \
+    > $R/gpu_tests_triton_s13b.log 2>&1
+  grep -hE "PASSED|FAILED|passed|failed" $R/gpu_tests_triton_s13b.log | tail -8 | tee -a $R/next.log
+}
 tests13_runs() {
   timeout 400 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "not register_hooks" --durations=0 > $R/gpu_tests_mosaic_s13.log 2>&1
@@ -543,6 +554,7 @@ e2eremat_runs() {
   done
 }
 case ${LANE:-CP} in
+  TESTS13B) tests13b_runs ;;
   TESTS13) tests13_runs ;;
   GAP) gap_runs ;;
   E2EFIX) e2efix_runs ;;
