@@ -214,15 +214,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK) are the
   # default since session 12 ("mosaic"); the order before it (1 + 2 + 1 products per step)
   impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
-  # the two-pair step software-pipelined (one wait per step; BwdConfig.dkv_pipeline), and with
-  # 8 more registers per consumer thread
-  impls["mosaic_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DKV_PIPELINE": "1"})
-  impls["mosaic_pipeline_regs240"] = make_mosaic(
-      env={"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"})
-  # the dq kernel pipelined the same way (BwdConfig.dq_pipeline), alone and with both
-  impls["mosaic_dq_pipeline"] = make_mosaic(env={"KVAX_MOSAIC_DQ_PIPELINE": "1"})
-  impls["mosaic_both_pipelines"] = make_mosaic(
-      env={"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles
@@ -332,18 +323,15 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
   parts = dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
                fused_dkv_dq=ms(fused, args))
-  # Variants of single kernels: the software-pipelined deterministic kernels (one wait per
-  # step; BwdConfig.dkv_pipeline / dq_pipeline), and the fastest fused variant measured in
-  # session 7 (consumers at 240 registers, products awaited one by one). The register split
-  # 240 / 24 and the dq kernel's 64-row kv steps changed nothing for the deterministic kernels
-  # there (dkv 111.7 vs 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
-  # (Hooks measured slower and removed in session 12 - backward pre-waits, a 4-deep ring,
-  # 128-query steps, P^T in 16 bits, K in registers - are in benchmarks/NOTES.md.)
+  # Variants of single kernels: the fastest fused variant measured in session 7 (consumers at
+  # 240 registers, products awaited one by one). The register split 240 / 24 and the dq
+  # kernel's 64-row kv steps changed nothing for the deterministic kernels there (dkv 111.7 vs
+  # 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
+  # (Hooks measured slower and removed in sessions 12 and 13 - backward pre-waits, a 4-deep
+  # ring, 128-query steps, P^T in 16 bits, K in registers, the software-pipelined dk/dv and dq
+  # steps - are in benchmarks/NOTES.md.)
   f240 = dc.replace(fcfg, consumer_regs=240)
-  piped = dc.replace(cfg, dkv_pipeline=True, dq_pipeline=True)
   variants = dict(
-      dkv_pipeline=(lambda *a: bk.dkv_call(piped, stages, *a, *mask.dkv)[1:]),
-      dq_pipeline=(lambda *a: bk.dq_call(piped, bk_tile, 2, *a, *mask.dq)),
       fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
           dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
   for name, fn in variants.items():

@@ -3,12 +3,12 @@
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/ptxas python benchmarks/mosaic_resources.py
 
 Compiles forward + backward once per backward mode (deterministic, fused with column-split dq,
-fused with whole dq partials, the pipelined dk/dv and dq steps; with --modes, the named ones)
-at a small causal shape with head dim 128, so that Mosaic GPU writes each kernel's ptxas
-report (registers per thread, spill stores / loads, shared memory) into $MOSAIC_GPU_DUMP_TO.
-The reports answer whether a kernel variant spills.
+fused with whole dq partials; with --modes, the named ones) at a small causal shape with head
+dim 128, so that Mosaic GPU writes each kernel's ptxas report (registers per thread, spill
+stores / loads, shared memory) into $MOSAIC_GPU_DUMP_TO. The reports answer whether a kernel
+variant spills.
 
-    ... python benchmarks/mosaic_resources.py --modes deterministic,pipeline,pipeline_regs240
+    ... python benchmarks/mosaic_resources.py --modes deterministic,one_by_one
 """
 
 from __future__ import annotations
@@ -29,11 +29,8 @@ MODES = {
     "fused_split": (False, {}),
     "fused_whole": (False, {"KVAX_MOSAIC_DQ_WHOLE": "1"}),
     "one_by_one": (True, {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}),
-    "pipeline": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1"}),
-    "pipeline_regs240": (True, {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"}),
-    "dq_pipeline": (True, {"KVAX_MOSAIC_DQ_PIPELINE": "1"}),
 }
-DEFAULT_MODES = "deterministic,fused_split,fused_whole,pipeline,dq_pipeline"
+DEFAULT_MODES = "deterministic,fused_split,fused_whole"
 
 
 def main():

@@ -264,22 +264,14 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
-    # session 12: the two-pair step software-pipelined (one wait per step)
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
-    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dkv_pipeline", True),
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DQ_PIPELINE": "1"}, "dq_pipeline", True),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DQ_PIPELINE": "1"}, "dq_pipeline", True),
-    ("window_cap_sinks_det", {"KVAX_MOSAIC_DQ_PIPELINE": "1",
-                              "KVAX_MOSAIC_DKV_PIPELINE": "1"}, "dq_pipeline", True),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
-  """The deterministic backward's step-order levers (BwdConfig.dkv_early_dp: two product pairs
-  per dk/dv step, the default; dkv_pipeline / dq_pipeline: one wait per step, the next step's
-  products issued with this step's): interpreter against the float32 reference (masked runs
-  on both sides of full blocks; documents, a one-token document, padding, GQA; soft cap and
-  sinks), and lowered for CUDA. The kernel must really get the setting. (Session 9's register
-  levers were removed after measuring slower: test_removed_hooks_are_refused.)"""
+  """The deterministic backward's step-order lever (BwdConfig.dkv_early_dp: two product pairs
+  per dk/dv step, the default): interpreter against the float32 reference (masked runs on both
+  sides of full blocks; documents, a one-token document, padding, GQA; soft cap and sinks), and
+  lowered for CUDA. The kernel must really get the setting. (Session 9's register levers and
+  session 12's software-pipelined dk/dv and dq steps were removed after measuring slower:
+  test_removed_hooks_are_refused.)"""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   for name, v in env.items():
     monkeypatch.setenv(name, v)
@@ -299,7 +291,7 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
 def test_removed_hooks_are_refused(name, monkeypatch):
-  """Benchmarking hooks removed after measuring slower (session 12) are refused by name, not
+  """Benchmarking hooks removed after measuring slower (sessions 12 and 13) are refused by name, not
   silently ignored: a benchmark that sets one would otherwise time the default kernels."""
   monkeypatch.setenv(name, "1")
   with pytest.raises(ValueError, match=f"{name}: this benchmarking hook was removed"):

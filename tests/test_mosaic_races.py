@@ -234,17 +234,3 @@ def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkey
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference("prefill_mla")
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
-
-
-def test_pipelined_dkv_step_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
-  """KVAX_MOSAIC_DKV_PIPELINE=1 and KVAX_MOSAIC_DQ_PIPELINE=1: the consumers issue the next
-  step's S^T / dP^T (S / dP in the dq kernel), reading ring slot n + 1, together with this
-  step's last products (slot n), and release slot n only after that one wait; the producer
-  refills slot n while slot n + 1 is being read. No race reported (deterministic backward,
-  rings wrapping, the last step's extra products on its own slot); matches the reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_DKV_PIPELINE", "1")
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_PIPELINE", "1")  # the dq kernel's K / V ring likewise
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference(
-      "window_masked_full_masked_det")
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]

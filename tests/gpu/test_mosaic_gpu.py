@@ -177,16 +177,11 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
   assert errs["dq"] < 2e-3  # float32 summation order, one bf16 rounding
 
 
-# Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "DKV_PIPELINE".
+# Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "EARLY_DP".
 HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
-             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"},
-             {"KVAX_MOSAIC_DKV_PIPELINE": "1"},
-             {"KVAX_MOSAIC_DKV_PIPELINE": "1", "KVAX_MOSAIC_BWD_REGS": "240"},
-             {"KVAX_MOSAIC_DQ_PIPELINE": "1"},
-             {"KVAX_MOSAIC_DQ_PIPELINE": "1", "KVAX_MOSAIC_DKV_PIPELINE": "1",
-              "KVAX_MOSAIC_BWD_REGS": "240"}]
+             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}]
 
 
 def _hook_id(env):
@@ -198,7 +193,7 @@ def _hook_id(env):
                                   "one_token_docs_fp16_d64"])
 def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
   """The kernels' benchmarking hooks (HOOK_ENVS: launch order, forward grid, the backward's
-  step order and pipelining; read while tracing) against the float32 reference on the GPU
+  step order; read while tracing) against the float32 reference on the GPU
   before any timing of them counts."""
   for key, value in env.items():
     monkeypatch.setenv(key, value)

@@ -167,8 +167,6 @@ class Static:
   # 3.78 vs 3.85; 64k causal 257.6 vs 262.4, docs 41.4 vs 42.7; faster in every row, alone too);
   # KVAX_MOSAIC_DKV_EARLY_DP=0 turns it off.
   dkv_early_dp: bool = True
-  dkv_pipeline: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_PIPELINE=1 (BwdConfig)
-  dq_pipeline: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_PIPELINE=1 (BwdConfig)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -271,8 +269,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dq_split=cfg.dq_split, consumer_regs=cfg.consumer_regs, dq_kv_tile=cfg.dq_kv_tile,
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
-      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
-      dkv_pipeline=cfg.dkv_pipeline, dq_pipeline=cfg.dq_pipeline)
+      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -291,9 +288,13 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 _attention = kernel_attention(_forward, _backward)
 
 
-# Benchmarking hooks that were measured, found slower on an H200, and removed (session 12; the
-# numbers are in benchmarks/NOTES.md). Setting one is an error, not a silent no-op.
+# Benchmarking hooks that were measured, found slower on an H200, and removed (sessions 12 and
+# 13; the numbers are in benchmarks/NOTES.md). Setting one is an error, not a silent no-op.
 REMOVED_HOOKS = {
+    "KVAX_MOSAIC_DKV_PIPELINE": ("software-pipelined dk/dv step (session 13: 16k fwd+bwd 18.34 "
+                                 "vs 15.52 ms, docs 4.30 vs 3.70)"),
+    "KVAX_MOSAIC_DQ_PIPELINE": ("software-pipelined dq step (session 13: 16k fwd+bwd 16.89 vs "
+                                "15.52 ms, docs 3.97 vs 3.70)"),
     "KVAX_MOSAIC_BWD_SMALL": "small-CTA backward (session 12: 16k fwd+bwd 18.2 vs 15.7 ms)",
     "KVAX_MOSAIC_DQ_ATOMIC": "fused dq by register atomics (session 12: 26.7 vs 18.0 ms)",
     "KVAX_MOSAIC_DKV_TILE_Q": "128-query dk/dv steps (session 9: 64k 335.8 vs 249.2 ms)",
@@ -375,9 +376,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                fwd_persistent=_env_choice("KVAX_MOSAIC_FWD_PERSISTENT", ("auto", "1", "0")),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
-               dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
-               dkv_pipeline=_env_choice("KVAX_MOSAIC_DKV_PIPELINE", ("0", "1")) == "1",
-               dq_pipeline=_env_choice("KVAX_MOSAIC_DQ_PIPELINE", ("0", "1")) == "1")
+               dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -39,7 +39,6 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           _ROW, _smem, accumulate,
                                                           pair_keep,
                                                           produce_kv_ring, products_together,
-                                                          products_issued_together,
                                                           released_for_tma,
                                                           longest_first, visit_order)
 
@@ -102,20 +101,6 @@ class BwdConfig:
   # three, and the element-wise work in one stretch (the other consumer's pair fills the tensor
   # cores then).
   dkv_early_dp: bool = True
-  # Benchmarking hook KVAX_MOSAIC_DKV_PIPELINE=1 (session 12, not yet GPU-run; with dkv_early_dp
-  # and a ring of >= 2 slots): the dk/dv step software-pipelined across steps, one wgmma wait
-  # per step instead of two. Step n's element-wise work (P^T, dS^T from S^T(n), dP^T(n) carried
-  # in registers) is followed by ONE group of four products: dV += P^T(n) dO(n), dK += dS^T(n)
-  # Q(n), and the next step's S^T(n+1) = K Q(n+1)^T, dP^T(n+1) = V dO(n+1)^T; slot n is released
-  # after that wait. Peak registers: dK 64 + dV 64 + P^T, dS^T 16-bit 16 + 16 + the next S^T,
-  # dP^T 32 + 32 = 224 per thread (two more 64 x 64 float32 tiles than now): ptxas decides
-  # whether it spills (KVAX_MOSAIC_BWD_REGS=240 gives 8 more).
-  dkv_pipeline: bool = False
-  # Benchmarking hook KVAX_MOSAIC_DQ_PIPELINE=1 (session 12, not yet GPU-run): the same for the
-  # deterministic dq kernel: step n's dQ += dS(n) K(n) issued with the next step's
-  # S(n+1) = Q K(n+1)^T and dP(n+1) = dO V(n+1)^T, one wait per step instead of two; K and V
-  # slot n released after it. Peak: dQ 64 + dS 16-bit 32 + S, dP 64 + 64 = 224 registers.
-  dq_pipeline: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -180,7 +165,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
-  pipeline = early_dp and cfg.dkv_pipeline and stages >= 2  # BwdConfig.dkv_pipeline
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -218,27 +202,19 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       plgpu.barrier_wait(v_ready.at[wg])
       total = group * count  # ring positions this CTA visits
 
-      def wait_slot(slot):
-        plgpu.barrier_wait(q_ready.at[slot])
-        plgpu.barrier_wait(do_ready.at[slot])
-
       def step(n, qi, head, carry, masked: bool):
-        if pipeline:  # this step's S^T and dP^T were issued (and awaited) by the step before
-          dk_acc, dv_acc, st, dpt = carry
-        else:
-          dk_acc, dv_acc = carry
+        dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
         if masked and not cfg.ids_tma:  # loaded before the product, which hides their latency
           cols = pl.ds(qi * tq, tq)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not pipeline:
-          plgpu.barrier_wait(q_ready.at[slot])
+        plgpu.barrier_wait(q_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with q (the slot is released after the step)
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if early_dp and not pipeline:
+        if early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
           st, dpt = products_together((None, my_k, q_smem.at[slot].T, shape),
@@ -302,16 +278,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               plgpu.wgmma(ref, my_ds.T, my_k)
               return ref[...]
             dq = pl.run_scoped(dq_part, plgpu.ACC((tq, dk), jnp.float32))
-        elif pipeline:
-          # The next step's slot (waited here, once); after the last step the products of
-          # "the next" read this step's slot again, unused (no conditional wgmma needed).
-          pl.when(n + 1 < total)(lambda: wait_slot(lax.rem(n + 1, stages)))
-          nxt = lax.rem(lax.min(n + 1, total - 1), stages)
-          shape = (ROWS_PER_WG, tq)
-          dv_acc, dk_acc, st, dpt = products_issued_together(
-              ((dv_acc, pt16, do_smem.at[slot]), (dk_acc, ds16, q_smem.at[slot]),
-               (None, my_k, q_smem.at[nxt].T, shape), (None, my_v, do_smem.at[nxt].T, shape)),
-              cfg.interpret)
         elif early_dp:
           dv_acc, dk_acc = products_together((dv_acc, pt16, do_smem.at[slot]),
                                              (dk_acc, ds16, q_smem.at[slot]), cfg.interpret)
@@ -335,8 +301,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[0, bi, qrows, head, cols],
                                     reduction_op="add")
-        if pipeline:
-          return dk_acc, dv_acc, st, dpt
         return dk_acc, dv_acc
 
       def one_head(g, carry):
@@ -348,17 +312,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             masked_count, count,
             lambda m, c: step(base + m, full_lower + (m - masked_count), head, c, False), carry)
 
-      init = (dk_acc, dv_acc)
-      if pipeline:
-        # Prologue: the first step's S^T and dP^T (with no step at all they read an unloaded
-        # slot and are never used).
-        pl.when(total > 0)(lambda: wait_slot(0))
-        shape = (ROWS_PER_WG, tq)
-        # slot 0 as a traced index: a Python 0 indexing a wgmma operand failed to lower
-        first = total - total
-        init += products_together((None, my_k, q_smem.at[first].T, shape),
-                                  (None, my_v, do_smem.at[first].T, shape), cfg.interpret)
-      dk_acc, dv_acc = lax.fori_loop(0, group, one_head, init)[:2]
+      dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
       if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
       if split:
@@ -505,7 +459,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   rq = cfg.table_q // DQ_TILE_Q
   rk = cfg.table_kv // bk
   dtype = q.dtype
-  pipeline = cfg.dq_pipeline and cfg.paired and stages >= 2
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
@@ -541,33 +494,24 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
-      def wait_slot(slot):
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
-
-      def step(n, ki, carry, masked: bool):
+      def step(n, ki, acc, masked: bool):
         """The n-th visited kv block, block ki."""
-        if pipeline:  # this step's S and dP were issued (and awaited) by the step before
-          acc, s, dp = carry
-        else:
-          acc = carry
         slot = lax.rem(n, stages)
         if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not pipeline:
-          plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(k_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
           kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
           kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
-        if cfg.paired and not pipeline:
+        if cfg.paired:
           plgpu.barrier_wait(v_ready.at[slot])
           s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     cfg.interpret)
           plgpu.barrier_arrive(v_free.at[slot])
-        elif not cfg.paired:  # (pipelined: this step's S and dP came with the carry)
+        else:
           def scores(ref):
             plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
             return ref[...]
@@ -590,37 +534,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         if masked:
           # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
           ds = jnp.where(keep, ds, 0.0)
-        if pipeline:
-          # The next step's slot (waited here, once); after the last step the products of
-          # "the next" read this step's slot again, unused.
-          pl.when(n + 1 < count)(lambda: wait_slot(lax.rem(n + 1, stages)))
-          nxt = lax.rem(lax.min(n + 1, count - 1), stages)
-          shape = (ROWS_PER_WG, bk)
-          acc, s, dp = products_issued_together(
-              ((acc, ds.astype(dtype), k_smem.at[slot]),
-               (None, my_q, k_smem.at[nxt].T, shape), (None, my_do, v_smem.at[nxt].T, shape)),
-              cfg.interpret)
-          plgpu.barrier_arrive(v_free.at[slot])
-          plgpu.barrier_arrive(k_free.at[slot])
-          return acc, s, dp
         acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
-      carry = acc
-      if pipeline:
-        # Prologue: the first step's S and dP (with no step they read an unloaded slot, unused).
-        pl.when(count > 0)(lambda: wait_slot(0))
-        first = count - count  # slot 0 as a traced index (see dkv_call's prologue)
-        shape = (ROWS_PER_WG, bk)
-        carry = (acc,) + products_together((None, my_q, k_smem.at[first].T, shape),
-                                           (None, my_do, v_smem.at[first].T, shape),
-                                           cfg.interpret)
-      carry = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), carry)
-      carry = lax.fori_loop(masked_count, count,
-                            lambda n, a: step(n, full_lower + (n - masked_count), a, False),
-                            carry)
-      acc = carry[0] if pipeline else carry
+      acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
+      acc = lax.fori_loop(masked_count, count,
+                          lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
       # reached them through 0 * NaN inside dS K.
       acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
