@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The device calls of sessions 8-12 and the next one (carry .whl; lanes of hooks removed in
-# session 12 - SMALL, ATOMIC, DKV128, DKVREGS - are in git history); LANE=CP needs the 2-GPU kind
-# (not lent in sessions 9-12: run it first when it is). With a 1-GPU kind the next kernel work
-# is LANE=PIPELINE then LANE=PIPELINE64 (session 12's software-pipelined dk/dv and dq steps,
-# built and checked on the CPU only). Everything each call writes is packed into ONE archive under $OUT (the device
+# The device calls of sessions 8-13 (carry .whl; lanes of hooks removed in sessions 12-13 -
+# SMALL, ATOMIC, DKV128, DKVREGS, PIPELINE, PIPELINE64 - are in git history); LANE=CP needs the
+# 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
+# PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
+# TESTS13B. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
@@ -379,36 +379,6 @@ defaults_runs() {
     --impls mosaic,mosaic_no_early_dp,cudnn,tokamax_mosaic --interleave --rounds 5
   grep -hE "interleaved|FAIL|Error" $R/bench_16k_defaults.log | tee -a $R/next.log
 }
-#   LANE=PIPELINE (~9.5 min): the dk/dv step software-pipelined (KVAX_MOSAIC_DKV_PIPELINE=1: the
-#     next step's S^T / dP^T issued with this step's dV / dK, one wgmma wait per step; built in
-#     session 12, interpreter / race-detector / lowering only): ptxas registers and spills of the
-#     deterministic kernels (two pairs, pipelined at 232 and 240 registers), GPU tests against
-#     the float32 reference (3 layouts x both register splits; the dq kernel's pipelining hook
-#     KVAX_MOSAIC_DQ_PIPELINE=1 alone and with both), then 16k and 64k fwd+bwd
-#     causal + documents interleaved with the default and cuDNN. Prediction: -1..3% more off the
-#     dk/dv kernel if it does not spill (the two-pair change gave 1.7-3%); slower if it spills.
-pipeline_runs() {
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxas timeout 150 python3 \
-    benchmarks/mosaic_resources.py --modes deterministic,pipeline,pipeline_regs240,dq_pipeline \
-    > $R/ptxas.log 2>&1
-  grep -ahE "===|registers|spill" $R/ptxas.log /tmp/ptxas/* 2>/dev/null | grep -vE "^\s*$" \
-    | tail -60 > $R/ptxas_summary.log; cat $R/ptxas_summary.log >> $R/next.log
-  timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and PIPELINE" > $R/gpu_tests_pipeline.log 2>&1
-  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_pipeline.log | tail -6 | tee -a $R/next.log
-  bench 170 bench_16k_pipeline --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_pipeline,mosaic_pipeline_regs240,mosaic_dq_pipeline,mosaic_both_pipelines,cudnn \
-    --interleave --rounds 5 \
-    --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_pipeline.log | tee -a $R/next.log
-}
-#   LANE=PIPELINE64 (~5 min, right after LANE=PIPELINE): its 64k rows.
-pipeline64_runs() {
-  bench 280 bench_64k_pipeline --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_pipeline,mosaic_dq_pipeline,mosaic_both_pipelines,cudnn \
-    --interleave --rounds 3 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_pipeline.log | tee -a $R/next.log
-}
 #   LANE=E2EREMAT (~8 min): MaxText e2e, 16k one document per row, kvax vs cudnn_flash_jax with
 #     remat_policy=minimal_with_context (kvax's forward output and lse carry the name "context",
 #     custom_vjp.RESIDUAL_NAME, so the backward does not rerun kvax's forward kernel; whether
@@ -562,8 +532,6 @@ case ${LANE:-CP} in
   REMATHLO) remathlo_runs ;;
   REMATPROF) rematprof_runs ;;
   E2EREMAT) e2eremat_runs ;;
-  PIPELINE) pipeline_runs ;;
-  PIPELINE64) pipeline64_runs ;;
   DEFAULTS) defaults_runs ;;
   EARLYDP) earlydp_runs ;;
   E2EALL) e2eall_runs ;;
