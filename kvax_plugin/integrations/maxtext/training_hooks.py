@@ -1,7 +1,10 @@
 """Hooks the launcher sets on MaxText for the duration of one run (each restores on exit).
 
     packed_corpus_pipeline   MaxText's create_data_iterator returns kvax_plugin.data's packed
-                             corpus (wrapped in MaxText's own MultiHostDataLoadIterator)
+                             corpus (wrapped in MaxText's own MultiHostDataLoadIterator); with
+                             attention=kvax it builds each batch's mask on the CPU for the
+                             blocks-skipped report (KVAX_FEED_MASK_STATS=0 turns that off: a
+                             diagnostic, session 13)
     progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
                              which prints one line per step and adds TensorBoard scalars
     quiet_maxtext            absl / MaxText INFO logs go to a file only
