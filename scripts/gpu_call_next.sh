@@ -420,6 +420,22 @@ defaults_runs() {
 #     Triton GPU file, the remat test.
 #   LANE=TESTS13B (~7 min, session 13): what LANE=TESTS13's limits cut: the two last Mosaic GPU
 #     tests (fused vs deterministic backward, kernel parts) and five Triton GPU tests.
+#   LANE=HOSTPROF (~5 min, session 13): where kvax's ~13 ms per step outside its kernels goes
+#     (MaxText 16k one document per row, minimal_with_context: step 232 ms against 218.8 ms of GPU
+#     busy time; cudnn_flash_jax's step matches its busy time): both runs profiled again, their
+#     xplane traces brought back (host threads included) for an offline look at the host side.
+hostprof_runs() {
+  timeout 300 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2ehp --steps 8 --profile \
+    --profile_skip 4 --profile_steps 2 --runs 16k-long:kvax,16k-long:cudnn_flash_jax \
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_hostprof.log 2>&1
+  tail -3 $R/e2e_hostprof.log | tee -a $R/next.log
+  mkdir -p $R/hostprof
+  for d in /tmp/e2ehp/16k-long_*/; do
+    f=$(find "$d" -name "*.xplane.pb" | head -1)
+    [ -n "$f" ] && gzip -9c "$f" > $R/hostprof/$(basename "$d").xplane.pb.gz
+  done
+  ls -la $R/hostprof | tee -a $R/next.log
+}
 tests13b_runs() {
   timeout 230 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "fused_and_deterministic or kernel_parts" > $R/gpu_tests_mosaic_s13b.log 2>&1
@@ -524,6 +540,7 @@ e2eremat_runs() {
   done
 }
 case ${LANE:-CP} in
+  HOSTPROF) hostprof_runs ;;
   TESTS13B) tests13b_runs ;;
   TESTS13) tests13_runs ;;
   GAP) gap_runs ;;
