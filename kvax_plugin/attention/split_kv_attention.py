@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask
-from kvax_plugin.attention.kernels.custom_vjp import KernelParts, sinks_gradient
+from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, saved_residuals,
+                                                      sinks_gradient)
 
 
 class KvPart(NamedTuple):
@@ -117,6 +118,9 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
 
   def attention_fwd(q, k_a, v_a, k_b, v_b, s, ints):
     out, lse = forward(q, k_a, v_a, k_b, v_b, s, ints)
+    # Named as the single-call backends name theirs: a remat policy saving "context" keeps the
+    # merged out and lse, so the backward reruns neither part's forward (nor its collective).
+    out, lse = saved_residuals(out, lse)
     return out, (q, k_a, v_a, k_b, v_b, s, ints, out, lse)
 
   def attention_bwd(res, d_out):
