@@ -20,26 +20,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layouts  # noqa: E402
 
 import kvax_plugin as kvax  # noqa: E402
+from mosaic_marks import MOSAIC_GPU_MARKS  # noqa: E402
 from kvax_plugin.attention.kernels.custom_vjp import RESIDUAL_NAME  # noqa: E402
-from kvax_plugin.attention.kernels.mosaic import backend as mosaic_backend  # noqa: E402
 
 
-def _hopper():
-  try:
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  except RuntimeError:
-    gpus = []
-  return mosaic_backend.device_supported(gpus[0] if gpus else None)
-
-
-_OK, _WHY = _hopper()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"Mosaic backend: {_WHY}")]
+pytestmark = MOSAIC_GPU_MARKS
 
 LAYERS, S, H, KH, D = 3, 1024, 4, 2, 128
 
