@@ -171,12 +171,6 @@ def products_together(first, second, interpret: bool):
   float32 product of shape (a rows, b cols) given as (None, a, b, shape). Awaiting both at once
   saves one wgmma wait per pair on the GPU (the two are independent).
   """
-  return products_issued_together((first, second), interpret)
-
-
-def products_issued_together(specs, interpret: bool):
-  """Any number of independent tensor-core products (products_together's specs), issued in
-  order and awaited once."""
   def init(spec):
     acc = spec[0]
     if acc is None:
@@ -184,12 +178,12 @@ def products_issued_together(specs, interpret: bool):
     return acc
 
   if interpret:
-    return tuple(accumulate(init(x), x[1], x[2], True) for x in specs)
+    return tuple(accumulate(init(x), x[1], x[2], True) for x in (first, second))
 
   def issue(refs):
-    for ref, spec in zip(refs, specs):
-      plgpu.wgmma(ref, spec[1], spec[2])
-  return pl.run_state(issue)(tuple(plgpu.ACC.init(init(x)) for x in specs))
+    plgpu.wgmma(refs[0], first[1], first[2])
+    plgpu.wgmma(refs[1], second[1], second[2])
+  return pl.run_state(issue)((plgpu.ACC.init(init(first)), plgpu.ACC.init(init(second))))
 
 
 def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
