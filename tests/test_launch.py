@@ -506,3 +506,17 @@ def test_tiny_launch_end_to_end(tmp_path):
               "perf/real_tokens_per_sec", "data/real_token_share"):
     assert tags.get(tag) == 5, (tag, tags.get(tag))
   assert "completed step" in (out / "maxtext.log").read_text()  # MaxText's own log, kept
+
+
+def test_feeder_mask_statistics_switch(monkeypatch):
+  """KVAX_FEED_MASK_STATS (a diagnostic): 0 turns the feeder's per-batch mask statistics off,
+  unset or 1 keeps them, anything else is refused by name."""
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import training_hooks
+  monkeypatch.delenv("KVAX_FEED_MASK_STATS", raising=False)
+  assert training_hooks._mask_stats_on()
+  monkeypatch.setenv("KVAX_FEED_MASK_STATS", "0")
+  assert not training_hooks._mask_stats_on()
+  monkeypatch.setenv("KVAX_FEED_MASK_STATS", "no")
+  with pytest.raises(FlagError, match="KVAX_FEED_MASK_STATS='no'"):
+    training_hooks._mask_stats_on()

@@ -47,7 +47,11 @@ def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arra
   (benchmarks/remat_clone_check.py shows the clone on a toy decoder; tests/gpu/test_remat_gpu.py
   checks the compiled GPU step).
   """
-  if os.environ.get("KVAX_RESIDUAL_BARRIER", "") != "0":  # benchmarking hook: =0 drops it
+  barrier = os.environ.get("KVAX_RESIDUAL_BARRIER", "") or "1"  # benchmarking hook: 0 drops it
+  if barrier not in ("1", "0"):
+    raise ValueError(f"environment variable KVAX_RESIDUAL_BARRIER={barrier!r}: expected 1 "
+                     "(default) or 0")
+  if barrier == "1":
     out, lse = jax.lax.optimization_barrier((out, lse))
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 

@@ -24,6 +24,15 @@ from kvax_plugin.data.feeding import BatchStats, PackedCorpus
 from kvax_plugin.errors import FlagError
 
 
+def _mask_stats_on() -> bool:
+  """KVAX_FEED_MASK_STATS: 1 (default) builds each batch's kvax mask for the report, 0 not."""
+  raw = os.environ.get("KVAX_FEED_MASK_STATS", "") or "1"
+  if raw not in ("1", "0"):
+    raise FlagError(f"environment variable KVAX_FEED_MASK_STATS={raw!r}: expected 1 (default) "
+                    "or 0")
+  return raw == "1"
+
+
 @contextlib.contextmanager
 def packed_corpus_pipeline(cfg, holder: dict):
   """Within the block, MaxText's create_data_iterator returns the packed corpus.
@@ -54,8 +63,7 @@ def packed_corpus_pipeline(cfg, holder: dict):
                           host_index=loading.index(jax.process_index()), host_count=len(loading),
                           sliding_window=window,
                           # Masks only for a kvax run: another kernel's run reports no skipping.
-                          mask_stats=(str(config.attention) == "kvax"
-                                      and os.environ.get("KVAX_FEED_MASK_STATS", "") != "0"))
+                          mask_stats=str(config.attention) == "kvax" and _mask_stats_on())
     holder["corpus"] = corpus
     return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
 
