@@ -483,13 +483,7 @@ rematfix_runs() {
   KVAX_RESIDUAL_BARRIER=0 timeout 90 python3 benchmarks/remat_clone_check.py 2>&1 | tail -1 | tee -a $R/next.log
   KVAX_RESIDUAL_BARRIER=0 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false timeout 90 \
     python3 benchmarks/remat_clone_check.py 2>&1 | tail -1 | tee -a $R/next.log
-  timeout 300 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2erf --steps 10 --profile \
-    --runs 16k-long:kvax,16k-long:cudnn_flash_jax \
-    --maxtext_override remat_policy=minimal_with_context > $R/e2e_rematfix.log 2>&1
-  mkdir -p $R/e2e_rematfix && cp /tmp/e2erf/e2e.json $R/e2e_rematfix/ 2>/dev/null
-  timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2erf/16k-long_kvax \
-    /tmp/e2erf/16k-long_cudnn_flash_jax --json $R/e2e_rematfix/profile.json \
-    > $R/e2e_rematfix_table.log 2>&1
+  profiled_remat_pair 300 rematfix
   tail -4 $R/e2e_rematfix.log | tee -a $R/next.log
   grep -E "entry|attention \(|busy|window" $R/e2e_rematfix_table.log | tee -a $R/next.log
 }
@@ -517,14 +511,20 @@ remathlo_runs() {
   done
   gzip -9 $R/remathlo/*.txt 2>/dev/null
 }
-rematprof_runs() {
-  timeout 330 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2erp --steps 10 --profile \
+# MaxText e2e, 16k one document per row, kvax and cudnn_flash_jax, minimal_with_context, 10
+# steps profiled (xplane over steps 3-4): results to $R/e2e_NAME/ (e2e.json, profile.json), the
+# log to $R/e2e_NAME.log and the per-category table to $R/e2e_NAME_table.log.
+profiled_remat_pair() {  # timeout (s), NAME
+  local out=/tmp/e2e_${2}
+  timeout $1 python3 benchmarks/maxtext_e2e.py --out_dir $out --steps 10 --profile \
     --runs 16k-long:kvax,16k-long:cudnn_flash_jax \
-    --maxtext_override remat_policy=minimal_with_context > $R/e2e_rematprof.log 2>&1
-  mkdir -p $R/e2e_rematprof && cp /tmp/e2erp/e2e.json $R/e2e_rematprof/ 2>/dev/null
-  timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2erp/16k-long_kvax \
-    /tmp/e2erp/16k-long_cudnn_flash_jax --json $R/e2e_rematprof/profile.json \
-    > $R/e2e_rematprof_table.log 2>&1
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_${2}.log 2>&1
+  mkdir -p $R/e2e_${2} && cp $out/e2e.json $R/e2e_${2}/ 2>/dev/null
+  timeout 60 python3 benchmarks/profile_e2e.py $out/16k-long_kvax $out/16k-long_cudnn_flash_jax \
+    --json $R/e2e_${2}/profile.json > $R/e2e_${2}_table.log 2>&1
+}
+rematprof_runs() {
+  profiled_remat_pair 330 rematprof
   tail -4 $R/e2e_rematprof.log | tee -a $R/next.log; tail -70 $R/e2e_rematprof_table.log | tee -a $R/next.log
   bench 230 bench_64k_s13 --seq 65536 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
