@@ -269,3 +269,23 @@ def test_profile_kernels_summarize_counts_overlaps_once():
   # busy: [0, 150] and [300, 400] us = 250 us over 2 steps; span 400 us
   assert s["busy_ms_per_step"] == pytest.approx(0.125)
   assert s["span_ms_per_step"] == pytest.approx(0.2) and s["events"] == 3
+
+
+def test_plot_e2e_remat_builds(tmp_path, monkeypatch):
+  """benchmarks/plot_e2e_remat.py draws its figure from the committed results."""
+  import importlib.util
+  root = Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("plot_e2e_remat",
+                                                root / "benchmarks" / "plot_e2e_remat.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for _, directory in module.GROUPS:
+    assert set(module.tokens_per_s(directory)) == {"kvax", "cudnn_flash_jax"}, directory
+  monkeypatch.setattr(module, "ROOT", tmp_path)
+  for _, directory in module.GROUPS:  # the figure from copies, so the repository stays untouched
+    (tmp_path / directory).mkdir()
+    (tmp_path / directory / "e2e.json").write_text(
+        (root / "benchmarks/results/e2e/s13_remat" / directory / "e2e.json").read_text())
+  module.main()
+  assert (tmp_path / "e2e_remat.png").stat().st_size > 10_000
+
