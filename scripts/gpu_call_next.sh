@@ -539,7 +539,123 @@ e2eremat_runs() {
     tail -5 $R/e2e_remat_$policy.log | tee -a $R/next.log
   done
 }
+# Session 14: Nsight Compute counters of each kernel of one 16k forward+backward (first use of ncu
+# here): ours (deterministic and fused backward), cuDNN, tokamax Mosaic; causal, plus ours on
+# documents. Raw CSVs and the details pages only (a .ncu-rep of the full set is too big to bring
+# back); benchmarks/ncu_summary.py makes the table.
+ncu_runs() {
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  echo "ncu: $NCU" | tee -a $R/next.log; $NCU --version 2>&1 | tail -1 | tee -a $R/next.log
+  mkdir -p $R/ncu
+  $NCU --query-metrics --chip gh100 > $R/ncu/query_metrics.txt 2>&1
+  for spec in ${NCU_SPECS:-mosaic:causal cudnn:causal mosaic_fused:causal mosaic:docs tokamax_mosaic:causal}; do
+    local impl=${spec%%:*} case=${spec##*:} name=ncu_${spec%%:*}_${spec##*:}
+    timeout ${NCU_TIMEOUT:-110} $NCU --clock-control none --set full \
+      --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90" --launch-count 4 -f -o /tmp/$name \
+      python3 benchmarks/ncu_kernels.py --impl $impl --case $case --seq 16384 > $R/ncu/$name.log 2>&1
+    echo "$name: rc $? $(tail -1 $R/ncu/$name.log | cut -c1-150)" | tee -a $R/next.log
+    $NCU --import /tmp/$name.ncu-rep --csv --page raw > $R/ncu/$name.csv 2>&1
+    $NCU --import /tmp/$name.ncu-rep --page details > $R/ncu/$name.details.txt 2>&1
+  done
+  python3 benchmarks/ncu_summary.py $R/ncu/ncu_*.csv --out $R/ncu/summary.md > /dev/null 2>&1
+  grep -E "gpu__time_duration|gmma|issue_active" $R/ncu/summary.md | cut -c1-400 | tee -a $R/next.log
+  gzip -9 $R/ncu/*.txt $R/ncu/*.csv 2>/dev/null
+}
+# Session 14, second call: where the backward's registers spill (ptxas reports, SASS and PTX of
+# each Mosaic kernel, deterministic / 240 registers / fused) and per-instruction stall samples
+# of the 16k causal backward kernels (ncu source page, SASS), ours and cuDNN's.
+ncusrc_runs() {
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p $R/dump $R/ncusrc
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=$R/dump \
+    timeout 120 python3 benchmarks/mosaic_resources.py --modes deterministic,regs240,fused_split \
+    > $R/dump/resources.log 2>&1
+  echo "dump: rc $? $(ls $R/dump | wc -l) files" | tee -a $R/next.log
+  grep -h "spill\|Used" $R/dump/*ptxas* 2>/dev/null | sort | uniq -c | tee -a $R/next.log
+  gzip -9 $R/dump/* 2>/dev/null; gunzip $R/dump/resources.log.gz
+  for spec in mosaic:causal cudnn:causal; do
+    local impl=${spec%%:*} case=${spec##*:} name=src_${spec%%:*}_${spec##*:}
+    timeout 150 $NCU --clock-control none --section SourceCounters --section WarpStateStats \
+      --section SpeedOfLight --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90_flash_bprop" \
+      --launch-count 3 -f -o /tmp/$name \
+      python3 benchmarks/ncu_kernels.py --impl $impl --case $case --seq 16384 > $R/ncusrc/$name.log 2>&1
+    echo "$name: rc $? $(tail -1 $R/ncusrc/$name.log | cut -c1-150)" | tee -a $R/next.log
+    $NCU --import /tmp/$name.ncu-rep --page source --csv --print-source sass > $R/ncusrc/$name.sass.csv 2>&1
+    echo "$name source page: $(wc -c < $R/ncusrc/$name.sass.csv) bytes" | tee -a $R/next.log
+    ls -la /tmp/$name.ncu-rep | tee -a $R/next.log
+    [ $(stat -c %s /tmp/$name.ncu-rep) -lt 15000000 ] && cp /tmp/$name.ncu-rep $R/ncusrc/
+  done
+  NCU_SPECS="mosaic_regs240:causal" NCU_TIMEOUT=100 ncu_runs
+  gzip -9 $R/ncusrc/*.csv 2>/dev/null
+}
+# Session 14, third call: the dk/dv kernel's accumulators started from -lse / scale and -delta
+# (KVAX_MOSAIC_DKV_FOLD=1): ptxas spills, GPU tests, 16k / 64k forward+backward against the
+# default and cuDNN (interleaved), ncu of the kernels with it.
+fold_runs() {
+  mkdir -p $R/dump
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump timeout 100 \
+    python3 benchmarks/mosaic_resources.py --modes deterministic,fold > $R/dump/resources.log 2>&1
+  for f in /tmp/dump/*.ptxas; do echo "$(basename $f): $(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' $f | head -1)"; done | tee -a $R/next.log
+  cp /tmp/dump/*.ptxas $R/dump/ 2>/dev/null
+  timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "DKV_FOLD or dkv_fold" > $R/gpu_tests_fold.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed" $R/gpu_tests_fold.log | tail -10 | tee -a $R/next.log
+  bench 120 bench_16k_fold --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fold,cudnn --interleave --rounds 5
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_fold.log | tee -a $R/next.log
+  bench 170 bench_64k_fold --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fold,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_fold.log | tee -a $R/next.log
+  NCU_SPECS="mosaic_fold:causal mosaic_fold:docs" NCU_TIMEOUT=60 ncu_runs
+}
+# Session 14, fourth call: the fused backward as two product groups (KVAX_MOSAIC_FUSED_PAIRS=1),
+# at 232 and 240 registers: ptxas spills, GPU tests, 16k / 64k against the deterministic default,
+# the fold hook and cuDNN, ncu of its kernel. (MOSAIC_GPU_DUMP_TO must exist, else Mosaic prints
+# every dump into the log: 500 MB in the FOLD call.)
+ptxas_spills() {  # modes
+  mkdir -p /tmp/dump $R/dump
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump timeout 150 \
+    python3 benchmarks/mosaic_resources.py --modes $1 2>&1 | grep -E "^=== [a-z_0-9]+$" > $R/dump/modes.log
+  for f in /tmp/dump/*.ptxas; do echo "$(basename $f): $(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' $f | head -1) $(grep -o 'serialized due to insufficient register' $f | head -1)"; done | tee -a $R/next.log
+  cat $R/dump/modes.log | tr '\n' ' ' | tee -a $R/next.log; echo | tee -a $R/next.log
+  cp /tmp/dump/*.ptxas $R/dump/ 2>/dev/null
+}
+fused_runs() {
+  ptxas_spills fused_split,fused_pairs,fused_pairs240
+  timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "fused_pairs" > $R/gpu_tests_fused_pairs.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed" $R/gpu_tests_fused_pairs.log | tail -6 | tee -a $R/next.log
+  bench 130 bench_16k_fused --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic_fold,mosaic_fused,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 4
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_fused.log | tee -a $R/next.log
+  bench 170 bench_64k_fused --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic_fold,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_fused.log | tee -a $R/next.log
+  NCU_SPECS="mosaic_fused_pairs:causal" NCU_TIMEOUT=60 ncu_runs
+}
+# Session 15, first call: session 14's two register levers finished. The fold hook's GPU tests
+# (their log was lost with session 14's machine) and the fused backward as two product groups
+# (KVAX_MOSAIC_FUSED_PAIRS=1, not yet run): ptxas spills, GPU tests, 16k / 64k fwd+bwd against
+# the deterministic default, the fold hook and cuDNN, interleaved. Packs after each stage (a cut
+# call still brings back what ran).
+s15a_runs() {
+  ptxas_spills fused_split,fused_pairs,fused_pairs240; pack > /dev/null
+  timeout 170 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "DKV_FOLD or dkv_fold or fused_pairs" > $R/gpu_tests_s15a.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15a.log | tail -14 | tee -a $R/next.log; pack > /dev/null
+  bench 120 bench_16k_s15a --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fold,mosaic_fused,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 3
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15a.log | tee -a $R/next.log; pack > /dev/null
+  bench 140 bench_64k_s15a --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fold,mosaic_fused_pairs,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15a.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S15A) s15a_runs ;;
+  FUSED) fused_runs ;;
+  FOLD) fold_runs ;;
+  NCUSRC) ncusrc_runs ;;
+  NCU) ncu_runs ;;
   HOSTPROF) hostprof_runs ;;
   TESTS13B) tests13b_runs ;;
   TESTS13) tests13_runs ;;

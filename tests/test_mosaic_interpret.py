@@ -264,10 +264,15 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
+    # session 14: lse / delta folded into the accumulators (with a soft cap: delta only)
+    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
+    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
   """The deterministic backward's step-order lever (BwdConfig.dkv_early_dp: two product pairs
-  per dk/dv step, the default): interpreter against the float32 reference (masked runs on both
+  per dk/dv step, the default) and the accumulators started from -lse / scale and -delta
+  (BwdConfig.dkv_fold): interpreter against the float32 reference (masked runs on both
   sides of full blocks; documents, a one-token document, padding, GQA; soft cap and sinks), and
   lowered for CUDA. The kernel must really get the setting. (Session 9's register levers and
   session 12's software-pipelined dk/dv and dq steps were removed after measuring slower:
@@ -287,6 +292,27 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
   with pytest.raises(ValueError, match="consumer_regs=236"):
     bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
                  with_dq=False, interpret=False, consumer_regs=236)
+
+
+@pytest.mark.parametrize("cap", [None, 20.0])
+def test_fused_pairs_hook_matches_reference(cap, monkeypatch):
+  """The fused backward's step as two groups (BwdConfig.fused_pairs, KVAX_MOSAIC_FUSED_PAIRS=1:
+  S^T with dP^T from folded accumulators, then dV, dK and the dQ half awaited once): the
+  column-split fused case (documents, a one-token document, padding, GQA, head dim 128) against
+  the float32 reference in the interpreter, with and without a soft cap (which folds delta only),
+  and lowered for CUDA. The kernel must really get the setting."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  monkeypatch.setenv("KVAX_MOSAIC_FUSED_PAIRS", "1")
+  monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], cap=cap))
+  seen = []
+  real = bk.dkv_call
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append((cfg.fused_pairs,
+                                                                    cfg.with_dq)),
+                                                       real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference("docs_padding_gqa")
+  assert seen == [(True, True)], seen
+  test_kernels_lower_for_cuda((128, 128), False, cap=cap)
+  assert seen[-1] == (True, True), seen
 
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
@@ -325,9 +351,13 @@ def test_benchmarking_hooks_lower_for_cuda(env, det, monkeypatch):
     mb._env_int("KVAX_MOSAIC_BWD_REGS", 232)
 
 
-def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
+@pytest.mark.parametrize("fold", ["0", "1"])
+def test_nonfinite_inputs_follow_the_reference_in_the_interpreter(fold, monkeypatch):
   """The NaN / inf contract of tests/nonfinite_cases.py (shared with the jax and Triton tests),
-  on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq."""
+  on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq;
+  also with lse / delta folded into the dk/dv kernel's accumulators (KVAX_MOSAIC_DKV_FOLD=1:
+  -inf and NaN then enter through the accumulator instead of a subtraction)."""
+  monkeypatch.setenv("KVAX_MOSAIC_DKV_FOLD", fold)
   import nonfinite_cases
   from kvax_plugin.attention.params import FlashAttentionParamsConfig
 

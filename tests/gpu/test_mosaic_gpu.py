@@ -174,7 +174,7 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
 HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
-             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}]
+             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "1"}]
 
 
 def _hook_id(env):
@@ -193,6 +193,28 @@ def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
   build, kwargs = CASES[name]
   seed = sum(map(ord, name))
   _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions"])
+def test_dkv_fold_against_reference(name, monkeypatch):
+  """The dk/dv kernel's accumulators started from -lse / scale and -delta (KVAX_MOSAIC_DKV_FOLD=1;
+  with a soft cap only delta is folded) on the cases the hook list above does not cover: soft
+  cap with sinks, MQA at head dim 256, MLA 192 / 128, random positions."""
+  monkeypatch.setenv("KVAX_MOSAIC_DKV_FOLD", "1")
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name))
+  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["huge_segment_ids_fused", "sliding_window_fused",
+                                  "odd_length_padding_bf16", "softcap_sinks"])
+def test_fused_pairs_against_reference(name, monkeypatch):
+  """The fused backward's step as two groups (KVAX_MOSAIC_FUSED_PAIRS=1: S^T with dP^T from
+  folded accumulators, then dV, dK and the dQ half), every case with the fused backward."""
+  monkeypatch.setenv("KVAX_MOSAIC_FUSED_PAIRS", "1")
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name))
+  _run(name, *build(np.random.default_rng(seed)), seed=seed, **dict(kwargs, deterministic=False))
 
 
 def test_kernel_parts_through_split_kv_attention():

@@ -167,6 +167,8 @@ class Static:
   # 3.78 vs 3.85; 64k causal 257.6 vs 262.4, docs 41.4 vs 42.7; faster in every row, alone too);
   # KVAX_MOSAIC_DKV_EARLY_DP=0 turns it off.
   dkv_early_dp: bool = True
+  dkv_fold: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_FOLD=1 (BwdConfig.dkv_fold)
+  fused_pairs: bool = False  # benchmarking hook: KVAX_MOSAIC_FUSED_PAIRS=1 (BwdConfig.fused_pairs)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -269,7 +271,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       dq_split=cfg.dq_split, consumer_regs=cfg.consumer_regs, dq_kv_tile=cfg.dq_kv_tile,
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
-      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp)
+      dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
+      dkv_fold=cfg.dkv_fold, fused_pairs=cfg.fused_pairs)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -376,7 +379,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                fwd_persistent=_env_choice("KVAX_MOSAIC_FWD_PERSISTENT", ("auto", "1", "0")),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
-               dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1")
+               dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
+               dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("0", "1")) == "1",
+               fused_pairs=_env_choice("KVAX_MOSAIC_FUSED_PAIRS", ("0", "1")) == "1")
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

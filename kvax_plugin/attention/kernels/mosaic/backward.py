@@ -101,6 +101,23 @@ class BwdConfig:
   # three, and the element-wise work in one stretch (the other consumer's pair fills the tensor
   # cores then).
   dkv_early_dp: bool = True
+  # Benchmarking hook KVAX_MOSAIC_DKV_FOLD=1 (the deterministic dk/dv kernel's two-pair steps):
+  # the products' accumulators start from the per-query terms instead of 0, S^T from -lse / scale
+  # and dP^T from -delta, so P^T = exp2(log2(e) scale S'^T) and dS^T = P^T o dP'^T. In the S^T
+  # orientation lse and delta are per-COLUMN vectors, 16 registers per thread each in the wgmma
+  # layout, live beside dK, dV, S^T and dP^T at the step's peak; ptxas spills there (136-192
+  # bytes at 232 / 240 registers, session 14) and the spill reloads sit on the path to the
+  # step's first product (Nsight Compute, session 14: benchmarks/NOTES.md). Folded, the vectors
+  # die before the products are issued.
+  dkv_fold: bool = False
+  # Benchmarking hook KVAX_MOSAIC_FUSED_PAIRS=1 (the fused backward with the column-split dq):
+  # the step as the deterministic kernel's two groups, S^T with dP^T (their accumulators started
+  # from -lse / scale and -delta, as dkv_fold), then dV, dK and the consumer's half of dQ issued
+  # as one group and awaited once. Before: S^T alone, then dV with dP^T, then dK with dQ (three
+  # waits, and lse / delta vectors live at the peak). Nsight Compute (session 14) read the
+  # fused kernel as spill-bound: 144 M local-memory requests per 16k causal backward against
+  # 52 M in the deterministic dk/dv kernel, the tensor pipe active 45% of the time (73.5%).
+  fused_pairs: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -165,6 +182,14 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
+  # BwdConfig.fused_pairs: the column-split fused step with S^T and dP^T issued together
+  # (folded), then dV, dK and this consumer's dQ half as one group.
+  fused_pairs = split and cfg.fused_pairs and cfg.paired
+  pairs = early_dp or fused_pairs  # S^T and dP^T issued together at the top of the step
+  # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (paired steps only; lse
+  # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
+  fold_delta = pairs and (cfg.dkv_fold or fused_pairs)
+  fold_lse = fold_delta and not cfg.soft_cap and cfg.scale != 0.0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref, dk_ref, dv_ref,
@@ -214,25 +239,40 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if early_dp:
+        if pairs:
           plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
-          st, dpt = products_together((None, my_k, q_smem.at[slot].T, shape),
-                                      (None, my_v, do_smem.at[slot].T, shape), cfg.interpret)
-        elif not early_dp:
+          st0 = dpt0 = None  # fresh products
+          if fold_lse:
+            # S^T starts from -lse / scale: the product then ends at S^T - lse / scale, whose
+            # base-2 logit is the exponent of P^T (no lse vector live beside the tiles).
+            lse = plgpu.load(lse_smem.at[slot], layout=_COL)
+            st0 = plgpu.layout_cast(
+                lax.broadcast_in_dim(lse * (-1.0 / cfg.scale), shape, [1]), plgpu.Layout.WGMMA)
+          if fold_delta:
+            # dP^T starts from -delta: the product ends at dP^T - delta.
+            delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+            dpt0 = plgpu.layout_cast(lax.broadcast_in_dim(-delta, shape, [1]),
+                                     plgpu.Layout.WGMMA)
+          st, dpt = products_together((st0, my_k, q_smem.at[slot].T, shape),
+                                      (dpt0, my_v, do_smem.at[slot].T, shape), cfg.interpret)
+        else:
           def scores(ref):
             plgpu.wgmma(ref, my_k, q_smem.at[slot].T)
             return ref[...]
           st = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
         z2, dz = _logit_terms(cfg, st)
-        lse = plgpu.load(lse_smem.at[slot], layout=_COL)
-        pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
+        if fold_lse:
+          pt = jnp.exp2(z2)
+        else:
+          lse = plgpu.load(lse_smem.at[slot], layout=_COL)
+          pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
         if masked:
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         pt16 = pt.astype(dtype)
-        # With early_dp, dP^T is here already and dV's product goes with dK's below.
-        if not early_dp:
+        # With paired steps dP^T is here already and dV's product goes with dK's below.
+        if not pairs:
           plgpu.barrier_wait(do_ready.at[slot])
           if cfg.paired:
             dv_acc, dpt = products_together(
@@ -245,8 +285,11 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
               plgpu.wgmma(ref, my_v, do_smem.at[slot].T)
               return ref[...]
             dpt = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, tq), jnp.float32))
-        delta = plgpu.load(delta_smem.at[slot], layout=_COL)
-        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+        if fold_delta:
+          dst = pt * dpt
+        else:
+          delta = plgpu.load(delta_smem.at[slot], layout=_COL)
+          dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
         dst = dst * (cfg.scale if dz is None else dz)
         if masked:
           # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
@@ -262,8 +305,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_ready.at[buf])
           half = pl.ds(wg * dq_cols, dq_cols)
-          dk_acc, dq = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
-                                       k_smem, half, ds_ready.at[buf], dq_cols, cfg.interpret)
+          dv = (dv_acc, pt16, do_smem.at[slot]) if fused_pairs else None
+          dk_acc, dq, dv_acc = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
+                                               k_smem, half, ds_ready.at[buf], dq_cols,
+                                               cfg.interpret, dv=dv, dv_acc=dv_acc)
         elif cfg.with_dq:
           my_ds = ds_smem.at[wg]
           my_ds[...] = ds16
@@ -424,29 +469,39 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
 
 def _dk_and_dq_half(dk_acc, ds16, q_tile, ds_shared, k_smem, half, ds_ready, dq_cols,
-                    interpret: bool):
-  """(dk_acc + ds16 @ q_tile, dQ[:, half]) with dQ[:, half] = sum_j ds_shared[j]^T @ k_smem[j][:, half].
+                    interpret: bool, dv=None, dv_acc=None):
+  """(dk_acc + ds16 @ q_tile, dQ[:, half], dv_acc') with dQ[:, half] = sum_j ds_shared[j]^T @
+  k_smem[j][:, half], and dv_acc' = acc + a @ b for dv = (acc, a, b) (None: dv_acc unchanged).
 
   ds16 [64 kv, 64 q] is this consumer's dS^T (registers), ds_shared [CONSUMERS, 64 kv, 64 q] both
   consumers' (shared memory, complete once `ds_ready` fires), k_smem [CONSUMERS, 64 kv, Dk].
-  The dK product is issued before waiting for the other consumer's dS; all three are awaited once.
+  The dV and dK products are issued before waiting for the other consumer's dS; all are awaited
+  once.
   """
   zeros = plgpu.layout_cast(jnp.zeros((TILE_Q, dq_cols), jnp.float32), plgpu.Layout.WGMMA)
   if interpret:
+    if dv is not None:
+      dv_acc = accumulate(*dv, True)
     dk_acc = accumulate(dk_acc, ds16, q_tile, True)
     plgpu.barrier_wait(ds_ready)
     dq = zeros
     for j in range(CONSUMERS):
       dq = dq + jnp.dot(ds_shared.at[j][...].T, k_smem.at[j, :, half][...],
                         preferred_element_type=jnp.float32)
-    return dk_acc, dq
+    return dk_acc, dq, dv_acc
 
   def issue(refs):
+    if dv is not None:
+      plgpu.wgmma(refs[2], dv[1], dv[2])
     plgpu.wgmma(refs[0], ds16, q_tile)
     plgpu.barrier_wait(ds_ready)
     for j in range(CONSUMERS):
       plgpu.wgmma(refs[1], ds_shared.at[j].T, k_smem.at[j, :, half])
-  return pl.run_state(issue)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros)))
+  accs = (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros))
+  if dv is None:
+    dk_acc, dq = pl.run_state(issue)(accs)
+    return dk_acc, dq, dv_acc
+  return pl.run_state(issue)(accs + (plgpu.ACC.init(dv[0]),))
 
 
 def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, delta, q_pos,
