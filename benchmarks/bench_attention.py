@@ -214,13 +214,12 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK) are the
   # default since session 12 ("mosaic"); the order before it (1 + 2 + 1 products per step)
   impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
-  # the dk/dv kernel's S^T / dP^T accumulators started from -lse / scale and -delta (session 14)
-  impls["mosaic_fold"] = make_mosaic(env={"KVAX_MOSAIC_DKV_FOLD": "1"})
-  # the fused backward's step as the two groups (S^T with dP^T folded; dV, dK, dQ half), and at
-  # 240 registers per consumer thread
-  impls["mosaic_fused_pairs"] = make_mosaic(det=False, env={"KVAX_MOSAIC_FUSED_PAIRS": "1"})
-  impls["mosaic_fused_pairs240"] = make_mosaic(det=False, env={"KVAX_MOSAIC_FUSED_PAIRS": "1",
-                                                               "KVAX_MOSAIC_BWD_REGS": "240"})
+  # the dk/dv kernel's S^T / dP^T accumulators started from -lse / scale and -delta: the default
+  # since session 15 ("mosaic"); without it
+  impls["mosaic_nofold"] = make_mosaic(env={"KVAX_MOSAIC_DKV_FOLD": "0"})
+  # the backward kernels' launch order longest tile first over all (head, tile) pairs: the
+  # default since session 15 ("mosaic"); the grid's head-major order instead
+  impls["mosaic_head_major"] = make_mosaic(env={"KVAX_MOSAIC_HEAD_LPT": "0"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -31,9 +31,7 @@ MODES = {
     "one_by_one": (True, {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}),
     "regs240": (True, {"KVAX_MOSAIC_BWD_REGS": "240"}),
     "fused_regs240": (False, {"KVAX_MOSAIC_BWD_REGS": "240"}),
-    "fold": (True, {"KVAX_MOSAIC_DKV_FOLD": "1"}),
-    "fused_pairs": (False, {"KVAX_MOSAIC_FUSED_PAIRS": "1"}),
-    "fused_pairs240": (False, {"KVAX_MOSAIC_FUSED_PAIRS": "1", "KVAX_MOSAIC_BWD_REGS": "240"}),
+    "nofold": (True, {"KVAX_MOSAIC_DKV_FOLD": "0"}),
 }
 DEFAULT_MODES = "deterministic,fused_split,fused_whole"
 

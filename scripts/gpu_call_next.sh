@@ -650,7 +650,51 @@ s15a_runs() {
     --impls mosaic,mosaic_fold,mosaic_fused_pairs,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15a.log | tee -a $R/next.log
 }
+# Session 15, second call: the new defaults (lse / delta folded into the dk/dv accumulators)
+# against the float32 reference on every GPU case, the backward's launch order over (head, tile)
+# pairs (KVAX_MOSAIC_HEAD_LPT=1) likewise, then 16k fwd+bwd: default, without the fold, with
+# the head order, at 240 registers, cuDNN and tokamax Mosaic, interleaved.
+s15b_runs() {
+  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "test_against_reference or query_shorter or HEAD_LPT or head_lpt" > $R/gpu_tests_s15b.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15b.log | tail -30 | tee -a $R/next.log; pack > /dev/null
+  bench 200 bench_16k_s15b --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_nofold,mosaic_head_lpt,mosaic_regs240,cudnn,tokamax_mosaic --interleave --rounds 3
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15b.log | tee -a $R/next.log
+}
+# Session 15, third call: 64k fwd+bwd with the head-interleaved backward order against the
+# default and cuDNN (interleaved; is the 16k documents gain there too, and does causal lose L2
+# reuse?), then the GPU tests the second call's limit cut: the head order on every hook layout
+# and case, Sq != Skv.
+s15c_runs() {
+  bench 190 bench_64k_s15c --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_head_lpt,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15c.log | tee -a $R/next.log; pack > /dev/null
+  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "HEAD_LPT or head_lpt or query_shorter" > $R/gpu_tests_s15c.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15c.log | tail -30 | tee -a $R/next.log
+}
+# Session 15, fourth call: the final defaults (fold + head order) timed in the same run as the
+# head-major order, cuDNN and tokamax Mosaic (16k forward and forward+backward; 64k documents),
+# then the GPU tests the earlier calls did not reach: the unfolded step and the per-head order
+# on the hook layouts (the latter now replaces the head order), the kernels as parts, fused vs
+# deterministic at 16k.
+s15d_runs() {
+  bench 170 bench_16k_s15d --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+    --impls mosaic,mosaic_head_major,cudnn,tokamax_mosaic --interleave --rounds 3
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15d.log | tee -a $R/next.log; pack > /dev/null
+  bench 110 bench_64k_s15d --seq 65536 --cases docs --passes fwd_bwd \
+    --impls mosaic,mosaic_head_major,tokamax_mosaic --interleave --rounds 2
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15d.log | tee -a $R/next.log; pack > /dev/null
+  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "DKV_FOLD or (LPT and not HEAD_LPT and not head_lpt) or kernel_parts or fused_and_deterministic" \
+    > $R/gpu_tests_s15d.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15d.log | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S15D) s15d_runs ;;
+  S15C) s15c_runs ;;
+  S15B) s15b_runs ;;
   S15A) s15a_runs ;;
   FUSED) fused_runs ;;
   FOLD) fold_runs ;;

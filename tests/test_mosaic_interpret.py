@@ -162,6 +162,98 @@ def test_longest_first_launch_order(monkeypatch):
   test_kernels_in_interpreter_match_reference("docs_padding_gqa")
 
 
+@pytest.mark.parametrize("case", ["docs_padding_gqa", "window_cap_sinks_det",
+                                  "window_masked_full_masked_fused"])
+def test_launch_order_over_heads(case, monkeypatch):
+  """KVAX_MOSAIC_HEAD_LPT=1 (BwdConfig.head_lpt): the backward kernels map their launch position
+  (head * n_tiles + tile) to the (head, tile) of forward.longest_first_over_heads: a permutation
+  of all pairs, longest tile first, the heads of one tile together. Both backward kernels (and
+  the fused one) still match the float32 reference in the interpreter with documents, padding
+  and GQA (the dk/dv kernel's heads are kv heads, the dq kernel's query heads), and lower for
+  CUDA. The kernels must really get the setting."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
+  upper = jnp.array([[1, 2, 3, 5, 0]], jnp.int32)
+  # works per tile 1, 2, 1, 3, 0 (one tile per row); 2 heads: codes tile * 2 + head
+  assert fw.longest_first_over_heads(lower, upper, 1, 5, 2).tolist() == [
+      [6, 7, 2, 3, 0, 1, 4, 5, 8, 9]]
+  order = fw.longest_first_over_heads(lower, upper, 2, 9, 3)
+  assert sorted(order[0].tolist()) == list(range(27))  # every (head, tile) once
+  monkeypatch.setenv("KVAX_MOSAIC_HEAD_LPT", "1")
+  # documents + padding + GQA with the deterministic dq kernel (the case's default is fused)
+  monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], det=True))
+  det = CASES[case].get("det", False)
+  seen = []
+  real_dkv, real_dq = bk.dkv_call, bk.dq_call
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(("dkv", cfg.head_lpt)),
+                                                       real_dkv(cfg, *a))[1])
+  monkeypatch.setattr(bk, "dq_call", lambda cfg, *a: (seen.append(("dq", cfg.head_lpt)),
+                                                      real_dq(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen and all(on for _, on in seen), seen
+  assert (("dq", True) in seen) == det, seen
+  test_kernels_lower_for_cuda((128, 128), det)
+
+
+def test_fold_changes_dkv_rounding_only(monkeypatch):
+  """The deterministic dk/dv kernel folds lse / delta into its accumulators (the default), the
+  fused one does not: in the interpreter (documents, a one-token document, padding, GQA) the
+  forward is bitwise the same, dv is bitwise the same as the fused kernel's without the fold and
+  within float32 rounding (then one bf16 rounding) with it; dk and dq differ by rounding in both
+  (the interpreter's fused path sums dS K in another order). The GPU test
+  test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible relies on this."""
+  c = CASES["docs_padding_gqa"]
+  kv_pos, kv_seg = _segments(c["segs"])
+  h, kh, d = c["h"], c["kh"], c["dk"]
+  s_len = kv_seg.shape[1]
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  q = jax.random.normal(keys[0], (1, s_len, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, s_len, kh, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, s_len, kh, d), jnp.bfloat16)
+  cot = jax.random.normal(keys[3], (1, s_len, h, d), jnp.bfloat16)
+  mask = create_attention_mask(kv_pos, kv_seg, kv_pos, kv_seg, calc_bwd_mask=True)
+
+  def grads(det, fold):
+    monkeypatch.setenv("KVAX_MOSAIC_DKV_FOLD", fold)
+    out, vjp = jax.vjp(lambda q, k, v: mosaic.flash_attention_mosaic(
+        q, k, v, kv_pos, kv_seg, kv_pos, kv_seg, mask, scale=d ** -0.5, logits_soft_cap=None,
+        sinks=None, deterministic_backward=det, interpret=True), q, k, v)
+    return (out,) + vjp(cot)
+
+  fused, folded, unfolded = grads(False, "1"), grads(True, "1"), grads(True, "0")
+  names = ["out", "dq", "dk", "dv"]
+  with_fold = dict(zip(names, (_rel(a, b) for a, b in zip(folded, fused))))
+  without = dict(zip(names, (_rel(a, b) for a, b in zip(unfolded, fused))))
+  assert with_fold["out"] == 0.0 and without["out"] == 0.0
+  assert without["dv"] == 0.0, without
+  assert 0.0 < with_fold["dv"] < 2e-4, with_fold  # ~2.5e-5 seen
+  assert max(with_fold.values()) < 2e-4 and max(without.values()) < 2e-4, (with_fold, without)
+
+
+@pytest.mark.parametrize("env,head_lpt,lpt", [({}, True, False),
+                                              ({"KVAX_MOSAIC_HEAD_LPT": "0"}, False, False),
+                                              ({"KVAX_MOSAIC_LPT": "1"}, False, True)])
+def test_backward_launch_order_settings(env, head_lpt, lpt, monkeypatch):
+  """The backward's order over (head, tile) pairs is the default; KVAX_MOSAIC_HEAD_LPT=0 gives
+  the grid's head-major order, KVAX_MOSAIC_LPT=1 the per-head longest-first order in every
+  kernel (it replaces the head order). Both backward kernels must get the setting."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  seen = []
+  real_dkv, real_dq = bk.dkv_call, bk.dq_call
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append((cfg.head_lpt, cfg.lpt)),
+                                                       real_dkv(cfg, *a))[1])
+  monkeypatch.setattr(bk, "dq_call", lambda cfg, *a: (seen.append((cfg.head_lpt, cfg.lpt)),
+                                                      real_dq(cfg, *a))[1])
+  test_kernels_lower_for_cuda((128, 128), True)
+  assert seen == [(head_lpt, lpt)] * 2, seen
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_HEAD_LPT='2'"):
+    monkeypatch.setenv("KVAX_MOSAIC_HEAD_LPT", "2")
+    test_kernels_lower_for_cuda((128, 128), True)
+
+
 @pytest.mark.parametrize("case,zigzag", [("window_cap_sinks_det", False), ("prefill_mla", False),
                                          ("window_masked_full_masked_fused", False),
                                          ("docs_padding_gqa", True), ("prefill_mla", True),
@@ -264,10 +356,13 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
     ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
     ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
-    # session 14: lse / delta folded into the accumulators (with a soft cap: delta only)
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
+    # session 14: lse / delta folded into the accumulators (with a soft cap: delta only); the
+    # default since session 15, so both settings are checked
+    ("window_masked_full_masked_det", {}, "dkv_fold", True),
     ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
-    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
+    ("window_cap_sinks_det", {}, "dkv_fold", True),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_FOLD": "0"}, "dkv_fold", False),
+    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "0"}, "dkv_fold", False),
 ])
 def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
   """The deterministic backward's step-order lever (BwdConfig.dkv_early_dp: two product pairs
@@ -292,27 +387,6 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
   with pytest.raises(ValueError, match="consumer_regs=236"):
     bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
                  with_dq=False, interpret=False, consumer_regs=236)
-
-
-@pytest.mark.parametrize("cap", [None, 20.0])
-def test_fused_pairs_hook_matches_reference(cap, monkeypatch):
-  """The fused backward's step as two groups (BwdConfig.fused_pairs, KVAX_MOSAIC_FUSED_PAIRS=1:
-  S^T with dP^T from folded accumulators, then dV, dK and the dQ half awaited once): the
-  column-split fused case (documents, a one-token document, padding, GQA, head dim 128) against
-  the float32 reference in the interpreter, with and without a soft cap (which folds delta only),
-  and lowered for CUDA. The kernel must really get the setting."""
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  monkeypatch.setenv("KVAX_MOSAIC_FUSED_PAIRS", "1")
-  monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], cap=cap))
-  seen = []
-  real = bk.dkv_call
-  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append((cfg.fused_pairs,
-                                                                    cfg.with_dq)),
-                                                       real(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference("docs_padding_gqa")
-  assert seen == [(True, True)], seen
-  test_kernels_lower_for_cuda((128, 128), False, cap=cap)
-  assert seen[-1] == (True, True), seen
 
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))

@@ -142,8 +142,12 @@ def test_query_shorter_than_kv(sq, skv):
 
 
 def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible():
-  """16k tokens, 32/8 heads: the two backward modes agree to float32 summation order, and the
-  deterministic one is bitwise reproducible."""
+  """16k tokens, 32/8 heads: the two backward modes agree to rounding, and the deterministic one
+  is bitwise reproducible. dk / dv were bitwise equal between the modes until session 15; the
+  deterministic dk/dv kernel now folds lse / delta into its products' accumulators (BwdConfig.
+  dkv_fold) and the fused one does not, so their float32 rounding differs (the old bitwise
+  assertion failed on an H100 in session 15's last call; the interpreter shows the size:
+  tests/test_mosaic_interpret.py::test_fold_changes_dkv_rounding_only)."""
   s_len, h, kh, d = 16384, 32, 8, 128
   pos, seg = layouts.packed_documents(np.random.default_rng(3), 1, s_len, num_docs=12,
                                       pad_tail=1000)
@@ -166,15 +170,17 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
   errs = {n: _rel(a, b_) for n, a, b_ in zip(["out", "dq", "dk", "dv"], fused, det1)}
   print(f"\n[fused_vs_deterministic] {errs}")
-  assert errs["out"] == 0.0 and errs["dk"] == 0.0 and errs["dv"] == 0.0
+  assert errs["out"] == 0.0
   assert errs["dq"] < 2e-3  # float32 summation order, one bf16 rounding
+  assert errs["dk"] < 2e-3 and errs["dv"] < 2e-3  # the fold's float32 rounding, one bf16 rounding
 
 
 # Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "EARLY_DP".
 HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
-             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "1"}]
+             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "0"},
+             {"KVAX_MOSAIC_HEAD_LPT": "1"}]
 
 
 def _hook_id(env):
@@ -195,26 +201,15 @@ def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
   _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions"])
-def test_dkv_fold_against_reference(name, monkeypatch):
-  """The dk/dv kernel's accumulators started from -lse / scale and -delta (KVAX_MOSAIC_DKV_FOLD=1;
-  with a soft cap only delta is folded) on the cases the hook list above does not cover: soft
-  cap with sinks, MQA at head dim 256, MLA 192 / 128, random positions."""
-  monkeypatch.setenv("KVAX_MOSAIC_DKV_FOLD", "1")
+@pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions",
+                                  "huge_segment_ids_fused"])
+def test_head_lpt_against_reference(name, monkeypatch):
+  """The backward's launch order over (head, tile) pairs (KVAX_MOSAIC_HEAD_LPT=1) on soft cap
+  with sinks, MQA at head dim 256, MLA 192 / 128, random positions and the fused backward."""
+  monkeypatch.setenv("KVAX_MOSAIC_HEAD_LPT", "1")
   build, kwargs = CASES[name]
   seed = sum(map(ord, name))
   _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
-
-
-@pytest.mark.parametrize("name", ["huge_segment_ids_fused", "sliding_window_fused",
-                                  "odd_length_padding_bf16", "softcap_sinks"])
-def test_fused_pairs_against_reference(name, monkeypatch):
-  """The fused backward's step as two groups (KVAX_MOSAIC_FUSED_PAIRS=1: S^T with dP^T from
-  folded accumulators, then dV, dK and the dQ half), every case with the fused backward."""
-  monkeypatch.setenv("KVAX_MOSAIC_FUSED_PAIRS", "1")
-  build, kwargs = CASES[name]
-  seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed, **dict(kwargs, deterministic=False))
 
 
 def test_kernel_parts_through_split_kv_attention():

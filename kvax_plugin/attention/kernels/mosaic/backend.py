@@ -167,8 +167,15 @@ class Static:
   # 3.78 vs 3.85; 64k causal 257.6 vs 262.4, docs 41.4 vs 42.7; faster in every row, alone too);
   # KVAX_MOSAIC_DKV_EARLY_DP=0 turns it off.
   dkv_early_dp: bool = True
-  dkv_fold: bool = False  # benchmarking hook: KVAX_MOSAIC_DKV_FOLD=1 (BwdConfig.dkv_fold)
-  fused_pairs: bool = False  # benchmarking hook: KVAX_MOSAIC_FUSED_PAIRS=1 (BwdConfig.fused_pairs)
+  # lse / delta folded into the dk/dv products' accumulators (BwdConfig.dkv_fold, with the
+  # numbers): on by default since session 15; KVAX_MOSAIC_DKV_FOLD=0 turns it off.
+  dkv_fold: bool = True
+  # The backward kernels' launch order over (head, tile) pairs, longest first (BwdConfig.
+  # head_lpt): on by default since session 15 (H100, fwd+bwd interleaved: 16k documents 3.27 vs
+  # 3.75 ms, 64k documents 40.3 vs 41.9; causal within the noise, 16k 15.82 vs 15.90, 64k 261.5
+  # vs 259.5); KVAX_MOSAIC_HEAD_LPT=0 turns it off, and KVAX_MOSAIC_LPT=1 (per-head order in
+  # every kernel) replaces it.
+  head_lpt: bool = True
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -272,7 +279,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
-      dkv_fold=cfg.dkv_fold, fused_pairs=cfg.fused_pairs)
+      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -294,6 +301,9 @@ _attention = kernel_attention(_forward, _backward)
 # Benchmarking hooks that were measured, found slower on an H200, and removed (sessions 12 and
 # 13; the numbers are in benchmarks/NOTES.md). Setting one is an error, not a silent no-op.
 REMOVED_HOOKS = {
+    "KVAX_MOSAIC_FUSED_PAIRS": ("the fused backward's step as two product groups (session 15, "
+                                "H100: 16k fwd+bwd 19.22 vs 16.79 ms deterministic, 16.92 at 240 "
+                                "registers; 64k 289.5 vs 251.3)"),
     "KVAX_MOSAIC_DKV_PIPELINE": ("software-pipelined dk/dv step (session 13: 16k fwd+bwd 18.34 "
                                  "vs 15.52 ms, docs 4.30 vs 3.70)"),
     "KVAX_MOSAIC_DQ_PIPELINE": ("software-pipelined dq step (session 13: 16k fwd+bwd 16.89 vs "
@@ -380,8 +390,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
-               dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("0", "1")) == "1",
-               fused_pairs=_env_choice("KVAX_MOSAIC_FUSED_PAIRS", ("0", "1")) == "1")
+               dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
+               head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
+                         and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]

@@ -40,7 +40,8 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           pair_keep,
                                                           produce_kv_ring, products_together,
                                                           released_for_tma,
-                                                          longest_first, visit_order)
+                                                          longest_first,
+                                                          longest_first_over_heads, visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -101,23 +102,26 @@ class BwdConfig:
   # three, and the element-wise work in one stretch (the other consumer's pair fills the tensor
   # cores then).
   dkv_early_dp: bool = True
-  # Benchmarking hook KVAX_MOSAIC_DKV_FOLD=1 (the deterministic dk/dv kernel's two-pair steps):
-  # the products' accumulators start from the per-query terms instead of 0, S^T from -lse / scale
-  # and dP^T from -delta, so P^T = exp2(log2(e) scale S'^T) and dS^T = P^T o dP'^T. In the S^T
-  # orientation lse and delta are per-COLUMN vectors, 16 registers per thread each in the wgmma
-  # layout, live beside dK, dV, S^T and dP^T at the step's peak; ptxas spills there (136-192
-  # bytes at 232 / 240 registers, session 14) and the spill reloads sit on the path to the
-  # step's first product (Nsight Compute, session 14: benchmarks/NOTES.md). Folded, the vectors
-  # die before the products are issued.
-  dkv_fold: bool = False
-  # Benchmarking hook KVAX_MOSAIC_FUSED_PAIRS=1 (the fused backward with the column-split dq):
-  # the step as the deterministic kernel's two groups, S^T with dP^T (their accumulators started
-  # from -lse / scale and -delta, as dkv_fold), then dV, dK and the consumer's half of dQ issued
-  # as one group and awaited once. Before: S^T alone, then dV with dP^T, then dK with dQ (three
-  # waits, and lse / delta vectors live at the peak). Nsight Compute (session 14) read the
-  # fused kernel as spill-bound: 144 M local-memory requests per 16k causal backward against
-  # 52 M in the deterministic dk/dv kernel, the tensor pipe active 45% of the time (73.5%).
-  fused_pairs: bool = False
+  # The deterministic dk/dv kernel's two-pair steps start the products' accumulators from the
+  # per-query terms instead of 0: S^T from -lse / scale and dP^T from -delta, so P^T =
+  # exp2(log2(e) scale S'^T) and dS^T = P^T o dP'^T (lse only without a soft cap, whose logit is
+  # not linear in the product). In the S^T orientation lse and delta are per-COLUMN vectors, 16
+  # registers per thread each in the wgmma layout, live beside dK, dV, S^T and dP^T at the step's
+  # peak; folded, they die before the products are issued. ptxas: the dk/dv kernel's spills
+  # 192 -> 140 bytes (session 14). On by default since session 15 (fwd+bwd, interleaved: H200
+  # 16k causal 15.92 vs 16.11 ms, 64k 252.2 vs 257.3, 16k docs 3.76 vs 3.84; H100 16k causal
+  # 15.45 vs 16.79 in one call and 15.90 vs 15.82 in the next, 16k docs 3.75 vs 3.90);
+  # KVAX_MOSAIC_DKV_FOLD=0 turns it off.
+  dkv_fold: bool = True
+  # Both backward kernels' launch order interleaves the heads, longest tile first over all
+  # (head, tile) pairs (forward.longest_first_over_heads; on by default since session 15,
+  # KVAX_MOSAIC_HEAD_LPT=0 turns it off: the backend's Static.head_lpt has the numbers). The
+  # grid's slowest axis is the head, so in the grid's own order the last head's tiles all start
+  # in the last waves; with packed documents their long tiles (the first tiles of long
+  # documents) then run alone: Nsight Compute (session 14, 16k documents) saw the dk/dv
+  # kernel's SMs idle 31% of its time (SM active 2.16 M of 3.14 M cycles), the dq kernel's 11%.
+  # The per-head order (KVAX_MOSAIC_LPT, session 9) cannot fix that tail.
+  head_lpt: bool = True
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -182,13 +186,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
-  # BwdConfig.fused_pairs: the column-split fused step with S^T and dP^T issued together
-  # (folded), then dV, dK and this consumer's dQ half as one group.
-  fused_pairs = split and cfg.fused_pairs and cfg.paired
-  pairs = early_dp or fused_pairs  # S^T and dP^T issued together at the top of the step
+  pairs = early_dp  # S^T and dP^T issued together at the top of the step
   # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (paired steps only; lse
   # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
-  fold_delta = pairs and (cfg.dkv_fold or fused_pairs)
+  fold_delta = pairs and cfg.dkv_fold
   fold_lse = fold_delta and not cfg.soft_cap and cfg.scale != 0.0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
@@ -200,7 +201,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
-    if order_ref is not None:  # LPT hook (BwdConfig.lpt)
+    if cfg.head_lpt:  # BwdConfig.head_lpt: the CTA's launch position -> its (head, tile)
+      code = order_ref[bi, kv_head * n_tiles + tile]
+      kv_head, tile = lax.rem(code, kh), lax.div(code, kh)
+    elif order_ref is not None:  # LPT hook (BwdConfig.lpt)
       tile = order_ref[bi, tile]
     wg = lax.axis_index("wg")
     row = tile // rk
@@ -305,10 +309,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           plgpu.commit_smem()
           plgpu.barrier_arrive(ds_ready.at[buf])
           half = pl.ds(wg * dq_cols, dq_cols)
-          dv = (dv_acc, pt16, do_smem.at[slot]) if fused_pairs else None
-          dk_acc, dq, dv_acc = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
-                                               k_smem, half, ds_ready.at[buf], dq_cols,
-                                               cfg.interpret, dv=dv, dv_acc=dv_acc)
+          dk_acc, dq = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
+                                       k_smem, half, ds_ready.at[buf], dq_cols, cfg.interpret)
         elif cfg.with_dq:
           my_ds = ds_smem.at[wg]
           my_ds[...] = ds16
@@ -440,7 +442,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
     )
     order_ref = None
-    if cfg.lpt:  # the order is the last of `args`: take it out of the kernel's positional refs
+    if cfg.lpt or cfg.head_lpt:  # the order is the last of `args`: out of the positional refs
       order_ref, refs = refs[len(args) - 1], refs[:len(args) - 1] + refs[len(args):]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
@@ -449,7 +451,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
                jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
   args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
           full_upper)
-  if cfg.lpt:
+  if cfg.head_lpt:
+    args += (longest_first_over_heads(lower, upper, rk, n_tiles, kh),)
+  elif cfg.lpt:
     # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
     args += (longest_first(lower, upper, rk, skv // TILE_KV),)
   launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
@@ -469,39 +473,29 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
 
 def _dk_and_dq_half(dk_acc, ds16, q_tile, ds_shared, k_smem, half, ds_ready, dq_cols,
-                    interpret: bool, dv=None, dv_acc=None):
-  """(dk_acc + ds16 @ q_tile, dQ[:, half], dv_acc') with dQ[:, half] = sum_j ds_shared[j]^T @
-  k_smem[j][:, half], and dv_acc' = acc + a @ b for dv = (acc, a, b) (None: dv_acc unchanged).
+                    interpret: bool):
+  """(dk_acc + ds16 @ q_tile, dQ[:, half]) with dQ[:, half] = sum_j ds_shared[j]^T @ k_smem[j][:, half].
 
   ds16 [64 kv, 64 q] is this consumer's dS^T (registers), ds_shared [CONSUMERS, 64 kv, 64 q] both
   consumers' (shared memory, complete once `ds_ready` fires), k_smem [CONSUMERS, 64 kv, Dk].
-  The dV and dK products are issued before waiting for the other consumer's dS; all are awaited
-  once.
+  The dK product is issued before waiting for the other consumer's dS; all three are awaited once.
   """
   zeros = plgpu.layout_cast(jnp.zeros((TILE_Q, dq_cols), jnp.float32), plgpu.Layout.WGMMA)
   if interpret:
-    if dv is not None:
-      dv_acc = accumulate(*dv, True)
     dk_acc = accumulate(dk_acc, ds16, q_tile, True)
     plgpu.barrier_wait(ds_ready)
     dq = zeros
     for j in range(CONSUMERS):
       dq = dq + jnp.dot(ds_shared.at[j][...].T, k_smem.at[j, :, half][...],
                         preferred_element_type=jnp.float32)
-    return dk_acc, dq, dv_acc
+    return dk_acc, dq
 
   def issue(refs):
-    if dv is not None:
-      plgpu.wgmma(refs[2], dv[1], dv[2])
     plgpu.wgmma(refs[0], ds16, q_tile)
     plgpu.barrier_wait(ds_ready)
     for j in range(CONSUMERS):
       plgpu.wgmma(refs[1], ds_shared.at[j].T, k_smem.at[j, :, half])
-  accs = (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros))
-  if dv is None:
-    dk_acc, dq = pl.run_state(issue)(accs)
-    return dk_acc, dq, dv_acc
-  return pl.run_state(issue)(accs + (plgpu.ACC.init(dv[0]),))
+  return pl.run_state(issue)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros)))
 
 
 def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, delta, q_pos,
@@ -513,6 +507,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   bk = block_kv
   rq = cfg.table_q // DQ_TILE_Q
   rk = cfg.table_kv // bk
+  n_tiles = sq // DQ_TILE_Q
   dtype = q.dtype
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
@@ -523,7 +518,10 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     bi = lax.axis_index("batch")
     tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
         "q_tiles")
-    if order_ref is not None:  # LPT hook (BwdConfig.lpt)
+    if cfg.head_lpt:  # BwdConfig.head_lpt: the CTA's launch position -> its (head, tile)
+      code = order_ref[bi, head * n_tiles + lax.axis_index("q_tiles")]
+      head, tile = lax.rem(code, h), lax.div(code, h)
+    elif order_ref is not None:  # LPT hook (BwdConfig.lpt)
       tile = order_ref[bi, lax.axis_index("q_tiles")]
     wg = lax.axis_index("wg")
     row = tile // rq
@@ -632,15 +630,17 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
     order_ref = None
-    if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
+    if cfg.lpt or cfg.head_lpt:  # the order is the last input: out of the positional refs
       order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
 
   inputs = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
             full_upper)
-  if cfg.lpt:
-    inputs += (longest_first(lower, upper, rq, sq // DQ_TILE_Q),)
+  if cfg.head_lpt:
+    inputs += (longest_first_over_heads(lower, upper, rq, n_tiles, h),)
+  elif cfg.lpt:
+    inputs += (longest_first(lower, upper, rq, n_tiles),)
   n_in = len(inputs)
   return plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct((b, sq, h, dk), dtype),

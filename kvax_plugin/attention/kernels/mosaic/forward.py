@@ -236,6 +236,21 @@ def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
 
 
+def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
+  """int32 [B, n_heads * n_tiles]: for each launch position p = head * n_tiles + tile of a grid
+  whose slowest axis is the head (Mosaic launches the last grid axis fastest, the first
+  slowest), the (head, tile) it runs, coded tile * n_heads + head: every head's tiles by
+  descending visited blocks, the heads interleaved (ties in tile, then head, order).
+
+  A tile's work does not depend on the head, so the heads' copies of the longest tile start
+  first, together, and the short ones fill the last waves. The grid's own order, head-major,
+  starts the last head's long tiles in the last waves (the per-head `longest_first` keeps that).
+  """
+  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
+  return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
+
+
 def released_for_tma(interpret: bool) -> None:
   """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
 
