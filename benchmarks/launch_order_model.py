@@ -13,6 +13,10 @@ the perfect split (total / SMs) is the tail. Orders, over the grid's (head, tile
     over_heads     longest tile first over all (head, tile) pairs, heads of a tile together
                    (forward.longest_first_over_heads, the default since session 15)
 
+The persistent forward (one CTA per SM) deals its (tile, head) items statically instead:
+round_robin (the default), round_robin_lpt (KVAX_MOSAIC_FWD_LPT=1), snake (odd rounds mirrored,
+KVAX_MOSAIC_FWD_ZIGZAG=1) and snake_lpt (both).
+
 The layouts are bench_attention.py's (causal; 12 random documents + 1000 padding tokens, the
 same seed), 32 query / 8 kv heads. Session 15 measured (H100, interleaved) 16k documents
 fwd+bwd 3.27 vs 3.75 ms with over_heads against head_major; the model says why per-head order
@@ -55,6 +59,16 @@ def orders(counts, n_heads: int, reverse_grid: bool):
   }
 
 
+def dealt(works, ctas: int, overhead: float, snake: bool) -> float:
+  """The persistent forward's static deal: item i goes to CTA i % G in even rounds and (snake)
+  to G - 1 - i % G in odd ones; the busiest CTA's sum."""
+  load = np.zeros(ctas)
+  for i, w in enumerate(works):
+    r, c = divmod(i, ctas)
+    load[ctas - 1 - c if snake and r % 2 else c] += float(w) + overhead
+  return float(load.max())
+
+
 def tile_counts(table, tiles_per_row: int, n_tiles: int):
   return np.repeat(np.asarray(table.upper - table.lower)[0], tiles_per_row)[:n_tiles]
 
@@ -76,6 +90,17 @@ def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int =
       span = makespan(works, sms, overhead)
       rows[f"{kernel}/{name}"] = dict(makespan=span, ideal=total / sms,
                                       tail=span / (total / sms) - 1.0)
+  # persistent forward: one CTA per SM deals (tile, head) items, heads fastest; the grid's tile
+  # order is reversed under a causal mask (longest first), natural otherwise
+  counts = tile_counts(mask.fwd, mask.spec.fwd_params.query_block_size // 128, seq // 128)
+  grid = np.repeat(counts[::-1] if case == "causal" else counts, h)
+  lpt = np.repeat(np.sort(counts)[::-1], h)
+  total = grid.sum() + overhead * len(grid)
+  for name, span in (("round_robin", dealt(grid, sms, overhead, False)),
+                     ("round_robin_lpt", dealt(lpt, sms, overhead, False)),
+                     ("snake", dealt(grid, sms, overhead, True)),
+                     ("snake_lpt", dealt(lpt, sms, overhead, True))):
+    rows[f"fwd/{name}"] = dict(makespan=span, ideal=total / sms, tail=span / (total / sms) - 1.0)
   return rows
 
 

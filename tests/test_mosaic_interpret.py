@@ -286,6 +286,33 @@ def test_persistent_forward_matches_reference(case, zigzag, monkeypatch):
   assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
 
 
+@pytest.mark.parametrize("case", ["docs_padding_gqa", "odd_rounds_mqa"])
+def test_persistent_forward_snake_order_matches_reference(case, monkeypatch):
+  """KVAX_MOSAIC_FWD_LPT=1 with KVAX_MOSAIC_FWD_ZIGZAG=1 (the persistent forward's items in
+  longest-first tile order, dealt as a snake draft): against the float32 reference in the
+  interpreter, and lowered for CUDA. The forward gets both settings; the backward keeps its
+  order over (head, tile) pairs (FWD_LPT, unlike LPT, does not replace it)."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  for name in ("KVAX_MOSAIC_FWD_PERSISTENT", "KVAX_MOSAIC_FWD_ZIGZAG", "KVAX_MOSAIC_FWD_LPT"):
+    monkeypatch.setenv(name, "1")
+  monkeypatch.setitem(CASES, "odd_rounds_mqa", dict(segs=[1] * 130 + [2] * 100 + [-1] * 26,
+                                                    h=2, kh=1, det=True))
+  seen = []
+  real_fwd, real_dkv = fw.forward_call, bk.dkv_call
+  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (
+      seen.append(("fwd", cfg.lpt, cfg.zigzag)), real_fwd(cfg, *a))[1])
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (
+      seen.append(("dkv", cfg.lpt, cfg.head_lpt)), real_dkv(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [("fwd", True, True), ("dkv", False, True)], seen
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_LPT", "yes")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_LPT='yes'"):
+    test_kernels_lower_for_cuda((128, 128), True)
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_LPT", "1")
+  test_kernels_lower_for_cuda((128, 128), True)
+
+
 @pytest.mark.parametrize("case", ["prefill_mla", "mla_docs"])
 def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
   """Dv < Dk in the per-tile forward (KVAX_MOSAIC_FWD_PERSISTENT=0): O is staged in a RefUnion

@@ -176,6 +176,13 @@ class Static:
   # vs 259.5); KVAX_MOSAIC_HEAD_LPT=0 turns it off, and KVAX_MOSAIC_LPT=1 (per-head order in
   # every kernel) replaces it.
   head_lpt: bool = True
+  # Benchmarking hook KVAX_MOSAIC_FWD_LPT=1: the forward alone in the longest-first tile order
+  # (KVAX_MOSAIC_LPT=1 orders every kernel per head, replacing the backward's head order). With
+  # KVAX_MOSAIC_FWD_ZIGZAG=1 the persistent forward then deals its items like a snake draft:
+  # benchmarks/launch_order_model.py puts its 16k documents tail at 1.3% against 7.3% for the
+  # round-robin default (zigzag alone 9.6%: session 10 measured it slower there). Not yet
+  # timed on a GPU (session 15 had no device time left).
+  fwd_lpt: bool = False
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -254,7 +261,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt, exit_after_read=cfg.exit_after_read, zigzag=cfg.fwd_zigzag and num_ctas > 0)
+      lpt=cfg.lpt or cfg.fwd_lpt, exit_after_read=cfg.exit_after_read,
+      zigzag=cfg.fwd_zigzag and num_ctas > 0)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -391,6 +399,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
+               fwd_lpt=_env_choice("KVAX_MOSAIC_FWD_LPT", ("0", "1")) == "1",
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
