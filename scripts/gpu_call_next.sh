@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The device calls of sessions 8-13 (carry .whl; lanes of hooks removed in sessions 12-13 -
+# The device calls of sessions 8-15 (carry .whl; lanes of hooks removed in sessions 12-13 -
 # SMALL, ATOMIC, DKV128, DKVREGS, PIPELINE, PIPELINE64 - are in git history); LANE=CP needs the
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
-# TESTS13B. Everything each call writes is packed into ONE archive under $OUT (the device
+# TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
+# S15C, S15D; prepared for session 16: S16A. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
@@ -691,7 +692,24 @@ s15d_runs() {
     > $R/gpu_tests_s15d.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15d.log | tail -30 | tee -a $R/next.log
 }
+# Prepared in session 15 for the next session's first call (~9 min): the GPU tests session 15
+# could not run (fused vs deterministic with dk / dv compared to rounding, the kernel parts, the
+# forward's snake deal on the hook layouts), then the snake deal (KVAX_MOSAIC_FWD_LPT=1 +
+# KVAX_MOSAIC_FWD_ZIGZAG=1) timed against the defaults, cuDNN and tokamax Mosaic. Prediction
+# (benchmarks/launch_order_model.py): 16k documents forward 0.78 -> ~0.74 ms, causal 16k a few %.
+s16a_runs() {
+  bench 170 bench_16k_s16a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+    --impls mosaic,mosaic_fwd_snake,cudnn,tokamax_mosaic --interleave --rounds 3
+  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s16a.log | tee -a $R/next.log; pack > /dev/null
+  bench 120 bench_64k_s16a --seq 65536 --cases causal,docs --passes fwd \
+    --impls mosaic,mosaic_fwd_snake,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
+  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s16a.log | tee -a $R/next.log; pack > /dev/null
+  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "fused_and_deterministic or kernel_parts or FWD_LPT" > $R/gpu_tests_s16a.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16a.log | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S16A) s16a_runs ;;
   S15D) s15d_runs ;;
   S15C) s15c_runs ;;
   S15B) s15b_runs ;;
