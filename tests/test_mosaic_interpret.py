@@ -452,13 +452,12 @@ def test_benchmarking_hooks_lower_for_cuda(env, det, monkeypatch):
     mb._env_int("KVAX_MOSAIC_BWD_REGS", 232)
 
 
-@pytest.mark.parametrize("fold", ["0", "1"])
-def test_nonfinite_inputs_follow_the_reference_in_the_interpreter(fold, monkeypatch):
+def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   """The NaN / inf contract of tests/nonfinite_cases.py (shared with the jax and Triton tests),
-  on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq;
-  also with lse / delta folded into the dk/dv kernel's accumulators (KVAX_MOSAIC_DKV_FOLD=1:
-  -inf and NaN then enter through the accumulator instead of a subtraction)."""
-  monkeypatch.setenv("KVAX_MOSAIC_DKV_FOLD", fold)
+  on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq,
+  with the default lse / delta folded into the dk/dv kernel's accumulators (-inf and NaN then
+  enter through the accumulator instead of a subtraction; the unfolded step, a hook since
+  session 15, passed it too before the switch)."""
   import nonfinite_cases
   from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
