@@ -4,7 +4,8 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; prepared for session 16: S16A. Everything each call writes is packed into ONE archive under $OUT (the device
+# S15C, S15D; prepared for session 16: S16A. FOLD, FUSED and S15A timed rows and a hook that are
+# gone since (the fold is the default; the fused-pairs hook was removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
@@ -589,68 +590,8 @@ ncusrc_runs() {
   NCU_SPECS="mosaic_regs240:causal" NCU_TIMEOUT=100 ncu_runs
   gzip -9 $R/ncusrc/*.csv 2>/dev/null
 }
-# Session 14, third call: the dk/dv kernel's accumulators started from -lse / scale and -delta
-# (KVAX_MOSAIC_DKV_FOLD=1): ptxas spills, GPU tests, 16k / 64k forward+backward against the
-# default and cuDNN (interleaved), ncu of the kernels with it.
-fold_runs() {
-  mkdir -p $R/dump
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump timeout 100 \
-    python3 benchmarks/mosaic_resources.py --modes deterministic,fold > $R/dump/resources.log 2>&1
-  for f in /tmp/dump/*.ptxas; do echo "$(basename $f): $(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' $f | head -1)"; done | tee -a $R/next.log
-  cp /tmp/dump/*.ptxas $R/dump/ 2>/dev/null
-  timeout 200 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "DKV_FOLD or dkv_fold" > $R/gpu_tests_fold.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed" $R/gpu_tests_fold.log | tail -10 | tee -a $R/next.log
-  bench 120 bench_16k_fold --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fold,cudnn --interleave --rounds 5
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_fold.log | tee -a $R/next.log
-  bench 170 bench_64k_fold --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fold,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_fold.log | tee -a $R/next.log
-  NCU_SPECS="mosaic_fold:causal mosaic_fold:docs" NCU_TIMEOUT=60 ncu_runs
-}
-# Session 14, fourth call: the fused backward as two product groups (KVAX_MOSAIC_FUSED_PAIRS=1),
-# at 232 and 240 registers: ptxas spills, GPU tests, 16k / 64k against the deterministic default,
-# the fold hook and cuDNN, ncu of its kernel. (MOSAIC_GPU_DUMP_TO must exist, else Mosaic prints
-# every dump into the log: 500 MB in the FOLD call.)
-ptxas_spills() {  # modes
-  mkdir -p /tmp/dump $R/dump
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump timeout 150 \
-    python3 benchmarks/mosaic_resources.py --modes $1 2>&1 | grep -E "^=== [a-z_0-9]+$" > $R/dump/modes.log
-  for f in /tmp/dump/*.ptxas; do echo "$(basename $f): $(grep -o '[0-9]* bytes spill stores, [0-9]* bytes spill loads' $f | head -1) $(grep -o 'serialized due to insufficient register' $f | head -1)"; done | tee -a $R/next.log
-  cat $R/dump/modes.log | tr '\n' ' ' | tee -a $R/next.log; echo | tee -a $R/next.log
-  cp /tmp/dump/*.ptxas $R/dump/ 2>/dev/null
-}
-fused_runs() {
-  ptxas_spills fused_split,fused_pairs,fused_pairs240
-  timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "fused_pairs" > $R/gpu_tests_fused_pairs.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed" $R/gpu_tests_fused_pairs.log | tail -6 | tee -a $R/next.log
-  bench 130 bench_16k_fused --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic_fold,mosaic_fused,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 4
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_fused.log | tee -a $R/next.log
-  bench 170 bench_64k_fused --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic_fold,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_fused.log | tee -a $R/next.log
-  NCU_SPECS="mosaic_fused_pairs:causal" NCU_TIMEOUT=60 ncu_runs
-}
-# Session 15, first call: session 14's two register levers finished. The fold hook's GPU tests
-# (their log was lost with session 14's machine) and the fused backward as two product groups
-# (KVAX_MOSAIC_FUSED_PAIRS=1, not yet run): ptxas spills, GPU tests, 16k / 64k fwd+bwd against
-# the deterministic default, the fold hook and cuDNN, interleaved. Packs after each stage (a cut
-# call still brings back what ran).
-s15a_runs() {
-  ptxas_spills fused_split,fused_pairs,fused_pairs240; pack > /dev/null
-  timeout 170 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "DKV_FOLD or dkv_fold or fused_pairs" > $R/gpu_tests_s15a.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15a.log | tail -14 | tee -a $R/next.log; pack > /dev/null
-  bench 120 bench_16k_s15a --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fold,mosaic_fused,mosaic_fused_pairs,mosaic_fused_pairs240,cudnn --interleave --rounds 3
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15a.log | tee -a $R/next.log; pack > /dev/null
-  bench 140 bench_64k_s15a --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fold,mosaic_fused_pairs,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15a.log | tee -a $R/next.log
-}
+# (S15B / S15C ran with the head order as a hook, row mosaic_head_lpt against the default
+# "mosaic"; since it is the default the same pair is "mosaic" against mosaic_head_major.)
 # Session 15, second call: the new defaults (lse / delta folded into the dk/dv accumulators)
 # against the float32 reference on every GPU case, the backward's launch order over (head, tile)
 # pairs (KVAX_MOSAIC_HEAD_LPT=1) likewise, then 16k fwd+bwd: default, without the fold, with
@@ -660,7 +601,7 @@ s15b_runs() {
     -k "test_against_reference or query_shorter or HEAD_LPT or head_lpt" > $R/gpu_tests_s15b.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15b.log | tail -30 | tee -a $R/next.log; pack > /dev/null
   bench 200 bench_16k_s15b --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_nofold,mosaic_head_lpt,mosaic_regs240,cudnn,tokamax_mosaic --interleave --rounds 3
+    --impls mosaic,mosaic_nofold,mosaic_head_major,mosaic_regs240,cudnn,tokamax_mosaic --interleave --rounds 3
   grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15b.log | tee -a $R/next.log
 }
 # Session 15, third call: 64k fwd+bwd with the head-interleaved backward order against the
@@ -669,7 +610,7 @@ s15b_runs() {
 # and case, Sq != Skv.
 s15c_runs() {
   bench 190 bench_64k_s15c --seq 65536 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_head_lpt,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
+    --impls mosaic,mosaic_head_major,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
   grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15c.log | tee -a $R/next.log; pack > /dev/null
   timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "HEAD_LPT or head_lpt or query_shorter" > $R/gpu_tests_s15c.log 2>&1
@@ -713,9 +654,6 @@ case ${LANE:-CP} in
   S15D) s15d_runs ;;
   S15C) s15c_runs ;;
   S15B) s15b_runs ;;
-  S15A) s15a_runs ;;
-  FUSED) fused_runs ;;
-  FOLD) fold_runs ;;
   NCUSRC) ncusrc_runs ;;
   NCU) ncu_runs ;;
   HOSTPROF) hostprof_runs ;;
