@@ -179,8 +179,8 @@ class Static:
   # Benchmarking hook KVAX_MOSAIC_FWD_LPT=1: the forward alone in the longest-first tile order
   # (KVAX_MOSAIC_LPT=1 orders every kernel per head, replacing the backward's head order). With
   # KVAX_MOSAIC_FWD_ZIGZAG=1 the persistent forward then deals its items like a snake draft:
-  # benchmarks/launch_order_model.py puts its 16k documents tail at 1.3% against 7.3% for the
-  # round-robin default (zigzag alone 9.6%: session 10 measured it slower there). Not yet
+  # benchmarks/launch_order_model.py puts its 16k documents tail at 1.2% against 6.7% for the
+  # round-robin default (zigzag alone 8.9%: session 10 measured it slower there). Not yet
   # timed on a GPU (session 15 had no device time left).
   fwd_lpt: bool = False
 

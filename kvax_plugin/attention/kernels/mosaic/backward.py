@@ -186,10 +186,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
   early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
-  pairs = early_dp  # S^T and dP^T issued together at the top of the step
-  # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (paired steps only; lse
+  # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (two-pair steps only; lse
   # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
-  fold_delta = pairs and cfg.dkv_fold
+  fold_delta = early_dp and cfg.dkv_fold
   fold_lse = fold_delta and not cfg.soft_cap and cfg.scale != 0.0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
@@ -243,7 +242,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
-        if pairs:
+        if early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
           st0 = dpt0 = None  # fresh products
@@ -275,8 +274,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
           pt = jnp.where(keep, pt, 0.0)
         pt16 = pt.astype(dtype)
-        # With paired steps dP^T is here already and dV's product goes with dK's below.
-        if not pairs:
+        # With early_dp, dP^T is here already and dV's product goes with dK's below.
+        if not early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
           if cfg.paired:
             dv_acc, dpt = products_together(
