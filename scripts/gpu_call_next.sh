@@ -590,31 +590,36 @@ ncusrc_runs() {
   NCU_SPECS="mosaic_regs240:causal" NCU_TIMEOUT=100 ncu_runs
   gzip -9 $R/ncusrc/*.csv 2>/dev/null
 }
+# Session 15's lanes and the next one's share two steps: a benchmark whose interleaved rows are
+# printed, and a selection of the Mosaic GPU tests; each packs what it wrote (a call cut by its
+# limit still brings back what ran).
+bench_rows() {  # timeout (s), result name, bench_attention.py's arguments
+  bench "$@"
+  grep -hE "interleaved|FAIL|Error" $R/$2.log | tee -a $R/next.log; pack > /dev/null
+}
+mosaic_gpu_tests() {  # timeout (s), log name, pytest -k expression
+  timeout $1 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "$3" > $R/$2.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/$2.log | tail -30 | tee -a $R/next.log; pack > /dev/null
+}
 # (S15B / S15C ran with the head order as a hook, row mosaic_head_lpt against the default
 # "mosaic"; since it is the default the same pair is "mosaic" against mosaic_head_major.)
 # Session 15, second call: the new defaults (lse / delta folded into the dk/dv accumulators)
 # against the float32 reference on every GPU case, the backward's launch order over (head, tile)
-# pairs (KVAX_MOSAIC_HEAD_LPT=1) likewise, then 16k fwd+bwd: default, without the fold, with
-# the head order, at 240 registers, cuDNN and tokamax Mosaic, interleaved.
+# pairs likewise, then 16k fwd+bwd: default, without the fold, the head-major order, at 240
+# registers, cuDNN and tokamax Mosaic, interleaved.
 s15b_runs() {
-  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "test_against_reference or query_shorter or HEAD_LPT or head_lpt" > $R/gpu_tests_s15b.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15b.log | tail -30 | tee -a $R/next.log; pack > /dev/null
-  bench 200 bench_16k_s15b --seq 16384 --cases causal,docs --passes fwd_bwd \
+  mosaic_gpu_tests 330 gpu_tests_s15b "test_against_reference or query_shorter or HEAD_LPT or head_lpt"
+  bench_rows 200 bench_16k_s15b --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_nofold,mosaic_head_major,mosaic_regs240,cudnn,tokamax_mosaic --interleave --rounds 3
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15b.log | tee -a $R/next.log
 }
-# Session 15, third call: 64k fwd+bwd with the head-interleaved backward order against the
-# default and cuDNN (interleaved; is the 16k documents gain there too, and does causal lose L2
-# reuse?), then the GPU tests the second call's limit cut: the head order on every hook layout
-# and case, Sq != Skv.
+# Session 15, third call: 64k fwd+bwd, the head order against the head-major one and cuDNN
+# (interleaved; is the 16k documents gain there too, and does causal lose L2 reuse?), then the
+# GPU tests the second call's limit cut: the head order on every hook layout and case, Sq != Skv.
 s15c_runs() {
-  bench 190 bench_64k_s15c --seq 65536 --cases causal,docs --passes fwd_bwd \
+  bench_rows 190 bench_64k_s15c --seq 65536 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_head_major,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15c.log | tee -a $R/next.log; pack > /dev/null
-  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "HEAD_LPT or head_lpt or query_shorter" > $R/gpu_tests_s15c.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15c.log | tail -30 | tee -a $R/next.log
+  mosaic_gpu_tests 330 gpu_tests_s15c "HEAD_LPT or head_lpt or query_shorter"
 }
 # Session 15, fourth call: the final defaults (fold + head order) timed in the same run as the
 # head-major order, cuDNN and tokamax Mosaic (16k forward and forward+backward; 64k documents),
@@ -622,32 +627,25 @@ s15c_runs() {
 # on the hook layouts (the latter now replaces the head order), the kernels as parts, fused vs
 # deterministic at 16k.
 s15d_runs() {
-  bench 170 bench_16k_s15d --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+  bench_rows 170 bench_16k_s15d --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
     --impls mosaic,mosaic_head_major,cudnn,tokamax_mosaic --interleave --rounds 3
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s15d.log | tee -a $R/next.log; pack > /dev/null
-  bench 110 bench_64k_s15d --seq 65536 --cases docs --passes fwd_bwd \
+  bench_rows 110 bench_64k_s15d --seq 65536 --cases docs --passes fwd_bwd \
     --impls mosaic,mosaic_head_major,tokamax_mosaic --interleave --rounds 2
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s15d.log | tee -a $R/next.log; pack > /dev/null
-  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "DKV_FOLD or (LPT and not HEAD_LPT and not head_lpt) or kernel_parts or fused_and_deterministic" \
-    > $R/gpu_tests_s15d.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s15d.log | tail -30 | tee -a $R/next.log
+  mosaic_gpu_tests 250 gpu_tests_s15d \
+    "DKV_FOLD or (LPT and not HEAD_LPT and not head_lpt) or kernel_parts or fused_and_deterministic"
 }
-# Prepared in session 15 for the next session's first call (~9 min): the GPU tests session 15
-# could not run (fused vs deterministic with dk / dv compared to rounding, the kernel parts, the
-# forward's snake deal on the hook layouts), then the snake deal (KVAX_MOSAIC_FWD_LPT=1 +
-# KVAX_MOSAIC_FWD_ZIGZAG=1) timed against the defaults, cuDNN and tokamax Mosaic. Prediction
-# (benchmarks/launch_order_model.py): 16k documents forward 0.78 -> ~0.74 ms, causal 16k a few %.
+# Prepared in session 15 for the next session's first call (~9 min): the snake deal of the
+# persistent forward (KVAX_MOSAIC_FWD_LPT=1 + KVAX_MOSAIC_FWD_ZIGZAG=1) timed against the
+# defaults, cuDNN and tokamax Mosaic, then the GPU tests session 15 could not run (fused vs
+# deterministic with dk / dv compared to rounding, the kernel parts, the snake deal on the hook
+# layouts). Prediction (benchmarks/launch_order_model.py): 16k documents forward 0.78 -> ~0.74
+# ms, causal 16k a few %.
 s16a_runs() {
-  bench 170 bench_16k_s16a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+  bench_rows 170 bench_16k_s16a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
     --impls mosaic,mosaic_fwd_snake,cudnn,tokamax_mosaic --interleave --rounds 3
-  grep -hE "interleaved|FAIL|Error" $R/bench_16k_s16a.log | tee -a $R/next.log; pack > /dev/null
-  bench 120 bench_64k_s16a --seq 65536 --cases causal,docs --passes fwd \
+  bench_rows 120 bench_64k_s16a --seq 65536 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_fwd_snake,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_64k_s16a.log | tee -a $R/next.log; pack > /dev/null
-  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "fused_and_deterministic or kernel_parts or FWD_LPT" > $R/gpu_tests_s16a.log 2>&1
-  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16a.log | tail -30 | tee -a $R/next.log
+  mosaic_gpu_tests 250 gpu_tests_s16a "fused_and_deterministic or kernel_parts or FWD_LPT"
 }
 case ${LANE:-CP} in
   S16A) s16a_runs ;;
