@@ -221,7 +221,7 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # default since session 15 ("mosaic"); the grid's head-major order instead
   impls["mosaic_head_major"] = make_mosaic(env={"KVAX_MOSAIC_HEAD_LPT": "0"})
   # the persistent forward's items dealt as a snake draft in longest-first order (session 15's
-  # launch-order model: 16k documents tail 7.3% -> 1.3%)
+  # launch-order model: 16k documents tail 6.7% -> 1.2%)
   impls["mosaic_fwd_snake"] = make_mosaic(env={"KVAX_MOSAIC_FWD_LPT": "1",
                                                "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
   for label, tiles, flags in variants:

@@ -1,4 +1,4 @@
-"""The backward kernels' launch tail under three CTA orders, from the block tables alone (CPU).
+"""The Mosaic kernels' launch tail under their CTA orders, from the block tables alone (CPU).
 
     python benchmarks/launch_order_model.py --seq 16384 65536 --out results/launch_order.json
 
@@ -47,15 +47,19 @@ def makespan(works, sms: int, overhead: float) -> float:
   return max(free)
 
 
-def orders(counts, n_heads: int, reverse_grid: bool):
-  """Per-CTA works in each launch order. counts [n_tiles]: visited blocks of each tile (the
-  same for every head)."""
-  n = len(counts)
+def orders(table, tiles_per_row: int, n_tiles: int, n_heads: int, reverse_grid: bool):
+  """Per-CTA works in each launch order, the orders taken from the kernels' own functions
+  (forward.longest_first, forward.longest_first_over_heads) on the block table."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  counts = tile_counts(table, tiles_per_row, n_tiles)
   grid = counts[::-1] if reverse_grid else counts
+  per_head = np.asarray(fw.longest_first(table.lower, table.upper, tiles_per_row, n_tiles))[0]
+  codes = np.asarray(fw.longest_first_over_heads(table.lower, table.upper, tiles_per_row,
+                                                 n_tiles, n_heads))[0]
   return {
       "head_major": np.tile(grid, n_heads),
-      "per_head_lpt": np.tile(np.sort(counts)[::-1], n_heads),
-      "over_heads": np.sort(np.repeat(counts, n_heads), kind="stable")[::-1][:n * n_heads],
+      "per_head_lpt": np.tile(counts[per_head], n_heads),
+      "over_heads": counts[codes // n_heads],  # code = tile * n_heads + head
   }
 
 
@@ -75,6 +79,7 @@ def tile_counts(table, tiles_per_row: int, n_tiles: int):
 
 def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int = 8):
   from kvax_plugin.attention.block_mask import create_attention_mask
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
   pos, seg, _ = layout(case, seq, seed=seq)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   bq = mask.spec.bwd_params.query_block_size
@@ -86,7 +91,7 @@ def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int =
       ("dkv", mask.dkv, 128, kh, bkv, False), ("dq", mask.dq, 128, h, bq, case == "causal")):
     counts = tile_counts(table, block // tile, seq // tile)
     total = counts.sum() * n_heads + overhead * len(counts) * n_heads
-    for name, works in orders(counts, n_heads, reverse).items():
+    for name, works in orders(table, block // tile, seq // tile, n_heads, reverse).items():
       span = makespan(works, sms, overhead)
       rows[f"{kernel}/{name}"] = dict(makespan=span, ideal=total / sms,
                                       tail=span / (total / sms) - 1.0)
@@ -94,7 +99,9 @@ def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int =
   # order is reversed under a causal mask (longest first), natural otherwise
   counts = tile_counts(mask.fwd, mask.spec.fwd_params.query_block_size // 128, seq // 128)
   grid = np.repeat(counts[::-1] if case == "causal" else counts, h)
-  lpt = np.repeat(np.sort(counts)[::-1], h)
+  lpt = np.repeat(counts[np.asarray(fw.longest_first(mask.fwd.lower, mask.fwd.upper,
+                                                     mask.spec.fwd_params.query_block_size // 128,
+                                                     seq // 128))[0]], h)
   total = grid.sum() + overhead * len(grid)
   for name, span in (("round_robin", dealt(grid, sms, overhead, False)),
                      ("round_robin_lpt", dealt(lpt, sms, overhead, False)),

@@ -290,13 +290,12 @@ def test_plot_e2e_remat_builds(tmp_path, monkeypatch):
   assert (tmp_path / "e2e_remat.png").stat().st_size > 10_000
 
 
-
 def test_launch_order_model_shows_the_documents_tail(tmp_path):
   """benchmarks/launch_order_model.py (the model behind the backward's head-interleaved launch
   order): list scheduling reproduces the 16k documents tail of the head-major grid (the dk/dv
   kernel's SMs idle ~25%; Nsight Compute saw 31%) that per-head LPT keeps and the order over
   heads removes, while causal masks have no tail in any order; the program writes its rows."""
-  sys.path.insert(0, "benchmarks")
+  sys.path.insert(0, str(ROOT / "benchmarks"))
   import launch_order_model as lom
   # a long job last leaves the other machine idle; first, the short ones fill around it
   assert lom.makespan([1, 1, 1, 1, 4], 2, 0.0) == 6.0
@@ -308,7 +307,8 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
   assert all(row["tail"] < 0.01 for key, row in causal.items() if not key.startswith("fwd/"))
   out = tmp_path / "lom.json"
   done = subprocess.run([sys.executable, "benchmarks/launch_order_model.py", "--seq", "4096",
-                         "--out", str(out)], capture_output=True, text=True, timeout=300)
+                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   rows = json.loads(out.read_text())["results"]
   assert {(r["case"], r["kernel"], r["order"]) for r in rows} == {

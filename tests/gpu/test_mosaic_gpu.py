@@ -145,8 +145,9 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
   """16k tokens, 32/8 heads: the two backward modes agree to rounding, and the deterministic one
   is bitwise reproducible. dk / dv were bitwise equal between the modes until session 15; the
   deterministic dk/dv kernel now folds lse / delta into its products' accumulators (BwdConfig.
-  dkv_fold) and the fused one does not, so their float32 rounding differs (the old bitwise
-  assertion failed on an H100 in session 15's last call; the interpreter shows the size:
+  dkv_fold) and the fused one does not, so their float32 rounding differs (this test failed on
+  an H100 in session 15's last call, its report cut by the call's limit, most likely on the old
+  bitwise assertion; the interpreter shows the size:
   tests/test_mosaic_interpret.py::test_fold_changes_dkv_rounding_only)."""
   s_len, h, kh, d = 16384, 32, 8, 128
   pos, seg = layouts.packed_documents(np.random.default_rng(3), 1, s_len, num_docs=12,
@@ -206,8 +207,9 @@ def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
 @pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions",
                                   "huge_segment_ids_fused"])
 def test_head_lpt_against_reference(name, monkeypatch):
-  """The backward's launch order over (head, tile) pairs (KVAX_MOSAIC_HEAD_LPT=1) on soft cap
-  with sinks, MQA at head dim 256, MLA 192 / 128, random positions and the fused backward."""
+  """The backward's launch order over (head, tile) pairs (KVAX_MOSAIC_HEAD_LPT=1, set explicitly:
+  the default since session 15) on soft cap with sinks, MQA at head dim 256, MLA 192 / 128,
+  random positions and the fused backward."""
   monkeypatch.setenv("KVAX_MOSAIC_HEAD_LPT", "1")
   build, kwargs = CASES[name]
   seed = sum(map(ord, name))
