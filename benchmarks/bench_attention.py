@@ -208,9 +208,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic_persistent"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1"})
   # ... and the per-tile grid (one CTA per (query tile, head)) it replaced as the default
   impls["mosaic_pertile"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "0"})
-  # the persistent forward with its odd rounds of items mirrored across the CTAs (FwdConfig.zigzag)
-  impls["mosaic_zigzag"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1",
-                                            "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
   # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK) are the
   # default since session 12 ("mosaic"); the order before it (1 + 2 + 1 products per step)
   impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
@@ -220,10 +217,9 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the backward kernels' launch order longest tile first over all (head, tile) pairs: the
   # default since session 15 ("mosaic"); the grid's head-major order instead
   impls["mosaic_head_major"] = make_mosaic(env={"KVAX_MOSAIC_HEAD_LPT": "0"})
-  # the persistent forward's items dealt as a snake draft in longest-first order (session 15's
-  # launch-order model: 16k documents tail 6.7% -> 1.2%)
-  impls["mosaic_fwd_snake"] = make_mosaic(env={"KVAX_MOSAIC_FWD_LPT": "1",
-                                               "KVAX_MOSAIC_FWD_ZIGZAG": "1"})
+  # the persistent forward's items dealt as a snake draft in longest-first order: the default
+  # since session 16 ("mosaic"); the round robin before it
+  impls["mosaic_fwd_round_robin"] = make_mosaic(env={"KVAX_MOSAIC_FWD_SNAKE": "0"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -4,8 +4,9 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; prepared for session 16: S16A. FOLD, FUSED and S15A timed rows and a hook that are
-# gone since (the fold is the default; the fused-pairs hook was removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
+# S15C, S15D; session 16: S16A, S16B, S16C. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
+# zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
 # results to that): unpack with `tar xzf <files_at>/results.tgz -C /tmp/s8`.
 #   LANE=CP (~9 min): context parallelism, 2 x H200, 128k, packed + one document, balanced order,
@@ -262,40 +263,6 @@ e2eprof_runs() {
   timeout 60 python3 benchmarks/profile_e2e.py /tmp/e2ep/16k-long_kvax /tmp/e2ep/16k-long_cudnn_flash_jax \
     > $R/e2e_prof_table.log 2>&1
   tail -6 $R/e2e_prof.log | tee -a $R/next.log; tail -60 $R/e2e_prof_table.log | tee -a $R/next.log
-}
-#   LANE=ZIGZAG (~6 min): GPU tests of the zigzag persistent forward (KVAX_MOSAIC_FWD_ZIGZAG=1)
-#     against the float32 reference, then 64k and 128k causal + documents forward, interleaved:
-#     mosaic (the default: persistent up to 64k kv rows, per-tile above), forced persistent,
-#     per-tile, zigzag, cuDNN, tokamax Mosaic. Prediction if the CTAs' drift is what costs the
-#     persistent kernel 13% at 128k causal: zigzag at the per-tile grid's time there, and no
-#     change for documents.
-zigzag_runs() {
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
-    -k "register_hooks and ZIGZAG" > $R/gpu_tests_zigzag.log 2>&1
-  grep -E "passed|failed|rel-L2|Error" $R/gpu_tests_zigzag.log | tail -6 | tee -a $R/next.log
-  bench 170 bench_zigzag_65536 --seq 65536 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_pertile,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 7 \
-    --max-dense-mask-seq 0
-  bench 230 bench_zigzag_131072 --seq 131072 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_persistent,mosaic_zigzag,cudnn,tokamax_mosaic --interleave --rounds 5 \
-    --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_*.log | tee -a $R/next.log
-}
-#   LANE=Z16E2E (~7 min): 16k causal + documents forward, persistent vs zigzag vs per-tile
-#     (is zigzag a safe default for the persistent kernel?), then MaxText e2e, 16k one document
-#     per row, 12 steps, kvax / cudnn_flash_jax in two runs of alternating order.
-z16e2e_runs() {
-  bench 150 bench_zigzag_16384 --seq 16384 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_zigzag,mosaic_pertile,cudnn,tokamax_mosaic --interleave --rounds 9 \
-    --max-dense-mask-seq 0
-  grep -hE "interleaved|FAIL|Error" $R/bench_zigzag_16384.log | tee -a $R/next.log
-  for run in a:16k-long:kvax,16k-long:cudnn_flash_jax b:16k-long:cudnn_flash_jax,16k-long:kvax; do
-    timeout 200 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e_${run%%:*} --steps 12 \
-      --runs ${run#*:} > $R/e2e_${run%%:*}.log 2>&1
-    mkdir -p $R/e2e_${run%%:*} && cp /tmp/e2e_${run%%:*}/e2e.json $R/e2e_${run%%:*}/ 2>/dev/null
-    for d in /tmp/e2e_${run%%:*}/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_${run%%:*}/$(basename "$d").summary.json"; done
-    tail -5 $R/e2e_${run%%:*}.log | tee -a $R/next.log
-  done
 }
 #   LANE=H100 (~6 min, kind nvidia-h100-x1): the Mosaic and Triton backends on an H100 for the
 #     first time since the lowering fix: a subset of the Mosaic GPU tests against the float32
@@ -634,21 +601,29 @@ s15d_runs() {
   mosaic_gpu_tests 250 gpu_tests_s15d \
     "DKV_FOLD or (LPT and not HEAD_LPT and not head_lpt) or kernel_parts or fused_and_deterministic"
 }
-# Prepared in session 15 for the next session's first call (~9 min): the snake deal of the
-# persistent forward (KVAX_MOSAIC_FWD_LPT=1 + KVAX_MOSAIC_FWD_ZIGZAG=1) timed against the
-# defaults, cuDNN and tokamax Mosaic, then the GPU tests session 15 could not run (fused vs
-# deterministic with dk / dv compared to rounding, the kernel parts, the snake deal on the hook
-# layouts). Prediction (benchmarks/launch_order_model.py): 16k documents forward 0.78 -> ~0.74
-# ms, causal 16k a few %.
-s16a_runs() {
-  bench_rows 170 bench_16k_s16a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
-    --impls mosaic,mosaic_fwd_snake,cudnn,tokamax_mosaic --interleave --rounds 3
-  bench_rows 120 bench_64k_s16a --seq 65536 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_fwd_snake,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
-  mosaic_gpu_tests 250 gpu_tests_s16a "fused_and_deterministic or kernel_parts or FWD_LPT"
+# Session 16, second call: the snake deal as the persistent forward's default (S16A timed it as a
+# hook: 16k documents forward 0.736 vs 0.789 ms) against the float32 reference on every GPU case
+# and Sq != Skv, then 64k forward, default against the round robin, cuDNN and tokamax Mosaic
+# (S16A's 64k causal rounds spread 56-75 ms: more rounds here).
+s16b_runs() {
+  mosaic_gpu_tests 420 gpu_tests_s16b "test_against_reference or query_shorter"
+  bench_rows 150 bench_64k_s16b --seq 65536 --cases causal,docs --passes fwd \
+    --impls mosaic,mosaic_fwd_round_robin,cudnn,tokamax_mosaic --interleave --rounds 5 \
+    --max-dense-mask-seq 0
+}
+# Session 16, third call (carry the maxtext wheels: wheels.sh .whl core maxtext, xprof left out):
+# the MaxText end-to-end matrix (maxtext_e2e.py's default runs, cold, one process per run) on
+# the defaults of this session, under MaxText's own GPU llama3-8b remat policy.
+s16c_runs() {
+  timeout 560 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e16 --steps 6 --timeout 150 \
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_s16.log 2>&1
+  mkdir -p $R/e2e_s16 && cp /tmp/e2e16/e2e.json /tmp/e2e16/e2e.png $R/e2e_s16/ 2>/dev/null
+  for d in /tmp/e2e16/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s16/$(basename "$d").summary.json"; done
+  tail -14 $R/e2e_s16.log | tee -a $R/next.log
 }
 case ${LANE:-CP} in
-  S16A) s16a_runs ;;
+  S16C) s16c_runs ;;
+  S16B) s16b_runs ;;
   S15D) s15d_runs ;;
   S15C) s15c_runs ;;
   S15B) s15b_runs ;;
@@ -670,8 +645,6 @@ case ${LANE:-CP} in
   MLA) mla_runs ;;
   BIG2) big2_runs ;;
   H100) h100_runs ;;
-  Z16E2E) z16e2e_runs ;;
-  ZIGZAG) zigzag_runs ;;
   FWDGRID) fwdgrid_runs; [ "${E2EPROF:-0}" = 1 ] && e2eprof_runs ;;
   E2EPROF) e2eprof_runs ;;
   BIG) big_runs ;;

@@ -254,30 +254,32 @@ def test_backward_launch_order_settings(env, head_lpt, lpt, monkeypatch):
     test_kernels_lower_for_cuda((128, 128), True)
 
 
-@pytest.mark.parametrize("case,zigzag", [("window_cap_sinks_det", False), ("prefill_mla", False),
-                                         ("window_masked_full_masked_fused", False),
-                                         ("docs_padding_gqa", True), ("prefill_mla", True),
-                                         ("odd_rounds_mqa", True)])
-def test_persistent_forward_matches_reference(case, zigzag, monkeypatch):
+@pytest.mark.parametrize("case,snake", [("window_cap_sinks_det", True), ("prefill_mla", True),
+                                        ("window_masked_full_masked_fused", True),
+                                        ("docs_padding_gqa", False), ("prefill_mla", False),
+                                        ("odd_rounds_mqa", False)])
+def test_persistent_forward_matches_reference(case, snake, monkeypatch):
   """KVAX_MOSAIC_FWD_PERSISTENT=1 (FwdConfig.num_ctas): 3 CTAs in the interpreter, each taking
   several (batch, query tile, head) items with one kv ring across them and Q loaded one item
   ahead; soft cap + sinks + MQA + non-contiguous documents, Dv != Dk with Sq != Skv (the
   separate O staging), a sliding window; against the float32 reference, and lowered for CUDA
-  (one CTA per SM). The kernel must really run persistent."""
+  (one CTA per SM). The kernel must really run persistent, with the snake deal (the default:
+  longest-first tiles, odd rounds mirrored) or the round robin (KVAX_MOSAIC_FWD_SNAKE=0)."""
   from kvax_plugin.attention.kernels.mosaic import forward as fw
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
-  if zigzag:  # KVAX_MOSAIC_FWD_ZIGZAG=1: odd rounds of items mirrored across the CTAs
-    monkeypatch.setenv("KVAX_MOSAIC_FWD_ZIGZAG", "1")
+  if not snake:
+    monkeypatch.setenv("KVAX_MOSAIC_FWD_SNAKE", "0")
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
-                                                           assert_zigzag(cfg),
+                                                           assert_deal(cfg),
                                                            real(cfg, *a))[2])
 
-  def assert_zigzag(cfg):
-    assert cfg.zigzag == zigzag
-  # 2 query tiles x 2 heads = 4 items over 3 CTAs: one full (odd, mirrored) round and a partial
-  # one, whose only item belongs to the last CTA under zigzag (to the first without it)
+  def assert_deal(cfg):
+    assert (cfg.zigzag, cfg.lpt) == (snake, snake)
+  # 2 query tiles x 2 heads = 4 items over 3 CTAs: one full round and a partial one, whose only
+  # item belongs to the first CTA in the round robin (to the last under the snake deal, whose
+  # second round is mirrored)
   monkeypatch.setitem(CASES, "odd_rounds_mqa", dict(segs=[1] * 130 + [2] * 100 + [-1] * 26,
                                                     h=2, kh=1))
   test_kernels_in_interpreter_match_reference(case)
@@ -287,30 +289,39 @@ def test_persistent_forward_matches_reference(case, zigzag, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["docs_padding_gqa", "odd_rounds_mqa"])
-def test_persistent_forward_snake_order_matches_reference(case, monkeypatch):
-  """KVAX_MOSAIC_FWD_LPT=1 with KVAX_MOSAIC_FWD_ZIGZAG=1 (the persistent forward's items in
-  longest-first tile order, dealt as a snake draft): against the float32 reference in the
-  interpreter, and lowered for CUDA. The forward gets both settings; the backward keeps its
-  order over (head, tile) pairs (FWD_LPT, unlike LPT, does not replace it)."""
+def test_snake_deal_is_the_persistent_forwards_default(case, monkeypatch):
+  """The snake deal (backend.Static.fwd_snake) reaches the persistent forward by default (the
+  interpreter runs it persistent with FWD_PERSISTENT=1), against the float32 reference; the
+  backward keeps its own order over (head, tile) pairs; the per-tile grid keeps its order;
+  a bad value of KVAX_MOSAIC_FWD_SNAKE is an error naming it; the hooks it replaced are refused
+  by name."""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   from kvax_plugin.attention.kernels.mosaic import forward as fw
-  for name in ("KVAX_MOSAIC_FWD_PERSISTENT", "KVAX_MOSAIC_FWD_ZIGZAG", "KVAX_MOSAIC_FWD_LPT"):
-    monkeypatch.setenv(name, "1")
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
   monkeypatch.setitem(CASES, "odd_rounds_mqa", dict(segs=[1] * 130 + [2] * 100 + [-1] * 26,
                                                     h=2, kh=1, det=True))
   seen = []
   real_fwd, real_dkv = fw.forward_call, bk.dkv_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (
-      seen.append(("fwd", cfg.lpt, cfg.zigzag)), real_fwd(cfg, *a))[1])
+      seen.append(("fwd", cfg.num_ctas > 0, cfg.lpt, cfg.zigzag)), real_fwd(cfg, *a))[1])
   monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (
       seen.append(("dkv", cfg.lpt, cfg.head_lpt)), real_dkv(cfg, *a))[1])
   test_kernels_in_interpreter_match_reference(case)
-  assert seen == [("fwd", True, True), ("dkv", False, True)], seen
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_LPT", "yes")
-  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_LPT='yes'"):
-    test_kernels_lower_for_cuda((128, 128), True)
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_LPT", "1")
+  assert seen == [("fwd", True, True, True), ("dkv", False, True)], seen
+  seen.clear()
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "0")
   test_kernels_lower_for_cuda((128, 128), True)
+  assert seen[0] == ("fwd", False, False, False), seen
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_SNAKE", "yes")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_SNAKE='yes'"):
+    test_kernels_lower_for_cuda((128, 128), True)
+  monkeypatch.delenv("KVAX_MOSAIC_FWD_SNAKE")
+  for name in ("KVAX_MOSAIC_FWD_ZIGZAG", "KVAX_MOSAIC_FWD_LPT"):
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=f"{name}: this benchmarking hook was removed "
+                                         r"\(part of the snake deal"):
+      test_kernels_lower_for_cuda((128, 128), True)
+    monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("case", ["prefill_mla", "mla_docs"])
@@ -418,8 +429,9 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
 def test_removed_hooks_are_refused(name, monkeypatch):
-  """Benchmarking hooks removed after measuring slower (sessions 12 and 13) are refused by name, not
-  silently ignored: a benchmark that sets one would otherwise time the default kernels."""
+  """Benchmarking hooks removed (measured slower, sessions 6-15, or folded into a default,
+  session 16) are refused by name, not silently ignored: a benchmark that sets one would
+  otherwise time the default kernels under a stale label."""
   monkeypatch.setenv(name, "1")
   with pytest.raises(ValueError, match=f"{name}: this benchmarking hook was removed"):
     test_kernels_lower_for_cuda((128, 128), True)

@@ -179,11 +179,9 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
 # Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "EARLY_DP".
 HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
-             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1"},
              {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "0"},
              {"KVAX_MOSAIC_HEAD_LPT": "0"},
-             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_ZIGZAG": "1",
-              "KVAX_MOSAIC_FWD_LPT": "1"}]
+             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_SNAKE": "0"}]
 
 
 def _hook_id(env):

@@ -161,7 +161,6 @@ class Static:
   # / =0 forces one or the other.
   fwd_persistent: str = "auto"
   dq_after_dkv: bool = False  # benchmarking hook: KVAX_MOSAIC_DQ_AFTER_DKV=1 (BwdConfig)
-  fwd_zigzag: bool = False  # benchmarking hook: KVAX_MOSAIC_FWD_ZIGZAG=1 (FwdConfig.zigzag)
   # The deterministic dk/dv step's products in two pairs (BwdConfig.dkv_early_dp): on by
   # default since session 12 (H200, interleaved, fwd+bwd: 16k causal 16.05 vs 16.33 ms, docs
   # 3.78 vs 3.85; 64k causal 257.6 vs 262.4, docs 41.4 vs 42.7; faster in every row, alone too);
@@ -176,13 +175,17 @@ class Static:
   # vs 259.5); KVAX_MOSAIC_HEAD_LPT=0 turns it off, and KVAX_MOSAIC_LPT=1 (per-head order in
   # every kernel) replaces it.
   head_lpt: bool = True
-  # Benchmarking hook KVAX_MOSAIC_FWD_LPT=1: the forward alone in the longest-first tile order
-  # (KVAX_MOSAIC_LPT=1 orders every kernel per head, replacing the backward's head order). With
-  # KVAX_MOSAIC_FWD_ZIGZAG=1 the persistent forward then deals its items like a snake draft:
-  # benchmarks/launch_order_model.py puts its 16k documents tail at 1.2% against 6.7% for the
-  # round-robin default (zigzag alone 8.9%: session 10 measured it slower there). Not yet
-  # timed on a GPU (session 15 had no device time left).
-  fwd_lpt: bool = False
+  # The persistent forward deals its (tile, head) items like a snake draft: tiles in
+  # longest-first order (forward.longest_first; FwdConfig.lpt), CTA c taking item c of every even
+  # round of G items and item G - 1 - c of every odd one (FwdConfig.zigzag). The round robin
+  # before it gave the CTAs that start each round the longest item of every round, so a few
+  # long tiles ran alone at the end: benchmarks/launch_order_model.py put the 16k documents
+  # forward's tail at 6.7% with it and 1.2% with the snake deal. On by default since session 16
+  # (H100, interleaved: 16k documents forward 0.736 vs 0.789 ms, faster in every round, alone
+  # 0.702 vs 0.736; tokamax Mosaic 0.782; 64k documents 9.39 vs 9.53; causal within the noise,
+  # 16k 3.68 vs 3.70). The per-tile grid (above PERSISTENT_MAX_KV) keeps its order.
+  # KVAX_MOSAIC_FWD_SNAKE=0 gives the round robin.
+  fwd_snake: bool = True
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -256,13 +259,13 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   else:
     raise ValueError(f"head dims ({p.q.shape[3]}, {p.v.shape[3]}) do not fit the Mosaic GPU "
                      "forward kernel's shared memory")
+  snake = cfg.fwd_snake and num_ctas > 0  # Static.fwd_snake: the persistent kernel only
   fcfg = fwd_kernels.FwdConfig(
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt or cfg.fwd_lpt, exit_after_read=cfg.exit_after_read,
-      zigzag=cfg.fwd_zigzag and num_ctas > 0)
+      lpt=cfg.lpt or snake, exit_after_read=cfg.exit_after_read, zigzag=snake)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -306,33 +309,43 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 _attention = kernel_attention(_forward, _backward)
 
 
-# Benchmarking hooks that were measured, found slower on an H200, and removed (sessions 12 and
-# 13; the numbers are in benchmarks/NOTES.md). Setting one is an error, not a silent no-op.
+# Benchmarking hooks that were removed: measured slower (sessions 6-15, on an H200 unless
+# said), or folded into a default (session 16); the numbers are in benchmarks/NOTES.md. Setting
+# one is an error, not a silent no-op.
+_SLOWER = "measured slower: "
 REMOVED_HOOKS = {
-    "KVAX_MOSAIC_FUSED_PAIRS": ("the fused backward's step as two product groups (session 15, "
-                                "H100: 16k fwd+bwd 19.22 vs 16.79 ms deterministic, 16.92 at 240 "
-                                "registers; 64k 289.5 vs 251.3)"),
-    "KVAX_MOSAIC_DKV_PIPELINE": ("software-pipelined dk/dv step (session 13: 16k fwd+bwd 18.34 "
-                                 "vs 15.52 ms, docs 4.30 vs 3.70)"),
-    "KVAX_MOSAIC_DQ_PIPELINE": ("software-pipelined dq step (session 13: 16k fwd+bwd 16.89 vs "
-                                "15.52 ms, docs 3.97 vs 3.70)"),
-    "KVAX_MOSAIC_BWD_SMALL": "small-CTA backward (session 12: 16k fwd+bwd 18.2 vs 15.7 ms)",
-    "KVAX_MOSAIC_DQ_ATOMIC": "fused dq by register atomics (session 12: 26.7 vs 18.0 ms)",
-    "KVAX_MOSAIC_DKV_TILE_Q": "128-query dk/dv steps (session 9: 64k 335.8 vs 249.2 ms)",
-    "KVAX_MOSAIC_DKV_P16": "dS^T from the 16-bit P^T (session 9: 252.8 vs 245.4 ms)",
-    "KVAX_MOSAIC_DKV_K_REGS": "K in registers (session 9: 280.8 vs 245.4 ms)",
-    "KVAX_MOSAIC_BWD_PREWAIT": "backward next-slot waits (session 7: dk/dv 122.5 vs 112.2 ms)",
-    "KVAX_MOSAIC_DKV_STAGES": "a 4-deep dk/dv ring (session 7: no change)",
-    "KVAX_MOSAIC_DQ_BUFFERS": ("two fused dq buffers (session 6: fused 258.1 vs deterministic "
-                               "245.8 ms)"),
+    "KVAX_MOSAIC_FUSED_PAIRS": (_SLOWER + "the fused backward's step as two product groups "
+                                "(session 15, H100: 16k fwd+bwd 19.22 vs 16.79 ms deterministic, "
+                                "16.92 at 240 registers; 64k 289.5 vs 251.3)"),
+    "KVAX_MOSAIC_DKV_PIPELINE": (_SLOWER + "software-pipelined dk/dv step (session 13: 16k "
+                                 "fwd+bwd 18.34 vs 15.52 ms, docs 4.30 vs 3.70)"),
+    "KVAX_MOSAIC_DQ_PIPELINE": (_SLOWER + "software-pipelined dq step (session 13: 16k fwd+bwd "
+                                "16.89 vs 15.52 ms, docs 3.97 vs 3.70)"),
+    "KVAX_MOSAIC_BWD_SMALL": (_SLOWER + "small-CTA backward (session 12: 16k fwd+bwd 18.2 vs "
+                              "15.7 ms)"),
+    "KVAX_MOSAIC_DQ_ATOMIC": _SLOWER + "fused dq by register atomics (session 12: 26.7 vs 18.0 ms)",
+    "KVAX_MOSAIC_DKV_TILE_Q": _SLOWER + "128-query dk/dv steps (session 9: 64k 335.8 vs 249.2 ms)",
+    "KVAX_MOSAIC_DKV_P16": _SLOWER + "dS^T from the 16-bit P^T (session 9: 252.8 vs 245.4 ms)",
+    "KVAX_MOSAIC_DKV_K_REGS": _SLOWER + "K in registers (session 9: 280.8 vs 245.4 ms)",
+    "KVAX_MOSAIC_BWD_PREWAIT": (_SLOWER + "backward next-slot waits (session 7: dk/dv 122.5 vs "
+                                "112.2 ms)"),
+    "KVAX_MOSAIC_DKV_STAGES": _SLOWER + "a 4-deep dk/dv ring (session 7: no change)",
+    "KVAX_MOSAIC_DQ_BUFFERS": (_SLOWER + "two fused dq buffers (session 6: fused 258.1 vs "
+                               "deterministic 245.8 ms)"),
+    "KVAX_MOSAIC_FWD_ZIGZAG": ("part of the snake deal, the persistent forward's default since "
+                               "session 16 (alone, without the longest-first order, it measured "
+                               "slower in session 10); KVAX_MOSAIC_FWD_SNAKE=0 gives the round "
+                               "robin"),
+    "KVAX_MOSAIC_FWD_LPT": ("part of the snake deal, the persistent forward's default since "
+                            "session 16; KVAX_MOSAIC_FWD_SNAKE=0 gives the round robin"),
 }
 
 
 def _check_removed_hooks() -> None:
   for name, what in REMOVED_HOOKS.items():
     if os.environ.get(name):
-      raise ValueError(f"environment variable {name}: this benchmarking hook was removed after "
-                       f"measuring slower ({what}; benchmarks/NOTES.md); unset it")
+      raise ValueError(f"environment variable {name}: this benchmarking hook was removed "
+                       f"({what}; benchmarks/NOTES.md); unset it")
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -396,10 +409,9 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                exit_after_read=os.environ.get("KVAX_MOSAIC_EXIT_AFTER_READ", "") != "0",
                fwd_persistent=_env_choice("KVAX_MOSAIC_FWD_PERSISTENT", ("auto", "1", "0")),
                dq_after_dkv=os.environ.get("KVAX_MOSAIC_DQ_AFTER_DKV", "") == "1",
-               fwd_zigzag=os.environ.get("KVAX_MOSAIC_FWD_ZIGZAG", "") == "1",
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
-               fwd_lpt=_env_choice("KVAX_MOSAIC_FWD_LPT", ("0", "1")) == "1",
+               fwd_snake=_env_choice("KVAX_MOSAIC_FWD_SNAKE", ("1", "0")) == "1",
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -80,8 +80,9 @@ class FwdConfig:
   # masked step reads them from shared memory instead of from global memory (whose latency the
   # step waits out behind one product: the documents forward is mostly masked steps).
   ids_tma: bool = False
-  # Benchmarking hook KVAX_MOSAIC_LPT=1 (off until measured): CTAs take their query tile from a
-  # longest-first order (longest_first) instead of the tile index (reversed under causal).
+  # CTAs take their query tile from a longest-first order (longest_first) instead of the tile
+  # index (reversed under causal). Set by the backend for the persistent kernel (the snake deal,
+  # with `zigzag`) and by the benchmarking hook KVAX_MOSAIC_LPT=1 (every kernel).
   lpt: bool = False
   # On by default from the backend (KVAX_MOSAIC_EXIT_AFTER_READ=0 turns it off; session 9,
   # benchmarks/NOTES.md): a CTA's last wait on
@@ -99,13 +100,12 @@ class FwdConfig:
   # estimated from causal vs documents times in session 9; measured: 16k documents forward
   # 0.835 -> 0.778 ms, 64k 10.09 -> 9.80, causal unchanged; benchmarks/NOTES.md).
   num_ctas: int = 0
-  # Benchmarking hook KVAX_MOSAIC_FWD_ZIGZAG=1 (persistent kernel only): CTA c takes item c of
-  # every even round of G items and item G - 1 - c of every odd one. Plain round-robin gives
-  # CTA 0 the longest item of every round under the longest-first causal order, so the CTAs
-  # drift apart over a long row (at 128k, ~4 kv blocks per round for ~250 rounds) and items
-  # that share a kv head's K / V stop running side by side; zigzag cancels the drift every two
-  # rounds. Session 10: the persistent causal forward ran 268 ms at 128k against 237 ms for the
-  # per-tile grid (benchmarks/NOTES.md).
+  # Persistent kernel only: CTA c takes item c of every even round of G items and item
+  # G - 1 - c of every odd one. Plain round robin gives CTA 0 the longest item of every round
+  # under a longest-first order, so the CTAs drift apart over a long row (at 128k, ~4 kv blocks
+  # per round for ~250 rounds) and a few long items run alone at the end. With `lpt` this is
+  # the snake deal, the backend's default since session 16 (backend.Static.fwd_snake, with the
+  # numbers); alone (session 10) it measured slower than the round robin.
   zigzag: bool = False
 
 
