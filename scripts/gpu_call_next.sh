@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A, S16B, S16C. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A, S16B, S16C, S16D. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -621,7 +621,20 @@ s16c_runs() {
   for d in /tmp/e2e16/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s16/$(basename "$d").summary.json"; done
   tail -14 $R/e2e_s16.log | tee -a $R/next.log
 }
+# Session 16, fourth call: the rest of the GPU tests on the final defaults (fused vs deterministic,
+# the kernels as parts, the round robin on the hook layouts, the Mosaic non-finite test, the remat
+# test), then 16k forward and forward+backward against cuDNN and tokamax Mosaic.
+s16d_runs() {
+  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    tests/gpu/test_nonfinite_gpu.py tests/gpu/test_remat_gpu.py \
+    -k "fused_and_deterministic or kernel_parts or FWD_SNAKE or mosaic_nan_inf or saved_residuals" \
+    > $R/gpu_tests_s16d.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16d.log | tail -30 | tee -a $R/next.log; pack > /dev/null
+  bench_rows 170 bench_16k_s16d --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3
+}
 case ${LANE:-CP} in
+  S16D) s16d_runs ;;
   S16C) s16c_runs ;;
   S16B) s16b_runs ;;
   S15D) s15d_runs ;;
