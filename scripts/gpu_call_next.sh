@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A, S16B, S16C, S16D. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A, S16B, S16C, S16D, S16E. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -633,7 +633,15 @@ s16d_runs() {
   bench_rows 170 bench_16k_s16d --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3
 }
+# Session 16, fifth call: 64k forward+backward on the final defaults, causal and documents, with
+# cuDNN and tokamax Mosaic (the two targets still open there: causal >= 0.95x cuDNN, documents
+# <= 30 ms).
+s16e_runs() {
+  bench_rows 330 bench_64k_s16e --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
+}
 case ${LANE:-CP} in
+  S16E) s16e_runs ;;
   S16D) s16d_runs ;;
   S16C) s16c_runs ;;
   S16B) s16b_runs ;;
