@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A, S16B, S16C, S16D, S16E. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -640,7 +640,19 @@ s16e_runs() {
   bench_rows 330 bench_64k_s16e --seq 65536 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
 }
+# Session 16, sixth call: the Triton GPU tests on this session's code (the Triton kernels are
+# unchanged since their last GPU run in session 13; the shared custom VJP and the residual switch
+# changed around them): a selection of the float32-reference cases, Sq != Skv, bitwise
+# reproducible gradients, no fallback from an explicit backend, kernel parts, NaN / inf.
+s16f_runs() {
+  timeout 330 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_triton_gpu.py \
+    tests/gpu/test_nonfinite_gpu.py -k "odd_length or softcap_sinks or mla or one_token or \
+    not_causal_gqa8 or 1-999 or bitwise or explicit_backend or kernel_parts or triton_nan_inf" \
+    > $R/gpu_tests_s16f.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S16F) s16f_runs ;;
   S16E) s16e_runs ;;
   S16D) s16d_runs ;;
   S16C) s16c_runs ;;
