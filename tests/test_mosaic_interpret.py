@@ -533,3 +533,80 @@ def test_lowered_kernel_fingerprints_hold_no_source_locations(tmp_path):
   assert "kernel_hash" not in text and "kvax_plugin/" not in text and ".py" not in text
   digests = (tmp_path / "digests.txt").read_text().split()
   assert digests[0] == "d64_64_det1_capNone_wNone_s0" and len(digests[1]) == 32
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 40), (False, 40), (False, None)])
+def test_half_codes_never_call_a_half_with_kept_pairs_empty(causal, window):
+  """forward.half_codes (KVAX_MOSAIC_FWD_HALF_SKIP): against the exact keep matrix of random
+  packed layouts (documents, padding, non-contiguous segments, huge ids, shifted positions), a
+  half called empty holds no kept pair, and the codes do find empty halves (document edges,
+  the causal diagonal), so the hook has work to skip."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  rng = np.random.default_rng(7)
+  found = 0
+  for trial in range(6):
+    s = 1024
+    segs = np.repeat(rng.integers(0, 2**31 - 1 if trial % 2 else 5, 12), 1 + rng.poisson(85, 12))
+    segs = np.concatenate([segs, np.full(s, -1)])[:s].astype(np.int32)
+    pos = np.zeros(s, np.int32)
+    for v in np.unique(segs):
+      pos[segs == v] = np.arange((segs == v).sum()) + (trial * 3 if v >= 0 else 0)
+    q_seg = np.where(segs == -1, fw.NO_SEGMENT, segs)  # as forward_call gets them
+    cfg = fw.FwdConfig(block_kv=128, stages=2, num_ctas=0, table_q=128, table_kv=128, scale=1.0,
+                       soft_cap=0.0, has_sinks=False, causal=causal, window=window or 0,
+                       interpret=True, half_skip=True)
+    codes = np.asarray(fw.half_codes(cfg, jnp.asarray(pos)[None], jnp.asarray(q_seg)[None],
+                                     jnp.asarray(pos)[None], jnp.asarray(segs)[None]))[0]
+    keep = q_seg[:, None] == segs[None, :]
+    if causal:
+      keep &= pos[None, :] <= pos[:, None]
+    if window:
+      keep &= pos[:, None] - pos[None, :] < window
+      if not causal:
+        keep &= pos[None, :] - pos[:, None] < window
+    assert codes.shape == (s // 64, s // 128) and set(np.unique(codes)) <= {0, 1, 2}
+    for qc in range(s // 64):
+      for kb in range(s // 128):
+        tile = keep[qc * 64:(qc + 1) * 64, kb * 128:(kb + 1) * 128]
+        if codes[qc, kb] == 1:
+          assert not tile[:, 64:].any(), (trial, qc, kb)
+        if codes[qc, kb] == 2:
+          assert not tile[:, :64].any(), (trial, qc, kb)
+        found += codes[qc, kb] != 0 and tile.any()  # a narrowed step with work left
+  assert found > 10, found
+
+
+@pytest.mark.parametrize("case", ["docs_padding_gqa", "window_cap_sinks_det"])
+def test_half_skip_hook_matches_reference(case, monkeypatch):
+  """KVAX_MOSAIC_FWD_HALF_SKIP=1: masked forward steps run a consumer on one 64-row half of the
+  kv block where half_codes allows it; against the float32 reference in the interpreter
+  (documents, padding, a one-token document, GQA; window + soft cap + sinks with huge,
+  non-contiguous ids), with the codes really narrowing some masked step, and lowered for
+  CUDA. A bad value is an error naming the variable."""
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "1")
+  seen = []
+  real = fw.forward_call
+  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (
+      seen.append((cfg.half_skip, cfg.block_kv)), real(cfg, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [(True, 128)], seen
+  # the codes the kernel read narrow some of the masked steps of this layout (no padding to add:
+  # 256 tokens)
+  c = CASES[case]
+  pos, seg = _segments(c["segs"])
+  mask = create_attention_mask(pos, seg, pos, seg, sliding_window=c.get("window"))
+  cfg = fw.FwdConfig(block_kv=128, stages=2, num_ctas=0, table_q=128, table_kv=128, scale=1.0,
+                     soft_cap=0.0, has_sinks=False, causal=True, window=c.get("window") or 0,
+                     interpret=True, half_skip=True)
+  codes = np.asarray(fw.half_codes(cfg, pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos,
+                                   seg))[0]
+  lo, up, fl, fu = (np.asarray(x)[0] for x in (mask.fwd.lower, mask.fwd.upper,
+                                               mask.fwd.full_lower, mask.fwd.full_upper))
+  narrowed = [(qc, kb) for qc in range(codes.shape[0]) for kb in range(lo[qc // 2], up[qc // 2])
+              if not fl[qc // 2] <= kb < fu[qc // 2] and codes[qc, kb]]
+  assert narrowed, codes
+  test_kernels_lower_for_cuda((128, 128), True)
+  monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "yes")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_HALF_SKIP='yes'"):
+    test_kernels_lower_for_cuda((128, 128), True)
