@@ -223,6 +223,9 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # masked forward steps on one 64-row half of the kv block where the other holds no kept pair
   # for a consumer's rows (FwdConfig.half_skip; session 16, not yet timed)
   impls["mosaic_fwd_half_skip"] = make_mosaic(env={"KVAX_MOSAIC_FWD_HALF_SKIP": "1"})
+  # ... and the deterministic dq kernel's masked steps the same way (BwdConfig.dq_half_skip)
+  impls["mosaic_half_skip"] = make_mosaic(env={"KVAX_MOSAIC_FWD_HALF_SKIP": "1",
+                                               "KVAX_MOSAIC_DQ_HALF_SKIP": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -651,18 +651,20 @@ s16f_runs() {
     > $R/gpu_tests_s16f.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
 }
-# Prepared in session 16 for the next session's first call (~8 min): the forward's half-block
-# steps (KVAX_MOSAIC_FWD_HALF_SKIP=1, FwdConfig.half_skip) against the float32 reference on the
-# hook layouts (odd length + padding, non-contiguous segments, one-token documents fp16 d64),
-# then 16k and 64k forward, interleaved with the
-# default and tokamax Mosaic. Prediction: 16k documents forward -3..-4% (5.5% of the consumers'
-# work is empty halves there), 64k documents -1..-2% (2.4%), causal unchanged; slower if the
-# extra branch or the code loads cost more than they save.
+# Prepared in session 16 for the next session's first call (~9 min): the half-block steps of the
+# forward (KVAX_MOSAIC_FWD_HALF_SKIP=1, FwdConfig.half_skip) and of the deterministic dq kernel
+# (KVAX_MOSAIC_DQ_HALF_SKIP=1) against the float32 reference on the hook layouts (odd length +
+# padding, non-contiguous segments, one-token documents fp16 d64), then 16k forward and
+# forward+backward and 64k forward, interleaved with the default and tokamax Mosaic
+# (mosaic_fwd_half_skip: the forward's hook alone; mosaic_half_skip: both). Prediction: 16k
+# documents forward -3..-4% (5.5% of the consumers' work is empty halves there), the dq kernel
+# likewise, 64k documents -1..-2% (2.4%), causal unchanged; slower if the extra branch or the
+# code loads cost more than they save.
 s17a_runs() {
   mosaic_gpu_tests 200 gpu_tests_s17a "HALF_SKIP"
-  bench_rows 150 bench_16k_s17a --seq 16384 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_fwd_half_skip,tokamax_mosaic --interleave --rounds 7
-  bench_rows 150 bench_64k_s17a --seq 65536 --cases causal,docs --passes fwd \
+  bench_rows 200 bench_16k_s17a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
+    --impls mosaic,mosaic_fwd_half_skip,mosaic_half_skip,tokamax_mosaic --interleave --rounds 5
+  bench_rows 130 bench_64k_s17a --seq 65536 --cases causal,docs --passes fwd \
     --impls mosaic,mosaic_fwd_half_skip,tokamax_mosaic --interleave --rounds 5 \
     --max-dense-mask-seq 0
 }

@@ -552,11 +552,9 @@ def test_half_codes_never_call_a_half_with_kept_pairs_empty(causal, window):
     for v in np.unique(segs):
       pos[segs == v] = np.arange((segs == v).sum()) + (trial * 3 if v >= 0 else 0)
     q_seg = np.where(segs == -1, fw.NO_SEGMENT, segs)  # as forward_call gets them
-    cfg = fw.FwdConfig(block_kv=128, stages=2, num_ctas=0, table_q=128, table_kv=128, scale=1.0,
-                       soft_cap=0.0, has_sinks=False, causal=causal, window=window or 0,
-                       interpret=True, half_skip=True)
-    codes = np.asarray(fw.half_codes(cfg, jnp.asarray(pos)[None], jnp.asarray(q_seg)[None],
-                                     jnp.asarray(pos)[None], jnp.asarray(segs)[None]))[0]
+    codes = np.asarray(fw.half_codes(jnp.asarray(pos)[None], jnp.asarray(q_seg)[None],
+                                     jnp.asarray(pos)[None], jnp.asarray(segs)[None],
+                                     causal=causal, window=window or 0, block_kv=128))[0]
     keep = q_seg[:, None] == segs[None, :]
     if causal:
       keep &= pos[None, :] <= pos[:, None]
@@ -596,11 +594,8 @@ def test_half_skip_hook_matches_reference(case, monkeypatch):
   c = CASES[case]
   pos, seg = _segments(c["segs"])
   mask = create_attention_mask(pos, seg, pos, seg, sliding_window=c.get("window"))
-  cfg = fw.FwdConfig(block_kv=128, stages=2, num_ctas=0, table_q=128, table_kv=128, scale=1.0,
-                     soft_cap=0.0, has_sinks=False, causal=True, window=c.get("window") or 0,
-                     interpret=True, half_skip=True)
-  codes = np.asarray(fw.half_codes(cfg, pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos,
-                                   seg))[0]
+  codes = np.asarray(fw.half_codes(pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos, seg,
+                                   causal=True, window=c.get("window") or 0, block_kv=128))[0]
   lo, up, fl, fu = (np.asarray(x)[0] for x in (mask.fwd.lower, mask.fwd.upper,
                                                mask.fwd.full_lower, mask.fwd.full_upper))
   narrowed = [(qc, kb) for qc in range(codes.shape[0]) for kb in range(lo[qc // 2], up[qc // 2])
@@ -609,4 +604,26 @@ def test_half_skip_hook_matches_reference(case, monkeypatch):
   test_kernels_lower_for_cuda((128, 128), True)
   monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "yes")
   with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_HALF_SKIP='yes'"):
+    test_kernels_lower_for_cuda((128, 128), True)
+
+
+@pytest.mark.parametrize("case", ["docs_det", "window_cap_sinks_det"])
+def test_dq_half_skip_hook_matches_reference(case, monkeypatch):
+  """KVAX_MOSAIC_DQ_HALF_SKIP=1: the deterministic dq kernel's masked steps on one 64-row half of
+  the kv block (S, dP and dS K on the half) where forward.half_codes allows it: against the
+  float32 reference in the interpreter (documents with padding and a one-token document; window
+  + soft cap + sinks with huge, non-contiguous ids; both narrow variants occur), the dq kernel
+  really getting the setting, and lowered for CUDA."""
+  from kvax_plugin.attention.kernels.mosaic import backward as bk
+  monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "1")
+  monkeypatch.setitem(CASES, "docs_det", dict(CASES["docs_padding_gqa"], det=True))
+  seen = []
+  real = bk.dq_call
+  monkeypatch.setattr(bk, "dq_call", lambda cfg, block_kv, *a: (
+      seen.append((cfg.dq_half_skip, block_kv)), real(cfg, block_kv, *a))[1])
+  test_kernels_in_interpreter_match_reference(case)
+  assert seen == [(True, 128)], seen
+  test_kernels_lower_for_cuda((128, 128), True)
+  monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "on")
+  with pytest.raises(ValueError, match="KVAX_MOSAIC_DQ_HALF_SKIP='on'"):
     test_kernels_lower_for_cuda((128, 128), True)

@@ -190,6 +190,9 @@ class Static:
   # masked forward steps run a consumer's products on the one 64-row half of the kv block that
   # can hold kept pairs for its query rows. With 64-row kv blocks it changes nothing.
   fwd_half_skip: bool = False
+  # Benchmarking hook KVAX_MOSAIC_DQ_HALF_SKIP=1 (BwdConfig.dq_half_skip; off until measured):
+  # the same for the deterministic dq kernel's masked steps.
+  dq_half_skip: bool = False
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -295,7 +298,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
-      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt)
+      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt, dq_half_skip=cfg.dq_half_skip)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -418,6 +421,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
                fwd_snake=_env_choice("KVAX_MOSAIC_FWD_SNAKE", ("1", "0")) == "1",
                fwd_half_skip=_env_choice("KVAX_MOSAIC_FWD_HALF_SKIP", ("0", "1")) == "1",
+               dq_half_skip=_env_choice("KVAX_MOSAIC_DQ_HALF_SKIP", ("0", "1")) == "1",
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

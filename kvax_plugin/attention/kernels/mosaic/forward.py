@@ -232,8 +232,9 @@ def visit_order(lower, full_lower, full_upper, upper):
   return masked, block
 
 
-def half_codes(cfg: "FwdConfig", q_pos, q_seg, kv_pos, kv_seg):
-  """int32 [B, Sq / 64, Skv / block_kv] for FwdConfig.half_skip (block_kv = 128): per 64 query
+def half_codes(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool, window: int, block_kv: int):
+  """int32 [B, Sq / 64, Skv / block_kv] for the half-skip hooks (FwdConfig.half_skip, the dq
+  kernel's BwdConfig.dq_half_skip; block_kv = 128): per 64 query
   rows (one consumer's) and kv block, 0 when both 64-row halves of the block may hold kept
   pairs, 1 when the second half holds none (the step runs on the first half alone), 2 when the
   first holds none (both empty: 1). From the min / max of the ids over each 64 rows, so the
@@ -252,17 +253,41 @@ def half_codes(cfg: "FwdConfig", q_pos, q_seg, kv_pos, kv_seg):
   (ks_min, ks_max), (kp_min, kp_max) = ranges(kv_seg), ranges(kv_pos)
   q_, k_ = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])
   empty = (q_(qs_max) < k_(ks_min)) | (q_(qs_min) > k_(ks_max))
-  if cfg.causal:
+  if causal:
     empty = empty | (q_(qp_max) < k_(kp_min))
-  if cfg.window:
-    empty = empty | (q_(qp_min) - k_(kp_max) >= cfg.window)
-    if not cfg.causal:
-      empty = empty | (k_(kp_min) - q_(qp_max) >= cfg.window)
-  halves = cfg.block_kv // c
+  if window:
+    empty = empty | (q_(qp_min) - k_(kp_max) >= window)
+    if not causal:
+      empty = empty | (k_(kp_min) - q_(qp_max) >= window)
+  halves = block_kv // c
   if halves != 2:
-    raise ValueError(f"half_codes: block_kv={cfg.block_kv}, expected {2 * c}")
-  empty = empty.reshape(b, sq // c, skv // cfg.block_kv, halves)
+    raise ValueError(f"half_codes: block_kv={block_kv}, expected {2 * c}")
+  empty = empty.reshape(b, sq // c, skv // block_kv, halves)
   return jnp.where(empty[..., 1], 1, jnp.where(empty[..., 0], 2, 0)).astype(jnp.int32)
+
+
+def masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi, q_chunk):
+  """The masked blocks' loop of a kernel whose consumers own 64 query rows (forward, dq) with a
+  half-skip hook: step(n, ki, carry, masked=True, half=None | 0 | 1) per masked block, the
+  variant picked by its half_codes entry, which is loaded one step before (a scalar global
+  load whose latency then sits behind the previous step, not in front of this one's products).
+  Reads are clamped into halves_ref, also with no masked block at all."""
+  last_block = halves_ref.shape[2] - 1
+
+  def code_of(n):
+    ki = block(lax.max(lax.min(n, masked_count - 1), 0))
+    return halves_ref[bi, q_chunk, lax.max(lax.min(ki, last_block), 0)]
+
+  def masked_step(n, c):
+    *c, code = c
+    next_code = code_of(n + 1)
+    ki = block(n)
+    c = lax.switch(code, [lambda c: step(n, ki, c, True),
+                          lambda c: step(n, ki, c, True, half=0),
+                          lambda c: step(n, ki, c, True, half=1)], tuple(c))
+    return (*c, next_code)
+  *carry, _ = lax.fori_loop(0, masked_count, masked_step, (*carry, code_of(0)))
+  return tuple(carry)
 
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
@@ -536,27 +561,9 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       carry = (acc, m_i, l_i)
       if halves_ref is None:
         carry = lax.fori_loop(0, masked_count, lambda n, c: step(n, block(n), c, True), carry)
-      else:
-        # FwdConfig.half_skip: each masked step's code (half_codes) was loaded one step before.
-        q_chunk = tile * CONSUMERS + wg  # this consumer's 64 query rows
-        last_block = halves_ref.shape[2] - 1
-
-        def code_of(n):
-          # Clamped into the table (the value is unused past the last masked block, and with
-          # no masked block at all): never a read outside halves_ref.
-          ki = block(lax.max(lax.min(n, masked_count - 1), 0))
-          return halves_ref[bi, q_chunk, lax.max(lax.min(ki, last_block), 0)]
-
-        def masked_step(n, c):
-          *c, code = c
-          next_code = code_of(n + 1)
-          ki = block(n)
-          c = lax.switch(code, [lambda c: step(n, ki, c, True),
-                                lambda c: step(n, ki, c, True, half=0),
-                                lambda c: step(n, ki, c, True, half=1)], tuple(c))
-          return (*c, next_code)
-        *carry, _ = lax.fori_loop(0, masked_count, masked_step, (*carry, code_of(0)))
-        carry = tuple(carry)
+      else:  # FwdConfig.half_skip; this consumer's 64 query rows are chunk tile * 2 + wg
+        carry = masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi,
+                                        tile * CONSUMERS + wg)
       acc, m_i, l_i = lax.fori_loop(
           masked_count, count, lambda n, c: step(n, full_lower + (n - masked_count), c, False),
           carry)
@@ -669,7 +676,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
   n_fixed = len(inputs)
   if cfg.half_skip:
-    inputs += (half_codes(cfg, q_pos, q_seg, kv_pos, kv_seg),)
+    inputs += (half_codes(q_pos, q_seg, kv_pos, kv_seg, causal=cfg.causal, window=cfg.window,
+                          block_kv=bk),)
   if cfg.lpt:
     inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
   n_in = len(inputs)
