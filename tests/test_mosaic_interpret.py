@@ -615,6 +615,7 @@ def test_dq_half_skip_hook_matches_reference(case, monkeypatch):
   + soft cap + sinks with huge, non-contiguous ids; both narrow variants occur), the dq kernel
   really getting the setting, and lowered for CUDA."""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
+  from kvax_plugin.attention.kernels.mosaic import forward as fw
   monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "1")
   monkeypatch.setitem(CASES, "docs_det", dict(CASES["docs_padding_gqa"], det=True))
   seen = []
@@ -623,6 +624,18 @@ def test_dq_half_skip_hook_matches_reference(case, monkeypatch):
       seen.append((cfg.dq_half_skip, block_kv)), real(cfg, block_kv, *a))[1])
   test_kernels_in_interpreter_match_reference(case)
   assert seen == [(True, 128)], seen
+  # the codes the dq kernel read narrow some of the masked steps of its own table
+  c = CASES[case]
+  pos, seg = _segments(c["segs"])
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
+                               sliding_window=c.get("window"))
+  assert mask.spec.bwd_params.query_block_size == mask.spec.bwd_params.kv_block_size == 128
+  codes = np.asarray(fw.half_codes(pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos, seg,
+                                   causal=True, window=c.get("window") or 0, block_kv=128))[0]
+  lo, up, fl, fu = (np.asarray(x)[0] for x in (mask.dq.lower, mask.dq.upper,
+                                               mask.dq.full_lower, mask.dq.full_upper))
+  assert any(codes[qc, kb] for qc in range(codes.shape[0]) for kb in range(lo[qc // 2], up[qc // 2])
+             if not fl[qc // 2] <= kb < fu[qc // 2]), codes
   test_kernels_lower_for_cuda((128, 128), True)
   monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "on")
   with pytest.raises(ValueError, match="KVAX_MOSAIC_DQ_HALF_SKIP='on'"):

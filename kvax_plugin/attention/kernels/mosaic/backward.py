@@ -42,7 +42,8 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           released_for_tma,
                                                           longest_first,
                                                           longest_first_over_heads, visit_order,
-                                                          half_codes, masked_loop_with_halves)
+                                                          half_codes, kv_half,
+                                                          masked_loop_with_halves)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -556,10 +557,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         """The n-th visited kv block, block ki (half h: its 64 rows h * 64.. alone, for
         BwdConfig.dq_half_skip)."""
         slot = lax.rem(n, stages)
-        width = bk if half is None else ROWS_PER_WG
-        off = 0 if half is None else half * ROWS_PER_WG
-        k_tile = k_smem.at[slot] if half is None else k_smem.at[slot, pl.ds(off, width)]
-        v_tile = v_smem.at[slot] if half is None else v_smem.at[slot, pl.ds(off, width)]
+        width, off, k_tile, v_tile = kv_half(k_smem, v_smem, slot, bk, half)
         if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
           cols = pl.ds(ki * bk + off, width)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
@@ -604,10 +602,8 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       if halves_ref is None:
         acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
       else:  # BwdConfig.dq_half_skip; this consumer's 64 query rows are chunk tile * 2 + wg
-        (acc,) = masked_loop_with_halves(lambda n, ki, c, m, half=None: (step(n, ki, c[0], m,
-                                                                              half),),
-                                         (acc,), masked_count, block, halves_ref, bi,
-                                         tile * CONSUMERS + wg)
+        acc = masked_loop_with_halves(step, acc, masked_count, block, halves_ref, bi,
+                                      tile * CONSUMERS + wg)
       acc = lax.fori_loop(masked_count, count,
                           lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key

@@ -234,10 +234,10 @@ def visit_order(lower, full_lower, full_upper, upper):
 
 def half_codes(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool, window: int, block_kv: int):
   """int32 [B, Sq / 64, Skv / block_kv] for the half-skip hooks (FwdConfig.half_skip, the dq
-  kernel's BwdConfig.dq_half_skip; block_kv = 128): per 64 query
-  rows (one consumer's) and kv block, 0 when both 64-row halves of the block may hold kept
-  pairs, 1 when the second half holds none (the step runs on the first half alone), 2 when the
-  first holds none (both empty: 1). From the min / max of the ids over each 64 rows, so the
+  kernel's BwdConfig.dq_half_skip; block_kv = 128): per 64 query rows (one consumer's) and kv
+  block, 0 when both 64-row halves of the block may hold kept pairs, 1 when the second half
+  holds none (the step runs on the first half alone), 2 when the first holds none (both
+  empty: 1). From the min / max of the ids over each 64 rows, so the
   tests are sufficient, not exact: a half is called empty only if no pair in it can be kept
   (segment-id ranges apart; under causal every kv position after every query position; with a
   window every pair at least `window` apart), never the reverse. Inputs padded as for
@@ -266,9 +266,18 @@ def half_codes(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool, window: int, block
   return jnp.where(empty[..., 1], 1, jnp.where(empty[..., 0], 2, 0)).astype(jnp.int32)
 
 
+def kv_half(k_smem, v_smem, slot, block_kv: int, half):
+  """(columns, first column, K tile, V tile) of a kv ring slot for a step on the whole block
+  (half None) or on its 64 rows half * 64.. (the half-skip hooks)."""
+  if half is None:
+    return block_kv, 0, k_smem.at[slot], v_smem.at[slot]
+  rows = pl.ds(half * ROWS_PER_WG, ROWS_PER_WG)
+  return ROWS_PER_WG, half * ROWS_PER_WG, k_smem.at[slot, rows], v_smem.at[slot, rows]
+
+
 def masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi, q_chunk):
   """The masked blocks' loop of a kernel whose consumers own 64 query rows (forward, dq) with a
-  half-skip hook: step(n, ki, carry, masked=True, half=None | 0 | 1) per masked block, the
+  half-skip hook: carry = step(n, ki, carry, True, half=None | 0 | 1) per masked block, the
   variant picked by its half_codes entry, which is loaded one step before (a scalar global
   load whose latency then sits behind the previous step, not in front of this one's products).
   Reads are clamped into halves_ref, also with no masked block at all."""
@@ -278,16 +287,15 @@ def masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi, q_
     ki = block(lax.max(lax.min(n, masked_count - 1), 0))
     return halves_ref[bi, q_chunk, lax.max(lax.min(ki, last_block), 0)]
 
-  def masked_step(n, c):
-    *c, code = c
+  def masked_step(n, carry_and_code):
+    carry, code = carry_and_code
     next_code = code_of(n + 1)
     ki = block(n)
-    c = lax.switch(code, [lambda c: step(n, ki, c, True),
-                          lambda c: step(n, ki, c, True, half=0),
-                          lambda c: step(n, ki, c, True, half=1)], tuple(c))
-    return (*c, next_code)
-  *carry, _ = lax.fori_loop(0, masked_count, masked_step, (*carry, code_of(0)))
-  return tuple(carry)
+    carry = lax.switch(code, [lambda c: step(n, ki, c, True),
+                              lambda c: step(n, ki, c, True, half=0),
+                              lambda c: step(n, ki, c, True, half=1)], carry)
+    return carry, next_code
+  return lax.fori_loop(0, masked_count, masked_step, (carry, code_of(0)))[0]
 
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
@@ -493,10 +501,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         FwdConfig.half_skip)."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
-        width = bk if half is None else ROWS_PER_WG
-        off = 0 if half is None else half * ROWS_PER_WG
-        k_tile = k_smem.at[slot] if half is None else k_smem.at[slot, pl.ds(off, width)]
-        v_tile = v_smem.at[slot] if half is None else v_smem.at[slot, pl.ds(off, width)]
+        width, off, k_tile, v_tile = kv_half(k_smem, v_smem, slot, bk, half)
         if masked and not cfg.ids_tma:
           # Issued before the product, so their global-memory latency hides behind it.
           cols = pl.ds(ki * bk + off, width)
