@@ -220,12 +220,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the persistent forward's items dealt as a snake draft in longest-first order: the default
   # since session 16 ("mosaic"); the round robin before it
   impls["mosaic_fwd_round_robin"] = make_mosaic(env={"KVAX_MOSAIC_FWD_SNAKE": "0"})
-  # masked forward steps on one 64-row half of the kv block where the other holds no kept pair
-  # for a consumer's rows (FwdConfig.half_skip; session 16, not yet timed)
-  impls["mosaic_fwd_half_skip"] = make_mosaic(env={"KVAX_MOSAIC_FWD_HALF_SKIP": "1"})
-  # ... and the deterministic dq kernel's masked steps the same way (BwdConfig.dq_half_skip)
-  impls["mosaic_half_skip"] = make_mosaic(env={"KVAX_MOSAIC_FWD_HALF_SKIP": "1",
-                                               "KVAX_MOSAIC_DQ_HALF_SKIP": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

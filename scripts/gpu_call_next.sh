@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A-S16F; prepared for session 17: S17A. FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F; session 17: S17A (its half-block hooks since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -651,25 +651,7 @@ s16f_runs() {
     > $R/gpu_tests_s16f.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
 }
-# Prepared in session 16 for the next session's first call (~9 min): the half-block steps of the
-# forward (KVAX_MOSAIC_FWD_HALF_SKIP=1, FwdConfig.half_skip) and of the deterministic dq kernel
-# (KVAX_MOSAIC_DQ_HALF_SKIP=1) against the float32 reference on the hook layouts (odd length +
-# padding, non-contiguous segments, one-token documents fp16 d64), then 16k forward and
-# forward+backward and 64k forward, interleaved with the default and tokamax Mosaic
-# (mosaic_fwd_half_skip: the forward's hook alone; mosaic_half_skip: both). Prediction: 16k
-# documents forward -3..-4% (5.5% of the consumers' work is empty halves there), the dq kernel
-# likewise, 64k documents -1..-2% (2.4%), causal unchanged; slower if the extra branch or the
-# code loads cost more than they save.
-s17a_runs() {
-  mosaic_gpu_tests 200 gpu_tests_s17a "HALF_SKIP"
-  bench_rows 200 bench_16k_s17a --seq 16384 --cases causal,docs --passes fwd,fwd_bwd \
-    --impls mosaic,mosaic_fwd_half_skip,mosaic_half_skip,tokamax_mosaic --interleave --rounds 5
-  bench_rows 130 bench_64k_s17a --seq 65536 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_fwd_half_skip,tokamax_mosaic --interleave --rounds 5 \
-    --max-dense-mask-seq 0
-}
 case ${LANE:-CP} in
-  S17A) s17a_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
   S16D) s16d_runs ;;

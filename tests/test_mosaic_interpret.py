@@ -429,7 +429,7 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
 def test_removed_hooks_are_refused(name, monkeypatch):
-  """Benchmarking hooks removed (measured slower, sessions 6-15, or folded into a default,
+  """Benchmarking hooks removed (measured slower, sessions 6-17, or folded into a default,
   session 16) are refused by name, not silently ignored: a benchmark that sets one would
   otherwise time the default kernels under a stale label."""
   monkeypatch.setenv(name, "1")
@@ -533,110 +533,3 @@ def test_lowered_kernel_fingerprints_hold_no_source_locations(tmp_path):
   assert "kernel_hash" not in text and "kvax_plugin/" not in text and ".py" not in text
   digests = (tmp_path / "digests.txt").read_text().split()
   assert digests[0] == "d64_64_det1_capNone_wNone_s0" and len(digests[1]) == 32
-
-
-@pytest.mark.parametrize("causal,window", [(True, None), (True, 40), (False, 40), (False, None)])
-def test_half_codes_never_call_a_half_with_kept_pairs_empty(causal, window):
-  """forward.half_codes (KVAX_MOSAIC_FWD_HALF_SKIP): against the exact keep matrix of random
-  packed layouts (documents, padding, non-contiguous segments, huge ids, shifted positions), a
-  half called empty holds no kept pair, and the codes do find empty halves (document edges,
-  the causal diagonal), so the hook has work to skip."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  rng = np.random.default_rng(7)
-  found = 0
-  for trial in range(6):
-    s = 1024
-    segs = np.repeat(rng.integers(0, 2**31 - 1 if trial % 2 else 5, 12), 1 + rng.poisson(85, 12))
-    segs = np.concatenate([segs, np.full(s, -1)])[:s].astype(np.int32)
-    pos = np.zeros(s, np.int32)
-    for v in np.unique(segs):
-      pos[segs == v] = np.arange((segs == v).sum()) + (trial * 3 if v >= 0 else 0)
-    q_seg = np.where(segs == -1, fw.NO_SEGMENT, segs)  # as forward_call gets them
-    codes = np.asarray(fw.half_codes(jnp.asarray(pos)[None], jnp.asarray(q_seg)[None],
-                                     jnp.asarray(pos)[None], jnp.asarray(segs)[None],
-                                     causal=causal, window=window or 0, block_kv=128))[0]
-    keep = q_seg[:, None] == segs[None, :]
-    if causal:
-      keep &= pos[None, :] <= pos[:, None]
-    if window:
-      keep &= pos[:, None] - pos[None, :] < window
-      if not causal:
-        keep &= pos[None, :] - pos[:, None] < window
-    assert codes.shape == (s // 64, s // 128) and set(np.unique(codes)) <= {0, 1, 2}
-    for qc in range(s // 64):
-      for kb in range(s // 128):
-        tile = keep[qc * 64:(qc + 1) * 64, kb * 128:(kb + 1) * 128]
-        if codes[qc, kb] == 1:
-          assert not tile[:, 64:].any(), (trial, qc, kb)
-        if codes[qc, kb] == 2:
-          assert not tile[:, :64].any(), (trial, qc, kb)
-        found += codes[qc, kb] != 0 and tile.any()  # a narrowed step with work left
-  assert found > 10, found
-
-
-@pytest.mark.parametrize("case", ["docs_padding_gqa", "window_cap_sinks_det"])
-def test_half_skip_hook_matches_reference(case, monkeypatch):
-  """KVAX_MOSAIC_FWD_HALF_SKIP=1: masked forward steps run a consumer on one 64-row half of the
-  kv block where half_codes allows it; against the float32 reference in the interpreter
-  (documents, padding, a one-token document, GQA; window + soft cap + sinks with huge,
-  non-contiguous ids), with the codes really narrowing some masked step, and lowered for
-  CUDA. A bad value is an error naming the variable."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "1")
-  seen = []
-  real = fw.forward_call
-  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (
-      seen.append((cfg.half_skip, cfg.block_kv)), real(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [(True, 128)], seen
-  # the codes the kernel read narrow some of the masked steps of this layout (no padding to add:
-  # 256 tokens)
-  c = CASES[case]
-  pos, seg = _segments(c["segs"])
-  mask = create_attention_mask(pos, seg, pos, seg, sliding_window=c.get("window"))
-  codes = np.asarray(fw.half_codes(pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos, seg,
-                                   causal=True, window=c.get("window") or 0, block_kv=128))[0]
-  lo, up, fl, fu = (np.asarray(x)[0] for x in (mask.fwd.lower, mask.fwd.upper,
-                                               mask.fwd.full_lower, mask.fwd.full_upper))
-  narrowed = [(qc, kb) for qc in range(codes.shape[0]) for kb in range(lo[qc // 2], up[qc // 2])
-              if not fl[qc // 2] <= kb < fu[qc // 2] and codes[qc, kb]]
-  assert narrowed, codes
-  test_kernels_lower_for_cuda((128, 128), True)
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "yes")
-  with pytest.raises(ValueError, match="KVAX_MOSAIC_FWD_HALF_SKIP='yes'"):
-    test_kernels_lower_for_cuda((128, 128), True)
-
-
-@pytest.mark.parametrize("case", ["docs_det", "window_cap_sinks_det"])
-def test_dq_half_skip_hook_matches_reference(case, monkeypatch):
-  """KVAX_MOSAIC_DQ_HALF_SKIP=1: the deterministic dq kernel's masked steps on one 64-row half of
-  the kv block (S, dP and dS K on the half) where forward.half_codes allows it: against the
-  float32 reference in the interpreter (documents with padding and a one-token document; window
-  + soft cap + sinks with huge, non-contiguous ids; both narrow variants occur), the dq kernel
-  really getting the setting, and lowered for CUDA."""
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "1")
-  monkeypatch.setitem(CASES, "docs_det", dict(CASES["docs_padding_gqa"], det=True))
-  seen = []
-  real = bk.dq_call
-  monkeypatch.setattr(bk, "dq_call", lambda cfg, block_kv, *a: (
-      seen.append((cfg.dq_half_skip, block_kv)), real(cfg, block_kv, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [(True, 128)], seen
-  # the codes the dq kernel read narrow some of the masked steps of its own table
-  c = CASES[case]
-  pos, seg = _segments(c["segs"])
-  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
-                               sliding_window=c.get("window"))
-  assert mask.spec.bwd_params.query_block_size == mask.spec.bwd_params.kv_block_size == 128
-  codes = np.asarray(fw.half_codes(pos, jnp.where(seg == -1, fw.NO_SEGMENT, seg), pos, seg,
-                                   causal=True, window=c.get("window") or 0, block_kv=128))[0]
-  lo, up, fl, fu = (np.asarray(x)[0] for x in (mask.dq.lower, mask.dq.upper,
-                                               mask.dq.full_lower, mask.dq.full_upper))
-  assert any(codes[qc, kb] for qc in range(codes.shape[0]) for kb in range(lo[qc // 2], up[qc // 2])
-             if not fl[qc // 2] <= kb < fu[qc // 2]), codes
-  test_kernels_lower_for_cuda((128, 128), True)
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "on")
-  with pytest.raises(ValueError, match="KVAX_MOSAIC_DQ_HALF_SKIP='on'"):
-    test_kernels_lower_for_cuda((128, 128), True)

@@ -234,15 +234,3 @@ def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkey
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference("prefill_mla")
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
-
-
-def test_half_skip_forward_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
-  """KVAX_MOSAIC_FWD_HALF_SKIP=1 and KVAX_MOSAIC_DQ_HALF_SKIP=1 (this case's backward is the
-  deterministic one): masked steps that read one 64-row half of a K / V ring slot (both halves
-  occur in this case's codes) release the slot as the full steps do: no race reported; matches
-  the reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_HALF_SKIP", "1")
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_HALF_SKIP", "1")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("window_cap_sinks_det")
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]

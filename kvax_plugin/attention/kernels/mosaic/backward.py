@@ -41,9 +41,7 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           produce_kv_ring, products_together,
                                                           released_for_tma,
                                                           longest_first,
-                                                          longest_first_over_heads, visit_order,
-                                                          half_codes, kv_half,
-                                                          masked_loop_with_halves)
+                                                          longest_first_over_heads, visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -124,11 +122,6 @@ class BwdConfig:
   # kernel's SMs idle 31% of its time (SM active 2.16 M of 3.14 M cycles), the dq kernel's 11%.
   # The per-head order (KVAX_MOSAIC_LPT, session 9) cannot fix that tail.
   head_lpt: bool = True
-  # Benchmarking hook KVAX_MOSAIC_DQ_HALF_SKIP=1 (off until measured; 128-row kv blocks): the
-  # deterministic dq kernel's masked steps run a consumer's three products on the one 64-row
-  # half of the kv block that can hold kept pairs for its 64 query rows, as the forward's
-  # FwdConfig.half_skip does (same codes, forward.half_codes).
-  dq_half_skip: bool = False
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -519,7 +512,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
              q_smem, do_smem, k_smem, v_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, order_ref=None, halves_ref=None):
+             q_ready, k_ready, v_ready, k_free, v_free, order_ref=None):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
@@ -553,30 +546,28 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dk), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[wg])
 
-      def step(n, ki, acc, masked: bool, half=None):
-        """The n-th visited kv block, block ki (half h: its 64 rows h * 64.. alone, for
-        BwdConfig.dq_half_skip)."""
+      def step(n, ki, acc, masked: bool):
+        """The n-th visited kv block, block ki."""
         slot = lax.rem(n, stages)
-        width, off, k_tile, v_tile = kv_half(k_smem, v_smem, slot, bk, half)
         if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
-          cols = pl.ds(ki * bk + off, width)
+          cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
         if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
-          kv_pos = plgpu.load(kvpos_smem.at[slot, pl.ds(off, width)], layout=_COL)
-          kv_seg = plgpu.load(kvseg_smem.at[slot, pl.ds(off, width)], layout=_COL)
+          kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
+          kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
         if cfg.paired:
           plgpu.barrier_wait(v_ready.at[slot])
-          s, dp = products_together((None, my_q, k_tile.T, (ROWS_PER_WG, width)),
-                                    (None, my_do, v_tile.T, (ROWS_PER_WG, width)),
+          s, dp = products_together((None, my_q, k_smem.at[slot].T, (ROWS_PER_WG, bk)),
+                                    (None, my_do, v_smem.at[slot].T, (ROWS_PER_WG, bk)),
                                     cfg.interpret)
           plgpu.barrier_arrive(v_free.at[slot])
         else:
           def scores(ref):
-            plgpu.wgmma(ref, my_q, k_tile.T)
+            plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
             return ref[...]
-          s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, width), jnp.float32))
+          s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
         z2, dz = _logit_terms(cfg, s)
         p = jnp.exp2(z2 - lax.broadcast_in_dim(lse, z2.shape, [0]))
         if masked:
@@ -586,24 +577,20 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
           plgpu.barrier_wait(v_ready.at[slot])
 
           def dprobs(ref):
-            plgpu.wgmma(ref, my_do, v_tile.T)
+            plgpu.wgmma(ref, my_do, v_smem.at[slot].T)
             return ref[...]
-          dp = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, width), jnp.float32))
+          dp = pl.run_scoped(dprobs, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
           plgpu.barrier_arrive(v_free.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
         ds = ds * (cfg.scale if dz is None else dz)
         if masked:
           # Padding and masked pairs give exactly 0 (dP may hold NaN from a non-finite v).
           ds = jnp.where(keep, ds, 0.0)
-        acc = accumulate(acc, ds.astype(dtype), k_tile, cfg.interpret)
+        acc = accumulate(acc, ds.astype(dtype), k_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(k_free.at[slot])
         return acc
 
-      if halves_ref is None:
-        acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
-      else:  # BwdConfig.dq_half_skip; this consumer's 64 query rows are chunk tile * 2 + wg
-        acc = masked_loop_with_halves(step, acc, masked_count, block, halves_ref, bi,
-                                      tile * CONSUMERS + wg)
+      acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
       acc = lax.fori_loop(masked_count, count,
                           lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
       # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
@@ -641,21 +628,14 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
-    # The optional inputs (half codes, launch order) follow the 14 fixed ones: out of the
-    # kernel's positional refs.
-    extra, refs = list(refs[n_fixed:n_in]), refs[:n_fixed] + refs[n_in:]
-    halves_ref = extra.pop(0) if half_skip else None
-    order_ref = extra.pop(0) if cfg.lpt or cfg.head_lpt else None
-    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref, halves_ref=halves_ref),
-                  *scratch, *barriers, collective_axes="wg")
+    order_ref = None
+    if cfg.lpt or cfg.head_lpt:  # the order is the last input: out of the positional refs
+      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
+    pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
+                  collective_axes="wg")
 
   inputs = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
             full_upper)
-  n_fixed = len(inputs)
-  half_skip = cfg.dq_half_skip and bk == 2 * ROWS_PER_WG
-  if half_skip:
-    inputs += (half_codes(q_pos, q_seg, kv_pos, kv_seg, causal=cfg.causal, window=cfg.window,
-                          block_kv=bk),)
   if cfg.head_lpt:
     inputs += (longest_first_over_heads(lower, upper, rq, n_tiles, h),)
   elif cfg.lpt:

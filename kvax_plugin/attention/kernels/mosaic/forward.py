@@ -107,15 +107,6 @@ class FwdConfig:
   # the snake deal, the backend's default since session 16 (backend.Static.fwd_snake, with the
   # numbers); alone (session 10) it measured slower than the round robin.
   zigzag: bool = False
-  # Benchmarking hook KVAX_MOSAIC_FWD_HALF_SKIP=1 (off until measured; 128-row kv blocks only):
-  # a masked step whose kv block holds no kept pair for one consumer's 64 query rows in one of
-  # its two 64-row halves runs that consumer's Q K^T and P V on the other half alone (N = 64,
-  # half the products and half the exponentials). Which half is read per (64 query rows, kv
-  # block) from half_codes (built in XLA from per-64-row id ranges), one masked step ahead so
-  # the load's latency is not in front of the product. benchmarks/NOTES.md (session 16): on
-  # the benchmark's 16k documents layout 5.5% of the consumers' work is such empty halves
-  # (2.4% at 64k, 0.4% causal).
-  half_skip: bool = False
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -232,72 +223,6 @@ def visit_order(lower, full_lower, full_upper, upper):
   return masked, block
 
 
-def half_codes(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool, window: int, block_kv: int):
-  """int32 [B, Sq / 64, Skv / block_kv] for the half-skip hooks (FwdConfig.half_skip, the dq
-  kernel's BwdConfig.dq_half_skip; block_kv = 128): per 64 query rows (one consumer's) and kv
-  block, 0 when both 64-row halves of the block may hold kept pairs, 1 when the second half
-  holds none (the step runs on the first half alone), 2 when the first holds none (both
-  empty: 1). From the min / max of the ids over each 64 rows, so the
-  tests are sufficient, not exact: a half is called empty only if no pair in it can be kept
-  (segment-id ranges apart; under causal every kv position after every query position; with a
-  window every pair at least `window` apart), never the reverse. Inputs padded as for
-  forward_call (padding queries NO_SEGMENT, padding kv -1)."""
-  b, sq = q_pos.shape
-  skv = kv_pos.shape[1]
-  c = ROWS_PER_WG
-
-  def ranges(x):
-    x = x.reshape(b, -1, c)
-    return x.min(axis=-1), x.max(axis=-1)
-  (qs_min, qs_max), (qp_min, qp_max) = ranges(q_seg), ranges(q_pos)
-  (ks_min, ks_max), (kp_min, kp_max) = ranges(kv_seg), ranges(kv_pos)
-  q_, k_ = (lambda x: x[:, :, None]), (lambda x: x[:, None, :])
-  empty = (q_(qs_max) < k_(ks_min)) | (q_(qs_min) > k_(ks_max))
-  if causal:
-    empty = empty | (q_(qp_max) < k_(kp_min))
-  if window:
-    empty = empty | (q_(qp_min) - k_(kp_max) >= window)
-    if not causal:
-      empty = empty | (k_(kp_min) - q_(qp_max) >= window)
-  halves = block_kv // c
-  if halves != 2:
-    raise ValueError(f"half_codes: block_kv={block_kv}, expected {2 * c}")
-  empty = empty.reshape(b, sq // c, skv // block_kv, halves)
-  return jnp.where(empty[..., 1], 1, jnp.where(empty[..., 0], 2, 0)).astype(jnp.int32)
-
-
-def kv_half(k_smem, v_smem, slot, block_kv: int, half):
-  """(columns, first column, K tile, V tile) of a kv ring slot for a step on the whole block
-  (half None) or on its 64 rows half * 64.. (the half-skip hooks)."""
-  if half is None:
-    return block_kv, 0, k_smem.at[slot], v_smem.at[slot]
-  rows = pl.ds(half * ROWS_PER_WG, ROWS_PER_WG)
-  return ROWS_PER_WG, half * ROWS_PER_WG, k_smem.at[slot, rows], v_smem.at[slot, rows]
-
-
-def masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi, q_chunk):
-  """The masked blocks' loop of a kernel whose consumers own 64 query rows (forward, dq) with a
-  half-skip hook: carry = step(n, ki, carry, True, half=None | 0 | 1) per masked block, the
-  variant picked by its half_codes entry, which is loaded one step before (a scalar global
-  load whose latency then sits behind the previous step, not in front of this one's products).
-  Reads are clamped into halves_ref, also with no masked block at all."""
-  last_block = halves_ref.shape[2] - 1
-
-  def code_of(n):
-    ki = block(lax.max(lax.min(n, masked_count - 1), 0))
-    return halves_ref[bi, q_chunk, lax.max(lax.min(ki, last_block), 0)]
-
-  def masked_step(n, carry_and_code):
-    carry, code = carry_and_code
-    next_code = code_of(n + 1)
-    ki = block(n)
-    carry = lax.switch(code, [lambda c: step(n, ki, c, True),
-                              lambda c: step(n, ki, c, True, half=0),
-                              lambda c: step(n, ki, c, True, half=1)], carry)
-    return carry, next_code
-  return lax.fori_loop(0, masked_count, masked_step, (carry, code_of(0)))[0]
-
-
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
   lower of each tile's table row; ties in tile order), for the LPT hooks (KVAX_MOSAIC_LPT=1).
@@ -410,8 +335,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
              q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None,
-             halves_ref=None):
+             q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
       # Persistent (the backend's default): CTA c takes work items c, c + G, c + 2G, ... of
@@ -496,29 +420,27 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
       pl.when(wg == 1)(take_turn)
 
-      def step(n, ki, carry, masked: bool, half=None):
-        """The n-th visited block, kv block ki (half h: its 64 rows h * 64.. alone, for
-        FwdConfig.half_skip)."""
+      def step(n, ki, carry, masked: bool):
+        """The n-th visited block, kv block ki."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
-        width, off, k_tile, v_tile = kv_half(k_smem, v_smem, slot, bk, half)
         if masked and not cfg.ids_tma:
           # Issued before the product, so their global-memory latency hides behind it.
-          cols = pl.ds(ki * bk + off, width)
+          cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         if not cfg.prewait_k:
           plgpu.barrier_wait(k_ready.at[slot])
         if masked and cfg.ids_tma:
           # Arrived with K; read before k_free releases the slot to the producer.
-          kv_pos = plgpu.load(kvpos_smem.at[slot, pl.ds(off, width)], layout=_COL)
-          kv_seg = plgpu.load(kvseg_smem.at[slot, pl.ds(off, width)], layout=_COL)
+          kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
+          kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
 
         def logits(ref):
-          plgpu.wgmma(ref, my_q, k_tile.T)
+          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
           take_turn()
           return ref[...]
-        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, width), jnp.float32))
+        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
 
         if cfg.soft_cap == 0.0 and cfg.scale > 0.0:
@@ -547,14 +469,14 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.barrier_wait(turn)
         if cfg.prewait_k and not cfg.interpret:
           def pv_then_next_k(ref):
-            plgpu.wgmma(ref, p16, v_tile)
+            plgpu.wgmma(ref, p16, v_smem.at[slot])
 
             @pl.when(n + 1 < count)
             def _():
               plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
           acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
         else:
-          acc = accumulate(acc, p16, v_tile, cfg.interpret)
+          acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
           if cfg.prewait_k:  # interpreter: same order of waits, after the product
 
             @pl.when(n + 1 < count)
@@ -564,11 +486,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         return acc, m_new, l_i
 
       carry = (acc, m_i, l_i)
-      if halves_ref is None:
-        carry = lax.fori_loop(0, masked_count, lambda n, c: step(n, block(n), c, True), carry)
-      else:  # FwdConfig.half_skip; this consumer's 64 query rows are chunk tile * 2 + wg
-        carry = masked_loop_with_halves(step, carry, masked_count, block, halves_ref, bi,
-                                        tile * CONSUMERS + wg)
+      carry = lax.fori_loop(0, masked_count, lambda n, c: step(n, block(n), c, True), carry)
       acc, m_i, l_i = lax.fori_loop(
           masked_count, count, lambda n, c: step(n, full_lower + (n - masked_count), c, False),
           carry)
@@ -665,24 +583,17 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS),
         plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,  # q_dead
     )
-    # The optional inputs (half codes, launch order) follow the 12 fixed ones: take them out of
-    # the kernel's positional refs.
-    extra, refs = list(refs[n_fixed:n_in]), refs[:n_fixed] + refs[n_in:]
-    halves_ref = extra.pop(0) if cfg.half_skip else None
-    order_ref = extra.pop(0) if cfg.lpt else None
-
+    order_ref = None
+    if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
+      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     def scoped(q_or_union, o_smem, *rest):
       q_smem, o_smem = q_or_union if union else (q_or_union, o_smem)
-      kernel(*refs, q_smem, o_smem, *rest, order_ref=order_ref, halves_ref=halves_ref)
+      kernel(*refs, q_smem, o_smem, *rest, order_ref=order_ref)
     pl.run_scoped(scoped, *scratch, *barriers, collective_axes="wg")
 
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
   inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
-  n_fixed = len(inputs)
-  if cfg.half_skip:
-    inputs += (half_codes(q_pos, q_seg, kv_pos, kv_seg, causal=cfg.causal, window=cfg.window,
-                          block_kv=bk),)
   if cfg.lpt:
     inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
   n_in = len(inputs)
