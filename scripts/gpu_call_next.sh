@@ -651,7 +651,29 @@ s16f_runs() {
     > $R/gpu_tests_s16f.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
 }
+# Session 17, second call (~6 min): the fused backward with dQ = dS K in a fourth warpgroup
+# (KVAX_MOSAIC_DQ_WG=1, BwdConfig.dq_wg): its ptxas report (registers, spills), its GPU tests on
+# four layouts (fused: huge segment ids, odd length + padding, MLA 192 / 128, soft cap + sinks),
+# then 16k fwd+bwd against the deterministic default, the old fused kernel and cuDNN.
+# Prediction: the consumers run the deterministic dk/dv step (75% tensor-pipe active at 16k
+# causal, Nsight session 14) and the dq products (a quarter of its work) fill the idle share, so
+# the backward drops from dk/dv + dq (6.2 + 4.3 ms) toward ~7-8 ms: 16k causal fwd+bwd ~15.4 ->
+# ~12-13 ms, at or under cuDNN (14.8). Slower if the consumers spill at 216 registers, the dq
+# warpgroup's 56 do not suffice, or the bulk reduce-adds (32 KB per step per CTA) saturate L2.
+s17b_runs() {
+  mkdir -p $R/ptxas_dqwg
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$R/ptxas_dqwg timeout 100 \
+    python3 benchmarks/mosaic_resources.py --modes fused_dqwg > $R/ptxas_dqwg/run.log 2>&1
+  echo "ptxas fused_dqwg: rc $?" | tee -a $R/next.log
+  grep -H "spill\|Used" $R/ptxas_dqwg/*ptxas* 2>/dev/null | sed 's|.*/||' | tee -a $R/next.log
+  tail -3 $R/ptxas_dqwg/run.log | cut -c1-300 | tee -a $R/next.log
+  mosaic_gpu_tests 200 gpu_tests_s17b \
+    "dq_warpgroup and (huge_segment or odd_length or mla_192 or softcap_sinks)"
+  bench_rows 230 bench_16k_s17b --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fused,mosaic_fused_dqwg,cudnn --interleave --rounds 3
+}
 case ${LANE:-CP} in
+  S17B) s17b_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
   S16D) s16d_runs ;;
