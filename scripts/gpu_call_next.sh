@@ -672,7 +672,27 @@ s17b_runs() {
   bench_rows 230 bench_16k_s17b --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_fused,mosaic_fused_dqwg,cudnn --interleave --rounds 3
 }
+# Session 17, third call (~6 min). S17B measured the dq-warpgroup kernel at 216 / 56 registers
+# at 42.5 ms (16k causal fwd+bwd; deterministic 15.8): its ptxas report says "setmaxnreg ignored
+# to maintain minimum register requirements" and the whole kernel ran at 128 registers with
+# 2.3 KB of spills. Offline ptxas on its PTX: the dq warpgroup needs >= 64 registers for the
+# setmaxnreg to hold, the consumers >= 224 for wgmma not to be serialized (C7512): 536 > 512.
+# The feasible split 208 / 72 / 24 keeps setmaxnreg but serializes wgmma (628 B of spills): timed
+# here, 16k, against the deterministic default and the old fused kernel (prediction: slower than
+# both). Then MaxText at 64k with one document per row (plain causal, where the kernels are
+# 0.91x cuDNN forward+backward): kvax vs cudnn_flash_jax, cold, 6 steps, minimal_with_context.
+s17c_runs() {
+  bench_rows 170 bench_16k_s17c --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls mosaic,mosaic_fused_dqwg_208,mosaic_fused --interleave --rounds 3
+  timeout 380 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e17 --steps 6 --timeout 170 \
+    --runs 64k-long:kvax,64k-long:cudnn_flash_jax \
+    --maxtext_override remat_policy=minimal_with_context > $R/e2e_s17.log 2>&1
+  mkdir -p $R/e2e_s17 && cp /tmp/e2e17/e2e.json /tmp/e2e17/e2e.png $R/e2e_s17/ 2>/dev/null
+  for d in /tmp/e2e17/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s17/$(basename "$d").summary.json"; done
+  tail -8 $R/e2e_s17.log | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S17C) s17c_runs ;;
   S17B) s17b_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
