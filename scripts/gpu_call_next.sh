@@ -682,6 +682,7 @@ s17b_runs() {
 # both). Then MaxText at 64k with one document per row (plain causal, where the kernels are
 # 0.91x cuDNN forward+backward): kvax vs cudnn_flash_jax, cold, 6 steps, minimal_with_context.
 s17c_runs() {
+  rm -rf $R/ptxas_dqwg  # S17B's dump (150 MB; kept on this machine only)
   bench_rows 170 bench_16k_s17c --seq 16384 --cases causal,docs --passes fwd_bwd \
     --impls mosaic,mosaic_fused_dqwg_208,mosaic_fused --interleave --rounds 3
   timeout 380 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e17 --steps 6 --timeout 170 \
