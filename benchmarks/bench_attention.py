@@ -173,12 +173,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     return mosaic
   impls["mosaic"] = make_mosaic()
   impls["mosaic_fused"] = make_mosaic(det=False)
-  # the fused backward with dQ = dS K in a fourth warpgroup (BwdConfig.dq_wg; session 17)
-  impls["mosaic_fused_dqwg"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WG": "1"})
-  # ... at 208 consumer registers (the dq warpgroup 72): the split where ptxas honours every
-  # setmaxnreg (at 216 / 56 it ignores them all and compiles the kernel at 128)
-  impls["mosaic_fused_dqwg_208"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WG": "1",
-                                                               "KVAX_MOSAIC_BWD_REGS": "208"})
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})

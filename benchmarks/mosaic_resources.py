@@ -32,8 +32,6 @@ MODES = {
     "regs240": (True, {"KVAX_MOSAIC_BWD_REGS": "240"}),
     "fused_regs240": (False, {"KVAX_MOSAIC_BWD_REGS": "240"}),
     "nofold": (True, {"KVAX_MOSAIC_DKV_FOLD": "0"}),
-    "fused_dqwg": (False, {"KVAX_MOSAIC_DQ_WG": "1"}),
-    "fused_dqwg_224": (False, {"KVAX_MOSAIC_DQ_WG": "1", "KVAX_MOSAIC_BWD_REGS": "224"}),
 }
 DEFAULT_MODES = "deterministic,fused_split,fused_whole"
 

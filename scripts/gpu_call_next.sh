@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A-S16F; session 17: S17A (its half-block hooks since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F; session 17: S17A, S17B, S17C (the half-block and dq-warpgroup hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -651,50 +651,7 @@ s16f_runs() {
     > $R/gpu_tests_s16f.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
 }
-# Session 17, second call (~6 min): the fused backward with dQ = dS K in a fourth warpgroup
-# (KVAX_MOSAIC_DQ_WG=1, BwdConfig.dq_wg): its ptxas report (registers, spills), its GPU tests on
-# four layouts (fused: huge segment ids, odd length + padding, MLA 192 / 128, soft cap + sinks),
-# then 16k fwd+bwd against the deterministic default, the old fused kernel and cuDNN.
-# Prediction: the consumers run the deterministic dk/dv step (75% tensor-pipe active at 16k
-# causal, Nsight session 14) and the dq products (a quarter of its work) fill the idle share, so
-# the backward drops from dk/dv + dq (6.2 + 4.3 ms) toward ~7-8 ms: 16k causal fwd+bwd ~15.4 ->
-# ~12-13 ms, at or under cuDNN (14.8). Slower if the consumers spill at 216 registers, the dq
-# warpgroup's 56 do not suffice, or the bulk reduce-adds (32 KB per step per CTA) saturate L2.
-s17b_runs() {
-  mkdir -p $R/ptxas_dqwg
-  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$R/ptxas_dqwg timeout 100 \
-    python3 benchmarks/mosaic_resources.py --modes fused_dqwg > $R/ptxas_dqwg/run.log 2>&1
-  echo "ptxas fused_dqwg: rc $?" | tee -a $R/next.log
-  grep -H "spill\|Used" $R/ptxas_dqwg/*ptxas* 2>/dev/null | sed 's|.*/||' | tee -a $R/next.log
-  tail -3 $R/ptxas_dqwg/run.log | cut -c1-300 | tee -a $R/next.log
-  mosaic_gpu_tests 200 gpu_tests_s17b \
-    "dq_warpgroup and (huge_segment or odd_length or mla_192 or softcap_sinks)"
-  bench_rows 230 bench_16k_s17b --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fused,mosaic_fused_dqwg,cudnn --interleave --rounds 3
-}
-# Session 17, third call (~6 min). S17B measured the dq-warpgroup kernel at 216 / 56 registers
-# at 42.5 ms (16k causal fwd+bwd; deterministic 15.8): its ptxas report says "setmaxnreg ignored
-# to maintain minimum register requirements" and the whole kernel ran at 128 registers with
-# 2.3 KB of spills. Offline ptxas on its PTX: the dq warpgroup needs >= 64 registers for the
-# setmaxnreg to hold, the consumers >= 224 for wgmma not to be serialized (C7512): 536 > 512.
-# The feasible split 208 / 72 / 24 keeps setmaxnreg but serializes wgmma (628 B of spills): timed
-# here, 16k, against the deterministic default and the old fused kernel (prediction: slower than
-# both). Then MaxText at 64k with one document per row (plain causal, where the kernels are
-# 0.91x cuDNN forward+backward): kvax vs cudnn_flash_jax, cold, 6 steps, minimal_with_context.
-s17c_runs() {
-  rm -rf $R/ptxas_dqwg  # S17B's dump (150 MB; kept on this machine only)
-  bench_rows 170 bench_16k_s17c --seq 16384 --cases causal,docs --passes fwd_bwd \
-    --impls mosaic,mosaic_fused_dqwg_208,mosaic_fused --interleave --rounds 3
-  timeout 380 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e17 --steps 6 --timeout 170 \
-    --runs 64k-long:kvax,64k-long:cudnn_flash_jax \
-    --maxtext_override remat_policy=minimal_with_context > $R/e2e_s17.log 2>&1
-  mkdir -p $R/e2e_s17 && cp /tmp/e2e17/e2e.json /tmp/e2e17/e2e.png $R/e2e_s17/ 2>/dev/null
-  for d in /tmp/e2e17/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s17/$(basename "$d").summary.json"; done
-  tail -8 $R/e2e_s17.log | tee -a $R/next.log
-}
 case ${LANE:-CP} in
-  S17C) s17c_runs ;;
-  S17B) s17b_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
   S16D) s16d_runs ;;

@@ -8,8 +8,6 @@ The GPU runs of the same kernels are tests/gpu/test_mosaic_gpu.py.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,33 +103,6 @@ def test_kernels_in_interpreter_match_reference(name):
   if pad.any():
     assert float(jnp.max(jnp.abs(mine[0].astype(jnp.float32)[pad]))) == 0.0
     assert float(jnp.max(jnp.abs(mine[1].astype(jnp.float32)[pad]))) == 0.0
-
-
-@pytest.mark.parametrize("name", ["docs_padding_gqa", "window_masked_full_masked_fused",
-                                  "prefill_mla"])
-def test_dq_warpgroup_matches_reference_in_interpreter(name, monkeypatch):
-  """The fused backward with dQ = dS K in a fourth warpgroup (KVAX_MOSAIC_DQ_WG=1: BwdConfig.
-  dq_wg): documents + padding + GQA at head dim 128 (two 64-column dq chunks), a window's
-  masked / full / masked rows, and MLA 192 / 128 with Sq != Skv (three chunks) match the float32
-  reference, every barrier phase observed (the interpreter checks that at deallocation); the
-  registers left to it are checked. (Dropping one consumer's dS from the dq products fails the
-  first case's dq by 0.72 relative, so the hook's path is what runs.)"""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_WG", "1")
-  test_kernels_in_interpreter_match_reference(name)
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  cfg = bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
-                     with_dq=True, interpret=False, dq_wg=True, consumer_regs=216)
-  assert (cfg.producer_regs, cfg.dq_wg_regs) == (24, 56)
-  with pytest.raises(ValueError, match="consumer_regs=232: with the dq warpgroup"):
-    bk.BwdConfig(**{**dataclasses.asdict(cfg), "consumer_regs": 232})
-
-
-@pytest.mark.parametrize("dims", [(128, 128), (256, 256), (96, 96), (192, 128)])
-def test_dq_warpgroup_lowers_for_cuda(dims, monkeypatch):
-  """The dq-warpgroup kernel lowers for CUDA (four warpgroups, shared memory fits) at every
-  head-dim family the fused path takes."""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_WG", "1")
-  test_kernels_lower_for_cuda(dims, False)
 
 
 @pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((256, 256), False),

@@ -213,16 +213,6 @@ def test_kernels_have_no_race_in_the_interpreter(name, race_detector, capfd):
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
 
 
-def test_dq_warpgroup_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
-  """The fused backward with its dq warpgroup (KVAX_MOSAIC_DQ_WG=1): dS^T double-buffered between
-  the consumers and the dq warpgroup, one float32 staging buffer reused per 64-column chunk, the
-  K buffer reused for dK after the last dq product. No race reported; matches the reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_WG", "1")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("docs_padding_gqa")
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
-
-
 def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
   """The persistent forward (KVAX_MOSAIC_FWD_PERSISTENT=1; 3 CTAs in the interpreter, so each
   runs several work items): one kv ring across a CTA's items, Q double-buffered and loaded one

@@ -202,21 +202,6 @@ def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
   _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["huge_segment_ids_fused", "sliding_window_fused",
-                                  "odd_length_padding_bf16", "one_token_docs_fp16_d64",
-                                  "non_contiguous_segments", "mla_192_128", "mqa_d256",
-                                  "softcap_sinks"])
-def test_dq_warpgroup_against_reference(name, monkeypatch):
-  """The fused backward with dQ = dS K in a warpgroup of its own (KVAX_MOSAIC_DQ_WG=1, a
-  benchmarking hook) on every layout that matters to it, forced fused: odd length + padding,
-  one-token documents at head dim 64 (one dq chunk), non-contiguous and huge segment ids, a
-  window, MLA 192 / 128 (three chunks), MQA at head dim 256 (four chunks), soft cap + sinks."""
-  monkeypatch.setenv("KVAX_MOSAIC_DQ_WG", "1")
-  build, kwargs = CASES[name]
-  seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed, **{**kwargs, "deterministic": False})
-
-
 @pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions",
                                   "huge_segment_ids_fused"])
 def test_head_lpt_against_reference(name, monkeypatch):

@@ -186,10 +186,6 @@ class Static:
   # 16k 3.68 vs 3.70). The per-tile grid (above PERSISTENT_MAX_KV) keeps its order.
   # KVAX_MOSAIC_FWD_SNAKE=0 gives the round robin.
   fwd_snake: bool = True
-  # Benchmarking hook KVAX_MOSAIC_DQ_WG=1 (BwdConfig.dq_wg; off until measured): the fused
-  # backward's dQ = dS K in a fourth warpgroup, the consumers running the deterministic step.
-  # Its consumers get 216 registers unless KVAX_MOSAIC_BWD_REGS says otherwise.
-  dq_wg: bool = False
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -294,7 +290,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
-      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt, dq_wg=cfg.dq_wg)
+      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -318,6 +314,11 @@ _attention = kernel_attention(_forward, _backward)
 # one is an error, not a silent no-op.
 _SLOWER = "measured slower: "
 REMOVED_HOOKS = {
+    "KVAX_MOSAIC_DQ_WG": (_SLOWER + "the fused backward's dQ = dS K in a fourth warpgroup "
+                          "(session 17, H100, 16k causal fwd+bwd: 42.5 ms at 216 / 56 "
+                          "registers, where ptxas ignores every setmaxnreg, 20.4 at 208 / 72, "
+                          "where wgmma is serialized; deterministic 14.9-15.8, fused 19.2-19.4: "
+                          "the consumers need 224 and the dq warpgroup 64, 536 > 512)"),
     "KVAX_MOSAIC_FWD_HALF_SKIP": (_SLOWER + "masked forward steps on one 64-row half of the kv "
                                   "block (session 17, H100: 16k documents forward 0.961 vs 0.773 "
                                   "ms interleaved, 0.919 vs 0.742 alone; 64k 10.41 vs 9.52)"),
@@ -402,7 +403,6 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   if not ok:
     raise ValueError(f"mask: {why}")
   h = query.shape[2]
-  dq_wg = _env_choice("KVAX_MOSAIC_DQ_WG", ("0", "1")) == "1"
   cfg = Static(scale=float(scale),
                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
@@ -410,8 +410,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                deterministic=bool(deterministic_backward), interpret=bool(interpret),
                paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
-               consumer_regs=_env_int("KVAX_MOSAIC_BWD_REGS",
-                                           216 if dq_wg and not deterministic_backward else 232),
+               consumer_regs=_env_int("KVAX_MOSAIC_BWD_REGS", 232),
                dq_kv_tile=_env_int("KVAX_MOSAIC_DQ_KV_TILE", 0),
                fwd_opt_barrier=os.environ.get("KVAX_MOSAIC_FWD_OPT_BARRIER", "") == "1",
                fwd_prewait_k=os.environ.get("KVAX_MOSAIC_FWD_PREWAIT", "") != "0",
@@ -424,7 +423,6 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
                fwd_snake=_env_choice("KVAX_MOSAIC_FWD_SNAKE", ("1", "0")) == "1",
-               dq_wg=dq_wg,
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -15,12 +15,6 @@ dk/dv kernel (one CTA = 128 kv rows of one kv head; consumers own 64 rows each):
                              tile pair instead of the 7 of a separate dq pass, at the price of an
                              order-dependent float32 summation (not bitwise reproducible).
 
-With `with_dq` and `dq_wg` (benchmarking hook KVAX_MOSAIC_DQ_WG=1), the dQ product moves out of
-the consumers into a fourth warpgroup: the consumers run the deterministic kernel's step and
-publish dS^T in shared memory; warpgroup 3 computes dQ = dS K in 64-column chunks (a 64 x 64
-float32 accumulator) and bulk reduce-adds each chunk. The consumers keep the deterministic
-step's registers (dK, dV, S^T, dP^T) and the dq products fill the tensor cores' idle share.
-
 The whole GQA group is walked inside the CTA, so dK / dV are summed over the group in registers
 (no per-query-head buffers, deterministic). With `with_dq=False` the dq kernel below computes dq
 deterministically: one CTA = 128 query rows of one query head walking its `dq` table row, as the
@@ -128,54 +122,30 @@ class BwdConfig:
   # kernel's SMs idle 31% of its time (SM active 2.16 M of 3.14 M cycles), the dq kernel's 11%.
   # The per-head order (KVAX_MOSAIC_LPT, session 9) cannot fix that tail.
   head_lpt: bool = True
-  # Benchmarking hook KVAX_MOSAIC_DQ_WG=1 (with with_dq; off until measured): dQ = dS K in a
-  # warpgroup of its own (module docstring). Four warpgroups share 512 registers per thread
-  # slot: the consumers get consumer_regs each, the producer 24, the dq warpgroup the rest
-  # (512 - 2 x consumer_regs - 24: 56 at the 216 the backend picks).
-  dq_wg: bool = False
 
   def __post_init__(self):
-    if self.dq_wg and self.with_dq:
-      if self.consumer_regs % 8 or not 40 <= self.dq_wg_regs <= 256:
-        raise ValueError(f"consumer_regs={self.consumer_regs}: with the dq warpgroup expected a "
-                         "multiple of 8 that leaves it 40..256 registers (512 - 2 x "
-                         "consumer_regs - 24), e.g. 216, 224")
-    else:
-      producer = 504 - 2 * self.consumer_regs
-      if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
-        raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that "
-                         f"leaves the producer 24..256 registers (504 - 2 x consumer_regs), "
-                         f"e.g. 232, 240")
+    producer = 504 - 2 * self.consumer_regs
+    if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
+      raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
+                       f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
     if self.dq_kv_tile not in (0, 64, 128):
       raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
 
   @property
   def producer_regs(self) -> int:
-    if self.dq_wg and self.with_dq:
-      return 24
     return 504 - 2 * self.consumer_regs
-
-  @property
-  def dq_wg_regs(self) -> int:
-    """Registers per thread of the dq warpgroup (BwdConfig.dq_wg)."""
-    return 512 - 2 * self.consumer_regs - 24
-
-
-DQ_CHUNK = 64  # dq columns per product of the dq warpgroup (BwdConfig.dq_wg)
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
   # The column halves must be whole 64-element swizzle tiles of K in shared memory.
-  return cfg.with_dq and cfg.dq_split and not cfg.dq_wg and dk % (64 * CONSUMERS) == 0
+  return cfg.with_dq and cfg.dq_split and dk % (64 * CONSUMERS) == 0
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
-                   split: bool = False, ids: bool = False, dq_wg: bool = False) -> int:
+                   split: bool = False, ids: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * TILE_Q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
-  if with_dq and dq_wg:  # both consumers' dS^T double-buffered; one 64 x 64 float32 staging
-    dq = 2 * CONSUMERS * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * DQ_CHUNK * 4
-  elif split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
+  if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
     dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * (dk // CONSUMERS) * 4)
   elif with_dq:
     dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
@@ -215,8 +185,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   # may run concurrently in the interpreter), summed after the kernel.
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
-  dq_wg = cfg.with_dq and cfg.dq_wg  # BwdConfig.dq_wg: the consumers run the deterministic step
-  early_dp = cfg.dkv_early_dp and (not cfg.with_dq or dq_wg) and cfg.paired
+  early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
   # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (two-pair steps only; lse
   # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
   fold_delta = early_dp and cfg.dkv_fold
@@ -227,7 +196,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
              qpos_smem, qseg_smem,
              k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done,
-             ds_free, order_ref=None):
+             order_ref=None):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
@@ -329,14 +298,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           # Masked pairs give exactly 0 even where dP holds NaN from a non-finite v (0 * NaN).
           dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
-        if dq_wg:
-          # Publish dS^T for the dq warpgroup (double-buffered: buffer n % 2 is free once the
-          # dq warpgroup's products of step n - 2 have read it).
-          buf = lax.rem(n, 2)
-          pl.when(n >= 2)(lambda: plgpu.barrier_wait(ds_free.at[buf]))
-          ds_smem.at[buf, wg][...] = ds16
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(ds_ready.at[buf])
         if split:
           # Share dS^T with the other consumer (double-buffered: a buffer is rewritten two steps
           # later, after the other consumer has passed the next step's barrier, i.e. finished
@@ -349,7 +310,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           half = pl.ds(wg * dq_cols, dq_cols)
           dk_acc, dq = _dk_and_dq_half(dk_acc, ds16, q_smem.at[slot], ds_smem.at[buf],
                                        k_smem, half, ds_ready.at[buf], dq_cols, cfg.interpret)
-        elif cfg.with_dq and not dq_wg:
+        elif cfg.with_dq:
           my_ds = ds_smem.at[wg]
           my_ds[...] = ds16
           plgpu.commit_smem()
@@ -370,7 +331,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           dk_acc = accumulate(dk_acc, ds16, q_smem.at[slot], cfg.interpret)
         plgpu.barrier_arrive(q_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
-        if cfg.with_dq and not dq_wg:
+        if cfg.with_dq:
           qrows = pl.ds(qi * tq, tq)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
           my_dq = dq_smem.at[wg]
@@ -398,15 +359,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
             lambda m, c: step(base + m, full_lower + (m - masked_count), head, c, False), carry)
 
       dk_acc, dv_acc = lax.fori_loop(0, group, one_head, (dk_acc, dv_acc))
-      if cfg.with_dq and not dq_wg:
+      if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
-      if dq_wg:
-        # The steps whose dS buffers were not awaited in the loop (the last two): once the dq
-        # warpgroup has released them, its last product (which reads K) is done, and K's
-        # buffer may stage dK.
-        @pl.loop(lax.max(0, total - 2), total)
-        def _(n):
-          plgpu.barrier_wait(ds_free.at[lax.rem(n, 2)])
       if split:
         # The other consumer's last dQ product reads this consumer's K (its column half of
         # dS K): wait until both are past their loops before K's buffer stages dK.
@@ -417,59 +371,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, kv_head])
       plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, kv_head])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read and
-                              (not cfg.with_dq or dq_wg))
-
-    if dq_wg:
-      @pl.when(wg == CONSUMERS + 1)
-      def dq_warpgroup():
-        """dQ = dS K for every step, 64 columns at a time, bulk reduce-added into dq_ref."""
-        if not cfg.interpret:
-          plgpu.set_max_registers(cfg.dq_wg_regs, action="decrease")
-        for j in range(CONSUMERS):  # both consumers' K tiles (their TMA loads)
-          plgpu.barrier_wait(k_ready.at[j])
-        total = group * count
-        safe = lax.max(count, 1)
-        zeros = plgpu.layout_cast(jnp.zeros((TILE_Q, DQ_CHUNK), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-        staging = dq_smem.at[0]
-
-        @pl.loop(0, total)
-        def _(n):
-          head = kv_head * group + lax.div(n, safe)
-          qrows = pl.ds(block(lax.rem(n, safe)) * tq, tq)
-          buf = lax.rem(n, 2)
-          plgpu.barrier_wait(ds_ready.at[buf])
-          chunks = dk // DQ_CHUNK
-          for c in range(chunks):
-            cols = pl.ds(c * DQ_CHUNK, DQ_CHUNK)
-            if cfg.interpret:
-              dq = zeros
-              for j in range(CONSUMERS):
-                dq = dq + jnp.dot(ds_smem.at[buf, j][...].T, k_smem.at[j, :, cols][...],
-                                  preferred_element_type=jnp.float32)
-            else:
-              def issue(ref):
-                for j in range(CONSUMERS):
-                  plgpu.wgmma(ref, ds_smem.at[buf, j].T, k_smem.at[j, :, cols])
-              dq = pl.run_state(issue)(plgpu.ACC.init(zeros))
-            if c == chunks - 1:  # the products have read this dS buffer
-              plgpu.barrier_arrive(ds_free.at[buf])
-            if cfg.interpret:
-              # No bulk reduce in the interpreter: add into this CTA's own copy.
-              target = dq_ref.at[tile * CONSUMERS, bi, qrows, head, cols]
-              plgpu.wait_smem_to_gmem(0)
-              staging[...] = dq + target[...]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(staging, target)
-            else:
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce read it
-              staging[...] = dq
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(staging, dq_ref.at[0, bi, qrows, head, cols],
-                                      reduction_op="add")
-
-        plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read and not cfg.with_dq)
 
     @pl.when(wg == CONSUMERS)
     def producer():
@@ -518,13 +420,12 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         _smem((stages, tq, dv), dtype),
         plgpu.SMEM((stages, tq), jnp.float32),
         plgpu.SMEM((stages, tq), jnp.float32),
-        (_smem((2, CONSUMERS, ROWS_PER_WG, tq), dtype) if split or dq_wg else
+        (_smem((2, CONSUMERS, ROWS_PER_WG, tq), dtype) if split else
          _smem((CONSUMERS, ROWS_PER_WG, tq), dtype) if cfg.with_dq else None),
         # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
         # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
         # writes at once in the same banks); TMA unswizzles on the way to global memory.
-        (_smem((1, tq, DQ_CHUNK), jnp.float32) if dq_wg else
-         _smem((CONSUMERS, tq, dq_cols), jnp.float32) if cfg.with_dq else None),
+        _smem((CONSUMERS, tq, dq_cols), jnp.float32) if cfg.with_dq else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
     )
@@ -536,9 +437,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split or dq_wg else None,
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
         plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
-        plgpu.Barrier(num_barriers=2) if dq_wg else None,  # ds_free
     )
     order_ref = None
     if cfg.lpt or cfg.head_lpt:  # the order is the last of `args`: out of the positional refs
@@ -556,8 +456,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
     args += (longest_first(lower, upper, rk, skv // TILE_KV),)
   launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
-                grid_names=("heads", "kv_tiles", "batch"),
-                num_threads=CONSUMERS + (2 if dq_wg else 1),
+                grid_names=("heads", "kv_tiles", "batch"), num_threads=CONSUMERS + 1,
                 thread_name="wg", **_interpret_params(cfg))
   if cfg.with_dq:
     dq_buf = jax.new_ref(jnp.zeros((dq_copies, b, sq, h, dk), jnp.float32))
@@ -761,13 +660,13 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
   split = splits_dq(cfg, dk_dim)
   ids = cfg.ids_tma
   with_dq = cfg.with_dq and dkv_smem_bytes(2, dk_dim, dv_dim, itemsize, True,
-                                           split, ids=ids, dq_wg=cfg.dq_wg) <= SMEM_BUDGET
+                                           split, ids=ids) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
   # The deepest q / dO ring that fits (3 at head dim 128).
   stages = next((s for s in (3, 2, 1)
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
-                                   ids=ids, dq_wg=cfg.dq_wg) <= SMEM_BUDGET),
+                                   ids=ids) <= SMEM_BUDGET),
                 None)
   if stages is None:
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dk/dv kernel's "
