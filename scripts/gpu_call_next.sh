@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A-S16F; session 17: S17A, S17B, S17C (the half-block and dq-warpgroup hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F; session 17: S17A-S17D (the half-block and dq-warpgroup hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -651,7 +651,23 @@ s16f_runs() {
     > $R/gpu_tests_s16f.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s16f.log | tail -30 | tee -a $R/next.log
 }
+# Session 17, fourth call (~6 min): MaxText at 64k with one document per row again, cuDNN
+# first this time (S17C ran kvax first: 49.3k vs 45.5k tokens/s, 1.08x), under
+# minimal_with_context and under MaxText's default remat policy (full, which reruns each
+# layer's attention forward in the backward for both).
+s17d_runs() {
+  local pol
+  for pol in minimal_with_context full; do
+    timeout 280 python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e17d_$pol --steps 6 \
+      --timeout 130 --runs 64k-long:cudnn_flash_jax,64k-long:kvax \
+      --maxtext_override remat_policy=$pol > $R/e2e_s17d_$pol.log 2>&1
+    mkdir -p $R/e2e_s17d_$pol && cp /tmp/e2e17d_$pol/e2e.json /tmp/e2e17d_$pol/e2e.png $R/e2e_s17d_$pol/ 2>/dev/null
+    for d in /tmp/e2e17d_$pol/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s17d_$pol/$(basename "$d").summary.json"; done
+    tail -3 $R/e2e_s17d_$pol.log | tee -a $R/next.log; pack > /dev/null
+  done
+}
 case ${LANE:-CP} in
+  S17D) s17d_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
   S16D) s16d_runs ;;
