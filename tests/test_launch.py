@@ -339,6 +339,44 @@ def test_summary_and_progress_report_what_maxtext_ran():
       assert summary["kvax_fwd_blocks"] is None
 
 
+def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
+  # remat_policy=full reruns kvax's forward in the backward: a GPU run with kvax says so (with
+  # the measured ratios); other attentions, other policies and CPU runs get no note.
+  import io
+  from types import SimpleNamespace
+
+  from kvax_plugin.integrations.maxtext import run_report, training_hooks
+  c = load_family("llama3").get_config("tiny")
+  stats = SimpleNamespace(skipped={"global": 0.4}, real_tokens=100, rows=2, seq_len=64,
+                          documents=2)
+  corpus = SimpleNamespace(stats=[stats], global_rows=2)
+  progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=1, block_skipping=True)
+  progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
+                                        "perf/step_time_seconds": 0.5}}, 0)
+
+  def summary(attention, hardware, policy):
+    config = SimpleNamespace(hardware=hardware, max_target_length=64,
+                             global_batch_size_to_train_on=2, kvax_fwd_query_block_size=64,
+                             kvax_fwd_kv_block_size=32, remat_policy=policy)
+    return run_report.summarize(c, config, progress, corpus, attention, "mosaic",
+                                {"total": 1.0, "training": 0.5, "setup_and_compile": 0.5},
+                                {"mask_png": [], "loss_png": None, "tensorboard_dir": "t",
+                                 "summary_json": "s.json", "maxtext_log": "m.log"})
+
+  noted = summary("kvax", "gpu", "full")
+  assert noted["remat_policy"] == "full" and noted["notes"] == [run_report.REMAT_FULL_NOTE]
+  out = io.StringIO()
+  run_report.print_summary(noted, out)
+  assert "note: remat_policy=full reruns" in out.getvalue() and "0.93x with full" in out.getvalue()
+  for args in (("kvax", "gpu", "minimal_with_context"), ("kvax", "cpu", "full"),
+               ("cudnn_flash_jax", "gpu", "full")):
+    s = summary(*args)
+    assert s["notes"] == [], args
+    out = io.StringIO()
+    run_report.print_summary(s, out)
+    assert "note:" not in out.getvalue()
+
+
 def test_summary_tokens_per_second_is_total_tokens_over_total_time():
   # Steps of 100 real tokens: one clocked at 0.1 s (a short clock), two at 1.0 s, after the
   # first (untimed) step. Total: 300 tokens / 2.1 s, not the mean of 1000, 100, 100 tok/s.

@@ -54,6 +54,24 @@ def tensorboard_files(config) -> list[str]:
   return sorted(found)
 
 
+# Printed (and kept in summary.json) when a GPU run uses kvax under MaxText's default remat
+# policy: the forward kernel then runs twice per layer and step, which is where kvax's kernels
+# are furthest behind cuDNN (long single documents). Measured, not assumed: benchmarks/NOTES.md.
+REMAT_FULL_NOTE = (
+    "remat_policy=full reruns every layer's attention forward inside the backward (for any "
+    "attention kernel); remat_policy=minimal_with_context (MaxText's own GPU llama3-8b policy) "
+    "keeps kvax's output and log-sum-exp instead. Measured on one H100, 64k rows of one "
+    "document each: kvax 1.08-1.09x cudnn_flash_jax with minimal_with_context, 0.93x with full "
+    "(benchmarks/NOTES.md, session 17)")
+
+
+def run_notes(attention: str, hardware: str | None, remat_policy: str | None) -> list[str]:
+  """Advice about this run's settings that measurements back (printed under the summary)."""
+  if attention == "kvax" and hardware == "gpu" and remat_policy == "full":
+    return [REMAT_FULL_NOTE]
+  return []
+
+
 def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
               backend: str | None, wall: dict[str, float], files: dict[str, Any],
               compile_breakdown: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -88,6 +106,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "blocks_skipped": skipped,
       "kvax_fwd_blocks": ([int(config.kvax_fwd_query_block_size),
                            int(config.kvax_fwd_kv_block_size)] if attention == "kvax" else None),
+      "remat_policy": getattr(config, "remat_policy", None),
+      "notes": run_notes(attention, config.hardware, getattr(config, "remat_policy", None)),
       "wall_seconds": wall,
       "compile_breakdown": compile_breakdown,
       **files,
@@ -132,5 +152,6 @@ def print_summary(s: dict[str, Any], stream=None) -> None:
       f"   loss plot:   {s['loss_png'] or 'n/a'}",
       f"   tensorboard: tensorboard --logdir {s['tensorboard_dir']}",
       f"   summary:     {s['summary_json']}   MaxText log: {s['maxtext_log']}",
+      *(f"   note: {n}" for n in s.get("notes") or ()),
   ]
   print("\n".join(lines), file=stream, flush=True)
