@@ -173,9 +173,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     return mosaic
   impls["mosaic"] = make_mosaic()
   impls["mosaic_fused"] = make_mosaic(det=False)
-  # the persistent forward awaiting an item's output stores at its next item's start
-  # (FwdConfig.late_store_wait; session 17)
-  impls["mosaic_fwd_late_wait"] = make_mosaic(env={"KVAX_MOSAIC_FWD_LATE_STORE_WAIT": "1"})
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)
   impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})

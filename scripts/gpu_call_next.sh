@@ -4,7 +4,7 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A-S16F; session 17: S17A-S17E (the half-block and dq-warpgroup hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F; session 17: S17A-S17E (the half-block, dq-warpgroup and late-store-wait hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time
@@ -666,22 +666,7 @@ s17d_runs() {
     tail -3 $R/e2e_s17d_$pol.log | tee -a $R/next.log; pack > /dev/null
   done
 }
-# Session 17, fifth call (~5 min): the persistent forward awaiting each item's output stores at
-# its next item's start (KVAX_MOSAIC_FWD_LATE_STORE_WAIT=1, FwdConfig.late_store_wait) against the
-# float32 reference on the hook layouts, then the forward at 16k and 64k interleaved with the
-# default and tokamax Mosaic. Prediction: at 16k documents each CTA runs ~31 items of ~24 us, so
-# hiding a store's read latency (~0.5-1 us) behind the next item's table / id loads gives
-# -2..-4% (0.74 -> ~0.72 ms); 64k documents (~77 us items) -1%; causal unchanged.
-s17e_runs() {
-  mosaic_gpu_tests 150 gpu_tests_s17e "LATE_STORE_WAIT"
-  bench_rows 130 bench_16k_s17e --seq 16384 --cases causal,docs --passes fwd \
-    --impls mosaic,mosaic_fwd_late_wait,tokamax_mosaic --interleave --rounds 5
-  bench_rows 100 bench_64k_s17e --seq 65536 --cases docs --passes fwd \
-    --impls mosaic,mosaic_fwd_late_wait,tokamax_mosaic --interleave --rounds 5 \
-    --max-dense-mask-seq 0
-}
 case ${LANE:-CP} in
-  S17E) s17e_runs ;;
   S17D) s17d_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;

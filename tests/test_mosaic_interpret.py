@@ -105,17 +105,6 @@ def test_kernels_in_interpreter_match_reference(name):
     assert float(jnp.max(jnp.abs(mine[1].astype(jnp.float32)[pad]))) == 0.0
 
 
-@pytest.mark.parametrize("name", ["docs_padding_gqa", "prefill_mla"])
-def test_forward_late_store_wait_matches_reference_in_interpreter(name, monkeypatch):
-  """The persistent forward awaiting each item's output stores at its next item's start
-  (KVAX_MOSAIC_FWD_LATE_STORE_WAIT=1; 3 CTAs in the interpreter, so every CTA runs several
-  items): O staged in Q's buffer (head dim 128) and in its own buffer (MLA 192 / 128) match the
-  float32 reference; lowered for CUDA too."""
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_LATE_STORE_WAIT", "1")
-  test_kernels_in_interpreter_match_reference(name)
-  test_kernels_lower_for_cuda((128, 128), True)
-
-
 @pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((256, 256), False),
                                       ((96, 96), False)])
 def test_kernels_lower_for_cuda(dims, det, cap=30.0):

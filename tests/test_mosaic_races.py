@@ -224,19 +224,6 @@ def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd,
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
 
 
-@pytest.mark.parametrize("name", ["docs_padding_gqa", "prefill_mla"])
-def test_forward_late_store_wait_has_no_race(name, race_detector, capfd, monkeypatch):
-  """KVAX_MOSAIC_FWD_LATE_STORE_WAIT=1: an item's O / lse stores are awaited at the next item's
-  start, before its Q load reuses the buffer that staged O (head dim 128) or before the next
-  epilogue reuses the O / lse staging (MLA). No race reported; matches the reference. (With no
-  wait at all the detector reports a race here; checked when the hook was written.)"""
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_LATE_STORE_WAIT", "1")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference(name)
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
-
-
 def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkeypatch):
   """The per-tile forward at MLA head dims stages O in a RefUnion with Q (forward.o_in_q): no
   race between one consumer's O store and the other's Q reads (the detector checks accesses of a

@@ -181,8 +181,7 @@ HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
              {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
              {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "0"},
              {"KVAX_MOSAIC_HEAD_LPT": "0"},
-             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_SNAKE": "0"},
-             {"KVAX_MOSAIC_FWD_LATE_STORE_WAIT": "1"}]
+             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_SNAKE": "0"}]
 
 
 def _hook_id(env):

@@ -186,9 +186,6 @@ class Static:
   # 16k 3.68 vs 3.70). The per-tile grid (above PERSISTENT_MAX_KV) keeps its order.
   # KVAX_MOSAIC_FWD_SNAKE=0 gives the round robin.
   fwd_snake: bool = True
-  # Benchmarking hook KVAX_MOSAIC_FWD_LATE_STORE_WAIT=1 (FwdConfig.late_store_wait; off until
-  # measured): the persistent forward awaits an item's output stores at its next item's start.
-  fwd_late_store_wait: bool = False
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -268,8 +265,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt or snake, exit_after_read=cfg.exit_after_read, zigzag=snake,
-      late_store_wait=cfg.fwd_late_store_wait)
+      lpt=cfg.lpt or snake, exit_after_read=cfg.exit_after_read, zigzag=snake)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -318,6 +314,10 @@ _attention = kernel_attention(_forward, _backward)
 # one is an error, not a silent no-op.
 _SLOWER = "measured slower: "
 REMOVED_HOOKS = {
+    "KVAX_MOSAIC_FWD_LATE_STORE_WAIT": (_SLOWER + "the persistent forward awaiting an item's "
+                                        "output stores at its next item's start (session 17, "
+                                        "H100: 16k documents forward 0.765 vs 0.765 ms "
+                                        "interleaved, 64k 9.31 vs 9.25, alone 9.61 vs 9.54)"),
     "KVAX_MOSAIC_DQ_WG": (_SLOWER + "the fused backward's dQ = dS K in a fourth warpgroup "
                           "(session 17, H100, 16k causal fwd+bwd: 42.5 ms at 216 / 56 "
                           "registers, where ptxas ignores every setmaxnreg, 20.4 at 208 / 72, "
@@ -427,8 +427,6 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
                fwd_snake=_env_choice("KVAX_MOSAIC_FWD_SNAKE", ("1", "0")) == "1",
-               fwd_late_store_wait=_env_choice("KVAX_MOSAIC_FWD_LATE_STORE_WAIT",
-                                               ("0", "1")) == "1",
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

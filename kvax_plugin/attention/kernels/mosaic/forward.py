@@ -107,12 +107,6 @@ class FwdConfig:
   # the snake deal, the backend's default since session 16 (backend.Static.fwd_snake, with the
   # numbers); alone (session 10) it measured slower than the round robin.
   zigzag: bool = False
-  # Benchmarking hook KVAX_MOSAIC_FWD_LATE_STORE_WAIT=1 (persistent kernel only; off until
-  # measured): a work item's output stores are awaited (until they have read shared memory) at
-  # the start of the consumer's NEXT item, just before its Q load reuses the buffer that staged
-  # them, instead of at the end of the item, so the stores' read latency overlaps the next
-  # item's table and id loads and its Q wait.
-  late_store_wait: bool = False
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -337,7 +331,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   n_work = b * n_tiles * h  # work items (batch, query tile, head)
   q_buffers = 2 if cfg.num_ctas else 1
   union = dv != dk and o_in_q(dk, dv, q_buffers)  # O staged in Q's memory (RefUnion)
-  late_wait = cfg.late_store_wait and bool(cfg.num_ctas)  # (the persistent kernel has no union)
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
@@ -417,8 +410,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[buf * CONSUMERS + wg])
       if cfg.num_ctas:
-        if late_wait:  # FwdConfig.late_store_wait: the previous item's stores, awaited here
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         # The next item's Q into the other buffer now, behind this item's work (that buffer
         # staged the previous item's output, whose store has read it: see the end).
         pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
@@ -530,10 +521,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
       # (Persistent: the next item reuses the O / lse staging and, one item later, this Q
-      # buffer; the stores must have read them, which even the read-only wait ensures. With
-      # late_store_wait that wait is at the next item's start, and after the last item.)
-      if not late_wait:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
+      # buffer; the stores must have read them, which even the read-only wait ensures.)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
       return base + count
 
     @pl.when(wg < CONSUMERS)
@@ -543,8 +532,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       if cfg.num_ctas:
         pl.when(n_items > 0)(lambda: load_q(0, 0))
         lax.fori_loop(0, n_items, consume_item, jnp.int32(0))
-        if late_wait:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
       else:
         consume_item(0, 0)
 
