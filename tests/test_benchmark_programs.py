@@ -324,3 +324,32 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
   assert lom.dealt([4, 3, 2, 1], 2, 0.0, snake=True) == 5.0  # 4+1 | 3+2
   assert lom.dealt([4, 3, 2, 1], 2, 0.0, snake=False) == 6.0  # 4+2 | 3+1
   assert docs["fwd/snake_lpt"]["tail"] < docs["fwd/round_robin"]["tail"]
+
+
+def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
+  """benchmarks/ptxas_splits.py's GPU-free parts: the setmaxnreg values of a PTX are found and
+  replaced in order (a wrong count or value is refused), and a ptxas report is read the way
+  session 17's offline register search needed (C7507 ignored, C7512 serialized, spills)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import ptxas_splits
+  ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 216;\n  mov.u32 %r1, 0;\n"
+         "\tsetmaxnreg.dec.sync.aligned.u32 56;\n\tsetmaxnreg.dec.sync.aligned.u32 24;\n")
+  assert ptxas_splits.setmaxnreg_values(ptx) == [("inc", 216), ("dec", 56), ("dec", 24)]
+  out = ptxas_splits.with_split(ptx, [208, 72, 24])
+  assert ptxas_splits.setmaxnreg_values(out) == [("inc", 208), ("dec", 72), ("dec", 24)]
+  assert "mov.u32 %r1, 0;" in out
+  with pytest.raises(ValueError, match="has 3 setmaxnreg instructions"):
+    ptxas_splits.with_split(ptx, [208, 72])
+  with pytest.raises(ValueError, match="60 is not a multiple of 8"):
+    ptxas_splits.with_split(ptx, [208, 60, 24])
+  # The GPU image's report of session 17's dq-warpgroup kernel at 216 / 56 / 24.
+  report = (Path(ROOT) / "benchmarks/results/ncu/s17/ptxas_s17_dq_warpgroup_h100.txt").read_text()
+  kernel = report.split("-- entry_1")[1]
+  assert ptxas_splits.parse_report(kernel) == {
+      "setmaxnreg_ignored": True, "wgmma_serialized": True, "spill_stores": 2342,
+      "spill_loads": 2596, "registers": 128}
+  clean = ("ptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill "
+           "stores, 0 bytes spill loads\nptxas info    : Used 168 registers, used 16 barriers")
+  assert ptxas_splits.parse_report(clean) == {
+      "setmaxnreg_ignored": False, "wgmma_serialized": False, "spill_stores": 0,
+      "spill_loads": 0, "registers": 168}
