@@ -666,7 +666,17 @@ s17d_runs() {
     tail -3 $R/e2e_s17d_$pol.log | tee -a $R/next.log; pack > /dev/null
   done
 }
+# Prepared for session 18's first call (~1 min; carry scripts/ffi_probe/libkvax_probe.so, built
+# on the CPU machine by scripts/ffi_probe/build.sh, next to .whl): does an sm_90a XLA FFI custom
+# call built with nvcc 13.5 from PyPI load and run under the image's driver and jaxlib 0.11.2?
+ffiprobe_runs() {
+  { ls /usr/local/cuda/bin 2>&1 | tr '\n' ' '; echo; } | tee -a $R/next.log
+  timeout 120 python3 scripts/ffi_probe/run_probe.py > $R/ffi_probe.log 2>&1
+  echo "ffi probe: rc $?" | tee -a $R/next.log
+  grep -v "^WARNING" $R/ffi_probe.log | tail -5 | tee -a $R/next.log; pack > /dev/null
+}
 case ${LANE:-CP} in
+  FFIPROBE) ffiprobe_runs ;;
   S17D) s17d_runs ;;
   S16F) s16f_runs ;;
   S16E) s16e_runs ;;
