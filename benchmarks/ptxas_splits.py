@@ -87,8 +87,8 @@ def run_split(ptxas: str, ptx: str, values: list[int], arch: str) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     src = Path(tmp) / "kernel.ptx"
     src.write_text(with_split(ptx, values))
-    done = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                          capture_output=True, text=True, timeout=600)
+    cmd = [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
   if done.returncode != 0:
     raise SystemExit(f"ptxas failed on split {values}:\n{done.stderr[-2000:]}")
   return parse_report(done.stdout + done.stderr)

@@ -4,7 +4,9 @@
 # 2-GPU kind (not lent in sessions 9-13: run it first when it is). Session 13's calls, in order:
 # PIPELINE (since removed), E2EREMAT, REMATPROF, REMATHLO, REMATFIX, E2EFIX, GAP, TESTS13,
 # TESTS13B. Session 14: NCU, NCUSRC, FOLD (its FUSED lane never ran); session 15: S15A, S15B,
-# S15C, S15D; session 16: S16A-S16F; session 17: S17A-S17E (the half-block, dq-warpgroup and late-store-wait hooks they timed since removed). FOLD, FUSED, S15A, S16A, ZIGZAG and Z16E2E timed rows
+# S15C, S15D; session 16: S16A-S16F; session 17: S17A-S17E (the half-block, dq-warpgroup and
+# late-store-wait hooks they timed since removed); prepared for session 18: FFIPROBE. FOLD, FUSED,
+# S15A, S16A, ZIGZAG and Z16E2E timed rows
 # and hooks that are gone since (the fold and the snake deal are defaults; the fused-pairs and
 # zigzag hooks were removed): in git history. Everything each call writes is packed into ONE archive under $OUT (the device
 # tool brings back at most 8 files; session 7 lost a call's context-parallel and compile-time

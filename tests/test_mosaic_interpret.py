@@ -429,7 +429,7 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
 def test_removed_hooks_are_refused(name, monkeypatch):
-  """Benchmarking hooks removed (measured slower, sessions 6-17, or folded into a default,
+  """Benchmarking hooks removed (measured slower or no faster, sessions 6-17, or folded into a default,
   session 16) are refused by name, not silently ignored: a benchmark that sets one would
   otherwise time the default kernels under a stale label."""
   monkeypatch.setenv(name, "1")

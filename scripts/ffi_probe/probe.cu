@@ -1,7 +1,7 @@
 // A toolchain probe, not a kernel of the plugin: can a CUDA C++ kernel built on the CPU machine
 // (nvcc from PyPI, XLA FFI headers from the jaxlib wheel) run inside a jitted JAX function on the
-// GPU image? The kernel adds one to a float32 buffer with a setmaxnreg region (the register
-// control Mosaic GPU's ptxas runs ignore, benchmarks/NOTES.md session 17).
+// GPU image (a CUDA 13.5 build under its 580 driver, jaxlib 0.11.2's FFI ABI)? The kernel adds
+// one to a float32 buffer; register splits are studied offline (benchmarks/ptxas_splits.py).
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -11,10 +11,6 @@
 namespace ffi = xla::ffi;
 
 __global__ void __launch_bounds__(256) add_one(const float* x, float* y, int64_t n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Warpgroup-wide (all 128 threads of each warpgroup reach it): the Hopper register split.
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory");
-#endif
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i] + 1.0f;
 }

@@ -22,5 +22,6 @@ def add_one(x):
 x = jnp.arange(1000, dtype=jnp.float32)
 y = np.asarray(add_one(x))
 ok = bool(np.array_equal(y, np.arange(1000, dtype=np.float32) + 1))
-print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}: x + 1 {'ok' if ok else 'WRONG'}")
+print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}: "
+      f"x + 1 {'ok' if ok else 'WRONG'}")
 sys.exit(0 if ok else 1)

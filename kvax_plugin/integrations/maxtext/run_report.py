@@ -81,6 +81,7 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
   recs = progress.records
   timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
   mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+  remat_policy = getattr(config, "remat_policy", None)
   skipped = {}
   if corpus is not None and corpus.stats and attention == "kvax":
     for name in corpus.stats[0].skipped:
@@ -106,8 +107,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "blocks_skipped": skipped,
       "kvax_fwd_blocks": ([int(config.kvax_fwd_query_block_size),
                            int(config.kvax_fwd_kv_block_size)] if attention == "kvax" else None),
-      "remat_policy": getattr(config, "remat_policy", None),
-      "notes": run_notes(attention, config.hardware, getattr(config, "remat_policy", None)),
+      "remat_policy": remat_policy,
+      "notes": run_notes(attention, config.hardware, remat_policy),
       "wall_seconds": wall,
       "compile_breakdown": compile_breakdown,
       **files,
