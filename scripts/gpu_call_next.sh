@@ -677,7 +677,34 @@ ffiprobe_runs() {
   echo "ffi probe: rc $?" | tee -a $R/next.log
   grep -v "^WARNING" $R/ffi_probe.log | tail -5 | tee -a $R/next.log; pack > /dev/null
 }
+# Session 18, first call: the FFI toolchain probe (above), then where the 64k causal backward
+# loses to cuDNN's (0.914x forward+backward in S16E, 0.958x at 16k): Nsight Compute's duration,
+# tensor-pipe and memory sections for each kernel of one 64k (and 16k) causal forward+backward,
+# ours and cuDNN's; and the grid's head-major order against the head order at 64k causal
+# (session 15 had it +1% on a noisy machine; at 64k the dk/dv kernel's Q / dO reuse in L2
+# depends on how many heads run at once).
+s18a_runs() {
+  ffiprobe_runs
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p $R/ncu
+  for spec in mosaic:65536 cudnn:65536 mosaic:16384 cudnn:16384; do
+    local impl=${spec%%:*} seq=${spec##*:} name=ncu_${spec%%:*}_causal_${spec##*:}
+    timeout 100 $NCU --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+      --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90|cudnn" --launch-count 4 -f -o /tmp/$name \
+      python3 benchmarks/ncu_kernels.py --impl $impl --case causal --seq $seq > $R/ncu/$name.log 2>&1
+    echo "$name: rc $? $(tail -1 $R/ncu/$name.log | cut -c1-150)" | tee -a $R/next.log
+    $NCU --import /tmp/$name.ncu-rep --csv --page raw > $R/ncu/$name.csv 2>&1
+    $NCU --import /tmp/$name.ncu-rep --page details > $R/ncu/$name.details.txt 2>&1
+    grep -E "^  [a-z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Hit Rate|Registers Per" \
+      $R/ncu/$name.details.txt | cut -c1-140 | tee -a $R/next.log
+  done
+  gzip -9 $R/ncu/*.txt $R/ncu/*.csv 2>/dev/null
+  bench_rows 220 bench_64k_s18a --seq 65536 --cases causal --passes fwd_bwd \
+    --impls mosaic,mosaic_head_major,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+}
 case ${LANE:-CP} in
+  S18A) s18a_runs ;;
   FFIPROBE) ffiprobe_runs ;;
   S17D) s17d_runs ;;
   S16F) s16f_runs ;;
