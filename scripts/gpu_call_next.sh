@@ -703,7 +703,23 @@ s18a_runs() {
   bench_rows 220 bench_64k_s18a --seq 65536 --cases causal --passes fwd_bwd \
     --impls mosaic,mosaic_head_major,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
 }
+# Session 18, second call: the launch orders grouped by kv head (KVAX_MOSAIC_GROUPED_ORDER=1,
+# forward.grouped_longest_first): their GPU tests (short cases against the float32 reference
+# with the threshold lowered; bitwise equal to the default order at 64k, causal and
+# documents), then 64k forward and forward+backward, interleaved with the default and cuDNN.
+# Prediction (S18A's Nsight run: forward and dq kernel L2 hit rates 70%, dk/dv 83%, cuDNN's
+# 97-99%; the head-major backward 247.1 vs 254.7 ms interleaved): 64k causal fwd+bwd -2..-4%,
+# forward -1..-3%; documents (short streams) unchanged.
+s18b_runs() {
+  timeout 240 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "grouped_order" > $R/gpu_tests_s18b.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s18b.log | tail -12 | tee -a $R/next.log
+  pack > /dev/null
+  bench_rows 300 bench_64k_s18b --seq 65536 --cases causal,docs --passes fwd,fwd_bwd \
+    --impls mosaic,mosaic_grouped,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
+}
 case ${LANE:-CP} in
+  S18B) s18b_runs ;;
   S18A) s18a_runs ;;
   FFIPROBE) ffiprobe_runs ;;
   S17D) s17d_runs ;;

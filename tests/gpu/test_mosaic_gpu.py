@@ -222,3 +222,49 @@ def test_kernel_parts_through_split_kv_attention():
   errs = kernel_parts_case.check(mosaic_backend.flash_attention_mosaic, s_len=2048, h=8, kh=2,
                                  d=128)
   print("\n[kernel_parts] " + " ".join(f"{e:.2e}" for e in errs))
+
+
+@pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
+                                  "softcap_sinks", "mla_192_128", "not_causal_gqa8"])
+def test_grouped_order_against_reference(name, monkeypatch):
+  """The launch orders grouped by kv head (KVAX_MOSAIC_GROUPED_ORDER=1) with their length
+  threshold lowered to 0, so these short cases use them (one short chunk per kernel at the
+  GPU's CTA count), against the float32 reference."""
+  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+  monkeypatch.setenv("KVAX_MOSAIC_GROUPED_ORDER", "1")
+  monkeypatch.setattr(mosaic, "GROUPED_MIN_ROWS", 0)
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name))
+  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
+
+
+@pytest.mark.parametrize("causal_only", [True, False], ids=["causal", "documents"])
+def test_grouped_order_is_bitwise_the_default_at_64k(causal_only, monkeypatch):
+  """At 64k tokens (32 / 8 heads, head dim 128) the grouped order applies in every kernel with
+  several chunks per head. A launch order only changes which CTA runs which (head, tile) item,
+  and each item's arithmetic is the same, so output and every gradient (deterministic backward)
+  must be bitwise those of the default order."""
+  s_len, h, kh, d = 65536, 32, 8, 128
+  if causal_only:
+    pos, seg = np.arange(s_len, dtype=np.int32)[None], np.zeros((1, s_len), np.int32)
+  else:
+    pos, seg = layouts.packed_documents(np.random.default_rng(5), 1, s_len, num_docs=40,
+                                        pad_tail=777)
+  ints = tuple(jnp.asarray(x) for x in (pos, seg, pos, seg))
+  keys = jax.random.split(jax.random.PRNGKey(18), 4)
+  q = jax.random.normal(keys[0], (1, s_len, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, s_len, kh, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, s_len, kh, d), jnp.bfloat16)
+  cot = jax.random.normal(keys[3], (1, s_len, h, d), jnp.float32)
+  mask = kvax.create_attention_mask(*ints, calc_bwd_mask=True)
+
+  def grads():
+    def ours(q, k, v, s):
+      return kvax.flash_attention(q, k, v, *ints, mask, scale=d ** -0.5, backend="mosaic")
+    return jax.device_get(jax.jit(lambda *a: _grads(ours, *a, None, cot))(q, k, v))
+
+  default = grads()
+  monkeypatch.setenv("KVAX_MOSAIC_GROUPED_ORDER", "1")
+  grouped = grads()
+  for name, a, b_ in zip(["out", "dq", "dk", "dv"], default, grouped):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=name)
