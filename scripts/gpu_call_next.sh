@@ -718,7 +718,41 @@ s18b_runs() {
   bench_rows 300 bench_64k_s18b --seq 65536 --cases causal,docs --passes fwd,fwd_bwd \
     --impls mosaic,mosaic_grouped,cudnn --interleave --rounds 3 --max-dense-mask-seq 0
 }
+# Session 18, third call: S18B's timings of the grouped order sat inside the machine's spread
+# (rounds 242-254 ms). Nsight Compute at LOCKED base clocks (one replay per kernel, so power
+# and thermal drift drop out) gives each kernel's duration, DRAM bytes and L2 hit rate, default
+# against grouped, 64k causal and documents: whether the order changed the L2 traffic at all,
+# and what that is worth per kernel. Then the bitwise test the last call's limit cut.
+s18c_runs() {
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p $R/ncu
+  for spec in mosaic:causal mosaic_grouped:causal mosaic:docs mosaic_grouped:docs cudnn:causal; do
+    local impl=${spec%%:*} case=${spec##*:} name=base_${spec%%:*}_${spec##*:}
+    timeout 100 $NCU --clock-control base --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
+lts__t_sector_hit_rate.pct,gpc__cycles_elapsed.avg.per_second,\
+sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed \
+      --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90" --launch-count 3 --csv --page raw \
+      python3 benchmarks/ncu_kernels.py --impl $impl --case $case --seq 65536 > $R/ncu/$name.csv 2> $R/ncu/$name.err
+    echo "$name: rc $?" | tee -a $R/next.log
+    python3 - $R/ncu/$name.csv <<'PY' | tee -a $R/next.log
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head = rows[0]
+for r in rows[2:]:
+  d = dict(zip(head, r))
+  print(f"  {d.get('Kernel Name', '?')[:40]:40s} grid {d.get('Grid Size', '?'):14s} "
+        f"{d.get('gpu__time_duration.sum', '?'):>12s} ns  dram {d.get('dram__bytes_read.sum', '?'):>14s}  "
+        f"L2 hit {d.get('lts__t_sector_hit_rate.pct', '?'):>6s}%  clk {d.get('gpc__cycles_elapsed.avg.per_second', '?')}  "
+        f"tensor {d.get('sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed', '?')}")
+PY
+  done
+  pack > /dev/null
+  timeout 230 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
+    -k "grouped_order_is_bitwise" > $R/gpu_tests_s18c.log 2>&1
+  grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s18c.log | tail -8 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S18C) s18c_runs ;;
   S18B) s18b_runs ;;
   S18A) s18a_runs ;;
   FFIPROBE) ffiprobe_runs ;;
