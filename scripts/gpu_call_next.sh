@@ -724,15 +724,16 @@ s18b_runs() {
 # against grouped, 64k causal and documents: whether the order changed the L2 traffic at all,
 # and what that is worth per kernel. Then the bitwise test the last call's limit cut.
 s18c_runs() {
-  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  local NCU SPECS=${S18C_SPECS:-mosaic:causal mosaic_grouped:causal mosaic:docs mosaic_grouped:docs cudnn:causal}
+  local SEQ=${S18C_SEQ:-65536} NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p $R/ncu
-  for spec in mosaic:causal mosaic_grouped:causal mosaic:docs mosaic_grouped:docs cudnn:causal; do
-    local impl=${spec%%:*} case=${spec##*:} name=base_${spec%%:*}_${spec##*:}
+  for spec in $SPECS; do
+    local impl=${spec%%:*} case=${spec##*:} name=base_${spec%%:*}_${spec##*:}_$SEQ
     timeout 100 $NCU --clock-control base --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
 lts__t_sector_hit_rate.pct,gpc__cycles_elapsed.avg.per_second,\
 sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed \
       --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90" --launch-count 3 --csv --page raw \
-      python3 benchmarks/ncu_kernels.py --impl $impl --case $case --seq 65536 > $R/ncu/$name.csv 2> $R/ncu/$name.err
+      python3 benchmarks/ncu_kernels.py --impl $impl --case $case --seq $SEQ > $R/ncu/$name.csv 2> $R/ncu/$name.err
     echo "$name: rc $?" | tee -a $R/next.log
     python3 - $R/ncu/$name.csv <<'PY' | tee -a $R/next.log
 import csv, sys
@@ -747,11 +748,15 @@ for r in rows[2:]:
 PY
   done
   pack > /dev/null
+  [ -n "$S18C_SPECS" ] && return
   timeout 230 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_mosaic_gpu.py \
     -k "grouped_order_is_bitwise" > $R/gpu_tests_s18c.log 2>&1
   grep -E "PASSED|FAILED|passed|failed|rror" $R/gpu_tests_s18c.log | tail -8 | tee -a $R/next.log
 }
+# Session 18, fourth call: the same locked-clock reading at 16k, ours and cuDNN's, causal
+# (S18D: S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs").
 case ${LANE:-CP} in
+  S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;
   S18B) s18b_runs ;;
   S18A) s18a_runs ;;
