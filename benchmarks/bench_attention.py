@@ -220,9 +220,6 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   # the persistent forward's items dealt as a snake draft in longest-first order: the default
   # since session 16 ("mosaic"); the round robin before it
   impls["mosaic_fwd_round_robin"] = make_mosaic(env={"KVAX_MOSAIC_FWD_SNAKE": "0"})
-  # session 18: launch orders grouped by kv head where the streamed rows reach 64k (hook,
-  # backend.Static.grouped_order)
-  impls["mosaic_grouped"] = make_mosaic(env={"KVAX_MOSAIC_GROUPED_ORDER": "1"})
   for label, tiles, flags in variants:
     impls[f"ours@{label}"] = make_ours(flags)
     impls[f"ours@{label}"].tiles = tiles

@@ -196,77 +196,6 @@ def test_launch_order_over_heads(case, monkeypatch):
   test_kernels_lower_for_cuda((128, 128), det)
 
 
-def test_grouped_longest_first_order():
-  """forward.grouped_longest_first: every (head, tile) pair once, the tiles' longest-first order
-  cut into chunks (the last one short), within a chunk one head group after another, the
-  group's heads fastest; a group that does not divide the heads is an error naming both."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
-  upper = jnp.array([[1, 2, 3, 5, 0]], jnp.int32)
-  # works per tile 1, 2, 1, 3, 0: longest first 3, 1, 0, 2, 4; 4 heads in groups of 2; chunks of
-  # 2 tiles: (3, 1), (0, 2), (4); codes tile * 4 + head
-  order = fw.grouped_longest_first(lower, upper, 1, 5, 4, 2, 2)[0].tolist()
-  assert order == [12, 13, 4, 5, 14, 15, 6, 7,   # chunk (3, 1): heads 0, 1 then 2, 3
-                   0, 1, 8, 9, 2, 3, 10, 11,     # chunk (0, 2)
-                   16, 17, 18, 19]                # the short chunk (4)
-  rng = np.random.default_rng(0)
-  for n_tiles, n_heads, group, chunk in ((9, 8, 1, 4), (7, 32, 4, 33), (64, 32, 4, 33),
-                                         (5, 3, 3, 1), (128, 8, 1, 132)):
-    lo = jnp.asarray(rng.integers(0, 4, (2, n_tiles)), jnp.int32)
-    up = lo + jnp.asarray(rng.integers(0, 6, (2, n_tiles)), jnp.int32)
-    codes = np.asarray(fw.grouped_longest_first(lo, up, 1, n_tiles, n_heads, group, chunk))
-    for row in range(2):
-      assert sorted(codes[row].tolist()) == list(range(n_tiles * n_heads))
-      heads, tiles = codes[row] % n_heads, codes[row] // n_heads
-      lpt = np.asarray(fw.longest_first(lo, up, 1, n_tiles))[row]
-      for start in range(0, n_tiles, chunk):  # each chunk: its tiles, group by group
-        width = min(chunk, n_tiles - start)
-        span = slice(start * n_heads, (start + width) * n_heads)
-        assert sorted(set(tiles[span].tolist())) == sorted(lpt[start:start + width].tolist())
-        groups = heads[span] // group
-        assert (np.diff(groups) >= 0).all() and len(set(groups.tolist())) == n_heads // group
-  with pytest.raises(ValueError, match="n_heads=6 is not a multiple of group=4"):
-    fw.grouped_longest_first(lower, upper, 1, 5, 6, 4, 2)
-
-
-@pytest.mark.parametrize("case", ["docs_padding_gqa", "window_masked_full_masked_det"])
-def test_grouped_launch_order_matches_reference(case, monkeypatch):
-  """KVAX_MOSAIC_GROUPED_ORDER=1 (backend.Static.grouped_order): where the streamed rows reach
-  GROUPED_MIN_ROWS (lowered to 0 here), the persistent forward deals its items and both
-  backward kernels launch their CTAs in grouped_longest_first's order (chunks of ctas / group
-  tiles: the interpreter's 3 CTAs give 1-tile forward and dq chunks, 3-tile dk/dv chunks, the
-  last one short in the 5-tile case). Against the float32 reference with documents, padding,
-  GQA and a window (each item must run exactly once), and lowered for CUDA; below the
-  threshold the orders are the default ones."""
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
-  monkeypatch.setenv("KVAX_MOSAIC_GROUPED_ORDER", "1")
-  monkeypatch.setattr(mosaic, "GROUPED_MIN_ROWS", 0)
-  monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], det=True))
-  seen = []
-  real_fwd, real_dkv, real_dq = fw.forward_call, bk.dkv_call, bk.dq_call
-  monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (
-      seen.append(("fwd", cfg.group_chunk)), real_fwd(cfg, *a))[1])
-  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (
-      seen.append(("dkv", cfg.dkv_chunk)), real_dkv(cfg, *a))[1])
-  monkeypatch.setattr(bk, "dq_call", lambda cfg, *a: (
-      seen.append(("dq", cfg.dq_chunk)), real_dq(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  group = CASES[case]["h"] // CASES[case]["kh"]
-  assert seen == [("fwd", max(1, 3 // group)), ("dkv", 3), ("dq", max(1, 3 // group))], seen
-  seen.clear()
-  test_kernels_lower_for_cuda((128, 128), True)
-  assert seen == [("fwd", 132 // 2), ("dkv", 132), ("dq", 132 // 2)], seen  # h 4, kh 2
-  seen.clear()
-  monkeypatch.setattr(mosaic, "GROUPED_MIN_ROWS", 65536)  # the real threshold: 512 rows are off
-  test_kernels_lower_for_cuda((128, 128), True)
-  assert seen == [("fwd", 0), ("dkv", 0), ("dq", 0)], seen
-  monkeypatch.setenv("KVAX_MOSAIC_GROUPED_ORDER", "on")
-  with pytest.raises(ValueError, match="KVAX_MOSAIC_GROUPED_ORDER='on'"):
-    test_kernels_lower_for_cuda((128, 128), True)
-
-
 def test_fold_changes_dkv_rounding_only(monkeypatch):
   """The deterministic dk/dv kernel folds lse / delta into its accumulators (the default), the
   fused one does not: in the interpreter (documents, a one-token document, padding, GQA) the
@@ -500,7 +429,7 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
 
 @pytest.mark.parametrize("name", sorted(mosaic.REMOVED_HOOKS))
 def test_removed_hooks_are_refused(name, monkeypatch):
-  """Benchmarking hooks removed (measured slower or no faster, sessions 6-17, or folded into a default,
+  """Benchmarking hooks removed (measured slower or no faster, sessions 6-18, or folded into a default,
   session 16) are refused by name, not silently ignored: a benchmark that sets one would
   otherwise time the default kernels under a stale label."""
   monkeypatch.setenv(name, "1")

@@ -186,26 +186,6 @@ class Static:
   # 16k 3.68 vs 3.70). The per-tile grid (above PERSISTENT_MAX_KV) keeps its order.
   # KVAX_MOSAIC_FWD_SNAKE=0 gives the round robin.
   fwd_snake: bool = True
-  # Launch orders grouped by kv head (forward.grouped_longest_first; FwdConfig.group_chunk,
-  # BwdConfig.dkv_chunk / dq_chunk) where the streamed rows reach GROUPED_MIN_ROWS: the
-  # longest-first orders above interleave all heads, so at 64k the CTAs in flight read every kv
-  # head's stream and L2 holds none of them (Nsight, session 18, 64k causal: forward and dq
-  # kernel L2 hit rates 70%, 1.06 TB/s and 0.65 TB/s from DRAM; cuDNN's kernels 97-99%).
-  # Benchmarking hook KVAX_MOSAIC_GROUPED_ORDER=1 (off until measured).
-  grouped_order: bool = False
-
-
-# Rows a kernel streams (kv rows for the forward and dq kernels, query rows for the dk/dv
-# kernel) from which the grouped order applies: launch_order_model.py puts its launch tail at
-# <= 0.3% there in every kernel (causal and documents, 64k and 128k), and up to 1.6% at 32k.
-GROUPED_MIN_ROWS = 65536
-
-
-def _grouped_chunk(cfg: "Static", streamed_rows: int, ctas: int, group: int) -> int:
-  """Tiles per chunk of the grouped order (ctas / group, at least 1), or 0 where it is off."""
-  if not cfg.grouped_order or streamed_rows < GROUPED_MIN_ROWS or ctas <= 0:
-    return 0
-  return max(1, ctas // group)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -285,9 +265,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       opt_barrier=cfg.fwd_opt_barrier, prewait_k=cfg.fwd_prewait_k, ids_tma=cfg.fwd_ids_tma,
-      lpt=cfg.lpt or snake, exit_after_read=cfg.exit_after_read, zigzag=snake,
-      group_chunk=_grouped_chunk(cfg, p.k.shape[1], num_ctas if snake else 0,
-                                 p.q.shape[2] // p.k.shape[2]))
+      lpt=cfg.lpt or snake, exit_after_read=cfg.exit_after_read, zigzag=snake)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -304,7 +282,6 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   lse_p = _pad_axis(lse, 2, p.q.shape[1], jnp.inf)
   delta_p = _pad_axis(delta, 2, p.q.shape[1], 0.0)
   spec = mask.spec
-  ctas = 3 if cfg.interpret else _sm_count()
   bcfg = bwd_kernels.BwdConfig(
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
@@ -313,10 +290,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       lpt=cfg.lpt,
       exit_after_read=cfg.exit_after_read,
       dq_after_dkv=cfg.dq_after_dkv, ids_tma=cfg.bwd_ids_tma, dkv_early_dp=cfg.dkv_early_dp,
-      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt,
-      dkv_chunk=_grouped_chunk(cfg, p.q.shape[1], ctas if cfg.head_lpt else 0, 1),
-      dq_chunk=_grouped_chunk(cfg, p.k.shape[1], ctas if cfg.head_lpt else 0,
-                              p.q.shape[2] // p.k.shape[2]))
+      dkv_fold=cfg.dkv_fold, head_lpt=cfg.head_lpt)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -335,12 +309,17 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 _attention = kernel_attention(_forward, _backward)
 
 
-# Benchmarking hooks that were removed: measured slower or no faster (sessions 6-17, on an
+# Benchmarking hooks that were removed: measured slower or no faster (sessions 6-18, on an
 # H200 unless said), or folded into a default (session 16); the numbers are in benchmarks/NOTES.md. Setting
 # one is an error, not a silent no-op.
 _SLOWER = "measured slower: "
 _NO_GAIN = "measured no faster: "
 REMOVED_HOOKS = {
+    "KVAX_MOSAIC_GROUPED_ORDER": (_NO_GAIN + "launch orders grouped by kv head from 64k streamed "
+                                  "rows (session 18, H100, Nsight at locked base clocks, 64k "
+                                  "causal: DRAM reads forward 49.5 -> 2.9 GB, dq 17.8 -> 3.4, "
+                                  "dk/dv 22.7 -> 6.2, yet 59.97 -> 59.11 / 78.93 -> 78.82 / "
+                                  "115.03 -> 115.94 ms; documents 2-4% slower per kernel)"),
     "KVAX_MOSAIC_FWD_LATE_STORE_WAIT": (_NO_GAIN + "the persistent forward awaiting an item's "
                                         "output stores at its next item's start (session 17, "
                                         "H100: 16k documents forward 0.765 vs 0.765 ms "
@@ -454,7 +433,6 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                dkv_early_dp=_env_choice("KVAX_MOSAIC_DKV_EARLY_DP", ("1", "0")) == "1",
                dkv_fold=_env_choice("KVAX_MOSAIC_DKV_FOLD", ("1", "0")) == "1",
                fwd_snake=_env_choice("KVAX_MOSAIC_FWD_SNAKE", ("1", "0")) == "1",
-               grouped_order=_env_choice("KVAX_MOSAIC_GROUPED_ORDER", ("0", "1")) == "1",
                head_lpt=(_env_choice("KVAX_MOSAIC_HEAD_LPT", ("1", "0")) == "1"
                          and os.environ.get("KVAX_MOSAIC_LPT", "") != "1"))
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -40,7 +40,6 @@ from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS
                                                           pair_keep,
                                                           produce_kv_ring, products_together,
                                                           released_for_tma,
-                                                          grouped_longest_first,
                                                           longest_first,
                                                           longest_first_over_heads, visit_order)
 
@@ -123,12 +122,6 @@ class BwdConfig:
   # kernel's SMs idle 31% of its time (SM active 2.16 M of 3.14 M cycles), the dq kernel's 11%.
   # The per-head order (KVAX_MOSAIC_LPT, session 9) cannot fix that tail.
   head_lpt: bool = True
-  # With head_lpt, 0: off. N > 0: the kernel's launch order is grouped_longest_first's, in
-  # chunks of N tiles (dk/dv: one kv head per chunk; dq: the query heads of one kv head), so the
-  # CTAs in flight read one kv head's stream from L2 (benchmarking hook
-  # KVAX_MOSAIC_GROUPED_ORDER=1; the backend sets N where a head's tiles make several chunks).
-  dkv_chunk: int = 0
-  dq_chunk: int = 0
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
@@ -457,9 +450,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
                jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
   args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
           full_upper)
-  if cfg.head_lpt and cfg.dkv_chunk:
-    args += (grouped_longest_first(lower, upper, rk, n_tiles, kh, 1, cfg.dkv_chunk),)
-  elif cfg.head_lpt:
+  if cfg.head_lpt:
     args += (longest_first_over_heads(lower, upper, rk, n_tiles, kh),)
   elif cfg.lpt:
     # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
@@ -645,10 +636,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
 
   inputs = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
             full_upper)
-  if cfg.head_lpt and cfg.dq_chunk:
-    inputs += (grouped_longest_first(lower, upper, rq, n_tiles, h, h // k.shape[2],
-                                     cfg.dq_chunk),)
-  elif cfg.head_lpt:
+  if cfg.head_lpt:
     inputs += (longest_first_over_heads(lower, upper, rq, n_tiles, h),)
   elif cfg.lpt:
     inputs += (longest_first(lower, upper, rq, n_tiles),)

@@ -107,12 +107,6 @@ class FwdConfig:
   # the snake deal, the backend's default since session 16 (backend.Static.fwd_snake, with the
   # numbers); alone (session 10) it measured slower than the round robin.
   zigzag: bool = False
-  # Persistent kernel with `lpt` only; 0: off. N > 0: the item list is cut into chunks of N
-  # longest-first tiles, each chunk dealt one kv head's query heads at a time
-  # (grouped_longest_first's order), so a round's CTAs read one kv head's K / V stream from L2
-  # instead of every kv head's (benchmarking hook KVAX_MOSAIC_GROUPED_ORDER=1; the backend sets
-  # N = SM count / query heads per kv head where a head's tiles make several chunks).
-  group_chunk: int = 0
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -257,34 +251,6 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
   return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
 
 
-def grouped_longest_first(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int,
-                          group: int, chunk: int):
-  """int32 [B, n_heads * n_tiles], coded like longest_first_over_heads (tile * n_heads + head):
-  the tiles in longest-first order cut into chunks of `chunk` tiles; within a chunk the heads'
-  groups one after another (`group` consecutive heads share a kv head: the dq kernel's query
-  heads of one kv head; 1 for the dk/dv kernel, whose CTA is a kv head), within a group the
-  tiles, then the group's heads fastest.
-
-  Why: with `chunk * group` = the SM count, the CTAs in flight at once read ONE kv head's
-  stream (K / V for the dq kernel, Q / dO of its query heads for the dk/dv kernel) instead of
-  every head's, so the stream's blocks come from L2 for all but the first reader. At 64k the
-  over-heads order put 8 kv streams in flight and the dq kernel's L2 hit rate at 70% (Nsight,
-  session 18). The chunks keep the longest-first order coarsely (a chunk's tiles are
-  consecutive in it), so the launch tail stays small (benchmarks/launch_order_model.py).
-  """
-  if n_heads % group:
-    raise ValueError(f"grouped_longest_first: n_heads={n_heads} is not a multiple of "
-                     f"group={group}")
-  tiles = longest_first(lower, upper, tiles_per_row, n_tiles)  # [B, n_tiles]
-  p = jnp.arange(n_heads * n_tiles, dtype=jnp.int32)
-  chunk_index, within = p // (chunk * n_heads), p % (chunk * n_heads)
-  width = jnp.minimum(chunk, n_tiles - chunk_index * chunk)  # the last chunk may be short
-  g, rest = within // (width * group), within % (width * group)
-  rank = chunk_index * chunk + rest // group
-  head = g * group + rest % group
-  return (tiles[:, rank] * n_heads + head[None]).astype(jnp.int32)
-
-
 def released_for_tma(interpret: bool) -> None:
   """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
 
@@ -396,15 +362,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)
         w = sm + i * cfg.num_ctas
         bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
-        if cfg.group_chunk:  # FwdConfig.group_chunk: grouped_longest_first's order
-          per_chunk = cfg.group_chunk * h
-          chunk, within = lax.div(r, per_chunk), lax.rem(r, per_chunk)
-          width = jnp.minimum(cfg.group_chunk, n_tiles - chunk * cfg.group_chunk)
-          g, rest = lax.div(within, width * group), lax.rem(within, width * group)
-          t = chunk * cfg.group_chunk + lax.div(rest, group)
-          head = g * group + lax.rem(rest, group)
-        else:
-          t, head = lax.div(r, h), lax.rem(r, h)
+        t, head = lax.div(r, h), lax.rem(r, h)
       if order_ref is not None:  # LPT hook: the launch order given by longest_first
         tile = order_ref[bi, t]
       elif cfg.causal:
