@@ -734,7 +734,24 @@ PY
   done
   pack > /dev/null
 }
+# Session 18, fifth call: the CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90,
+# built here: ptxas 0 spills at 240 consumer registers; carry its .so): gradients against the
+# float32 reference on 4 small layouts, then the backward alone at 16k against the Mosaic
+# backward and cuDNN. A hang is cut by each step's timeout.
+s18e_runs() {
+  local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
+  timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check \
+    --seqs "" > $R/cuda_bwd_check.stdout 2>&1
+  echo "check: rc $?" | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check.stdout | tail -12 | tee -a $R/next.log
+  pack > /dev/null
+  timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_16k \
+    --skip-check --seqs 16384 --cases causal,docs --rounds 3 --reps 5 > $R/cuda_bwd_16k.stdout 2>&1
+  echo "timing: rc $?" | tee -a $R/next.log
+  grep -E "^time|rror" $R/cuda_bwd_16k.stdout | tail -12 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S18E) s18e_runs ;;
   S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;
   S18A) s18a_runs ;;

@@ -1,0 +1,177 @@
+"""The CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90) on a GPU: its gradients
+against the float32 reference on small awkward layouts, then its backward time against the Mosaic
+backward (two kernels, 7 products) and cuDNN's, same run, interleaved.
+
+    python benchmarks/cuda_backward_check.py --out results/cuda_bwd   # writes .json and .log
+
+Timing is of the backward alone: jax.vjp runs the forward once, and the jitted vjp function
+(residuals passed in) is timed; every implementation gets the same q, k, v and cotangent
+(B=1, 32 query / 8 kv heads, head dim 128, bf16). The CUDA kernel's backward is timed with the
+Mosaic forward's residuals (its custom VJP), so the two rows differ only in the backward kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import layouts  # noqa: E402
+from bench_attention import kept_pairs, layout  # noqa: E402
+from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
+from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
+from kvax_plugin.attention.reference import reference_attention  # noqa: E402
+
+# name: (layout builder (rng) -> positions, segment ids [1, S]; query heads; kv heads; causal)
+CASES = {
+    "causal_gqa_512": (lambda r: (np.arange(512, dtype=np.int32)[None],
+                                  np.zeros((1, 512), np.int32)), 4, 2, True),
+    "docs_padding_mqa_1024": (lambda r: layouts.packed_documents(r, 1, 1024, num_docs=5,
+                                                                 pad_tail=77, one_token_docs=2),
+                              4, 1, True),
+    "non_contiguous_768": (lambda r: layouts.non_contiguous_documents(r, 1, 768, num_docs=3,
+                                                                      chunk=41), 2, 2, True),
+    "not_causal_docs_640": (lambda r: layouts.packed_documents(r, 1, 640, num_docs=3,
+                                                               huge_ids=True), 8, 2, False),
+}
+
+
+def _rel(a, b):
+  a, b = (np.asarray(x, np.float32) for x in (a, b))
+  return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
+
+
+def check_case(name: str) -> dict:
+  """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
+  build, h, kh, causal = CASES[name]
+  pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
+  s, d = pos.shape[1], cuda_bwd.HEAD_DIM
+  keys = jax.random.split(jax.random.PRNGKey(len(name)), 4)
+  q = jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, s, kh, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, s, kh, d), jnp.bfloat16)
+  cot = jax.random.normal(keys[3], (1, s, h, d), jnp.float32)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, causal=causal)
+  scale = d ** -0.5
+
+  def ours(q, k, v):
+    return cuda_bwd.attention(q, k, v, pos, seg, pos, seg, mask, scale=scale)
+
+  def ref(q, k, v):
+    f32 = lambda x: x.astype(jnp.float32)
+    return reference_attention(f32(q), f32(k), f32(v), pos, seg, pos, seg, causal=causal,
+                               scale=scale)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out,) + vjp(cot.astype(out.dtype))
+
+  mine = jax.device_get(jax.jit(lambda *a: grads(ours, *a))(q, k, v))
+  f32 = lambda x: x.astype(jnp.float32)
+  theirs = jax.device_get(jax.jit(lambda *a: grads(ref, *a))(f32(q), f32(k), f32(v)))
+  errs = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs)}
+  finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in mine)
+  return dict(case=name, errors=errs, finite=finite)
+
+
+def _time(fn, args, reps: int) -> float:
+  """Median wall time (ms) of fn(*args) over reps calls, each waited for."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def time_backwards(seq: int, case: str, rounds: int, reps: int) -> list[dict]:
+  import kvax_plugin as kvax
+  h, kh, d = 32, 8, 128
+  pos, seg, lengths = layout(case, seq, seed=seq)
+  pos, seg = jnp.asarray(pos), jnp.asarray(seg)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (1, seq, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, seq, kh, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, seq, kh, d), jnp.bfloat16)
+  cot = jax.random.normal(keys[3], (1, seq, h, d), jnp.bfloat16)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  scale = d ** -0.5
+  impls = {
+      "mosaic": lambda q, k, v: kvax.flash_attention(q, k, v, pos, seg, pos, seg, mask,
+                                                     scale=scale, backend="mosaic"),
+      "cuda_fused": lambda q, k, v: cuda_bwd.attention(q, k, v, pos, seg, pos, seg, mask,
+                                                       scale=scale),
+  }
+  if case == "causal":
+    impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+  backward = {}
+  for name, fn in impls.items():
+    _, vjp = jax.vjp(fn, q, k, v)
+    backward[name] = (jax.jit(lambda vjp, ct: vjp(ct)), (vjp, cot))
+  rows = {name: [] for name in impls}
+  for _ in range(rounds):
+    for name, (fn, args) in backward.items():
+      rows[name].append(_time(fn, args, reps))
+  pairs = kept_pairs(lengths)  # kept (q, kv) pairs: 5 products of 2 * 128 flops each
+  out = []
+  for name, ms in rows.items():
+    med = statistics.median(ms)
+    out.append(dict(seq=seq, case=case, impl=name, pass_="bwd", ms=med, ms_rounds=ms,
+                    tflops=pairs * h * 5 * 2 * d / (med * 1e-3) / 1e12))
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", type=Path, required=True)
+  ap.add_argument("--lib", default=None, help="the shared object (default: next to the module)")
+  ap.add_argument("--seqs", default="16384")
+  ap.add_argument("--cases", default="causal,docs")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--skip-check", action="store_true")
+  args = ap.parse_args()
+  cuda_bwd.load(args.lib)
+  result = dict(conditions=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                                argv=sys.argv[1:]), checks=[], timings=[])
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  log = open(args.out.with_suffix(".log"), "w")
+
+  def say(msg):
+    print(msg, flush=True)
+    log.write(msg + "\n")
+    log.flush()
+
+  say(f"device {result['conditions']['device']}, jax {jax.__version__}")
+  if not args.skip_check:
+    for name in CASES:
+      row = check_case(name)
+      result["checks"].append(row)
+      ok = row["finite"] and max(row["errors"].values()) < 2e-2
+      say(f"check {name:24s} {'ok' if ok else 'FAIL'} " +
+          " ".join(f"{k} {v:.2e}" for k, v in row["errors"].items()))
+      args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+  for seq in (int(x) for x in args.seqs.split(",") if x):
+    for case in args.cases.split(","):
+      for row in time_backwards(seq, case, args.rounds, args.reps):
+        result["timings"].append(row)
+        say(f"time {seq:6d} {case:6s} {row['impl']:10s} backward {row['ms']:9.3f} ms "
+            f"{row['tflops']:6.1f} TF/s  rounds {[round(x, 3) for x in row['ms_rounds']]}")
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+  main()

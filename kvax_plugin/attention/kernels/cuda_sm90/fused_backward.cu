@@ -1,0 +1,559 @@
+// A 5-product attention backward for Hopper (sm_90a) in CUDA C++, called from JAX through XLA FFI.
+//
+// Why C++: every 5-product backward written in Pallas Mosaic GPU spilled or had its setmaxnreg
+// split ignored by ptxas (benchmarks/NOTES.md, sessions 5-17). Here the register budget of each
+// warpgroup is set by hand and checked offline (nvcc -Xptxas -v) before a GPU minute is spent.
+//
+// Layout of one CTA (384 threads, three warpgroups), for one kv head, one 128-row kv tile and one
+// batch row:
+//   warpgroup 0 (producer, 24 registers): TMA-loads K and V of the tile once, then, for each query
+//     head of the kv head's group and each 64-row query block of the tile's block-table row,
+//     Q, dO (TMA, 128B-swizzled, two 64-column halves each) and the block's positions, segment
+//     ids, lse and delta (1-D bulk copies) into a ring of STAGES slots.
+//   warpgroups 1, 2 (consumers, 240 registers): consumer c owns kv rows 64c .. 64c + 63. Per
+//     query block (64 rows):
+//       S^T  = K_c Q^T      (wgmma m64n64k16 x 8, both operands in shared memory)
+//       dP^T = V_c dO^T     (same)
+//       P^T  = exp2(S^T scale log2(e) - lse log2(e)) on kept pairs, 0 elsewhere
+//       dS^T = P^T (dP^T - delta)
+//       dV_c += P^T dO      (wgmma m64n128k16 x 4, P^T from registers, dO MN-major)
+//       dK_c += dS^T Q      (same, dS^T from registers; scaled once at the end)
+//       dS^T -> shared memory as dS [q][kv] (both consumers' halves), then
+//       dQ[:, 64c:64c+64] = dS K[:, 64c:64c+64]   (wgmma m64n64k16 x 8: the column split keeps
+//                            each consumer's dQ accumulator at 32 registers)
+//       the dQ part staged in shared memory and bulk reduce-added (float32) into dq_accum.
+//   Live accumulators at a step's peak: dK 64 + dV 64 + S^T 32 + dP^T 32 registers per thread;
+//   dQ's 32 live only after S^T / dP^T are converted (16 + 16 registers of bf16 A operands).
+//
+// Scope of this first version (a design probe; tests/gpu/test_cuda_backward_gpu.py checks it
+// against the float32 reference): bf16, head dim 128 for Q / K / V, causal or not, segment ids,
+// GQA / MQA, Sq == Skv, every visited query block masked per element (no full-block fast path),
+// no soft cap, window or sinks. dq_accum is float32 [B, H, 2, Sq, 64] (the two column halves),
+// zeroed by the handler; the JAX side turns it into dq.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace kvax_sm90 {
+
+constexpr int D = 128;            // head dim of Q, K, V
+constexpr int KV_TILE = 128;      // kv rows per CTA
+constexpr int Q_BLOCK = 64;       // query rows per step
+constexpr int STAGES = 2;         // ring depth
+constexpr int CONSUMERS = 2;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+
+// Shared memory plan (bytes; every tile 1024-aligned for the 128B swizzle).
+constexpr int HALF_KV = KV_TILE * 64 * 2;       // [128 rows][64 cols] bf16 = 16 KiB
+constexpr int HALF_Q = Q_BLOCK * 64 * 2;        // [64 rows][64 cols] bf16 = 8 KiB
+constexpr int OFF_K = 0;                        // K: two column halves
+constexpr int OFF_V = OFF_K + 2 * HALF_KV;      // V: two column halves
+constexpr int OFF_RING = OFF_V + 2 * HALF_KV;   // per stage: Q halves, dO halves
+constexpr int SLOT = 4 * HALF_Q;
+constexpr int OFF_DS = OFF_RING + STAGES * SLOT;  // dS [64 q][128 kv] as two kv halves, x2
+constexpr int DS_BUF = 2 * HALF_Q;
+constexpr int OFF_DQ = OFF_DS + 2 * DS_BUF;       // per consumer: dQ part [64][64] f32
+constexpr int DQ_STAGE = Q_BLOCK * 64 * 4;
+constexpr int OFF_IDS = OFF_DQ + CONSUMERS * DQ_STAGE;  // per stage: q_pos, q_seg, lse, delta
+constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;
+constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
+constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+
+struct Params {
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (D, heads, rows) of [B * S, heads, D]
+  const int* q_pos;
+  const int* q_seg;
+  const int* kv_pos;
+  const int* kv_seg;
+  const float* lse;      // [B, H, Sq]
+  const float* delta;    // [B, H, Sq]
+  const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
+  const int* upper;      // [B, n_tiles]: one past the last
+  __nv_bfloat16* dk;     // [B, Skv, KH, D]
+  __nv_bfloat16* dv;
+  float* dq_accum;       // [B, H, 2, Sq, 64]
+  int s_q, s_kv, heads, kv_heads;
+  float scale;
+  int causal;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(phase)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait0() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major tiles: rows of 64 bf16 (128 B),
+// 8-row groups 1024 B apart (SBO); a k16 step moves the start 32 B. MN-major tiles: the same
+// rows hold 64 MN-contiguous elements of one k; 8-k groups 1024 B apart (SBO), the next 64 MN
+// elements at LBO; a k16 step moves the start 2048 B.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16;
+  d |= static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;  // 128B swizzle
+  return d;
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both from shared memory. tnsp_b: B MN-major.
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint64_t db,
+                                               int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+}
+
+// D[64 x 128] += A[64 x 16] (registers, bf16 pairs) B[16 x 128] (shared memory, MN-major).
+__device__ __forceinline__ void wgmma_64x128_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                uint64_t db) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+        "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Byte offset of element (row, col) in a [rows][64] bf16 tile with the 128B swizzle (1024-aligned).
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  const int chunk = (col >> 3) ^ (row & 7);  // 16-byte chunk within the 128-byte row
+  return row * 128 + chunk * 16 + (col & 7) * 2;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t(1023));
+  const uint32_t base = smem_u32(smem);
+  const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
+  const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
+  const uint32_t bar_kv = bar_empty + 8 * STAGES;           // K and V loaded
+
+  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads / p.kv_heads;
+  const int n_tiles = p.s_kv / KV_TILE;
+  const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
+  const int steps_per_head = hi - lo;
+  const int steps = steps_per_head * group;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, CONSUMERS);
+    }
+    mbar_init(bar_kv, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------------------ producer
+    set_max_regs_dec<24>();
+    if (t == 0) {
+      const int kv_row = b * p.s_kv + tile * KV_TILE;
+      mbar_expect_tx(bar_kv, 4 * HALF_KV);
+      for (int h = 0; h < 2; ++h) {
+        tma_load_3d(base + OFF_K + h * HALF_KV, &p.tm_k, bar_kv, 64 * h, kv_head, kv_row);
+        tma_load_3d(base + OFF_V + h * HALF_KV, &p.tm_v, bar_kv, 64 * h, kv_head, kv_row);
+      }
+      for (int n = 0; n < steps; ++n) {
+        const int s = n % STAGES;
+        if (n >= STAGES) mbar_wait(bar_empty + 8 * s, ((n / STAGES) - 1) & 1);
+        const int head = kv_head * group + n / steps_per_head;
+        const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+        const uint32_t slot = base + OFF_RING + s * SLOT;
+        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
+        const uint32_t full = bar_full + 8 * s;
+        mbar_expect_tx(full, 4 * HALF_Q + IDS_SLOT);
+        for (int h = 0; h < 2; ++h) {
+          tma_load_3d(slot + h * HALF_Q, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
+          tma_load_3d(slot + (2 + h) * HALF_Q, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
+        }
+        const size_t row = static_cast<size_t>(b) * p.s_q + q0;
+        const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
+        bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
+        bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
+        bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
+        bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------ consumers
+  set_max_regs_inc<240>();
+  const int c = wg - 1;             // this consumer's kv rows: 64c .. 64c + 63 of the tile
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = 16 * warp + lane / 4;  // accumulator rows r0 and r0 + 8 (kv rows of S^T)
+  const float sl2 = p.scale * 1.4426950408889634f;
+
+  // The two kv rows of this thread (ids constant over the CTA).
+  const int kv_tok0 = b * p.s_kv + tile * KV_TILE + 64 * c + r0;
+  const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
+  const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+
+  mbar_wait(bar_kv, 0);
+  // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
+  const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
+
+  for (int n = 0; n < steps; ++n) {
+    const int s = n % STAGES;
+    const int head = kv_head * group + n / steps_per_head;
+    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const uint32_t slot = base + OFF_RING + s * SLOT;
+    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
+    mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
+
+    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
+    float st[32], dpt[32];
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
+      const uint32_t qoff = (k / 4) * HALF_Q + (k % 4) * 32;
+      wgmma_64x64_ss<0, 0>(st, desc_sw128(k_c + koff, 16, 1024),
+                           desc_sw128(slot + qoff, 16, 1024), k > 0);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
+      const uint32_t qoff = 2 * HALF_Q + (k / 4) * HALF_Q + (k % 4) * 32;
+      wgmma_64x64_ss<0, 0>(dpt, desc_sw128(v_c + koff, 16, 1024),
+                           desc_sw128(slot + qoff, 16, 1024), k > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+
+    // P^T and dS^T (f32 -> bf16 A fragments). Element i of the accumulator: row r0 + 8 * ((i / 2)
+    // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
+    const int* qpos = reinterpret_cast<const int*>(ids);
+    const int* qseg = qpos + Q_BLOCK;
+    const float* lse = ids + 2 * Q_BLOCK;
+    const float* delta = ids + 3 * Q_BLOCK;
+    uint32_t pa[16], dsa[16];
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int col = 8 * (i / 4) + 2 * (lane % 4);
+      const bool second_row = (i / 2) % 2;
+      const int kp = second_row ? kvp1 : kvp0, ks = second_row ? kvs1 : kvs0;
+      float pv[2], dsv[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qc = col + e;
+        const int qs = qseg[qc];
+        bool keep = (qs == ks) && (qs != -1);
+        if (p.causal) keep = keep && (kp <= qpos[qc]);
+        const float prob = keep ? exp2f(st[i + e] * sl2 - lse[qc] * 1.4426950408889634f) : 0.f;
+        pv[e] = prob;
+        dsv[e] = prob * (dpt[i + e] - delta[qc]);
+      }
+      pa[i / 2] = pack_bf16(pv[0], pv[1]);
+      dsa[i / 2] = pack_bf16(dsv[0], dsv[1]);
+    }
+
+    // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
+    // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
+    // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
+      wgmma_64x128_rs(dk, a, desc_sw128(slot + kk * 2048, HALF_Q, 1024));
+    }
+    wg_commit();
+
+    // dS [q][kv] in shared memory: this consumer's 64 kv columns are kv half c (K-major A of
+    // the dQ product: rows = query, 64 kv per 128-byte row). Double-buffered by step parity.
+    uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
+      const int row = r0 + 8 * (i % 2);                 // kv column of dS within the half
+      const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&dsa[i]);
+      *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col, row)) = v2.x;
+      *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col + 1, row)) = v2.y;
+    }
+    fence_async_smem();
+    named_sync(1, 256);  // both consumers' dS halves written
+
+    // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
+    // kv rows; dS K-major, K MN-major (column half c of the K tile).
+    float dq[32];
+    wg_fence();
+    const uint32_t ds_base = base + OFF_DS + (n % 2) * DS_BUF;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
+                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
+                           k > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+
+    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 : q0 + 64, :].
+    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
+    if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
+    named_sync(2 + c, 128);
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = r0 + 8 * ((i / 2) % 2);
+      const int col = 8 * (i / 4) + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(stage + row * 64 + col) = make_float2(dq[i], dq[i + 1]);
+    }
+    fence_async_smem();
+    named_sync(2 + c, 128);
+    if (t == 0) {
+      float* dst = p.dq_accum +
+                   ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
+      bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
+      bulk_commit();
+    }
+  }
+  if (t == 0) bulk_wait0();
+
+  // dK (scaled) and dV of this consumer's 64 kv rows: accumulator element i at row
+  // r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2.
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int row = tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
+    const int col = 8 * (i / 4) + 2 * (lane % 4);
+    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * D + col;
+    *reinterpret_cast<__nv_bfloat162*>(p.dk + off) =
+        __floats2bfloat162_rn(dk[i] * p.scale, dk[i + 1] * p.scale);
+    *reinterpret_cast<__nv_bfloat162*>(p.dv + off) = __floats2bfloat162_rn(dv[i], dv[i + 1]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: tensor maps and the FFI handler
+// ---------------------------------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static EncodeTiled encode_fn() {
+  static EncodeTiled fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  });
+  return fn;
+}
+
+// A [rows, heads, 128] bf16 tensor as a 3-D map (d, head, row) with a (64, 1, box_rows) box.
+static bool make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t heads,
+                     uint32_t box_rows) {
+  const cuuint64_t dims[3] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {D * 2, static_cast<cuuint64_t>(heads) * D * 2};
+  const cuuint32_t box[3] = {64, 1, box_rows};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  EncodeTiled fn = encode_fn();
+  return fn && fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(data), dims,
+                  strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+static ffi::Error FusedBackwardImpl(
+    cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+    ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> lse,
+    ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
+    ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
+    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, ffi::ResultBuffer<ffi::BF16> dk,
+    ffi::ResultBuffer<ffi::BF16> dv, ffi::ResultBuffer<ffi::F32> dq_accum) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[3] != D || kd[3] != D)
+    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128]");
+  const int64_t b = qd[0], sq = qd[1], h = qd[2], skv = kd[1], kh = kd[2];
+  if (sq != skv || skv % KV_TILE || h % kh)
+    return ffi::Error::InvalidArgument(
+        "expected Sq == Skv, a multiple of 128, and query heads a multiple of kv heads");
+  Params p{};
+  if (!make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK) ||
+      !make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK) ||
+      !make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE) ||
+      !make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE))
+    return ffi::Error::Internal("cuTensorMapEncodeTiled failed");
+  p.q_pos = q_pos.typed_data();
+  p.q_seg = q_seg.typed_data();
+  p.kv_pos = kv_pos.typed_data();
+  p.kv_seg = kv_seg.typed_data();
+  p.lse = lse.typed_data();
+  p.delta = delta.typed_data();
+  p.lower = lower.typed_data();
+  p.upper = upper.typed_data();
+  p.dk = reinterpret_cast<__nv_bfloat16*>(dk->untyped_data());
+  p.dv = reinterpret_cast<__nv_bfloat16*>(dv->untyped_data());
+  p.dq_accum = dq_accum->typed_data();
+  p.s_q = static_cast<int>(sq);
+  p.s_kv = static_cast<int>(skv);
+  p.heads = static_cast<int>(h);
+  p.kv_heads = static_cast<int>(kh);
+  p.scale = scale;
+  p.causal = causal;
+  cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
+  static std::once_flag attr;
+  std::call_once(attr, [] {
+    cudaFuncSetAttribute(fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         SMEM_BYTES);
+  });
+  const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
+                  static_cast<unsigned>(b));
+  fused_backward_kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace kvax_sm90
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // q
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // k
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // v
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // d_out
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // delta
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // q_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // q_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // kv_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // kv_seg
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // lower
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // upper
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("causal")
+                                  .Ret<ffi::Buffer<ffi::BF16>>()   // dk
+                                  .Ret<ffi::Buffer<ffi::BF16>>()   // dv
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dq_accum

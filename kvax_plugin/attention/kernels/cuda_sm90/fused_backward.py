@@ -1,0 +1,103 @@
+"""JAX side of fused_backward.cu: load the shared object, register its FFI target, call it.
+
+    lib = load()                                   # libkvax_sm90_bwd.so next to this file
+    dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
+                                lower, upper, scale=..., causal=True)
+
+`attention` wraps it as the backward of the Mosaic forward (a custom VJP), for checks against
+the float32 reference and for timing against the Mosaic backward and cuDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LIB = Path(__file__).with_name("libkvax_sm90_bwd.so")
+TARGET = "kvax_sm90_fused_backward"
+HEAD_DIM = 128
+KV_TILE = 128
+Q_BLOCK = 64
+
+
+@functools.cache
+def load(path: str | None = None) -> ctypes.CDLL:
+  """Load the shared object (built by build.sh) and register its FFI target for CUDA."""
+  lib_path = Path(path) if path else LIB
+  if not lib_path.exists():
+    raise FileNotFoundError(f"{lib_path}: not built; run kvax_plugin/attention/kernels/"
+                            "cuda_sm90/build.sh with an nvcc >= 13 (PyPI: nvidia-cuda-nvcc)")
+  lib = ctypes.cdll.LoadLibrary(str(lib_path))
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
+                              platform="CUDA")
+  return lib
+
+
+def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
+  """(lower, upper) int32 [B, Skv / 128]: each 128-row kv tile's visited query rows, in 64-row
+  blocks, from the mask's dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
+  bq = mask.spec.bwd_params.query_block_size
+  bkv = mask.spec.bwd_params.kv_block_size
+  if bkv != KV_TILE or bq % Q_BLOCK:
+    raise ValueError(f"mask: backward blocks {bq} x {bkv}; this kernel needs kv blocks of "
+                     f"{KV_TILE} and query blocks a multiple of {Q_BLOCK}")
+  f = bq // Q_BLOCK
+  return (mask.dkv.lower * f).astype(jnp.int32), (mask.dkv.upper * f).astype(jnp.int32)
+
+
+def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, *,
+                   scale: float, causal: bool):
+  """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
+  positions / segment ids int32 [B, S]; lower, upper from tile_bounds. Returns dq [B, S, H,
+  128] bf16 and dk, dv [B, S, KH, 128] bf16."""
+  b, s, h, d = q.shape
+  kh = k.shape[2]
+  if d != HEAD_DIM or k.shape[1] != s or s % KV_TILE or h % kh:
+    raise ValueError(f"q {q.shape}, k {k.shape}: expected head dim {HEAD_DIM}, Sq == Skv a "
+                     f"multiple of {KV_TILE}, query heads a multiple of kv heads")
+  bf16 = lambda x: x.astype(jnp.bfloat16)
+  i32 = lambda x: x.astype(jnp.int32)
+  dk, dv, dq_accum = jax.ffi.ffi_call(
+      TARGET,
+      (jax.ShapeDtypeStruct(k.shape, jnp.bfloat16), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+       jax.ShapeDtypeStruct((b, h, 2, s, 64), jnp.float32)),
+  )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse.astype(jnp.float32),
+    delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg), i32(lower),
+    i32(upper), scale=np.float32(scale), causal=np.int32(bool(causal)))
+  # dq_accum[b, h, half, s, c] holds dS K for columns 64 half + c (unscaled)
+  dq = (dq_accum * scale).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+  return dq.astype(q.dtype), dk, dv
+
+
+def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float):
+  """Attention with the Mosaic forward and this backward (custom VJP in q, k, v)."""
+  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+
+  cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
+                      causal=bool(mask.spec.causal), window=0, deterministic=True,
+                      interpret=False)
+  sinks = jnp.zeros((q.shape[2],), jnp.float32)
+  ints = tuple(x.astype(jnp.int32) for x in (q_pos, q_seg, kv_pos, kv_seg))
+  lower, upper = tile_bounds(mask)
+
+  @jax.custom_vjp
+  def run(q, k, v):
+    return mosaic._forward(cfg, q, k, v, sinks, *ints, mask)[0]
+
+  def fwd(q, k, v):
+    out, lse = mosaic._forward(cfg, q, k, v, sinks, *ints, mask)
+    return out, (q, k, v, out, lse)
+
+  def bwd(res, d_out):
+    q, k, v, out, lse = res
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    return fused_backward(q, k, v, d_out, lse, delta, *ints, lower, upper, scale=scale,
+                          causal=cfg.causal)
+
+  run.defvjp(fwd, bwd)
+  return run(q, k, v)

@@ -1,0 +1,30 @@
+"""The CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90) against the float32
+reference on a Hopper GPU: out, dq, dk, dv on small awkward layouts (GQA, MQA with padding and
+one-token documents, non-contiguous segments, non-causal with huge segment ids). Needs the
+shared object built by its build.sh (skipped, with the reason, where it is absent)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from mosaic_marks import MOSAIC_GPU_MARKS  # noqa: E402
+from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
+
+pytestmark = MOSAIC_GPU_MARKS + [
+    pytest.mark.skipif(not cuda_bwd.LIB.exists(), reason=f"{cuda_bwd.LIB.name} not built "
+                       "(kvax_plugin/attention/kernels/cuda_sm90/build.sh)")]
+
+
+@pytest.mark.parametrize("name", ["causal_gqa_512", "docs_padding_mqa_1024",
+                                  "non_contiguous_768", "not_causal_docs_640"])
+def test_fused_backward_against_reference(name):
+  import cuda_backward_check as check
+  cuda_bwd.load()
+  row = check.check_case(name)
+  assert row["finite"], row
+  assert max(row["errors"].values()) < 2e-2, row
