@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -460,10 +461,12 @@ static EncodeTiled encode_fn() {
   static EncodeTiled fn = nullptr;
   static std::once_flag once;
   std::call_once(once, [] {
+    // The 12.0 ABI of the symbol, whatever the runtime's version (the image's driver is 13.0,
+    // this runtime 13.5).
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q) ==
-            cudaSuccess &&
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
         q == cudaDriverEntryPointSuccess)
       fn = reinterpret_cast<EncodeTiled>(ptr);
   });
@@ -471,17 +474,19 @@ static EncodeTiled encode_fn() {
 }
 
 // A [rows, heads, 128] bf16 tensor as a 3-D map (d, head, row) with a (64, 1, box_rows) box.
-static bool make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t heads,
-                     uint32_t box_rows) {
+// Returns 0 on success, -1 without the driver entry point, else the CUresult.
+static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t heads,
+                    uint32_t box_rows) {
   const cuuint64_t dims[3] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {D * 2, static_cast<cuuint64_t>(heads) * D * 2};
   const cuuint32_t box[3] = {64, 1, box_rows};
   const cuuint32_t elem[3] = {1, 1, 1};
   EncodeTiled fn = encode_fn();
-  return fn && fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(data), dims,
-                  strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (!fn) return -1;
+  return static_cast<int>(fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(data),
+                             dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
 static ffi::Error FusedBackwardImpl(
@@ -499,11 +504,15 @@ static ffi::Error FusedBackwardImpl(
     return ffi::Error::InvalidArgument(
         "expected Sq == Skv, a multiple of 128, and query heads a multiple of kv heads");
   Params p{};
-  if (!make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK) ||
-      !make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK) ||
-      !make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE) ||
-      !make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE))
-    return ffi::Error::Internal("cuTensorMapEncodeTiled failed");
+  const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK),
+                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK),
+                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE),
+                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE)};
+  for (int i = 0; i < 4; ++i)
+    if (rc[i] != 0)
+      return ffi::Error::Internal(
+          std::string("cuTensorMapEncodeTiled (q, d_out, k, v)[") + std::to_string(i) +
+          "]: " + (rc[i] == -1 ? "no driver entry point" : "CUresult " + std::to_string(rc[i])));
   p.q_pos = q_pos.typed_data();
   p.q_seg = q_seg.typed_data();
   p.kv_pos = kv_pos.typed_data();
