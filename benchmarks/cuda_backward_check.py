@@ -52,7 +52,7 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def check_case(name: str) -> dict:
+def check_case(name: str, variant: str = "v1") -> dict:
   """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
   build, h, kh, causal = CASES[name]
   pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
@@ -66,7 +66,7 @@ def check_case(name: str) -> dict:
   scale = d ** -0.5
 
   def ours(q, k, v):
-    return cuda_bwd.attention(q, k, v, pos, seg, pos, seg, mask, scale=scale)
+    return cuda_bwd.attention(q, k, v, pos, seg, pos, seg, mask, scale=scale, variant=variant)
 
   def ref(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
@@ -82,7 +82,7 @@ def check_case(name: str) -> dict:
   theirs = jax.device_get(jax.jit(lambda *a: grads(ref, *a))(f32(q), f32(k), f32(v)))
   errs = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs)}
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in mine)
-  return dict(case=name, errors=errs, finite=finite)
+  return dict(case=name, variant=variant, errors=errs, finite=finite)
 
 
 def _time(fn, args, reps: int) -> float:
@@ -96,7 +96,7 @@ def _time(fn, args, reps: int) -> float:
   return statistics.median(times)
 
 
-def time_backwards(seq: int, case: str, rounds: int, reps: int) -> list[dict]:
+def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> list[dict]:
   import kvax_plugin as kvax
   h, kh, d = 32, 8, 128
   pos, seg, lengths = layout(case, seq, seed=seq)
@@ -111,9 +111,10 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int) -> list[dict]:
   impls = {
       "mosaic": lambda q, k, v: kvax.flash_attention(q, k, v, pos, seg, pos, seg, mask,
                                                      scale=scale, backend="mosaic"),
-      "cuda_fused": lambda q, k, v: cuda_bwd.attention(q, k, v, pos, seg, pos, seg, mask,
-                                                       scale=scale),
   }
+  for variant in variants:
+    impls[f"cuda_{variant}"] = (lambda var: lambda q, k, v: cuda_bwd.attention(
+        q, k, v, pos, seg, pos, seg, mask, scale=scale, variant=var))(variant)
   if case == "causal":
     impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation="cudnn")
@@ -143,6 +144,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
+  ap.add_argument("--variants", default="v0,v1", help="kernel variants (fused_backward.VARIANTS)")
   args = ap.parse_args()
   cuda_bwd.load(args.lib)
   result = dict(conditions=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -157,16 +159,16 @@ def main():
 
   say(f"device {result['conditions']['device']}, jax {jax.__version__}")
   if not args.skip_check:
-    for name in CASES:
-      row = check_case(name)
+    for name, variant in ((n, v) for v in args.variants.split(",") for n in CASES):
+      row = check_case(name, variant)
       result["checks"].append(row)
       ok = row["finite"] and max(row["errors"].values()) < 2e-2
-      say(f"check {name:24s} {'ok' if ok else 'FAIL'} " +
+      say(f"check {variant} {name:24s} {'ok' if ok else 'FAIL'} " +
           " ".join(f"{k} {v:.2e}" for k, v in row["errors"].items()))
       args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
   for seq in (int(x) for x in args.seqs.split(",") if x):
     for case in args.cases.split(","):
-      for row in time_backwards(seq, case, args.rounds, args.reps):
+      for row in time_backwards(seq, case, args.rounds, args.reps, args.variants.split(",")):
         result["timings"].append(row)
         say(f"time {seq:6d} {case:6s} {row['impl']:10s} backward {row['ms']:9.3f} ms "
             f"{row['tflops']:6.1f} TF/s  rounds {[round(x, 3) for x in row['ms_rounds']]}")

@@ -750,7 +750,25 @@ s18e_runs() {
   echo "timing: rc $?" | tee -a $R/next.log
   grep -E "^time|rror" $R/cuda_bwd_16k.stdout | tail -12 | tee -a $R/next.log
 }
+# Session 18, sixth call: the same with v1 (each consumer its own full-width dQ share, no dS
+# exchange; the table's full blocks skip the mask): v0 and v1 against the float32 reference,
+# then the 16k backward of Mosaic, v0, v1 and cuDNN. Prediction: v1 15-20 ms (v0 26.5; Mosaic
+# 12.3, cuDNN 10.5): the consumers overlap once nothing ties them together every step.
+s18f_runs() {
+  local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
+  timeout 110 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_v1 \
+    --seqs "" --variants v1,v0 > $R/cuda_bwd_check_v1.stdout 2>&1
+  echo "check: rc $?" | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_v1.stdout | tail -12 | tee -a $R/next.log
+  pack > /dev/null
+  timeout 130 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_16k_v1 \
+    --skip-check --seqs 16384 --cases causal,docs --rounds 3 --reps 5 --variants v0,v1 \
+    > $R/cuda_bwd_16k_v1.stdout 2>&1
+  echo "timing: rc $?" | tee -a $R/next.log
+  grep -E "^time|rror" $R/cuda_bwd_16k_v1.stdout | tail -12 | tee -a $R/next.log
+}
 case ${LANE:-CP} in
+  S18F) s18f_runs ;;
   S18E) s18e_runs ;;
   S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;

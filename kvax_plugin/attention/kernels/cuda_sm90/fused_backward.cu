@@ -58,14 +58,22 @@ constexpr int OFF_K = 0;                        // K: two column halves
 constexpr int OFF_V = OFF_K + 2 * HALF_KV;      // V: two column halves
 constexpr int OFF_RING = OFF_V + 2 * HALF_KV;   // per stage: Q halves, dO halves
 constexpr int SLOT = 4 * HALF_Q;
-constexpr int OFF_DS = OFF_RING + STAGES * SLOT;  // dS [64 q][128 kv] as two kv halves, x2
-constexpr int DS_BUF = 2 * HALF_Q;
-constexpr int OFF_DQ = OFF_DS + 2 * DS_BUF;       // per consumer: dQ part [64][64] f32
-constexpr int DQ_STAGE = Q_BLOCK * 64 * 4;
-constexpr int OFF_IDS = OFF_DQ + CONSUMERS * DQ_STAGE;  // per stage: q_pos, q_seg, lse, delta
-constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;
-constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
-constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;        // per stage: q_pos, q_seg, lse, delta
+
+// The rest of the plan depends on the variant. V1 = false (v0): dS [64 q][128 kv] shared by the
+// consumers (two kv halves), double-buffered; a [64][64] float32 dQ part per consumer. V1: each
+// consumer keeps its own dS half [64 q][64 kv] and a full-width [64][128] float32 dQ part.
+template <bool V1>
+struct Plan {
+  static constexpr int DS = OFF_RING + STAGES * SLOT;
+  static constexpr int DS_BYTES = V1 ? CONSUMERS * HALF_Q : 2 * 2 * HALF_Q;
+  static constexpr int DQ = DS + DS_BYTES;
+  static constexpr int DQ_STAGE = Q_BLOCK * (V1 ? 128 : 64) * 4;
+  static constexpr int IDS = DQ + CONSUMERS * DQ_STAGE;
+  static constexpr int BAR = IDS + STAGES * IDS_SLOT;
+  static constexpr int BYTES = BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+  static_assert(BYTES <= 232448, "shared memory plan above 227 KiB");
+};
 
 struct Params {
   CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (D, heads, rows) of [B * S, heads, D]
@@ -77,9 +85,11 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
+  const int* full_lower; // [B, n_tiles]: the blocks [full_lower, full_upper) keep every pair
+  const int* full_upper;
   __nv_bfloat16* dk;     // [B, Skv, KH, D]
   __nv_bfloat16* dv;
-  float* dq_accum;       // [B, H, 2, Sq, 64]
+  float* dq_accum;       // v0: [B, H, 2, Sq, 64]; v1: [B, H, Sq, 128]
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
@@ -195,6 +205,32 @@ __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint
       : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
 }
 
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both from shared memory.
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void wgmma_64x128_ss(float (&d)[64], uint64_t da, uint64_t db,
+                                                int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, %67, %68;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+        "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+}
+
 // D[64 x 128] += A[64 x 16] (registers, bf16 pairs) B[16 x 128] (shared memory, MN-major).
 __device__ __forceinline__ void wgmma_64x128_rs(float (&d)[64], const uint32_t (&a)[4],
                                                 uint64_t db) {
@@ -234,12 +270,14 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
+template <bool V1>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
+  using P = Plan<V1>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
   const uint32_t base = smem_u32(smem);
-  const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
+  const uint32_t bar_full = base + P::BAR;                 // STAGES barriers: slot loaded
   const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
   const uint32_t bar_kv = bar_empty + 8 * STAGES;           // K and V loaded
 
@@ -247,6 +285,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
+  const int full_lo = V1 ? p.full_lower[b * n_tiles + tile] : 0;
+  const int full_hi = V1 ? p.full_upper[b * n_tiles + tile] : 0;
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -276,7 +316,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
         const int head = kv_head * group + n / steps_per_head;
         const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
         const uint32_t slot = base + OFF_RING + s * SLOT;
-        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
+        const uint32_t ids = base + P::IDS + s * IDS_SLOT;
         const uint32_t full = bar_full + 8 * s;
         mbar_expect_tx(full, 4 * HALF_Q + IDS_SLOT);
         for (int h = 0; h < 2; ++h) {
@@ -317,9 +357,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = kv_head * group + n / steps_per_head;
-    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const int qb = lo + n % steps_per_head;  // this step's 64-row query block
+    const int q0 = qb * Q_BLOCK;
+    const bool full = V1 && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
-    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
+    const float* ids = reinterpret_cast<const float*>(smem + P::IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
@@ -343,30 +385,40 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     wg_wait<0>();
 
     // P^T and dS^T (f32 -> bf16 A fragments). Element i of the accumulator: row r0 + 8 * ((i / 2)
-    // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2.
+    // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side values of a column pair
+    // come as one 8-byte load each (v1), the ids only in masked blocks.
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + Q_BLOCK;
     const float* lse = ids + 2 * Q_BLOCK;
     const float* delta = ids + 3 * Q_BLOCK;
     uint32_t pa[16], dsa[16];
 #pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int col = 8 * (i / 4) + 2 * (lane % 4);
-      const bool second_row = (i / 2) % 2;
-      const int kp = second_row ? kvp1 : kvp0, ks = second_row ? kvs1 : kvs0;
-      float pv[2], dsv[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int qc = col + e;
-        const int qs = qseg[qc];
-        bool keep = (qs == ks) && (qs != -1);
-        if (p.causal) keep = keep && (kp <= qpos[qc]);
-        const float prob = keep ? exp2f(st[i + e] * sl2 - lse[qc] * 1.4426950408889634f) : 0.f;
-        pv[e] = prob;
-        dsv[e] = prob * (dpt[i + e] - delta[qc]);
+    for (int j = 0; j < 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+      const float2 d2 = *reinterpret_cast<const float2*>(delta + col);
+      int2 qp2 = make_int2(0, 0), qs2 = make_int2(0, 0);
+      if (!full) {
+        qp2 = *reinterpret_cast<const int2*>(qpos + col);
+        qs2 = *reinterpret_cast<const int2*>(qseg + col);
       }
-      pa[i / 2] = pack_bf16(pv[0], pv[1]);
-      dsa[i / 2] = pack_bf16(dsv[0], dsv[1]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
+        const int i = 4 * j + 2 * half;
+        const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+        float pv[2], dsv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
+          bool keep = full || ((qs == ks) && (qs != -1) && (!p.causal || kp <= qp));
+          const float lv = e ? l2.y : l2.x, dv_ = e ? d2.y : d2.x;
+          const float prob = keep ? exp2f(st[i + e] * sl2 - lv * 1.4426950408889634f) : 0.f;
+          pv[e] = prob;
+          dsv[e] = prob * (dpt[i + e] - dv_);
+        }
+        pa[i / 2] = pack_bf16(pv[0], pv[1]);
+        dsa[i / 2] = pack_bf16(dsv[0], dsv[1]);
+      }
     }
 
     // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
@@ -385,9 +437,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     }
     wg_commit();
 
-    // dS [q][kv] in shared memory: this consumer's 64 kv columns are kv half c (K-major A of
-    // the dQ product: rows = query, 64 kv per 128-byte row). Double-buffered by step parity.
-    uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
+    // dS [q][kv] in shared memory (K-major A of the dQ product: rows = query, 64 kv per 128-byte
+    // row). v0: this consumer's 64 kv columns are kv half c of a buffer both consumers fill
+    // (double-buffered by step parity); v1: a buffer of its own.
+    uint8_t* ds_buf = V1 ? smem + P::DS + c * HALF_Q
+                         : smem + P::DS + (n % 2) * (2 * HALF_Q) + c * HALF_Q;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
@@ -397,41 +451,81 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col + 1, row)) = v2.y;
     }
     fence_async_smem();
-    named_sync(1, 256);  // both consumers' dS halves written
+    float* stage = reinterpret_cast<float*>(smem + P::DQ + c * P::DQ_STAGE);
+    if constexpr (!V1) {
+      named_sync(1, 256);  // both consumers' dS halves written
 
-    // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
-    // kv rows; dS K-major, K MN-major (column half c of the K tile).
-    float dq[32];
-    wg_fence();
-    const uint32_t ds_base = base + OFF_DS + (n % 2) * DS_BUF;
+      // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
+      // kv rows; dS K-major, K MN-major (column half c of the K tile).
+      float dq[32];
+      wg_fence();
+      const uint32_t ds_base = base + P::DS + (n % 2) * (2 * HALF_Q);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
-                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
-                           k > 0);
-    }
-    wg_commit();
-    wg_wait<0>();
-    if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+        wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
+                             desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
+                             k > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+      if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
 
-    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 : q0 + 64, :].
-    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
-    if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
-    named_sync(2 + c, 128);
+      // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 : q0 + 64, :].
+      if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
+      named_sync(2 + c, 128);
 #pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int row = r0 + 8 * ((i / 2) % 2);
-      const int col = 8 * (i / 4) + 2 * (lane % 4);
-      *reinterpret_cast<float2*>(stage + row * 64 + col) = make_float2(dq[i], dq[i + 1]);
-    }
-    fence_async_smem();
-    named_sync(2 + c, 128);
-    if (t == 0) {
-      float* dst = p.dq_accum +
-                   ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
-      bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
-      bulk_commit();
+      for (int i = 0; i < 32; i += 2) {
+        const int row = r0 + 8 * ((i / 2) % 2);
+        const int col = 8 * (i / 4) + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(stage + row * 64 + col) = make_float2(dq[i], dq[i + 1]);
+      }
+      fence_async_smem();
+      named_sync(2 + c, 128);
+      if (t == 0) {
+        float* dst = p.dq_accum +
+                     ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
+        bulk_reduce_add_f32(dst, smem_u32(stage), P::DQ_STAGE);
+        bulk_commit();
+      }
+    } else {
+      named_sync(2 + c, 128);  // this warpgroup's dS rows written
+      // dV / dK done before dQ's accumulator is live: P^T and dS^T (their A operands) die here
+      // (with both in flight ptxas serializes the wgmmas for want of registers: C7512)
+      wg_wait<0>();
+
+      // This consumer's share of dQ: dS[:, kv half c] K[kv half c, :]: M = 64 query rows,
+      // N = 128 (d), K = 64 kv rows; dS K-major, K MN-major (rows 64c.. of both column halves).
+      float dq[64];
+      wg_fence();
+      const uint32_t ds_base = base + P::DS + c * HALF_Q;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        wgmma_64x128_ss<0, 1>(dq, desc_sw128(ds_base + k * 32, 16, 1024),
+                              desc_sw128(k_c + k * 2048, HALF_KV, 1024), k > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+      if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+
+      // Stage it and bulk reduce-add into dq_accum[b, head, q0 : q0 + 64, :] (both consumers
+      // add into the same rows).
+      if (t == 0) bulk_wait_read0();
+      named_sync(2 + c, 128);
+#pragma unroll
+      for (int i = 0; i < 64; i += 2) {
+        const int row = r0 + 8 * ((i / 2) % 2);
+        const int col = 8 * (i / 4) + 2 * (lane % 4);
+        *reinterpret_cast<float2*>(stage + row * 128 + col) = make_float2(dq[i], dq[i + 1]);
+      }
+      fence_async_smem();
+      named_sync(2 + c, 128);
+      if (t == 0) {
+        float* dst = p.dq_accum +
+                     ((static_cast<size_t>(b) * p.heads + head) * p.s_q + q0) * 128;
+        bulk_reduce_add_f32(dst, smem_u32(stage), P::DQ_STAGE);
+        bulk_commit();
+      }
     }
   }
   if (t == 0) bulk_wait0();
@@ -494,7 +588,9 @@ static ffi::Error FusedBackwardImpl(
     ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, ffi::ResultBuffer<ffi::BF16> dk,
+    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> full_lower,
+    ffi::Buffer<ffi::S32> full_upper, float scale, int32_t causal, int32_t variant,
+    ffi::ResultBuffer<ffi::BF16> dk,
     ffi::ResultBuffer<ffi::BF16> dv, ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[3] != D || kd[3] != D)
@@ -521,6 +617,8 @@ static ffi::Error FusedBackwardImpl(
   p.delta = delta.typed_data();
   p.lower = lower.typed_data();
   p.upper = upper.typed_data();
+  p.full_lower = full_lower.typed_data();
+  p.full_upper = full_upper.typed_data();
   p.dk = reinterpret_cast<__nv_bfloat16*>(dk->untyped_data());
   p.dv = reinterpret_cast<__nv_bfloat16*>(dv->untyped_data());
   p.dq_accum = dq_accum->typed_data();
@@ -533,12 +631,19 @@ static ffi::Error FusedBackwardImpl(
   cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   static std::once_flag attr;
   std::call_once(attr, [] {
-    cudaFuncSetAttribute(fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         SMEM_BYTES);
+    cudaFuncSetAttribute(fused_backward_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         Plan<false>::BYTES);
+    cudaFuncSetAttribute(fused_backward_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         Plan<true>::BYTES);
   });
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  fused_backward_kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  if (variant == 1)
+    fused_backward_kernel<true><<<grid, THREADS, Plan<true>::BYTES, stream>>>(p);
+  else if (variant == 0)
+    fused_backward_kernel<false><<<grid, THREADS, Plan<false>::BYTES, stream>>>(p);
+  else
+    return ffi::Error::InvalidArgument("variant: expected 0 or 1");
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -561,8 +666,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()    // lower
                                   .Arg<ffi::Buffer<ffi::S32>>()    // upper
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_lower
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_upper
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("variant")
                                   .Ret<ffi::Buffer<ffi::BF16>>()   // dk
                                   .Ret<ffi::Buffer<ffi::BF16>>()   // dv
                                   .Ret<ffi::Buffer<ffi::F32>>());  // dq_accum

@@ -2,7 +2,7 @@
 
     lib = load()                                   # libkvax_sm90_bwd.so next to this file
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                lower, upper, scale=..., causal=True)
+                                tile_bounds(mask), scale=..., causal=True, variant="v1")
 
 `attention` wraps it as the backward of the Mosaic forward (a custom VJP), for checks against
 the float32 reference and for timing against the Mosaic backward and cuDNN.
@@ -38,43 +38,61 @@ def load(path: str | None = None) -> ctypes.CDLL:
   return lib
 
 
-def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
-  """(lower, upper) int32 [B, Skv / 128]: each 128-row kv tile's visited query rows, in 64-row
-  blocks, from the mask's dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
+def tile_bounds(mask) -> tuple[jax.Array, ...]:
+  """(lower, upper, full_lower, full_upper) int32 [B, Skv / 128]: each 128-row kv tile's visited
+  query rows and the run of them where every pair is kept, in 64-row blocks, from the mask's
+  dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
   bq = mask.spec.bwd_params.query_block_size
   bkv = mask.spec.bwd_params.kv_block_size
   if bkv != KV_TILE or bq % Q_BLOCK:
     raise ValueError(f"mask: backward blocks {bq} x {bkv}; this kernel needs kv blocks of "
                      f"{KV_TILE} and query blocks a multiple of {Q_BLOCK}")
   f = bq // Q_BLOCK
-  return (mask.dkv.lower * f).astype(jnp.int32), (mask.dkv.upper * f).astype(jnp.int32)
+  return tuple((x * f).astype(jnp.int32) for x in mask.dkv)
 
 
-def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, *,
-                   scale: float, causal: bool):
+VARIANTS = {
+    # v0: dS shared by the two consumers, each computing 64 of dQ's 128 columns (one exchange
+    # barrier per step); every visited block masked per element
+    "v0": 0,
+    # v1: each consumer computes the full-width dQ share of its own 64 kv rows (no exchange, so
+    # the consumers drift and overlap); blocks the table marks full skip the mask
+    "v1": 1,
+}
+
+
+def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
+                   scale: float, causal: bool, variant: str = "v1"):
   """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
-  positions / segment ids int32 [B, S]; lower, upper from tile_bounds. Returns dq [B, S, H,
-  128] bf16 and dk, dv [B, S, KH, 128] bf16."""
+  positions / segment ids int32 [B, S]; bounds from tile_bounds. Returns dq [B, S, H, 128]
+  (q.dtype) and dk, dv [B, S, KH, 128] bf16."""
   b, s, h, d = q.shape
   kh = k.shape[2]
   if d != HEAD_DIM or k.shape[1] != s or s % KV_TILE or h % kh:
     raise ValueError(f"q {q.shape}, k {k.shape}: expected head dim {HEAD_DIM}, Sq == Skv a "
                      f"multiple of {KV_TILE}, query heads a multiple of kv heads")
+  if variant not in VARIANTS:
+    raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
+  accum_shape = (b, h, 2, s, 64) if variant == "v0" else (b, h, s, 128)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, jnp.bfloat16), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-       jax.ShapeDtypeStruct((b, h, 2, s, 64), jnp.float32)),
+       jax.ShapeDtypeStruct(accum_shape, jnp.float32)),
   )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse.astype(jnp.float32),
-    delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg), i32(lower),
-    i32(upper), scale=np.float32(scale), causal=np.int32(bool(causal)))
-  # dq_accum[b, h, half, s, c] holds dS K for columns 64 half + c (unscaled)
-  dq = (dq_accum * scale).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
-  return dq.astype(q.dtype), dk, dv
+    delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
+    *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
+    variant=np.int32(VARIANTS[variant]))
+  if variant == "v0":  # dq_accum[b, h, half, s, c]: dS K for columns 64 half + c (unscaled)
+    dq = dq_accum.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+  else:  # dq_accum[b, h, s, :]
+    dq = dq_accum.transpose(0, 2, 1, 3)
+  return (dq * scale).astype(q.dtype), dk, dv
 
 
-def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float):
+def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
+              variant: str = "v1"):
   """Attention with the Mosaic forward and this backward (custom VJP in q, k, v)."""
   from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
@@ -83,7 +101,7 @@ def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float):
                       interpret=False)
   sinks = jnp.zeros((q.shape[2],), jnp.float32)
   ints = tuple(x.astype(jnp.int32) for x in (q_pos, q_seg, kv_pos, kv_seg))
-  lower, upper = tile_bounds(mask)
+  bounds = tile_bounds(mask)
 
   @jax.custom_vjp
   def run(q, k, v):
@@ -96,8 +114,8 @@ def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float):
   def bwd(res, d_out):
     q, k, v, out, lse = res
     delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return fused_backward(q, k, v, d_out, lse, delta, *ints, lower, upper, scale=scale,
-                          causal=cfg.causal)
+    return fused_backward(q, k, v, d_out, lse, delta, *ints, bounds, scale=scale,
+                          causal=cfg.causal, variant=variant)
 
   run.defvjp(fwd, bwd)
   return run(q, k, v)
