@@ -60,20 +60,13 @@ constexpr int OFF_RING = OFF_V + 2 * HALF_KV;   // per stage: Q halves, dO halve
 constexpr int SLOT = 4 * HALF_Q;
 constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;        // per stage: q_pos, q_seg, lse, delta
 
-// The rest of the plan depends on the variant. V1 = false (v0): dS [64 q][128 kv] shared by the
-// consumers (two kv halves), double-buffered; a [64][64] float32 dQ part per consumer. V1: each
-// consumer keeps its own dS half [64 q][64 kv] and a full-width [64][128] float32 dQ part.
-template <bool V1>
-struct Plan {
-  static constexpr int DS = OFF_RING + STAGES * SLOT;
-  static constexpr int DS_BYTES = V1 ? CONSUMERS * HALF_Q : 2 * 2 * HALF_Q;
-  static constexpr int DQ = DS + DS_BYTES;
-  static constexpr int DQ_STAGE = Q_BLOCK * (V1 ? 128 : 64) * 4;
-  static constexpr int IDS = DQ + CONSUMERS * DQ_STAGE;
-  static constexpr int BAR = IDS + STAGES * IDS_SLOT;
-  static constexpr int BYTES = BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
-  static_assert(BYTES <= 232448, "shared memory plan above 227 KiB");
-};
+constexpr int OFF_DS = OFF_RING + STAGES * SLOT;  // dS [64 q][128 kv] as two kv halves, x2
+constexpr int DS_BUF = 2 * HALF_Q;
+constexpr int OFF_DQ = OFF_DS + 2 * DS_BUF;       // per consumer: dQ part [64][64] f32
+constexpr int DQ_STAGE = Q_BLOCK * 64 * 4;
+constexpr int OFF_IDS = OFF_DQ + CONSUMERS * DQ_STAGE;
+constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
+constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
 
 struct Params {
   CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (D, heads, rows) of [B * S, heads, D]
@@ -89,7 +82,8 @@ struct Params {
   const int* full_upper;
   __nv_bfloat16* dk;     // [B, Skv, KH, D]
   __nv_bfloat16* dv;
-  float* dq_accum;       // v0: [B, H, 2, Sq, 64]; v1: [B, H, Sq, 128]
+  float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
+                         // row-major (v0) or in the consumers' fragment order (v2)
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
@@ -270,14 +264,13 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
-template <bool V1>
+template <bool V2>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
-  using P = Plan<V1>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
   const uint32_t base = smem_u32(smem);
-  const uint32_t bar_full = base + P::BAR;                 // STAGES barriers: slot loaded
+  const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
   const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
   const uint32_t bar_kv = bar_empty + 8 * STAGES;           // K and V loaded
 
@@ -285,8 +278,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
-  const int full_lo = V1 ? p.full_lower[b * n_tiles + tile] : 0;
-  const int full_hi = V1 ? p.full_upper[b * n_tiles + tile] : 0;
+  const int full_lo = V2 ? p.full_lower[b * n_tiles + tile] : 0;
+  const int full_hi = V2 ? p.full_upper[b * n_tiles + tile] : 0;
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -316,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
         const int head = kv_head * group + n / steps_per_head;
         const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
         const uint32_t slot = base + OFF_RING + s * SLOT;
-        const uint32_t ids = base + P::IDS + s * IDS_SLOT;
+        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
         const uint32_t full = bar_full + 8 * s;
         mbar_expect_tx(full, 4 * HALF_Q + IDS_SLOT);
         for (int h = 0; h < 2; ++h) {
@@ -359,9 +352,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int head = kv_head * group + n / steps_per_head;
     const int qb = lo + n % steps_per_head;  // this step's 64-row query block
     const int q0 = qb * Q_BLOCK;
-    const bool full = V1 && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
+    const bool full = V2 && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
-    const float* ids = reinterpret_cast<const float*>(smem + P::IDS + s * IDS_SLOT);
+    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
@@ -386,7 +379,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
     // P^T and dS^T (f32 -> bf16 A fragments). Element i of the accumulator: row r0 + 8 * ((i / 2)
     // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side values of a column pair
-    // come as one 8-byte load each (v1), the ids only in masked blocks.
+    // come as one 8-byte load each, the ids only in masked blocks (v2: the table's full blocks
+    // keep every pair).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + Q_BLOCK;
     const float* lse = ids + 2 * Q_BLOCK;
@@ -438,94 +432,76 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     wg_commit();
 
     // dS [q][kv] in shared memory (K-major A of the dQ product: rows = query, 64 kv per 128-byte
-    // row). v0: this consumer's 64 kv columns are kv half c of a buffer both consumers fill
-    // (double-buffered by step parity); v1: a buffer of its own.
-    uint8_t* ds_buf = V1 ? smem + P::DS + c * HALF_Q
-                         : smem + P::DS + (n % 2) * (2 * HALF_Q) + c * HALF_Q;
+    // row): this consumer's 64 kv columns are kv half c of a buffer both consumers fill
+    // (double-buffered by step parity).
+    uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
+    if constexpr (V2) {
+      // stmatrix .trans: register pair i of dS^T is, per lane, row r0 + 8 (i % 2) and columns
+      // 8 (i / 2) + 2 (lane % 4) + {0, 1} of an 8 x 8 matrix's fragment (the ldmatrix layout);
+      // stored transposed, memory row k of matrix (h, j) is query 8 j + k, holding kv rows
+      // 16 warp + 8 h .. + 7 (16 contiguous bytes). x4 call g covers j = 2g, 2g + 1, h = 0, 1;
+      // lane l gives the address of row l % 8 of matrix l / 8.
+      const int m = lane / 8, k = lane % 8;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
-      const int row = r0 + 8 * (i % 2);                 // kv column of dS within the half
-      const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&dsa[i]);
-      *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col, row)) = v2.x;
-      *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col + 1, row)) = v2.y;
-    }
-    fence_async_smem();
-    float* stage = reinterpret_cast<float*>(smem + P::DQ + c * P::DQ_STAGE);
-    if constexpr (!V1) {
-      named_sync(1, 256);  // both consumers' dS halves written
-
-      // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
-      // kv rows; dS K-major, K MN-major (column half c of the K tile).
-      float dq[32];
-      wg_fence();
-      const uint32_t ds_base = base + P::DS + (n % 2) * (2 * HALF_Q);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-        wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
-                             desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
-                             k > 0);
-      }
-      wg_commit();
-      wg_wait<0>();
-      if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
-
-      // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 : q0 + 64, :].
-      if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
-      named_sync(2 + c, 128);
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int row = r0 + 8 * ((i / 2) % 2);
-        const int col = 8 * (i / 4) + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(stage + row * 64 + col) = make_float2(dq[i], dq[i + 1]);
-      }
-      fence_async_smem();
-      named_sync(2 + c, 128);
-      if (t == 0) {
-        float* dst = p.dq_accum +
-                     ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
-        bulk_reduce_add_f32(dst, smem_u32(stage), P::DQ_STAGE);
-        bulk_commit();
+      for (int g = 0; g < 4; ++g) {
+        const int j = 2 * g + m / 2, h = m % 2;
+        const uint32_t addr = smem_u32(ds_buf) + sw128_offset(8 * j + k, 16 * warp + 8 * h);
+        asm volatile(
+            "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+            ::"r"(addr), "r"(dsa[4 * g]), "r"(dsa[4 * g + 1]), "r"(dsa[4 * g + 2]),
+            "r"(dsa[4 * g + 3])
+            : "memory");
       }
     } else {
-      named_sync(2 + c, 128);  // this warpgroup's dS rows written
-      // dV / dK done before dQ's accumulator is live: P^T and dS^T (their A operands) die here
-      // (with both in flight ptxas serializes the wgmmas for want of registers: C7512)
-      wg_wait<0>();
-
-      // This consumer's share of dQ: dS[:, kv half c] K[kv half c, :]: M = 64 query rows,
-      // N = 128 (d), K = 64 kv rows; dS K-major, K MN-major (rows 64c.. of both column halves).
-      float dq[64];
-      wg_fence();
-      const uint32_t ds_base = base + P::DS + c * HALF_Q;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        wgmma_64x128_ss<0, 1>(dq, desc_sw128(ds_base + k * 32, 16, 1024),
-                              desc_sw128(k_c + k * 2048, HALF_KV, 1024), k > 0);
+      for (int i = 0; i < 16; ++i) {
+        const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
+        const int row = r0 + 8 * (i % 2);                 // kv column of dS within the half
+        const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&dsa[i]);
+        *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col, row)) = v2.x;
+        *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col + 1, row)) = v2.y;
       }
-      wg_commit();
-      wg_wait<0>();
-      if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+    }
+    fence_async_smem();
+    named_sync(1, 256);  // both consumers' dS halves written
 
-      // Stage it and bulk reduce-add into dq_accum[b, head, q0 : q0 + 64, :] (both consumers
-      // add into the same rows).
-      if (t == 0) bulk_wait_read0();
-      named_sync(2 + c, 128);
+    // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
+    // kv rows; dS K-major, K MN-major (column half c of the K tile).
+    float dq[32];
+    wg_fence();
+    const uint32_t ds_base = base + OFF_DS + (n % 2) * DS_BUF;
 #pragma unroll
-      for (int i = 0; i < 64; i += 2) {
-        const int row = r0 + 8 * ((i / 2) % 2);
-        const int col = 8 * (i / 4) + 2 * (lane % 4);
-        *reinterpret_cast<float2*>(stage + row * 128 + col) = make_float2(dq[i], dq[i + 1]);
-      }
-      fence_async_smem();
-      named_sync(2 + c, 128);
-      if (t == 0) {
-        float* dst = p.dq_accum +
-                     ((static_cast<size_t>(b) * p.heads + head) * p.s_q + q0) * 128;
-        bulk_reduce_add_f32(dst, smem_u32(stage), P::DQ_STAGE);
-        bulk_commit();
-      }
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
+                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
+                           k > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+
+    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 / 64]. v0 stages it
+    // row-major (8-way bank conflicts: rows are 256 B apart); v2 in fragment order, register
+    // pair i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run
+    // per warp and pair (the JAX side undoes the order).
+    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
+    if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
+    named_sync(2 + c, 128);
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = r0 + 8 * ((i / 2) % 2);
+      const int col = 8 * (i / 4) + 2 * (lane % 4);
+      float* at = V2 ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
+      *reinterpret_cast<float2*>(at) = make_float2(dq[i], dq[i + 1]);
+    }
+    fence_async_smem();
+    named_sync(2 + c, 128);
+    if (t == 0) {
+      float* dst = p.dq_accum +
+                   ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
+      bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
+      bulk_commit();
     }
   }
   if (t == 0) bulk_wait0();
@@ -632,18 +608,18 @@ static ffi::Error FusedBackwardImpl(
   static std::once_flag attr;
   std::call_once(attr, [] {
     cudaFuncSetAttribute(fused_backward_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         Plan<false>::BYTES);
+                         SMEM_BYTES);
     cudaFuncSetAttribute(fused_backward_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         Plan<true>::BYTES);
+                         SMEM_BYTES);
   });
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  if (variant == 1)
-    fused_backward_kernel<true><<<grid, THREADS, Plan<true>::BYTES, stream>>>(p);
+  if (variant == 2)
+    fused_backward_kernel<true><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
   else if (variant == 0)
-    fused_backward_kernel<false><<<grid, THREADS, Plan<false>::BYTES, stream>>>(p);
+    fused_backward_kernel<false><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
   else
-    return ffi::Error::InvalidArgument("variant: expected 0 or 1");
+    return ffi::Error::InvalidArgument("variant: expected 0 or 2");
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();

@@ -2,7 +2,7 @@
 
     lib = load()                                   # libkvax_sm90_bwd.so next to this file
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True, variant="v1")
+                                tile_bounds(mask), scale=..., causal=True, variant="v0")
 
 `attention` wraps it as the backward of the Mosaic forward (a custom VJP), for checks against
 the float32 reference and for timing against the Mosaic backward and cuDNN.
@@ -52,17 +52,33 @@ def tile_bounds(mask) -> tuple[jax.Array, ...]:
 
 
 VARIANTS = {
-    # v0: dS shared by the two consumers, each computing 64 of dQ's 128 columns (one exchange
-    # barrier per step); every visited block masked per element
+    # v0 (measured, session 18): dS shared by the two consumers, each computing 64 of dQ's 128
+    # columns; every visited block masked per element; dS stored element by element; the dQ
+    # part staged row-major
     "v0": 0,
-    # v1: each consumer computes the full-width dQ share of its own 64 kv rows (no exchange, so
-    # the consumers drift and overlap); blocks the table marks full skip the mask
-    "v1": 1,
+    # v2 (prepared, not yet run on a GPU): v0 plus the table's full blocks unmasked, dS stored
+    # with stmatrix .trans, the dQ part staged in the consumers' fragment order
+    "v2": 2,
 }
+# Measured and removed (session 18, H100, 16k backward): v1, each consumer computing the
+# full-width dQ share of its own kv rows (no dS exchange): 20.2 ms causal against v0's 16.9
+# (it doubles the dq reduce traffic and must retire dV / dK before its 64-register dQ
+# accumulator fits: ptxas C7512 otherwise).
+
+
+def unpermute_fragment_order(accum):
+  """[..., 4096] in v2's staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
+  of thread t = 32 w + 4 a + b holds row 16 w + 8 ph + a, columns 8 pj + 2 b + {0, 1}, at float
+  offset (p * 128 + t) * 2."""
+  lead = accum.shape[:-1]
+  x = accum.reshape(*lead, 8, 2, 4, 8, 4, 2)  # pj, ph, w, a, b, e
+  n = len(lead)
+  x = x.transpose(*range(n), n + 2, n + 1, n + 3, n + 0, n + 4, n + 5)  # w, ph, a, pj, b, e
+  return x.reshape(*lead, 64, 64)
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
-                   scale: float, causal: bool, variant: str = "v1"):
+                   scale: float, causal: bool, variant: str = "v0"):
   """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
   positions / segment ids int32 [B, S]; bounds from tile_bounds. Returns dq [B, S, H, 128]
   (q.dtype) and dk, dv [B, S, KH, 128] bf16."""
@@ -75,24 +91,25 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
-  accum_shape = (b, h, 2, s, 64) if variant == "v0" else (b, h, s, 128)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, jnp.bfloat16), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
-       jax.ShapeDtypeStruct(accum_shape, jnp.float32)),
+       jax.ShapeDtypeStruct((b, h, 2, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
   )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse.astype(jnp.float32),
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(VARIANTS[variant]))
-  if variant == "v0":  # dq_accum[b, h, half, s, c]: dS K for columns 64 half + c (unscaled)
-    dq = dq_accum.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
-  else:  # dq_accum[b, h, s, :]
-    dq = dq_accum.transpose(0, 2, 1, 3)
+  # dq_accum[b, h, half, block]: dS K for query rows 64 block.. and columns 64 half.. (unscaled)
+  if variant == "v2":
+    block = unpermute_fragment_order(dq_accum)
+  else:
+    block = dq_accum.reshape(b, h, 2, s // Q_BLOCK, Q_BLOCK, 64)
+  dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, s, h, d)
   return (dq * scale).astype(q.dtype), dk, dv
 
 
 def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
-              variant: str = "v1"):
+              variant: str = "v0"):
   """Attention with the Mosaic forward and this backward (custom VJP in q, k, v)."""
   from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 

@@ -1,0 +1,110 @@
+"""The JAX side of the CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90), on the
+CPU: the block bounds it takes from the mask, its argument checks, and the index maps its v2
+kernel uses (dS stored with stmatrix .trans, the dQ part staged in fragment order), simulated
+from the kernel's formulas and inverted by the JAX side. The kernel itself runs in
+tests/gpu/test_cuda_sm90_gpu.py (a Hopper GPU and the built shared object)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvax_plugin.attention.block_mask import FlashAttentionParamsConfig, create_attention_mask
+from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
+
+import layouts
+
+
+def test_tile_bounds_are_the_dkv_table_in_64_row_blocks():
+  pos, seg = layouts.packed_documents(np.random.default_rng(1), 1, 1024, num_docs=4, pad_tail=50)
+  mask = create_attention_mask(jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos),
+                               jnp.asarray(seg), calc_bwd_mask=True)
+  bounds = cuda_bwd.tile_bounds(mask)
+  assert mask.spec.bwd_params.query_block_size == 128
+  for got, table in zip(bounds, mask.dkv):
+    assert got.dtype == jnp.int32 and got.shape == (1, 1024 // 128)
+    np.testing.assert_array_equal(np.asarray(got), 2 * np.asarray(table))
+  lo, up, flo, fup = (np.asarray(x) for x in bounds)
+  assert ((lo <= flo) & (fup <= up)).all()
+  causal = np.arange(512, dtype=np.int32)[None]
+  small_kv = create_attention_mask(
+      jnp.asarray(causal), jnp.zeros((1, 512), jnp.int32), jnp.asarray(causal),
+      jnp.zeros((1, 512), jnp.int32), calc_bwd_mask=True,
+      bwd_params=FlashAttentionParamsConfig(query_block_size=128, kv_block_size=64))
+  with pytest.raises(ValueError, match="kv blocks of 128"):
+    cuda_bwd.tile_bounds(small_kv)
+
+
+def test_fused_backward_rejects_what_the_kernel_does_not_cover():
+  z = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  ids = jnp.zeros((1, 256), jnp.int32)
+  bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
+  stats = jnp.zeros((1, 4, 256), jnp.float32)
+  with pytest.raises(ValueError, match="expected head dim 128"):
+    cuda_bwd.fused_backward(z(1, 256, 4, 64), z(1, 256, 2, 64), z(1, 256, 2, 64),
+                            z(1, 256, 4, 64), stats, stats, ids, ids, ids, ids, bounds,
+                            scale=0.1, causal=True)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
+                            z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
+                            scale=0.1, causal=True)
+  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v0', 'v2'\]"):
+    cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
+                            z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
+                            scale=0.1, causal=True, variant="v1")
+
+
+def _fragment(t: int, pair: int):
+  """(row, col) of the first of the two elements of accumulator pair `pair` of thread t in a
+  wgmma m64nN float32 accumulator (the kernel's comment: row r0 + 8 ((i / 2) % 2), column
+  8 (i / 4) + 2 (lane % 4) with i = 2 pair)."""
+  warp, lane = divmod(t, 32)
+  return 16 * warp + lane // 4 + 8 * (pair % 2), 8 * (pair // 2) + 2 * (lane % 4)
+
+
+def test_dq_staging_order_is_undone_by_the_jax_side():
+  """v2 stages register pair p of thread t at float offset (p * 128 + t) * 2; after the bulk
+  reduce-add the JAX side's unpermute_fragment_order must give the 64 x 64 block back."""
+  block = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  staged = np.zeros(64 * 64, np.float32)
+  for t in range(128):
+    for p in range(16):
+      row, col = _fragment(t, p)
+      staged[(p * 128 + t) * 2:(p * 128 + t) * 2 + 2] = block[row, col:col + 2]
+  back = np.asarray(cuda_bwd.unpermute_fragment_order(jnp.asarray(staged)[None]))[0]
+  np.testing.assert_array_equal(back, block)
+
+
+def _sw128(row: int, col: int) -> int:
+  """Byte offset of bf16 element (row, col) in a [rows][64] tile with the 128-byte swizzle."""
+  return row * 128 + ((col >> 3) ^ (row & 7)) * 16 + (col & 7) * 2
+
+
+def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
+  """v2 stores dS^T (the consumer's registers: kv rows x query columns) with four
+  stmatrix.m8n8.x4.trans per warp: call g, lane l addresses row l % 8 of matrix m = l / 8,
+  (h, j) = (m % 2, 2 g + m / 2), at query 8 j + l % 8, kv 16 warp + 8 h; register m of each lane
+  is pair 4 g + m. stmatrix's fragment: lane L holds matrix row L / 4, columns 2 (L % 4) + {0,
+  1}; .trans writes matrix column k as the 8 contiguous elements at lane 8 m + k's address.
+  Reading the image as the dQ product's K-major operand (element (q, kv) at _sw128(q, kv))
+  must give dS = (dS^T)^T."""
+  ds_t = np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)  # [kv][q]
+  image = {}
+  for warp in range(4):
+    for g in range(4):
+      for m in range(4):
+        h, j = m % 2, 2 * g + m // 2
+        pair = 4 * g + m
+        # the 8 x 8 matrix m as held in registers: lane L has row L / 4, cols 2 (L % 4) + e
+        matrix = np.zeros((8, 8), np.float32)
+        for lane in range(32):
+          row, col = _fragment(32 * warp + lane, pair)
+          assert (row, col) == (16 * warp + 8 * h + lane // 4, 8 * j + 2 * (lane % 4))
+          matrix[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = ds_t[row, col:col + 2]
+        for k in range(8):  # lane 8 m + k: memory row k <- matrix column k
+          base = _sw128(8 * j + k, 16 * warp + 8 * h)
+          for e in range(8):
+            image[base + 2 * e] = matrix[e, k]
+  ds = np.array([[image[_sw128(q, kv)] for kv in range(64)] for q in range(64)])
+  np.testing.assert_array_equal(ds, ds_t.T)
