@@ -4,8 +4,9 @@
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                                 tile_bounds(mask), scale=..., causal=True, variant="v0")
 
-`attention` wraps it as the backward of the Mosaic forward (a custom VJP), for checks against
-the float32 reference and for timing against the Mosaic backward and cuDNN.
+benchmarks/cuda_backward_check.py wraps it as the backward of the Mosaic forward (a custom VJP)
+to check it against the float32 reference and time it against the Mosaic backward and cuDNN;
+this module imports no other kernel backend (a leaf, tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -106,33 +107,3 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     block = dq_accum.reshape(b, h, 2, s // Q_BLOCK, Q_BLOCK, 64)
   dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, s, h, d)
   return (dq * scale).astype(q.dtype), dk, dv
-
-
-def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
-              variant: str = "v0"):
-  """Attention with the Mosaic forward and this backward (custom VJP in q, k, v)."""
-  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
-
-  cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
-                      causal=bool(mask.spec.causal), window=0, deterministic=True,
-                      interpret=False)
-  sinks = jnp.zeros((q.shape[2],), jnp.float32)
-  ints = tuple(x.astype(jnp.int32) for x in (q_pos, q_seg, kv_pos, kv_seg))
-  bounds = tile_bounds(mask)
-
-  @jax.custom_vjp
-  def run(q, k, v):
-    return mosaic._forward(cfg, q, k, v, sinks, *ints, mask)[0]
-
-  def fwd(q, k, v):
-    out, lse = mosaic._forward(cfg, q, k, v, sinks, *ints, mask)
-    return out, (q, k, v, out, lse)
-
-  def bwd(res, d_out):
-    q, k, v, out, lse = res
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return fused_backward(q, k, v, d_out, lse, delta, *ints, bounds, scale=scale,
-                          causal=cfg.causal, variant=variant)
-
-  run.defvjp(fwd, bwd)
-  return run(q, k, v)
