@@ -165,9 +165,45 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   return out
 
 
+def plot(result: dict, path: Path) -> None:
+  """Backward ms per implementation, one group of bars per (length, case), the device in the
+  title; each bar labelled with its ms and effective TF/s."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = result["timings"]
+  if not rows:
+    return
+  groups = sorted({(r["seq"], r["case"]) for r in rows})
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  fig, ax = plt.subplots(figsize=(max(7, 2.4 * len(groups)), 4.5))
+  width = 0.8 / len(impls)
+  for i, name in enumerate(impls):
+    for g, key in enumerate(groups):
+      match = [r for r in rows if (r["seq"], r["case"]) == key and r["impl"] == name]
+      if not match:
+        continue
+      x = g + i * width
+      ax.bar(x, match[0]["ms"], width, color=f"C{i}", label=name if g == 0 else None)
+      ax.text(x, match[0]["ms"], f"{match[0]['ms']:.1f}\n{match[0]['tflops']:.0f} TF/s",
+              ha="center", va="bottom", fontsize=7)
+  ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
+  ax.set_xticklabels([f"{s // 1024}k {c}" for s, c in groups])
+  ax.set_ylim(0, 1.18 * max(r["ms"] for r in rows))  # room for the labels
+  ax.set_ylabel("backward ms (lower is better)")
+  ax.set_title(f"attention backward alone, B=1, 32 / 8 heads, D 128, bf16 - "
+               f"{result['conditions']['device']}", fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", type=Path, required=True)
+  ap.add_argument("--plot-from", type=Path, default=None,
+                  help="only draw --out's .png from a saved results .json (no GPU needed)")
   ap.add_argument("--lib", default=None, help="the shared object (default: next to the module)")
   ap.add_argument("--seqs", default="16384")
   ap.add_argument("--cases", default="causal,docs")
@@ -177,6 +213,9 @@ def main():
   ap.add_argument("--variants", default="v0,v2",
                   help="kernel variants (fused_backward.VARIANTS)")
   args = ap.parse_args()
+  if args.plot_from:
+    plot(json.loads(args.plot_from.read_text()), args.out.with_suffix(".png"))
+    return
   cuda_bwd.load(args.lib)
   result = dict(conditions=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                                 argv=sys.argv[1:]), checks=[], timings=[])
@@ -204,6 +243,7 @@ def main():
         say(f"time {seq:6d} {case:6s} {row['impl']:10s} backward {row['ms']:9.3f} ms "
             f"{row['tflops']:6.1f} TF/s  rounds {[round(x, 3) for x in row['ms_rounds']]}")
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+  plot(result, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
