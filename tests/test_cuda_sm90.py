@@ -108,3 +108,20 @@ def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
             image[base + 2 * e] = matrix[e, k]
   ds = np.array([[image[_sw128(q, kv)] for kv in range(64)] for q in range(64)])
   np.testing.assert_array_equal(ds, ds_t.T)
+
+
+def test_timing_plot_draws_from_saved_results(tmp_path):
+  """benchmarks/cuda_backward_check.py --plot-from: the saved session-18 timings (H100) drawn
+  again without a GPU."""
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parents[1]
+  sys.path.insert(0, str(root / "benchmarks"))
+  import json
+
+  import cuda_backward_check as check
+  saved = root / "benchmarks/results/cuda_sm90/s18_bwd_16k_v0_v1_h100.json"
+  result = json.loads(saved.read_text())
+  assert {r["impl"] for r in result["timings"]} == {"mosaic", "cuda_v0", "cuda_v1", "cudnn"}
+  check.plot(result, tmp_path / "t.png")
+  assert (tmp_path / "t.png").stat().st_size > 10_000
