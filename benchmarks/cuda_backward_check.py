@@ -44,6 +44,9 @@ CASES = {
                                                                       chunk=41), 2, 2, True),
     "not_causal_docs_640": (lambda r: layouts.packed_documents(r, 1, 640, num_docs=3,
                                                                huge_ids=True), 8, 2, False),
+    # two batch rows with different documents (not GPU-run yet: added after session 18's calls)
+    "batch2_docs_384": (lambda r: layouts.packed_documents(r, 2, 384, num_docs=3, pad_tail=20),
+                        4, 2, True),
 }
 
 
@@ -86,12 +89,12 @@ def check_case(name: str, variant: str = "v0") -> dict:
   """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
   build, h, kh, causal = CASES[name]
   pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
-  s, d = pos.shape[1], cuda_bwd.HEAD_DIM
+  (b, s), d = pos.shape, cuda_bwd.HEAD_DIM
   keys = jax.random.split(jax.random.PRNGKey(len(name)), 4)
-  q = jax.random.normal(keys[0], (1, s, h, d), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, s, kh, d), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, s, kh, d), jnp.bfloat16)
-  cot = jax.random.normal(keys[3], (1, s, h, d), jnp.float32)
+  q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, kh, d), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, kh, d), jnp.bfloat16)
+  cot = jax.random.normal(keys[3], (b, s, h, d), jnp.float32)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, causal=causal)
   scale = d ** -0.5
 

@@ -1,6 +1,7 @@
 """The CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90) against the float32
 reference on a Hopper GPU: out, dq, dk, dv on small awkward layouts (GQA, MQA with padding and
-one-token documents, non-contiguous segments, non-causal with huge segment ids). Needs the
+one-token documents, non-contiguous segments, non-causal with huge segment ids, two batch
+rows). Needs the
 shared object built by its build.sh (skipped, with the reason, where it is absent)."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ pytestmark = MOSAIC_GPU_MARKS + [
 
 @pytest.mark.parametrize("variant", ["v0", "v2"])
 @pytest.mark.parametrize("name", ["causal_gqa_512", "docs_padding_mqa_1024",
-                                  "non_contiguous_768", "not_causal_docs_640"])
+                                  "non_contiguous_768", "not_causal_docs_640",
+                                  "batch2_docs_384"])
 def test_fused_backward_against_reference(name, variant):
   import cuda_backward_check as check
   cuda_bwd.load()
