@@ -213,7 +213,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
-  ap.add_argument("--variants", default="v0,v2",
+  ap.add_argument("--variants", default="v0,v2,v3",
                   help="kernel variants (fused_backward.VARIANTS)")
   args = ap.parse_args()
   if args.plot_from:

@@ -752,24 +752,29 @@ s18e_runs() {
 }
 # Session 18, sixth call (S18F, its lane in git history, bdd4b28): v0 and v1 against the float32
 # reference and timed at 16k; v1 measured slower and was removed.
-# Prepared for session 19's first call: v2 (v0 + the table's full blocks unmasked + dS stored
-# with stmatrix .trans + the dQ part staged conflict-free), CPU-checked only (ptxas: 0 spills, no
-# serialization; the index maps simulated in tests/test_cuda_sm90.py). Build the .so first:
+# Prepared for session 19's first call: v2 (v0 with shared memory addressed as such: v0's
+# integer-aligned pointer made every shared access a generic LD.E / ST.E, SASS shows) and v3 (v2 +
+# the table's full blocks unmasked + dS stored with stmatrix .trans + the dQ part staged
+# conflict-free), CPU-checked only (ptxas: 0 spills, no serialization; the v3 index maps
+# simulated in tests/test_cuda_sm90.py; v0's PTX unchanged). Build the .so first:
 # bash kvax_plugin/attention/kernels/cuda_sm90/build.sh <nvcc>; carry it with .whl.
-# Prediction: v2 12-14 ms at 16k causal (v0 16.9: the mask and the scalar stores were the step's
-# element-wise cost; 26.5 -> 16.9 came from vector loads alone); documents 3.5-4 ms (v0 4.4).
+# Prediction: v2 14-15 ms, v3 12-14 ms at 16k causal (v0 16.9: 26.5 -> 16.9 came from vector
+# loads alone, so the element-wise stretch is what the step waits on); documents 3.5-4 (v0 4.4).
 s19a_runs() {
   local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
-  timeout 110 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_v2 \
-    --seqs "" --variants v2,v0 > $R/cuda_bwd_check_v2.stdout 2>&1
+  timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s19 \
+    --seqs "" --variants v3,v2,v0 > $R/cuda_bwd_check_s19.stdout 2>&1
   echo "check: rc $?" | tee -a $R/next.log
-  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_v2.stdout | tail -12 | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s19.stdout | tail -16 | tee -a $R/next.log
   pack > /dev/null
-  timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_v2 \
-    --skip-check --seqs 16384,65536 --cases causal,docs --rounds 3 --reps 5 --variants v0,v2 \
-    > $R/cuda_bwd_v2.stdout 2>&1
-  echo "timing: rc $?" | tee -a $R/next.log
-  grep -E "^time|rror" $R/cuda_bwd_v2.stdout | tail -16 | tee -a $R/next.log
+  for seq in 16384 65536; do
+    timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
+      --skip-check --seqs $seq --cases causal,docs --rounds 3 --reps 5 --variants v0,v2,v3 \
+      > $R/cuda_bwd_$seq.stdout 2>&1
+    echo "timing $seq: rc $?" | tee -a $R/next.log
+    grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -10 | tee -a $R/next.log
+    pack > /dev/null
+  done
 }
 case ${LANE:-CP} in
   S19A) s19a_runs ;;

@@ -1,5 +1,5 @@
 """The JAX side of the CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90), on the
-CPU: the block bounds it takes from the mask, its argument checks, and the index maps its v2
+CPU: the block bounds it takes from the mask, its argument checks, and the index maps its v3
 kernel uses (dS stored with stmatrix .trans, the dQ part staged in fragment order), simulated
 from the kernel's formulas and inverted by the JAX side. The kernel itself runs in
 tests/gpu/test_cuda_sm90_gpu.py (a Hopper GPU and the built shared object)."""
@@ -49,7 +49,7 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
                             z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
-  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v0', 'v2'\]"):
+  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v0', 'v2', 'v3'\]"):
     cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
                             z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True, variant="v1")
@@ -64,7 +64,7 @@ def _fragment(t: int, pair: int):
 
 
 def test_dq_staging_order_is_undone_by_the_jax_side():
-  """v2 stages register pair p of thread t at float offset (p * 128 + t) * 2; after the bulk
+  """v3 stages register pair p of thread t at float offset (p * 128 + t) * 2; after the bulk
   reduce-add the JAX side's unpermute_fragment_order must give the 64 x 64 block back."""
   block = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
   staged = np.zeros(64 * 64, np.float32)
@@ -82,7 +82,7 @@ def _sw128(row: int, col: int) -> int:
 
 
 def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
-  """v2 stores dS^T (the consumer's registers: kv rows x query columns) with four
+  """v3 stores dS^T (the consumer's registers: kv rows x query columns) with four
   stmatrix.m8n8.x4.trans per warp: call g, lane l addresses row l % 8 of matrix m = l / 8,
   (h, j) = (m % 2, 2 g + m / 2), at query 8 j + l % 8, kv 16 warp + 8 h; register m of each lane
   is pair 4 g + m. stmatrix's fragment: lane L holds matrix row L / 4, columns 2 (L % 4) + {0,

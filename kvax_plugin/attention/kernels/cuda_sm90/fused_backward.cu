@@ -251,11 +251,19 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
-template <bool V2>
+// V selects the variant: 0 (v0, measured in session 18), 2 (v2: v0 with shared memory addressed
+// as such; v0's pointer aligned through an integer cast left the compiler unable to tell its
+// address space, so every shared access was a generic LD.E / ST.E with 64-bit addresses), 3 (v3:
+// v2 plus the table's full blocks unmasked, dS stored by stmatrix .trans and the dQ part staged
+// in fragment order).
+template <int V>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
+  constexpr bool V2 = V >= 3;  // the v3 changes (the name of session 18's prepared variant)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t(1023));
+  uint8_t* smem =
+      V >= 2 ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)  // stays shared
+             : reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                          ~uintptr_t(1023));
   const uint32_t base = smem_u32(smem);
   const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
   const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
@@ -339,7 +347,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int head = kv_head * group + n / steps_per_head;
     const int qb = lo + n % steps_per_head;  // this step's 64-row query block
     const int q0 = qb * Q_BLOCK;
-    const bool full = V2 && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
+    const bool full = V2 && qb >= full_lo && qb < full_hi;  // (v3) every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
@@ -594,19 +602,23 @@ static ffi::Error FusedBackwardImpl(
   cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   static std::once_flag attr;
   std::call_once(attr, [] {
-    cudaFuncSetAttribute(fused_backward_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaFuncSetAttribute(fused_backward_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          SMEM_BYTES);
-    cudaFuncSetAttribute(fused_backward_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaFuncSetAttribute(fused_backward_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         SMEM_BYTES);
+    cudaFuncSetAttribute(fused_backward_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          SMEM_BYTES);
   });
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  if (variant == 2)
-    fused_backward_kernel<true><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
-  else if (variant == 0)
-    fused_backward_kernel<false><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  if (variant == 0)
+    fused_backward_kernel<0><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  else if (variant == 2)
+    fused_backward_kernel<2><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  else if (variant == 3)
+    fused_backward_kernel<3><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
   else
-    return ffi::Error::InvalidArgument("variant: expected 0 or 2");
+    return ffi::Error::InvalidArgument("variant: expected 0, 2 or 3");
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();

@@ -55,11 +55,14 @@ def tile_bounds(mask) -> tuple[jax.Array, ...]:
 VARIANTS = {
     # v0 (measured, session 18): dS shared by the two consumers, each computing 64 of dQ's 128
     # columns; every visited block masked per element; dS stored element by element; the dQ
-    # part staged row-major
+    # part staged row-major; shared memory reached through generic addresses
     "v0": 0,
-    # v2 (prepared, not yet run on a GPU): v0 plus the table's full blocks unmasked, dS stored
-    # with stmatrix .trans, the dQ part staged in the consumers' fragment order
+    # v2 (prepared, not yet run on a GPU): v0 with shared memory addressed as such (LDS / STS
+    # instead of generic LD.E / ST.E)
     "v2": 2,
+    # v3 (prepared, not yet run on a GPU): v2 plus the table's full blocks unmasked, dS stored
+    # with stmatrix .trans, the dQ part staged in the consumers' fragment order
+    "v3": 3,
 }
 # Measured and removed (session 18, H100, 16k backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms causal against v0's 16.9
@@ -68,7 +71,7 @@ VARIANTS = {
 
 
 def unpermute_fragment_order(accum):
-  """[..., 4096] in v2's staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
+  """[..., 4096] in v3's staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
   of thread t = 32 w + 4 a + b holds row 16 w + 8 ph + a, columns 8 pj + 2 b + {0, 1}, at float
   offset (p * 128 + t) * 2."""
   lead = accum.shape[:-1]
@@ -101,7 +104,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(VARIANTS[variant]))
   # dq_accum[b, h, half, block]: dS K for query rows 64 block.. and columns 64 half.. (unscaled)
-  if variant == "v2":
+  if variant == "v3":
     block = unpermute_fragment_order(dq_accum)
   else:
     block = dq_accum.reshape(b, h, 2, s // Q_BLOCK, Q_BLOCK, 64)
