@@ -9,12 +9,13 @@ set -euo pipefail
 cd "$(dirname "$0")"
 NVCC=${1:-$(command -v nvcc || true)}
 if [ -z "$NVCC" ]; then
-  echo "build.sh: no nvcc; install one (python3 -m pip install 'nvidia-cuda-nvcc>=13') and pass" \
-       "its bin/nvcc" >&2
+  echo "build.sh: no nvcc; install one (python3 -m pip install 'nvidia-cuda-nvcc>=13'" \
+       "nvidia-cuda-cccl) and pass its bin/nvcc" >&2
   exit 1
 fi
 ROOT=$(cd ../../../.. && pwd)
 FFI=$("$ROOT/.venv/bin/python" -c "import jax.ffi; print(jax.ffi.include_dir())")
+rm -f libkvax_sm90_bwd.so  # a failed build must not leave an old one behind
 "$NVCC" -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --shared -Xcompiler -fPIC \
   -cudart static -Xptxas -v -I"$FFI" fused_backward.cu -o libkvax_sm90_bwd.so 2>&1 \
   | grep -v "api.h\|control reaches\|^ *[0-9]* | \|^ *| *\^\|In function" || true
