@@ -767,10 +767,11 @@ s19a_runs() {
   echo "check: rc $?" | tee -a $R/next.log
   grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s19.stdout | tail -16 | tee -a $R/next.log
   pack > /dev/null
-  for seq in 16384 65536; do
-    timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
-      --skip-check --seqs $seq --cases causal,docs --rounds 3 --reps 5 --variants v0,v2,v3 \
-      > $R/cuda_bwd_$seq.stdout 2>&1
+  for spec in 16384:causal,docs:3 65536:causal:2; do  # length : cases : rounds
+    local seq=${spec%%:*} rest=${spec#*:}
+    timeout 180 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
+      --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
+      --variants v0,v2,v3 > $R/cuda_bwd_$seq.stdout 2>&1
     echo "timing $seq: rc $?" | tee -a $R/next.log
     grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -10 | tee -a $R/next.log
     pack > /dev/null
