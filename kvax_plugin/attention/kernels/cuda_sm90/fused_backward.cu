@@ -85,7 +85,7 @@ struct Params {
   __nv_bfloat16* dk;     // [B, Skv, KH, D]
   __nv_bfloat16* dv;
   float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
-                         // row-major (v0) or in the consumers' fragment order (v2)
+                         // row-major (v0) or in the consumers' fragment order (v3)
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
@@ -183,8 +183,8 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
-// The 64 float32 accumulator operands of an m64n128 wgmma: the register list in the PTX text and
-// the matching read-write constraints.
+// The float32 accumulator operands of the wgmmas: the m64n128 register list in the PTX text and
+// the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
 #define KVAX_REGS64                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
@@ -206,24 +206,7 @@ __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
-}
-
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both from shared memory.
-template <int TNSP_A, int TNSP_B>
-__device__ __forceinline__ void wgmma_64x128_ss(float (&d)[64], uint64_t da, uint64_t db,
-                                                int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      KVAX_REGS64 ", "
-      "%64, %65, p, 1, 1, %67, %68;\n}\n"
-            : KVAX_ACC64(d)
+      : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)
       : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
 }
 
@@ -235,7 +218,7 @@ __device__ __forceinline__ void wgmma_64x128_rs(float (&d)[64], const uint32_t (
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       KVAX_REGS64 ", "
       "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : KVAX_ACC64(d)
+      : KVAX_ACC64(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
@@ -260,7 +243,7 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // in fragment order).
 template <int V>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
-  constexpr bool V2 = V >= 3;  // the v3 changes (the name of session 18's prepared variant)
+  constexpr bool V3 = V >= 3;  // full blocks unmasked, stmatrix dS, fragment-order dQ staging
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem =
       V >= 2 ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)  // stays shared
@@ -275,8 +258,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
-  const int full_lo = V2 ? p.full_lower[b * n_tiles + tile] : 0;
-  const int full_hi = V2 ? p.full_upper[b * n_tiles + tile] : 0;
+  const int full_lo = V3 ? p.full_lower[b * n_tiles + tile] : 0;
+  const int full_hi = V3 ? p.full_upper[b * n_tiles + tile] : 0;
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -349,7 +332,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int head = kv_head * group + n / steps_per_head;
     const int qb = lo + n % steps_per_head;  // this step's 64-row query block
     const int q0 = qb * Q_BLOCK;
-    const bool full = V2 && qb >= full_lo && qb < full_hi;  // (v3) every pair kept: no mask
+    const bool full = V3 && qb >= full_lo && qb < full_hi;  // (v3) every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
@@ -376,7 +359,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
     // P^T and dS^T (f32 -> bf16 A fragments). Element i of the accumulator: row r0 + 8 * ((i / 2)
     // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side values of a column pair
-    // come as one 8-byte load each, the ids only in masked blocks (v2: the table's full blocks
+    // come as one 8-byte load each, the ids only in masked blocks (v3: the table's full blocks
     // keep every pair).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + Q_BLOCK;
@@ -432,7 +415,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // row): this consumer's 64 kv columns are kv half c of a buffer both consumers fill
     // (double-buffered by step parity).
     uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
-    if constexpr (V2) {
+    if constexpr (V3) {
       // stmatrix .trans: register pair i of dS^T is, per lane, row r0 + 8 (i % 2) and columns
       // 8 (i / 2) + 2 (lane % 4) + {0, 1} of an 8 x 8 matrix's fragment (the ldmatrix layout);
       // stored transposed, memory row k of matrix (h, j) is query 8 j + k, holding kv rows
@@ -479,7 +462,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
 
     // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 / 64]. v0 stages it
-    // row-major (8-way bank conflicts: rows are 256 B apart); v2 in fragment order, register
+    // row-major (8-way bank conflicts: rows are 256 B apart); v3 in fragment order, register
     // pair i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run
     // per warp and pair (the JAX side undoes the order).
     float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
@@ -489,7 +472,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     for (int i = 0; i < 32; i += 2) {
       const int row = r0 + 8 * ((i / 2) % 2);
       const int col = 8 * (i / 4) + 2 * (lane % 4);
-      float* at = V2 ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
+      float* at = V3 ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
       *reinterpret_cast<float2*>(at) = make_float2(dq[i], dq[i + 1]);
     }
     fence_async_smem();
