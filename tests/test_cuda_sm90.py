@@ -53,6 +53,20 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
                             z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True, variant="v1")
+  good = dict(q=z(1, 256, 4, 128), k=z(1, 256, 2, 128), v=z(1, 256, 2, 128),
+              d_out=z(1, 256, 4, 128), lse=stats, delta=stats, q_pos=ids, q_seg=ids,
+              kv_pos=ids, kv_seg=ids, bounds=bounds)
+  for name, bad, message in (
+      ("lse", jnp.zeros((1, 256, 4), jnp.float32),
+       r"lse: shape \(1, 256, 4\), expected \(1, 4, 256\)"),
+      ("delta", jnp.zeros((1, 4, 128), jnp.float32), r"delta: shape .*expected \(1, 4, 256\)"),
+      ("d_out", z(1, 256, 2, 128), r"d_out: shape \(1, 256, 2, 128\)"),
+      ("v", z(1, 256, 4, 128), r"v: shape \(1, 256, 4, 128\), expected \(1, 256, 2, 128\)"),
+      ("kv_seg", jnp.zeros((1, 255), jnp.int32), r"kv_seg: shape \(1, 255\)"),
+      ("bounds", bounds[:3], r"bounds: expected tile_bounds\(mask\)"),
+      ("bounds", (jnp.zeros((1, 3), jnp.int32),) * 4, r"bounds: expected .*\(1, 2\)")):
+    with pytest.raises(ValueError, match=message):
+      cuda_bwd.fused_backward(**dict(good, **{name: bad}), scale=0.1, causal=True)
 
 
 def _fragment(t: int, pair: int):

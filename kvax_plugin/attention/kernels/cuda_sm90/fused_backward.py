@@ -93,6 +93,18 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
                      f"multiple of {KV_TILE}, query heads a multiple of kv heads")
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
+  # The kernel indexes these by the shapes above and checks nothing itself: a wrong shape would
+  # read past a buffer, so each is named here.
+  expected = {"v": k.shape, "d_out": q.shape, "lse": (b, h, s), "delta": (b, h, s),
+              "q_pos": (b, s), "q_seg": (b, s), "kv_pos": (b, s), "kv_seg": (b, s)}
+  given = {"v": v, "d_out": d_out, "lse": lse, "delta": delta, "q_pos": q_pos, "q_seg": q_seg,
+           "kv_pos": kv_pos, "kv_seg": kv_seg}
+  for name, x in given.items():
+    if x.shape != expected[name]:
+      raise ValueError(f"{name}: shape {x.shape}, expected {expected[name]}")
+  if len(bounds) != 4 or any(x.shape != (b, s // KV_TILE) for x in bounds):
+    raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape {(b, s // KV_TILE)}; "
+                     f"got {[getattr(x, 'shape', x) for x in bounds]}")
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
   dk, dv, dq_accum = jax.ffi.ffi_call(
