@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import layouts  # noqa: E402
-from bench_attention import kept_pairs, layout  # noqa: E402
+from bench_attention import kept_pairs, layout, time_fn  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
 from kvax_plugin.attention.reference import reference_attention  # noqa: E402
@@ -118,17 +117,6 @@ def check_case(name: str, variant: str = "v0") -> dict:
   return dict(case=name, variant=variant, errors=errs, finite=finite)
 
 
-def _time(fn, args, reps: int) -> float:
-  """Median wall time (ms) of fn(*args) over reps calls, each waited for."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
-
-
 def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> list[dict]:
   import kvax_plugin as kvax
   h, kh, d = 32, 8, 128
@@ -158,7 +146,7 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   rows = {name: [] for name in impls}
   for _ in range(rounds):
     for name, (fn, args) in backward.items():
-      rows[name].append(_time(fn, args, reps))
+      rows[name].append(time_fn(fn, args, rounds=reps, inner=1))  # bench_attention's timer
   pairs = kept_pairs(lengths)  # kept (q, kv) pairs: 5 products of 2 * 128 flops each
   out = []
   for name, ms in rows.items():

@@ -741,12 +741,12 @@ PY
 s18e_runs() {
   local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
   timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check \
-    --seqs "" > $R/cuda_bwd_check.stdout 2>&1
+    --seqs "" --variants v0 > $R/cuda_bwd_check.stdout 2>&1
   echo "check: rc $?" | tee -a $R/next.log
   grep -E "^check|rror|FAIL" $R/cuda_bwd_check.stdout | tail -12 | tee -a $R/next.log
   pack > /dev/null
   timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_16k \
-    --skip-check --seqs 16384 --cases causal,docs --rounds 3 --reps 5 > $R/cuda_bwd_16k.stdout 2>&1
+    --skip-check --seqs 16384 --cases causal,docs --rounds 3 --reps 5 --variants v0 > $R/cuda_bwd_16k.stdout 2>&1
   echo "timing: rc $?" | tee -a $R/next.log
   grep -E "^time|rror" $R/cuda_bwd_16k.stdout | tail -12 | tee -a $R/next.log
 }
