@@ -13,6 +13,7 @@ Mosaic forward's residuals (its custom VJP), so the two rows differ only in the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -49,9 +50,25 @@ CASES = {
 }
 
 
+@functools.cache
+def _mosaic_forward_cuda_backward(variant: str):
+  """The shared custom VJP (kernels/custom_vjp.kernel_attention) over the Mosaic backend's
+  forward and this backward, as the backends build theirs."""
+  from kvax_plugin.attention.kernels.custom_vjp import kernel_attention
+  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+
+  def backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out):
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    dq, dk, dv = cuda_bwd.fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos,
+                                         kv_seg, cuda_bwd.tile_bounds(mask), scale=cfg.scale,
+                                         causal=cfg.causal, variant=variant)
+    return dq, dk, dv, jnp.zeros_like(sinks)
+  return kernel_attention(mosaic._forward, backward)
+
+
 def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
               variant: str = "v0"):
-  """Attention with the Mosaic forward and the CUDA fused backward (custom VJP in q, k, v)."""
+  """Attention with the Mosaic forward and the CUDA fused backward (differentiable in q, k, v)."""
   from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
   cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
@@ -59,24 +76,7 @@ def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
                       interpret=False)
   sinks = jnp.zeros((q.shape[2],), jnp.float32)
   ints = tuple(x.astype(jnp.int32) for x in (q_pos, q_seg, kv_pos, kv_seg))
-  bounds = cuda_bwd.tile_bounds(mask)
-
-  @jax.custom_vjp
-  def run(q, k, v):
-    return mosaic._forward(cfg, q, k, v, sinks, *ints, mask)[0]
-
-  def fwd(q, k, v):
-    out, lse = mosaic._forward(cfg, q, k, v, sinks, *ints, mask)
-    return out, (q, k, v, out, lse)
-
-  def bwd(res, d_out):
-    q, k, v, out, lse = res
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    return cuda_bwd.fused_backward(q, k, v, d_out, lse, delta, *ints, bounds, scale=scale,
-                                   causal=cfg.causal, variant=variant)
-
-  run.defvjp(fwd, bwd)
-  return run(q, k, v)
+  return _mosaic_forward_cuda_backward(variant)(cfg, q, k, v, sinks, *ints, mask)
 
 
 def _rel(a, b):
