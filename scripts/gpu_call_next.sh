@@ -752,33 +752,37 @@ s18e_runs() {
 }
 # Session 18, sixth call (S18F, its lane in git history, bdd4b28): v0 and v1 against the float32
 # reference and timed at 16k; v1 measured slower and was removed.
-# Prepared for session 19's first call: v2 (v0 with shared memory addressed as such: v0's
-# integer-aligned pointer made every shared access a generic LD.E / ST.E, SASS shows) and v3 (v2 +
-# the table's full blocks unmasked + dS stored with stmatrix .trans + the dQ part staged
-# conflict-free), CPU-checked only (ptxas: 0 spills, no serialization; the v3 index maps
-# simulated in tests/test_cuda_sm90.py; v0's PTX unchanged). Build the .so first:
-# bash kvax_plugin/attention/kernels/cuda_sm90/build.sh <nvcc>; carry it with .whl.
-# Prediction: v2 14-15 ms, v3 12-14 ms at 16k causal (v0 16.9: 26.5 -> 16.9 came from vector
-# loads alone, so the element-wise stretch is what the step waits on); documents 3.5-4 (v0 4.4).
-s19a_runs() {
+# Session 19, first call (S19A, its lane in git history, ed3e4fd): v0, v2, v3 checked against the
+# float32 reference (15 of 15 ok) and timed: 16k causal v2 14.22, v3 15.81, v0 16.55 ms.
+# Second call (S19B): the kernel now takes feature bits (fused_backward.py VARIANTS): v3's three
+# changes one at a time on v2, and v4 (PIPE: P^T computed and dV issued while dP^T runs, dS^T
+# computed while dV runs). Every variant against the reference on 5 layouts, then 16k causal /
+# documents timed (3 rounds) and 64k causal (2 rounds) for v2 and the v4s.
+# Prediction (16k causal): v2_full 13.8, v2_stm 13.9, v2_frag 13.9 (one of the three must explain
+# v3's +1.6 ms), v4 12.5-13.0 ms.
+s19b_runs() {
   local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
-  timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s19 \
-    --seqs "" --variants v3,v2,v0 > $R/cuda_bwd_check_s19.stdout 2>&1
+  local ALL=v2,v3,v2_full,v2_stm,v2_frag,v4,v4_full,v4_all
+  timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s19b \
+    --seqs "" --variants $ALL > $R/cuda_bwd_check_s19b.stdout 2>&1
   echo "check: rc $?" | tee -a $R/next.log
-  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s19.stdout | tail -16 | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s19b.stdout | grep -v " ok " | tail -12 | tee -a $R/next.log
+  grep -c " ok " $R/cuda_bwd_check_s19b.stdout | sed 's/^/checks ok: /' | tee -a $R/next.log
   pack > /dev/null
-  for spec in 16384:causal,docs:3 65536:causal:2; do  # length : cases : rounds
-    local seq=${spec%%:*} rest=${spec#*:}
-    timeout 180 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
-      --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
-      --variants v0,v2,v3 > $R/cuda_bwd_$seq.stdout 2>&1
-    echo "timing $seq: rc $?" | tee -a $R/next.log
-    grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -10 | tee -a $R/next.log
-    pack > /dev/null
-  done
+  timeout 200 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_16384 \
+    --skip-check --seqs 16384 --cases causal,docs --rounds 3 --reps 5 --variants $ALL \
+    > $R/cuda_bwd_16384.stdout 2>&1
+  echo "timing 16384: rc $?" | tee -a $R/next.log
+  grep -E "^time|rror" $R/cuda_bwd_16384.stdout | tail -20 | tee -a $R/next.log
+  pack > /dev/null
+  timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_65536 \
+    --skip-check --seqs 65536 --cases causal --rounds 2 --reps 5 --variants v2,v4,v4_full,v4_all \
+    > $R/cuda_bwd_65536.stdout 2>&1
+  echo "timing 65536: rc $?" | tee -a $R/next.log
+  grep -E "^time|rror" $R/cuda_bwd_65536.stdout | tail -8 | tee -a $R/next.log
 }
 case ${LANE:-CP} in
-  S19A) s19a_runs ;;
+  S19B) s19b_runs ;;
   S18E) s18e_runs ;;
   S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;

@@ -28,8 +28,7 @@
 // Scope (a design probe; benchmarks/cuda_backward_check.py and tests/gpu/test_cuda_sm90_gpu.py
 // check it against the float32 reference): bf16, head dim 128 for Q / K / V, causal or not,
 // segment ids, GQA / MQA, Sq == Skv a multiple of 128, no soft cap, window or sinks. Variants
-// (template V; the JAX side's fused_backward.VARIANTS): v0 masks every visited block per element;
-// v3 skips the mask on the blocks the table marks full. dq_accum is float32 [B, H, 2, Sq / 64,
+// (template feature bits F, below; the JAX side's fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64,
 // 64 x 64] (per column half and 64-row block), zeroed by the handler; the JAX side turns it into
 // dq.
 #include <cuda.h>
@@ -85,7 +84,7 @@ struct Params {
   __nv_bfloat16* dk;     // [B, Skv, KH, D]
   __nv_bfloat16* dv;
   float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
-                         // row-major (v0) or in the consumers' fragment order (v3)
+                         // row-major, or in the consumers' fragment order (FRAG)
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
@@ -236,19 +235,22 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
-// V selects the variant: 0 (v0, measured in session 18), 2 (v2: v0 with shared memory addressed
-// as such; v0's pointer aligned through an integer cast left the compiler unable to tell its
-// address space, so every shared access was a generic LD.E / ST.E with 64-bit addresses), 3 (v3:
-// v2 plus the table's full blocks unmasked, dS stored by stmatrix .trans and the dQ part staged
-// in fragment order).
-template <int V>
+// F selects the variant by feature bits (the JAX side's fused_backward.VARIANTS names them):
+//   FULL  the blocks the table marks full skip the mask (no id loads, no compares);
+//   STM   dS stored to shared memory by stmatrix .trans (else 2-byte scalar stores);
+//   FRAG  the dQ part staged in the consumers' fragment order (else row-major: 8-way bank
+//         conflicts, rows 256 B apart);
+//   PIPE  S^T and dP^T in separate commit groups: P^T computed and dV issued while dP^T runs,
+//         dS^T computed while dV runs.
+constexpr int FULL = 1, STM = 2, FRAG = 4, PIPE_BIT = 8;
+
+template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
-  constexpr bool V3 = V >= 3;  // full blocks unmasked, stmatrix dS, fragment-order dQ staging
+  constexpr bool USE_FULL = F & FULL, USE_STM = F & STM, USE_FRAG = F & FRAG, PIPE = F & PIPE_BIT;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem =
-      V >= 2 ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)  // stays shared
-             : reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                          ~uintptr_t(1023));
+  // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
+  // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
   const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
   const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
@@ -258,8 +260,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
-  const int full_lo = V3 ? p.full_lower[b * n_tiles + tile] : 0;
-  const int full_hi = V3 ? p.full_upper[b * n_tiles + tile] : 0;
+  const int full_lo = USE_FULL ? p.full_lower[b * n_tiles + tile] : 0;
+  const int full_hi = USE_FULL ? p.full_upper[b * n_tiles + tile] : 0;
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -332,12 +334,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int head = kv_head * group + n / steps_per_head;
     const int qb = lo + n % steps_per_head;  // this step's 64-row query block
     const int q0 = qb * Q_BLOCK;
-    const bool full = V3 && qb >= full_lo && qb < full_hi;  // (v3) every pair kept: no mask
+    const bool full = USE_FULL && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
 
-    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
+    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d). PIPE:
+    // one commit group each, so P^T is computed (and dV issued) while dP^T is still running.
     float st[32], dpt[32];
     wg_fence();
 #pragma unroll
@@ -347,6 +350,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       wgmma_64x64_ss<0, 0>(st, desc_sw128(k_c + koff, 16, 1024),
                            desc_sw128(slot + qoff, 16, 1024), k > 0);
     }
+    if constexpr (PIPE) wg_commit();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
@@ -355,12 +359,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                            desc_sw128(slot + qoff, 16, 1024), k > 0);
     }
     wg_commit();
-    wg_wait<0>();
+    if constexpr (PIPE) wg_wait<1>();  // S^T done, dP^T may still run
+    else wg_wait<0>();
 
-    // P^T and dS^T (f32 -> bf16 A fragments). Element i of the accumulator: row r0 + 8 * ((i / 2)
-    // % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side values of a column pair
-    // come as one 8-byte load each, the ids only in masked blocks (v3: the table's full blocks
-    // keep every pair).
+    // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
+    // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
+    // values of a column pair come as one 8-byte load each, the ids only in masked blocks (FULL:
+    // the table's full blocks keep every pair).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + Q_BLOCK;
     const float* lse = ids + 2 * Q_BLOCK;
@@ -370,7 +375,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     for (int j = 0; j < 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
-      const float2 d2 = *reinterpret_cast<const float2*>(delta + col);
       int2 qp2 = make_int2(0, 0), qs2 = make_int2(0, 0);
       if (!full) {
         qp2 = *reinterpret_cast<const int2*>(qpos + col);
@@ -380,29 +384,48 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
         const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
-        float pv[2], dsv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          bool keep = full || ((qs == ks) && (qs != -1) && (!p.causal || kp <= qp));
-          const float lv = e ? l2.y : l2.x, dv_ = e ? d2.y : d2.x;
-          const float prob = keep ? exp2f(st[i + e] * sl2 - lv * 1.4426950408889634f) : 0.f;
-          pv[e] = prob;
-          dsv[e] = prob * (dpt[i + e] - dv_);
+          const bool keep = full || ((qs == ks) && (qs != -1) && (!p.causal || kp <= qp));
+          const float lv = e ? l2.y : l2.x;
+          st[i + e] = keep ? exp2f(st[i + e] * sl2 - lv * 1.4426950408889634f) : 0.f;
         }
-        pa[i / 2] = pack_bf16(pv[0], pv[1]);
-        dsa[i / 2] = pack_bf16(dsv[0], dsv[1]);
+        pa[i / 2] = pack_bf16(st[i], st[i + 1]);
+      }
+    }
+    // dV_c += P^T dO: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A fragment of k-step
+    // kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3 in the order
+    // (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
+    if constexpr (PIPE) {
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+        wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
+      }
+      wg_commit();
+      wg_wait<1>();  // dP^T done, dV may still run
+    }
+    // dS^T = P^T (dP^T - delta), bf16 A fragments.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = 4 * j + 2 * half;
+        dsa[i / 2] = pack_bf16(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
       }
     }
 
-    // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
-    // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
-    // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
+    // dK_c += dS^T Q (and, without PIPE, dV_c += P^T dO first): same shapes as dV.
     wg_fence();
+    if constexpr (!PIPE) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+        wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -415,7 +438,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // row): this consumer's 64 kv columns are kv half c of a buffer both consumers fill
     // (double-buffered by step parity).
     uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
-    if constexpr (V3) {
+    if constexpr (USE_STM) {
       // stmatrix .trans: register pair i of dS^T is, per lane, row r0 + 8 (i % 2) and columns
       // 8 (i / 2) + 2 (lane % 4) + {0, 1} of an 8 x 8 matrix's fragment (the ldmatrix layout);
       // stored transposed, memory row k of matrix (h, j) is query 8 j + k, holding kv rows
@@ -461,8 +484,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     wg_wait<0>();
     if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
 
-    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 / 64]. v0 stages it
-    // row-major (8-way bank conflicts: rows are 256 B apart); v3 in fragment order, register
+    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 / 64]. Row-major
+    // staging has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register
     // pair i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run
     // per warp and pair (the JAX side undoes the order).
     float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
@@ -472,7 +495,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     for (int i = 0; i < 32; i += 2) {
       const int row = r0 + 8 * ((i / 2) % 2);
       const int col = 8 * (i / 4) + 2 * (lane % 4);
-      float* at = V3 ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
+      float* at = USE_FRAG ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
       *reinterpret_cast<float2*>(at) = make_float2(dq[i], dq[i + 1]);
     }
     fence_async_smem();
@@ -539,6 +562,25 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
+// The feature sets built (fused_backward.py's VARIANTS maps names to them).
+#define KVAX_SM90_VARIANTS 0, FULL | STM | FRAG, FULL, STM, FRAG, PIPE_BIT, PIPE_BIT | FULL, \
+                           PIPE_BIT | FULL | STM | FRAG
+
+template <int F>
+static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
+  static std::once_flag attr;  // one per instantiation
+  std::call_once(attr, [] {
+    cudaFuncSetAttribute(fused_backward_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         SMEM_BYTES);
+  });
+  fused_backward_kernel<F><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+}
+
+template <int... Fs>
+static bool launch(int variant, const dim3& grid, const Params& p, cudaStream_t stream) {
+  return ((variant == Fs ? (launch_one<Fs>(grid, p, stream), true) : false) || ...);
+}
+
 static ffi::Error FusedBackwardImpl(
     cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
     ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> lse,
@@ -585,25 +627,12 @@ static ffi::Error FusedBackwardImpl(
   p.scale = scale;
   p.causal = causal;
   cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
-  static std::once_flag attr;
-  std::call_once(attr, [] {
-    cudaFuncSetAttribute(fused_backward_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         SMEM_BYTES);
-    cudaFuncSetAttribute(fused_backward_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         SMEM_BYTES);
-    cudaFuncSetAttribute(fused_backward_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         SMEM_BYTES);
-  });
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  if (variant == 0)
-    fused_backward_kernel<0><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
-  else if (variant == 2)
-    fused_backward_kernel<2><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
-  else if (variant == 3)
-    fused_backward_kernel<3><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
-  else
-    return ffi::Error::InvalidArgument("variant: expected 0, 2 or 3");
+  const bool launched = launch<KVAX_SM90_VARIANTS>(variant, grid, p, stream);
+  if (!launched)
+    return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
+                                       "(fused_backward.py VARIANTS)");
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();

@@ -2,7 +2,7 @@
 
     lib = load()                                   # libkvax_sm90_bwd.so next to this file
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True, variant="v0")
+                                tile_bounds(mask), scale=..., causal=True, variant="v2")
 
 benchmarks/cuda_backward_check.py wraps it as the backward of the Mosaic forward (a custom VJP)
 to check it against the float32 reference and time it against the Mosaic backward and cuDNN;
@@ -52,26 +52,34 @@ def tile_bounds(mask) -> tuple[jax.Array, ...]:
   return tuple((x * f).astype(jnp.int32) for x in mask.dkv)
 
 
+# The kernel's feature bits (fused_backward.cu): FULL skips the mask on the table's full blocks,
+# STM stores dS with stmatrix .trans, FRAG stages the dQ part in fragment order, PIPE computes
+# P^T / dS^T while dP^T / dV still run (separate wgmma commit groups).
+FULL, STM, FRAG, PIPE = 1, 2, 4, 8
 VARIANTS = {
-    # v0 (measured, session 18): dS shared by the two consumers, each computing 64 of dQ's 128
-    # columns; every visited block masked per element; dS stored element by element; the dQ
-    # part staged row-major; shared memory reached through generic addresses
-    "v0": 0,
-    # v2 (prepared, not yet run on a GPU): v0 with shared memory addressed as such (LDS / STS
-    # instead of generic LD.E / ST.E)
-    "v2": 2,
-    # v3 (prepared, not yet run on a GPU): v2 plus the table's full blocks unmasked, dS stored
-    # with stmatrix .trans, the dQ part staged in the consumers' fragment order
-    "v3": 3,
+    # v2 (S19A, H100, 16k causal backward: 14.22 ms): dS shared by the two consumers, each
+    # computing 64 of dQ's 128 columns; every visited block masked per element
+    "v2": 0,
+    # v3 (S19A: 15.81 ms, slower than v2) and its three changes one at a time
+    "v3": FULL | STM | FRAG,
+    "v2_full": FULL,
+    "v2_stm": STM,
+    "v2_frag": FRAG,
+    # v4: v2 with the element-wise stretch overlapped with the tensor cores (PIPE)
+    "v4": PIPE,
+    "v4_full": PIPE | FULL,
+    "v4_all": PIPE | FULL | STM | FRAG,
 }
 # Measured and removed (session 18, H100, 16k backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms causal against v0's 16.9
 # (it doubles the dq reduce traffic and must retire dV / dK before its 64-register dQ
-# accumulator fits: ptxas C7512 otherwise).
+# accumulator fits: ptxas C7512 otherwise). Session 19: v0, v2 with shared memory reached through
+# generic addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against
+# v2's 14.22 (S19A).
 
 
 def unpermute_fragment_order(accum):
-  """[..., 4096] in v3's staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
+  """[..., 4096] in the FRAG staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
   of thread t = 32 w + 4 a + b holds row 16 w + 8 ph + a, columns 8 pj + 2 b + {0, 1}, at float
   offset (p * 128 + t) * 2."""
   lead = accum.shape[:-1]
@@ -82,7 +90,7 @@ def unpermute_fragment_order(accum):
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
-                   scale: float, causal: bool, variant: str = "v0"):
+                   scale: float, causal: bool, variant: str = "v2"):
   """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
   positions / segment ids int32 [B, S]; bounds from tile_bounds. Returns dq [B, S, H, 128]
   (q.dtype) and dk, dv [B, S, KH, 128] bf16."""
@@ -116,7 +124,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(VARIANTS[variant]))
   # dq_accum[b, h, half, block]: dS K for query rows 64 block.. and columns 64 half.. (unscaled)
-  if variant == "v3":
+  if VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)
   else:
     block = dq_accum.reshape(b, h, 2, s // Q_BLOCK, Q_BLOCK, 64)
