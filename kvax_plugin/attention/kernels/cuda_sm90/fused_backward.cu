@@ -226,6 +226,18 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// 2^x: ex2.approx.ftz (FAST) or exp2f; both give +0 at -inf.
+template <bool FAST>
+__device__ __forceinline__ float exp2_of(float x) {
+  if constexpr (FAST) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return exp2f(x);
+  }
+}
+
 // Byte offset of element (row, col) in a [rows][64] bf16 tile with the 128B swizzle (1024-aligned).
 __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
   const int chunk = (col >> 3) ^ (row & 7);  // 16-byte chunk within the 128-byte row
@@ -242,11 +254,14 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         conflicts, rows 256 B apart);
 //   PIPE  S^T and dP^T in separate commit groups: P^T computed and dV issued while dP^T runs,
 //         dS^T computed while dV runs.
-constexpr int FULL = 1, STM = 2, FRAG = 4, PIPE_BIT = 8;
+//   EXP   exponentials by ex2.approx.ftz (one MUFU.EX2; exp2f adds a range check and two
+//         predicated multiplies for subnormal results, which P does not need).
+constexpr int FULL = 1, STM = 2, FRAG = 4, PIPE_BIT = 8, EXP = 16;
 
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_FULL = F & FULL, USE_STM = F & STM, USE_FRAG = F & FRAG, PIPE = F & PIPE_BIT;
+  constexpr bool FAST_EXP = F & EXP;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -315,6 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int warp = t / 32, lane = t % 32;
   const int r0 = 16 * warp + lane / 4;  // accumulator rows r0 and r0 + 8 (kv rows of S^T)
   const float sl2 = p.scale * 1.4426950408889634f;
+  const bool not_causal = !p.causal;
 
   // The two kv rows of this thread (ids constant over the CTA).
   const int kv_tok0 = b * p.s_kv + tile * KV_TILE + 64 * c + r0;
@@ -364,8 +380,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
-    // values of a column pair come as one 8-byte load each, the ids only in masked blocks (FULL:
-    // the table's full blocks keep every pair).
+    // values of a column pair come as one 8-byte load each. The mask is computed branch-free
+    // (a dropped pair's exponent is -inf): guarding the loads or the exponential by the block's
+    // kind turned each element into a branch (S19B: FULL 18.2 ms against v2's 14.4).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + Q_BLOCK;
     const float* lse = ids + 2 * Q_BLOCK;
@@ -375,11 +392,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     for (int j = 0; j < 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
-      int2 qp2 = make_int2(0, 0), qs2 = make_int2(0, 0);
-      if (!full) {
-        qp2 = *reinterpret_cast<const int2*>(qpos + col);
-        qs2 = *reinterpret_cast<const int2*>(qseg + col);
-      }
+      const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
+      const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
@@ -387,9 +401,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          const bool keep = full || ((qs == ks) && (qs != -1) && (!p.causal || kp <= qp));
-          const float lv = e ? l2.y : l2.x;
-          st[i + e] = keep ? exp2f(st[i + e] * sl2 - lv * 1.4426950408889634f) : 0.f;
+          bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+          if constexpr (USE_FULL) keep |= full;
+          const float x = fmaf(st[i + e], sl2, (e ? l2.y : l2.x) * -1.4426950408889634f);
+          st[i + e] = exp2_of<FAST_EXP>(keep ? x : -INFINITY);
         }
         pa[i / 2] = pack_bf16(st[i], st[i + 1]);
       }
@@ -563,8 +578,8 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 }
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
-#define KVAX_SM90_VARIANTS 0, FULL | STM | FRAG, FULL, STM, FRAG, PIPE_BIT, PIPE_BIT | FULL, \
-                           PIPE_BIT | FULL | STM | FRAG
+#define KVAX_SM90_VARIANTS 0, STM | FRAG, STM | FRAG | EXP, STM | FRAG | EXP | FULL, \
+                           STM | FRAG | EXP | PIPE_BIT, STM | FRAG | EXP | FULL | PIPE_BIT
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {

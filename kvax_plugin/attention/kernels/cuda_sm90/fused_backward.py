@@ -54,28 +54,30 @@ def tile_bounds(mask) -> tuple[jax.Array, ...]:
 
 # The kernel's feature bits (fused_backward.cu): FULL skips the mask on the table's full blocks,
 # STM stores dS with stmatrix .trans, FRAG stages the dQ part in fragment order, PIPE computes
-# P^T / dS^T while dP^T / dV still run (separate wgmma commit groups).
-FULL, STM, FRAG, PIPE = 1, 2, 4, 8
+# P^T / dS^T while dP^T / dV still run (separate wgmma commit groups), EXP takes exponentials by
+# ex2.approx.ftz.
+FULL, STM, FRAG, PIPE, EXP = 1, 2, 4, 8, 16
 VARIANTS = {
-    # v2 (S19A, H100, 16k causal backward: 14.22 ms): dS shared by the two consumers, each
-    # computing 64 of dQ's 128 columns; every visited block masked per element
+    # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; every visited
+    # block masked per element (branch-free since S19C); the dQ part staged row-major
     "v2": 0,
-    # v3 (S19A: 15.81 ms, slower than v2) and its three changes one at a time
-    "v3": FULL | STM | FRAG,
-    "v2_full": FULL,
-    "v2_stm": STM,
-    "v2_frag": FRAG,
-    # v4: v2 with the element-wise stretch overlapped with the tensor cores (PIPE)
-    "v4": PIPE,
-    "v4_full": PIPE | FULL,
-    "v4_all": PIPE | FULL | STM | FRAG,
+    # v5: dS by stmatrix, the dQ part staged in fragment order (S19B one at a time on v2, 16k
+    # causal, H100: STM 14.04, FRAG 12.65 against v2's 14.41 ms)
+    "v5": STM | FRAG,
+    # v6: v5 with ex2.approx.ftz; then the full-block skip and the PIPE overlap on top
+    "v6": STM | FRAG | EXP,
+    "v6_full": STM | FRAG | EXP | FULL,
+    "v6_pipe": STM | FRAG | EXP | PIPE,
+    "v6_full_pipe": STM | FRAG | EXP | FULL | PIPE,
 }
-# Measured and removed (session 18, H100, 16k backward): v1, each consumer computing the
-# full-width dQ share of its own kv rows (no dS exchange): 20.2 ms causal against v0's 16.9
-# (it doubles the dq reduce traffic and must retire dV / dK before its 64-register dQ
-# accumulator fits: ptxas C7512 otherwise). Session 19: v0, v2 with shared memory reached through
-# generic addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against
-# v2's 14.22 (S19A).
+# Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
+# full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
+# the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
+# C7512 otherwise). Session 19 (S19A, S19B): v0, v2 with shared memory reached through generic
+# addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against v2's
+# 14.22; FULL with the ids' loads and the exponential guarded by the block's kind (one branch
+# per element in the SASS): 18.24 ms on v2, 18.20 with PIPE; PIPE alone on v2 14.81 against
+# 14.41; v3 (FULL | STM | FRAG) 16.17.
 
 
 def unpermute_fragment_order(accum):
