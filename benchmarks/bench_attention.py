@@ -172,6 +172,13 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     mosaic.mask = mask
     return mosaic
   impls["mosaic"] = make_mosaic()
+
+  # --- ours, backend="hopper": the Mosaic forward with the CUDA C++ fused backward (its shared
+  # object built by kernels/cuda_sm90/build.sh)
+  def hopper(q, k, v):
+    return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale, backend="hopper")
+  hopper.mask = mask
+  impls["hopper"] = hopper
   impls["mosaic_fused"] = make_mosaic(det=False)
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)

@@ -68,8 +68,14 @@ def _mosaic_forward_cuda_backward(variant: str):
 
 def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
               variant: str = "v2"):
-  """Attention with the Mosaic forward and the CUDA fused backward (differentiable in q, k, v)."""
+  """Attention with the Mosaic forward and the CUDA fused backward (differentiable in q, k, v):
+  the given fused_backward variant, or variant="hopper" for the public op's backend="hopper"."""
   from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+
+  if variant == "hopper":
+    import kvax_plugin as kvax
+    return kvax.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=scale,
+                                backend="hopper")
 
   cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
                       causal=bool(mask.spec.causal), window=0, deterministic=True,
@@ -201,7 +207,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
-  ap.add_argument("--variants", default="v2,v4",
+  ap.add_argument("--variants", default="v2,v6",
                   help="kernel variants (fused_backward.VARIANTS)")
   args = ap.parse_args()
   if args.plot_from:

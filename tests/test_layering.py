@@ -31,6 +31,7 @@ ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities",
      f"{KERNELS}.custom_vjp"),
     ("<kernel leaves>",),
+    (f"{KERNELS}.hopper",),  # composes two leaves (the Mosaic forward, the CUDA C++ backward)
     (KERNELS,),
     (f"{ATTENTION}.split_kv_attention",),
     (f"{ATTENTION}.context_parallel",),
@@ -39,6 +40,8 @@ ATTENTION_LAYERS: list[tuple[str, ...]] = [
 ]
 # Modules of the kernels package that are not leaves: what every backend shares.
 KERNELS_SHARED = {f"{KERNELS}.capabilities", f"{KERNELS}.custom_vjp"}
+# Backends of the kernels package that compose leaves (not leaves themselves).
+KERNELS_COMPOSED = {f"{KERNELS}.hopper"}
 # What a kernel leaf may import besides its own files.
 KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.block_mask",
                           f"{ATTENTION}.reference", f"{KERNELS}.capabilities",
@@ -129,7 +132,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def kernel_leaf(module: str) -> str | None:
   """The kernel leaf (module or leaf package) a module belongs to, or None."""
-  if not module.startswith(KERNELS + ".") or module in KERNELS_SHARED:
+  if (not module.startswith(KERNELS + ".") or module in KERNELS_SHARED
+      or module in KERNELS_COMPOSED):
     return None
   return ".".join(module.split(".")[:4])  # kvax_plugin.attention.kernels.<leaf>
 

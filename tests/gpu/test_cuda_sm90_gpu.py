@@ -21,7 +21,8 @@ pytestmark = MOSAIC_GPU_MARKS + [
                        "(kvax_plugin/attention/kernels/cuda_sm90/build.sh)")]
 
 
-@pytest.mark.parametrize("variant", sorted(cuda_bwd.VARIANTS))
+# "hopper": the same kernel through the public op (kvax_plugin.flash_attention, backend="hopper")
+@pytest.mark.parametrize("variant", sorted(cuda_bwd.VARIANTS) + ["hopper"])
 @pytest.mark.parametrize("name", ["causal_gqa_512", "docs_padding_mqa_1024",
                                   "non_contiguous_768", "not_causal_docs_640",
                                   "batch2_docs_384"])

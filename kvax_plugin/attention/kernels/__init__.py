@@ -88,6 +88,12 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
                     "warp-specialised producer / consumers)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
         auto_check="auto_prefers", options=("deterministic_backward",)),
+    "hopper": KernelBackend(
+        name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
+        description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
+                    "bf16, head dim 128, Sq == Skv; by name only)",
+        platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
+        install_hint="build kvax_plugin/attention/kernels/cuda_sm90/build.sh"),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",
         description="blockwise online-softmax attention in plain JAX (any device)"),
@@ -99,6 +105,8 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # "auto": the first of these that can run here and supports the call.
 # Mosaic first: on Hopper it is the fastest of ours on every case measured (benchmarks/NOTES.md,
 # "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
+# "hopper" is not in it: faster than "mosaic" on plain causal attention, slower on short packed
+# documents (session 19, H100; kernels/hopper.py), and it covers only bf16 at head dim 128.
 AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)

@@ -79,8 +79,6 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
-  const int* full_lower; // [B, n_tiles]: the blocks [full_lower, full_upper) keep every pair
-  const int* full_upper;
   __nv_bfloat16* dk;     // [B, Skv, KH, D]
   __nv_bfloat16* dv;
   float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
@@ -248,20 +246,16 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 // The kernel
 // ---------------------------------------------------------------------------------------------
 // F selects the variant by feature bits (the JAX side's fused_backward.VARIANTS names them):
-//   FULL  the blocks the table marks full skip the mask (no id loads, no compares);
 //   STM   dS stored to shared memory by stmatrix .trans (else 2-byte scalar stores);
 //   FRAG  the dQ part staged in the consumers' fragment order (else row-major: 8-way bank
 //         conflicts, rows 256 B apart);
-//   PIPE  S^T and dP^T in separate commit groups: P^T computed and dV issued while dP^T runs,
-//         dS^T computed while dV runs.
 //   EXP   exponentials by ex2.approx.ftz (one MUFU.EX2; exp2f adds a range check and two
 //         predicated multiplies for subnormal results, which P does not need).
-constexpr int FULL = 1, STM = 2, FRAG = 4, PIPE_BIT = 8, EXP = 16;
+constexpr int STM = 2, FRAG = 4, EXP = 16;  // (bits 1 and 8: FULL and PIPE, removed)
 
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
-  constexpr bool USE_FULL = F & FULL, USE_STM = F & STM, USE_FRAG = F & FRAG, PIPE = F & PIPE_BIT;
-  constexpr bool FAST_EXP = F & EXP;
+  constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -275,8 +269,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
-  const int full_lo = USE_FULL ? p.full_lower[b * n_tiles + tile] : 0;
-  const int full_hi = USE_FULL ? p.full_upper[b * n_tiles + tile] : 0;
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -350,13 +342,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int head = kv_head * group + n / steps_per_head;
     const int qb = lo + n % steps_per_head;  // this step's 64-row query block
     const int q0 = qb * Q_BLOCK;
-    const bool full = USE_FULL && qb >= full_lo && qb < full_hi;  // every pair kept: no mask
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
 
-    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d). PIPE:
-    // one commit group each, so P^T is computed (and dV issued) while dP^T is still running.
+    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
     float st[32], dpt[32];
     wg_fence();
 #pragma unroll
@@ -366,7 +356,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       wgmma_64x64_ss<0, 0>(st, desc_sw128(k_c + koff, 16, 1024),
                            desc_sw128(slot + qoff, 16, 1024), k > 0);
     }
-    if constexpr (PIPE) wg_commit();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
@@ -375,8 +364,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                            desc_sw128(slot + qoff, 16, 1024), k > 0);
     }
     wg_commit();
-    if constexpr (PIPE) wg_wait<1>();  // S^T done, dP^T may still run
-    else wg_wait<0>();
+    wg_wait<0>();
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
@@ -402,25 +390,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
           bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
-          if constexpr (USE_FULL) keep |= full;
           const float x = fmaf(st[i + e], sl2, (e ? l2.y : l2.x) * -1.4426950408889634f);
           st[i + e] = exp2_of<FAST_EXP>(keep ? x : -INFINITY);
         }
         pa[i / 2] = pack_bf16(st[i], st[i + 1]);
       }
-    }
-    // dV_c += P^T dO: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A fragment of k-step
-    // kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3 in the order
-    // (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
-    if constexpr (PIPE) {
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-        wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
-      }
-      wg_commit();
-      wg_wait<1>();  // dP^T done, dV may still run
     }
     // dS^T = P^T (dP^T - delta), bf16 A fragments.
 #pragma unroll
@@ -433,14 +407,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
     }
 
-    // dK_c += dS^T Q (and, without PIPE, dV_c += P^T dO first): same shapes as dV.
+    // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
+    // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
+    // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
     wg_fence();
-    if constexpr (!PIPE) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-        wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -578,8 +552,7 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 }
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
-#define KVAX_SM90_VARIANTS 0, STM | FRAG, STM | FRAG | EXP, STM | FRAG | EXP | FULL, \
-                           STM | FRAG | EXP | PIPE_BIT, STM | FRAG | EXP | FULL | PIPE_BIT
+#define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
@@ -601,8 +574,7 @@ static ffi::Error FusedBackwardImpl(
     ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> full_lower,
-    ffi::Buffer<ffi::S32> full_upper, float scale, int32_t causal, int32_t variant,
+    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, int32_t variant,
     ffi::ResultBuffer<ffi::BF16> dk,
     ffi::ResultBuffer<ffi::BF16> dv, ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions();
@@ -630,8 +602,6 @@ static ffi::Error FusedBackwardImpl(
   p.delta = delta.typed_data();
   p.lower = lower.typed_data();
   p.upper = upper.typed_data();
-  p.full_lower = full_lower.typed_data();
-  p.full_upper = full_upper.typed_data();
   p.dk = reinterpret_cast<__nv_bfloat16*>(dk->untyped_data());
   p.dv = reinterpret_cast<__nv_bfloat16*>(dv->untyped_data());
   p.dq_accum = dq_accum->typed_data();
@@ -670,8 +640,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()    // lower
                                   .Arg<ffi::Buffer<ffi::S32>>()    // upper
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_lower
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_upper
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("variant")

@@ -2,7 +2,7 @@
 
     lib = load()                                   # libkvax_sm90_bwd.so next to this file
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True, variant="v2")
+                                tile_bounds(mask), scale=..., causal=True, variant="v6")
 
 benchmarks/cuda_backward_check.py wraps it as the backward of the Mosaic forward (a custom VJP)
 to check it against the float32 reference and time it against the Mosaic backward and cuDNN;
@@ -39,45 +39,39 @@ def load(path: str | None = None) -> ctypes.CDLL:
   return lib
 
 
-def tile_bounds(mask) -> tuple[jax.Array, ...]:
-  """(lower, upper, full_lower, full_upper) int32 [B, Skv / 128]: each 128-row kv tile's visited
-  query rows and the run of them where every pair is kept, in 64-row blocks, from the mask's
-  dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
+def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
+  """(lower, upper) int32 [B, Skv / 128]: each 128-row kv tile's visited query rows, in 64-row
+  blocks, from the mask's dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
   bq = mask.spec.bwd_params.query_block_size
   bkv = mask.spec.bwd_params.kv_block_size
   if bkv != KV_TILE or bq % Q_BLOCK:
     raise ValueError(f"mask: backward blocks {bq} x {bkv}; this kernel needs kv blocks of "
                      f"{KV_TILE} and query blocks a multiple of {Q_BLOCK}")
   f = bq // Q_BLOCK
-  return tuple((x * f).astype(jnp.int32) for x in mask.dkv)
+  return tuple((x * f).astype(jnp.int32) for x in mask.dkv[:2])
 
 
-# The kernel's feature bits (fused_backward.cu): FULL skips the mask on the table's full blocks,
-# STM stores dS with stmatrix .trans, FRAG stages the dQ part in fragment order, PIPE computes
-# P^T / dS^T while dP^T / dV still run (separate wgmma commit groups), EXP takes exponentials by
-# ex2.approx.ftz.
-FULL, STM, FRAG, PIPE, EXP = 1, 2, 4, 8, 16
+# The kernel's feature bits (fused_backward.cu): STM stores dS with stmatrix .trans, FRAG stages
+# the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz.
+STM, FRAG, EXP = 2, 4, 16
 VARIANTS = {
-    # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; every visited
-    # block masked per element (branch-free since S19C); the dQ part staged row-major
+    # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
+    # branch-free per element; dS stored element by element, the dQ part staged row-major
     "v2": 0,
-    # v5: dS by stmatrix, the dQ part staged in fragment order (S19B one at a time on v2, 16k
-    # causal, H100: STM 14.04, FRAG 12.65 against v2's 14.41 ms)
-    "v5": STM | FRAG,
-    # v6: v5 with ex2.approx.ftz; then the full-block skip and the PIPE overlap on top
+    # v6 (the default): v2 with the three (S19C, H100, 16k causal backward: v2 13.99, v5 = STM |
+    # FRAG 12.90, v6 11.65 ms; Mosaic 12.05, cuDNN 11.16; 64k: v6 181.9, Mosaic 189.1, cuDNN 168.2)
     "v6": STM | FRAG | EXP,
-    "v6_full": STM | FRAG | EXP | FULL,
-    "v6_pipe": STM | FRAG | EXP | PIPE,
-    "v6_full_pipe": STM | FRAG | EXP | FULL | PIPE,
 }
 # Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
 # the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
 # C7512 otherwise). Session 19 (S19A, S19B): v0, v2 with shared memory reached through generic
 # addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against v2's
-# 14.22; FULL with the ids' loads and the exponential guarded by the block's kind (one branch
-# per element in the SASS): 18.24 ms on v2, 18.20 with PIPE; PIPE alone on v2 14.81 against
-# 14.41; v3 (FULL | STM | FRAG) 16.17.
+# 14.22; FULL (bit 1: the table's full blocks unmasked), first with the ids' loads and the
+# exponential guarded by the block's kind (a branch per element in the SASS: 18.24 ms on v2),
+# then branch-free on v6 (13.07 against 11.65: 160 more instructions); PIPE (bit 8: S^T and dP^T
+# in separate commit groups, P^T computed and dV issued while dP^T runs) 14.81 on v2 against
+# 14.41, 11.79 on v6 against 11.65 (64k: 183.5 against 181.9); v3 (FULL | STM | FRAG) 16.17.
 
 
 def unpermute_fragment_order(accum):
@@ -92,7 +86,7 @@ def unpermute_fragment_order(accum):
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
-                   scale: float, causal: bool, variant: str = "v2"):
+                   scale: float, causal: bool, variant: str = "v6"):
   """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
   positions / segment ids int32 [B, S]; bounds from tile_bounds. Returns dq [B, S, H, 128]
   (q.dtype) and dk, dv [B, S, KH, 128] bf16."""
@@ -112,8 +106,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   for name, x in given.items():
     if x.shape != expected[name]:
       raise ValueError(f"{name}: shape {x.shape}, expected {expected[name]}")
-  if len(bounds) != 4 or any(x.shape != (b, s // KV_TILE) for x in bounds):
-    raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape {(b, s // KV_TILE)}; "
+  if len(bounds) != 2 or any(x.shape != (b, s // KV_TILE) for x in bounds):
+    raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, s // KV_TILE)}; "
                      f"got {[getattr(x, 'shape', x) for x in bounds]}")
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
