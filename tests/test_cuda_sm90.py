@@ -140,3 +140,22 @@ def test_timing_plot_draws_from_saved_results(tmp_path):
   assert {r["impl"] for r in result["timings"]} == {"mosaic", "cuda_v0", "cuda_v1", "cudnn"}
   check.plot(result, tmp_path / "t.png")
   assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_fused_backward_registers_its_target_itself(monkeypatch):
+  """The op loads the library (registering the FFI target) before it emits the call: a caller
+  that never called load() (backend="hopper") must not meet "No FFI handler registered" (S19D's
+  first benchmark did)."""
+  import jax
+  calls = []
+  monkeypatch.setattr(cuda_bwd, "load", lambda *a: calls.append(a))
+  z = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f32 = jax.ShapeDtypeStruct((1, 4, 256), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  bounds = (jax.ShapeDtypeStruct((1, 2), jnp.int32),) * 2
+  dq, dk, dv = jax.eval_shape(
+      lambda *a: cuda_bwd.fused_backward(*a[:10], a[10:], scale=0.1, causal=True),
+      z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128), z(1, 256, 4, 128), f32, f32,
+      ids, ids, ids, ids, *bounds)
+  assert calls == [()]
+  assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 256, 2, 128)

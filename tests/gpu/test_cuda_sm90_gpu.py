@@ -28,7 +28,6 @@ pytestmark = MOSAIC_GPU_MARKS + [
                                   "batch2_docs_384"])
 def test_fused_backward_against_reference(name, variant):
   import cuda_backward_check as check
-  cuda_bwd.load()
   row = check.check_case(name, variant)
   assert row["finite"], row
   assert max(row["errors"].values()) < 2e-2, row

@@ -12,7 +12,6 @@ this module imports no other kernel backend (a leaf, tests/test_layering.py).
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import jax
@@ -26,9 +25,14 @@ KV_TILE = 128
 Q_BLOCK = 64
 
 
-@functools.cache
+_LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
+
+
 def load(path: str | None = None) -> ctypes.CDLL:
-  """Load the shared object (built by build.sh) and register its FFI target for CUDA."""
+  """Load the shared object (built by build.sh) and register its FFI target for CUDA, once per
+  process (later calls return the first library, whatever their path)."""
+  if _LOADED:
+    return _LOADED[0]
   lib_path = Path(path) if path else LIB
   if not lib_path.exists():
     raise FileNotFoundError(f"{lib_path}: not built; run kvax_plugin/attention/kernels/"
@@ -36,6 +40,7 @@ def load(path: str | None = None) -> ctypes.CDLL:
   lib = ctypes.cdll.LoadLibrary(str(lib_path))
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
                               platform="CUDA")
+  _LOADED.append(lib)
   return lib
 
 
@@ -109,6 +114,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   if len(bounds) != 2 or any(x.shape != (b, s // KV_TILE) for x in bounds):
     raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, s // KV_TILE)}; "
                      f"got {[getattr(x, 'shape', x) for x in bounds]}")
+  load()  # registers the FFI target (once per process): lowering needs it
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
   dk, dv, dq_accum = jax.ffi.ffi_call(
