@@ -785,7 +785,7 @@ s18e_runs() {
 # 16k, one document per row, kvax with backend hopper and mosaic (remat minimal_with_context).
 # Prediction as S19D's: hopper ~0.4 ms under mosaic at 16k causal, ~7 ms at 64k; documents
 # ~0.3 ms over; MaxText 16k-long: +1-2% tokens/s with hopper.
-# S19E (lane in git history, 3c2a1cf-era commit): hopper vs mosaic vs cuDNN fwd+bwd and MaxText
+# S19E (its lane in git history, 888a1fe): hopper vs mosaic vs cuDNN fwd+bwd and MaxText
 # 16k-long hopper 81.4k vs mosaic 75.1k tokens/s (benchmarks/NOTES.md, session 19).
 # Sixth call (S19F): MaxText llama3-8b (4 layers), one document per row, remat
 # minimal_with_context: kvax backend hopper against cudnn_flash_jax in the same call, at 16k
