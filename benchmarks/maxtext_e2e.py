@@ -195,7 +195,11 @@ def plot(rows, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   labels = sorted({r["label"] for r in rows}, key=lambda x: (SEQ[x.split("-")[0]], x))
-  atts = sorted({r["attention"] for r in rows}, key=lambda a: (a != "kvax", a))
+  # kvax rows named with their backend ("kvax (hopper)"), the others by attention alone
+  name = lambda r: (f"{r['attention']} ({r['kvax_backend']})" if r.get("kvax_backend")
+                    else r["attention"])
+  rows = [dict(r, attention=name(r)) for r in rows]
+  atts = sorted({r["attention"] for r in rows}, key=lambda a: (not a.startswith("kvax"), a))
   fig, ax = plt.subplots(figsize=(8, 4))
   width = 0.8 / max(1, len(atts))
   for i, att in enumerate(atts):
@@ -210,7 +214,9 @@ def plot(rows, path: Path) -> None:
         ax.text(x, v / 1e3, f"{v / 1e3:.0f}k", ha="center", va="bottom", fontsize=7)
   ax.set_xticks(range(len(labels)), labels)
   ax.set_ylabel("real tokens/s (thousands)")
-  ax.set_title("MaxText llama3-8b (shrunk), one GPU: attention kernels on the same packed data")
+  device = next((r.get("device") for r in rows if r.get("device")), None)
+  ax.set_title("MaxText llama3-8b (shrunk), one GPU: attention kernels on the same packed data"
+               + (f"\n{device}" if device else ""), fontsize=10)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -240,7 +246,20 @@ def main():
   ap.add_argument("--maxtext_override", action="append", default=[], metavar="KEY=VALUE",
                   help="a raw MaxText key for every run, e.g. remat_policy=minimal_with_context "
                        "(repeatable; recorded with the results)")
+  ap.add_argument("--plot_from", nargs="+", metavar="E2E_JSON",
+                  help="draw --out_dir/e2e.png (and write the merged e2e.json) from the rows of "
+                       "saved e2e.json files (runs made one per call), then exit")
   args = ap.parse_args()
+  if args.plot_from:
+    merged = [json.loads(Path(f).read_text()) for f in args.plot_from]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = dict(merged[0], runs=[r for m in merged for r in m["runs"]],
+                  merged_from=[str(f) for f in args.plot_from])
+    (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
+    plot([dict(r, device=m.get("device")) for m in merged for r in m["runs"]],
+         out_dir / "e2e.png")
+    return
   for item in args.maxtext_override:
     if "=" not in item or not item.split("=", 1)[0]:
       ap.error(f"--maxtext_override {item!r}: expected KEY=VALUE")

@@ -353,3 +353,22 @@ def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
   assert ptxas_splits.parse_report(clean) == {
       "setmaxnreg_ignored": False, "wgmma_serialized": False, "spill_stores": 0,
       "spill_loads": 0, "registers": 168}
+
+
+def test_maxtext_e2e_plots_saved_runs_together(tmp_path):
+  """--plot_from: session 19's four MaxText rows (H100, one call per run) merged into one
+  e2e.json and one plot, kvax named with its backend."""
+  saved = ROOT / "benchmarks/results/e2e/s19_h100_hopper"
+  files = sorted(str(p) for p in saved.glob("s19f_*/e2e.json"))
+  assert len(files) == 4
+  done = subprocess.run([sys.executable, "benchmarks/maxtext_e2e.py", "--out_dir", str(tmp_path),
+                         "--plot_from", *files], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  merged = json.loads((tmp_path / "e2e.json").read_text())
+  rows = {(r["label"], r["attention"], r["kvax_backend"]): r["tokens_per_s"]
+          for r in merged["runs"]}
+  assert set(rows) == {("16k-long", "kvax", "hopper"), ("16k-long", "cudnn_flash_jax", None),
+                       ("64k-long", "kvax", "hopper"), ("64k-long", "cudnn_flash_jax", None)}
+  assert rows[("64k-long", "kvax", "hopper")] > rows[("64k-long", "cudnn_flash_jax", None)]
+  assert (tmp_path / "e2e.png").stat().st_size > 10_000

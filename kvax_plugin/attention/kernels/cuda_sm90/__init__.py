@@ -1,5 +1,5 @@
-"""A CUDA C++ attention backward for Hopper (sm_90a), called through XLA FFI: a design probe for
-the 5-product backward that the Pallas Mosaic GPU kernels could not fit in registers
-(fused_backward.cu says what it covers). Not a backend of kvax_plugin.flash_attention yet: it
-is built on the CPU machine (build.sh) and exercised by benchmarks/cuda_backward_check.py and
-tests/gpu/test_cuda_sm90_gpu.py."""
+"""A CUDA C++ attention backward for Hopper (sm_90a), called through XLA FFI: the 5-product fused
+backward that the Pallas Mosaic GPU kernels could not fit in registers (fused_backward.cu says
+what it covers). A leaf: kernels/hopper.py composes it with the Mosaic forward as
+backend="hopper". Built on any machine with Python (build.sh, nvcc from PyPI); checked by
+benchmarks/cuda_backward_check.py and tests/gpu/test_cuda_sm90_gpu.py."""

@@ -1,12 +1,13 @@
 """JAX side of fused_backward.cu: load the shared object, register its FFI target, call it.
 
-    lib = load()                                   # libkvax_sm90_bwd.so next to this file
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                                 tile_bounds(mask), scale=..., causal=True, variant="v6")
+    # (the call loads libkvax_sm90_bwd.so, next to this file, once per process)
 
-benchmarks/cuda_backward_check.py wraps it as the backward of the Mosaic forward (a custom VJP)
-to check it against the float32 reference and time it against the Mosaic backward and cuDNN;
-this module imports no other kernel backend (a leaf, tests/test_layering.py).
+kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper");
+benchmarks/cuda_backward_check.py does the same per variant, to check each against the float32
+reference and time it against the Mosaic backward and cuDNN. This module imports no other
+kernel backend (a leaf, tests/test_layering.py).
 """
 
 from __future__ import annotations
