@@ -179,6 +179,14 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale, backend="hopper")
   hopper.mask = mask
   impls["hopper"] = hopper
+
+  def hopper_variant(variant):  # another fused-backward variant (kernels/hopper.py's hook)
+    def fn(q, k, v):
+      return hopper(q, k, v)
+    fn.env, fn.mask = {"KVAX_HOPPER_BWD_VARIANT": variant}, mask
+    return fn
+  impls["hopper_v7"] = hopper_variant("v7")
+  impls["hopper_v7_offset"] = hopper_variant("v7_offset")
   impls["mosaic_fused"] = make_mosaic(det=False)
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)

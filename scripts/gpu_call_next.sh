@@ -787,24 +787,57 @@ s18e_runs() {
 # ~0.3 ms over; MaxText 16k-long: +1-2% tokens/s with hopper.
 # S19E (its lane in git history, 888a1fe): hopper vs mosaic vs cuDNN fwd+bwd and MaxText
 # 16k-long hopper 81.4k vs mosaic 75.1k tokens/s (benchmarks/NOTES.md, session 19).
-# Sixth call (S19F): MaxText llama3-8b (4 layers), one document per row, remat
+# Sixth call (S19F, lane in git history): MaxText llama3-8b (4 layers), one document per row, remat
 # minimal_with_context: kvax backend hopper against cudnn_flash_jax in the same call, at 16k
 # and 64k. Prediction: 16k 1.10x (S17: mosaic 1.04x; S19E: hopper +8% over mosaic), 64k 1.10x.
-s19f_runs() {
-  local run t
-  for spec in 16k-long:cudnn_flash_jax:70 16k-long:kvax:70 64k-long:kvax:115 64k-long:cudnn_flash_jax:115; do
-    run=${spec%:*}; t=${spec##*:}
-    local name=$(echo $run | tr ':' '_')
-    timeout $t python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e19f_$name --steps 6 \
-      --timeout $((t - 5)) --runs $run --kvax_backend hopper \
-      --maxtext_override remat_policy=minimal_with_context > $R/e2e_s19f_$name.log 2>&1
-    mkdir -p $R/e2e_s19f_$name && cp /tmp/e2e19f_$name/e2e.json $R/e2e_s19f_$name/ 2>/dev/null
-    for d in /tmp/e2e19f_$name/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s19f_$name/$(basename "$d").summary.json"; done
-    tail -1 $R/e2e_s19f_$name.log | tee -a $R/next.log; pack > /dev/null
+# S19F (its lane in git history, 3c8abde): MaxText one document per row, kvax hopper 1.12x (16k)
+# and 1.20x (64k) cudnn_flash_jax.
+# Prepared for session 20's first call (build the .so first; carry it with .whl): v7 (DECOUPLE:
+# the consumers hand dS over by named-barrier arrive / sync pairs and run each step's dQ one
+# step late, so they may drift apart instead of meeting every step) and v7_offset (the second
+# consumer starts half a step late), CPU-checked only (ptxas: 0 spills, 226 registers; the
+# hand-over simulated in tests/test_cuda_sm90.py: no deadlock, no race, 0-6 steps, random
+# interleavings). Then where v6's step time goes: Nsight Compute (memory, warp state, source
+# counters) on backend="hopper" (v6) and cuDNN's backward, 16k causal.
+# Prediction (16k causal backward alone): v7 10.5-11.2 ms (v6 11.65: both consumers idle the
+# tensor cores through the element-wise stretch and the dQ staging at the same time, ~20% of a
+# step by the session-19 estimate), v7_offset <= v7; documents v7 ~2.9 (v6 3.01).
+s20a_runs() {
+  local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
+  timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s20a \
+    --seqs "" --variants v7,v7_offset,v6 > $R/cuda_bwd_check_s20a.stdout 2>&1
+  echo "check: rc $?" | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s20a.stdout | grep -v " ok " | tail -12 | tee -a $R/next.log
+  grep -c " ok " $R/cuda_bwd_check_s20a.stdout | sed 's/^/checks ok: /' | tee -a $R/next.log
+  pack > /dev/null
+  for spec in 16384:causal,docs:3 65536:causal:2; do  # length : cases : rounds
+    local seq=${spec%%:*} rest=${spec#*:}
+    timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
+      --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
+      --variants v6,v7,v7_offset > $R/cuda_bwd_$seq.stdout 2>&1
+    echo "timing $seq: rc $?" | tee -a $R/next.log
+    grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -10 | tee -a $R/next.log
+    pack > /dev/null
+  done
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p $R/ncu_s20a
+  for impl in hopper cudnn; do
+    timeout 150 $NCU --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters \
+      --kernel-name regex:"fused_backward_kernel|bprop" --launch-count 1 -f -o /tmp/ncu_$impl \
+      python3 benchmarks/ncu_kernels.py --impl $impl --case causal --seq 16384 \
+      > $R/ncu_s20a/$impl.log 2>&1
+    echo "ncu $impl: rc $?" | tee -a $R/next.log
+    $NCU --import /tmp/ncu_$impl.ncu-rep --page details > $R/ncu_s20a/$impl.details.txt 2>&1
+    $NCU --import /tmp/ncu_$impl.ncu-rep --page source --csv --print-source sass \
+      > $R/ncu_s20a/$impl.sass.csv 2>&1
+    grep -E "Duration|Shared Memory|Warp Cycles|Stall|Issue Slot|Tensor" $R/ncu_s20a/$impl.details.txt \
+      | head -20 | tee -a $R/next.log
+    gzip -9 $R/ncu_s20a/$impl.sass.csv; pack > /dev/null
   done
 }
 case ${LANE:-CP} in
-  S19F) s19f_runs ;;
+  S20A) s20a_runs ;;
   S18E) s18e_runs ;;
   S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;

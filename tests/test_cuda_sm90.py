@@ -50,7 +50,7 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
                             z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
-  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v2', 'v6'\]"):
+  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v2', 'v6', 'v7'"):
     cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
                             z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True, variant="v1")
@@ -159,3 +159,94 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
       ids, ids, ids, ids, *bounds)
   assert calls == [()]
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 256, 2, 128)
+
+
+# --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
+# The kernel's order of named-barrier operations and dS buffer accesses per consumer, as written
+# in fused_backward.cu (the step loop, dq_part and the tail). A named barrier completes when 256
+# threads (both consumers' 128) have arrived; a consumer that arrives twice in one generation
+# would complete it alone (a race on the GPU), so the simulation treats that as an error.
+BAR_DS_FULL, BAR_DS_FREE, BAR_START = 4, 8, 12
+
+
+def _consumer_ops(c: int, steps: int, offset: bool, skip_free_sync: bool = False):
+  """The events of consumer c: ("sync" | "arrive", barrier), ("write", buffer, step),
+  ("read", buffer, step)."""
+  def dq_part(m):
+    bm = m % 2
+    yield ("sync", BAR_DS_FULL + 2 * bm + c)
+    yield ("read", bm, m)  # the dQ wgmmas read both halves of buffer bm
+    if m + 2 < steps:
+      yield ("arrive", BAR_DS_FREE + 2 * bm + (1 - c))
+  if offset and c == 1 and steps > 0:
+    yield ("sync", BAR_START)
+  for n in range(steps):
+    if offset and c == 0 and n == 0:
+      yield ("arrive", BAR_START)
+    buf = n % 2
+    if n >= 2 and not skip_free_sync:
+      yield ("sync", BAR_DS_FREE + 2 * buf + c)
+    yield ("write", buf, n)
+    yield ("arrive", BAR_DS_FULL + 2 * buf + (1 - c))
+    if n >= 1:
+      yield from dq_part(n - 1)
+  if steps > 0:
+    yield from dq_part(steps - 1)
+
+
+def _simulate(steps: int, offset: bool, rng, **kw) -> str | None:
+  """Run both consumers in a random interleaving; the first problem found, or None."""
+  ops = [list(_consumer_ops(c, steps, offset, **kw)) for c in (0, 1)]
+  pc = [0, 0]
+  arrived: dict[int, set] = {}   # barrier -> consumers arrived in the current generation
+  waiting: dict[int, int] = {}   # consumer -> barrier it is blocked on
+  half = {}                      # (buffer, consumer) -> step whose dS that half holds
+  reads_left = {}                # (buffer, step) -> consumers that still have to read it
+  while pc[0] < len(ops[0]) or pc[1] < len(ops[1]):
+    runnable = [c for c in (0, 1) if pc[c] < len(ops[c]) and c not in waiting]
+    if not runnable:
+      return f"deadlock at {[ops[c][pc[c]] if pc[c] < len(ops[c]) else 'end' for c in (0, 1)]}"
+    c = runnable[rng.integers(len(runnable))]
+    op = ops[c][pc[c]]
+    pc[c] += 1
+    if op[0] in ("sync", "arrive"):
+      got = arrived.setdefault(op[1], set())
+      if c in got:
+        return f"consumer {c} arrives twice at barrier {op[1]} in one generation"
+      got.add(c)
+      if len(got) == 2:  # generation complete: release the waiter
+        arrived[op[1]] = set()
+        for w, bar in list(waiting.items()):
+          if bar == op[1]:
+            del waiting[w]
+      elif op[0] == "sync":
+        waiting[c] = op[1]
+    elif op[0] == "write":
+      _, buf, n = op
+      if reads_left.get((buf, n - 2)):
+        return f"consumer {c} overwrites buffer {buf} at step {n} before step {n - 2} is read"
+      half[(buf, c)] = n
+      reads_left[(buf, n)] = {0, 1}
+    else:
+      _, buf, m = op
+      if half.get((buf, 0)) != m or half.get((buf, 1)) != m:
+        return f"consumer {c} reads buffer {buf} for step {m}: halves hold {half}"
+      reads_left[(buf, m)].discard(c)
+  if any(arrived.values()):
+    return f"barriers left mid-generation at exit: {arrived}"
+  return None
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_decoupled_ds_hand_over_has_no_race_or_deadlock(offset):
+  rng = np.random.default_rng(7)
+  for steps in range(0, 7):
+    for _ in range(150):
+      problem = _simulate(steps, offset, rng)
+      assert problem is None, f"steps={steps}: {problem}"
+
+
+def test_the_hand_over_simulation_catches_a_missing_barrier():
+  rng = np.random.default_rng(8)
+  found = [_simulate(5, False, rng, skip_free_sync=True) for _ in range(200)]
+  assert any(f and "overwrites buffer" in f for f in found)

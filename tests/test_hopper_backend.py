@@ -104,3 +104,13 @@ def test_direct_call_names_what_it_does_not_cover():
   window = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, sliding_window=64)
   with pytest.raises(ValueError, match="mask: a sliding-window mask"):
     call(q, k, k, m=window)
+
+
+def test_variant_hook_is_checked(monkeypatch):
+  monkeypatch.setenv(hopper.VARIANT_ENV, "v7")
+  assert hopper._variant() == "v7"
+  monkeypatch.setenv(hopper.VARIANT_ENV, "v1")
+  with pytest.raises(ValueError, match=r"KVAX_HOPPER_BWD_VARIANT='v1': expected one of"):
+    hopper._variant()
+  monkeypatch.delenv(hopper.VARIANT_ENV)
+  assert hopper._variant() == hopper.VARIANT == "v6"

@@ -19,6 +19,9 @@ it is, device_supported says so and an explicit backend="hopper" raises with tha
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +33,17 @@ from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
 HEAD_DIM = cuda_bwd.HEAD_DIM
 VARIANT = "v6"  # the fused backward's feature set (cuda_sm90/fused_backward.py VARIANTS)
+# Benchmarking hook: another of VARIANTS, read while tracing (measured ones that lose are
+# removed from VARIANTS, and then this errors).
+VARIANT_ENV = "KVAX_HOPPER_BWD_VARIANT"
+
+
+def _variant() -> str:
+  name = os.environ.get(VARIANT_ENV, "") or VARIANT
+  if name not in cuda_bwd.VARIANTS:
+    raise ValueError(f"environment variable {VARIANT_ENV}={name!r}: expected one of "
+                     f"{sorted(cuda_bwd.VARIANTS)}")
+  return name
 
 CAPABILITIES = Capabilities(dtypes=("bfloat16",), min_head_dim=HEAD_DIM, max_head_dim=HEAD_DIM,
                             head_dim_multiple=HEAD_DIM,
@@ -66,13 +80,19 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Static(mosaic.Static):
+  """The Mosaic forward's static configuration, plus the fused backward's variant."""
+  variant: str = VARIANT
+
+
 def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out, lse,
               d_out):
   # delta = rowsum(dO * O): what softmax's Jacobian subtracts
   delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
   dq, dk, dv = cuda_bwd.fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                                        cuda_bwd.tile_bounds(mask), scale=cfg.scale,
-                                       causal=cfg.causal, variant=VARIANT)
+                                       causal=cfg.causal, variant=cfg.variant)
   # Rows with nothing to attend (lse +inf) get exactly 0, as from the other backends: their
   # probabilities are 0, but a non-finite key would reach them through 0 * NaN in dS K.
   dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], jnp.zeros_like(dq), dq)
@@ -109,9 +129,9 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   ok, why = supports_mask(mask)
   if not ok:
     raise ValueError(f"mask: {why}")
-  cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
-                      causal=bool(mask.spec.causal), window=0, deterministic=True,
-                      interpret=False)
+  cfg = _Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
+                causal=bool(mask.spec.causal), window=0, deterministic=True, interpret=False,
+                variant=_variant())
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   return _attention(cfg, query, key, value, jnp.zeros((h,), jnp.float32), *ints, mask)

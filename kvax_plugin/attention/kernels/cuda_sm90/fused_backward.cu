@@ -149,6 +149,9 @@ __device__ __forceinline__ void fence_async_smem() {
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void set_max_regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
@@ -251,11 +254,24 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         conflicts, rows 256 B apart);
 //   EXP   exponentials by ex2.approx.ftz (one MUFU.EX2; exp2f adds a range check and two
 //         predicated multiplies for subnormal results, which P does not need).
-constexpr int STM = 2, FRAG = 4, EXP = 16;  // (bits 1 and 8: FULL and PIPE, removed)
+//   DECOUPLE  the consumers hand dS over by named-barrier arrive / sync pairs (per buffer and
+//         direction) instead of meeting at one barrier each step, and each does step n - 1's dQ
+//         during step n: they may drift up to a step apart (else they run in lockstep, and
+//         both idle the tensor cores through their element-wise stretches at the same time).
+//   OFFSET    (with DECOUPLE) the second consumer starts once the first has its step 0's S^T /
+//         dP^T: the drift begins at about half a step.
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, OFFSET = 64;  // (bits 1 and 8:
+                                                                            // FULL and PIPE, removed)
+// Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
+// staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
+// for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
+// overwrite its half"; BAR_START the OFFSET start.
+constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8, BAR_START = 12;
 
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
+  constexpr bool DECOUPLE = F & DECOUPLE_BIT, START_OFFSET = DECOUPLE && (F & OFFSET);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -337,6 +353,56 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
 
+  // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
+  // K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the K tile),
+  // then staged and bulk reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Row-major staging
+  // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
+  // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
+  // and pair (the JAX side undoes the order).
+  // release: the ring slot's "empty" barrier to arrive at once the products are done (0: none).
+  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release) {
+    const int bm = m % 2;
+    if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
+    float dq[32];
+    wg_fence();
+    const uint32_t ds_base = base + OFF_DS + bm * DS_BUF;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
+                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
+                           k > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    if (release && t == 0) mbar_arrive(release);  // Q / dO slot free
+    if constexpr (DECOUPLE) {  // buffer bm read: the other consumer may write its half at m + 2
+      if (m + 2 < steps) named_arrive(BAR_DS_FREE + 2 * bm + (1 - c), 256);
+    }
+    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
+    if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
+    named_sync(2 + c, 128);
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = r0 + 8 * ((i / 2) % 2);
+      const int col = 8 * (i / 4) + 2 * (lane % 4);
+      float* at = USE_FRAG ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
+      *reinterpret_cast<float2*>(at) = make_float2(dq[i], dq[i + 1]);
+    }
+    fence_async_smem();
+    named_sync(2 + c, 128);
+    if (t == 0) {
+      float* dst = p.dq_accum +
+                   ((((static_cast<size_t>(b) * p.heads + head_m) * 2 + c) * p.s_q) + q0_m) * 64;
+      bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
+      bulk_commit();
+    }
+  };
+  int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
+  if constexpr (START_OFFSET) {
+    if (c == 1 && steps > 0) named_sync(BAR_START, 256);
+  }
+
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = kv_head * group + n / steps_per_head;
@@ -365,6 +431,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     }
     wg_commit();
     wg_wait<0>();
+    if constexpr (START_OFFSET) {
+      if (c == 0 && n == 0) named_arrive(BAR_START, 256);
+    }
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
@@ -426,7 +495,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // dS [q][kv] in shared memory (K-major A of the dQ product: rows = query, 64 kv per 128-byte
     // row): this consumer's 64 kv columns are kv half c of a buffer both consumers fill
     // (double-buffered by step parity).
-    uint8_t* ds_buf = smem + OFF_DS + (n % 2) * DS_BUF + c * HALF_Q;
+    const int buf = n % 2;
+    uint8_t* ds_buf = smem + OFF_DS + buf * DS_BUF + c * HALF_Q;
+    // DECOUPLE: this half of buffer buf was last read (dQ of step n - 2) by both consumers: the
+    // other one says so on BAR_DS_FREE (this consumer's own read is behind it in program order).
+    if constexpr (DECOUPLE) {
+      if (n >= 2) named_sync(BAR_DS_FREE + 2 * buf + c, 256);
+    }
     if constexpr (USE_STM) {
       // stmatrix .trans: register pair i of dS^T is, per lane, row r0 + 8 (i % 2) and columns
       // 8 (i / 2) + 2 (lane % 4) + {0, 1} of an 8 x 8 matrix's fragment (the ldmatrix layout);
@@ -455,46 +530,27 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
     }
     fence_async_smem();
-    named_sync(1, 256);  // both consumers' dS halves written
-
-    // dQ[:, 64c : 64c + 64] = dS K[:, 64c : 64c + 64]: M = 64 query rows, N = 64 (d), K = 128
-    // kv rows; dS K-major, K MN-major (column half c of the K tile).
-    float dq[32];
-    wg_fence();
-    const uint32_t ds_base = base + OFF_DS + (n % 2) * DS_BUF;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
-                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
-                           k > 0);
+    if constexpr (DECOUPLE) {
+      // Tell the other consumer this half is written (it waits there before its dQ of step n,
+      // which it runs during its step n + 1), then do this consumer's dQ of step n - 1. The
+      // consumers may drift up to a step apart: one's element-wise stretch can overlap the
+      // other's products instead of both idling the tensor cores at once.
+      named_arrive(BAR_DS_FULL + 2 * buf + (1 - c), 256);
+      if (n >= 1) {
+        dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s);  // waits for this step's too
+      } else {
+        wg_wait<0>();
+        if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+      }
+      prev_head = head;
+      prev_q0 = q0;
+    } else {
+      named_sync(1, 256);  // both consumers' dS halves written
+      dq_part(n, head, q0, bar_empty + 8 * s);
     }
-    wg_commit();
-    wg_wait<0>();
-    if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
-
-    // Stage the dQ part and bulk reduce-add it into dq_accum[b, head, c, q0 / 64]. Row-major
-    // staging has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register
-    // pair i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run
-    // per warp and pair (the JAX side undoes the order).
-    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
-    if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
-    named_sync(2 + c, 128);
-#pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int row = r0 + 8 * ((i / 2) % 2);
-      const int col = 8 * (i / 4) + 2 * (lane % 4);
-      float* at = USE_FRAG ? stage + ((i / 2) * 128 + t) * 2 : stage + row * 64 + col;
-      *reinterpret_cast<float2*>(at) = make_float2(dq[i], dq[i + 1]);
-    }
-    fence_async_smem();
-    named_sync(2 + c, 128);
-    if (t == 0) {
-      float* dst = p.dq_accum +
-                   ((((static_cast<size_t>(b) * p.heads + head) * 2 + c) * p.s_q) + q0) * 64;
-      bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
-      bulk_commit();
-    }
+  }
+  if constexpr (DECOUPLE) {
+    if (steps > 0) dq_part(steps - 1, prev_head, prev_q0, 0);
   }
   if (t == 0) bulk_wait0();
 
@@ -552,7 +608,8 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 }
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
-#define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP
+#define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT, \
+                           STM | FRAG | EXP | DECOUPLE_BIT | OFFSET
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {

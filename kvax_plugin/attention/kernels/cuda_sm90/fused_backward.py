@@ -58,8 +58,11 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
 
 
 # The kernel's feature bits (fused_backward.cu): STM stores dS with stmatrix .trans, FRAG stages
-# the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz.
-STM, FRAG, EXP = 2, 4, 16
+# the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz, DECOUPLE hands dS
+# between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
+# consumers may drift apart instead of meeting every step), OFFSET starts the second consumer
+# half a step late.
+STM, FRAG, EXP, DECOUPLE, OFFSET = 2, 4, 16, 32, 64
 VARIANTS = {
     # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
     # branch-free per element; dS stored element by element, the dQ part staged row-major
@@ -67,6 +70,9 @@ VARIANTS = {
     # v6 (the default): v2 with the three (S19C, H100, 16k causal backward: v2 13.99, v5 = STM |
     # FRAG 12.90, v6 11.65 ms; Mosaic 12.05, cuDNN 11.16; 64k: v6 181.9, Mosaic 189.1, cuDNN 168.2)
     "v6": STM | FRAG | EXP,
+    # v7 (prepared in session 19, not yet run on a GPU): v6 with DECOUPLE; v7_offset with OFFSET
+    "v7": STM | FRAG | EXP | DECOUPLE,
+    "v7_offset": STM | FRAG | EXP | DECOUPLE | OFFSET,
 }
 # Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
