@@ -162,6 +162,32 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   return out
 
 
+def time_epilogue(seq: int, rounds: int, reps: int, variant: str = "v6") -> list[dict]:
+  """The fused backward's fixed cost per call outside its kernel, timed alone: zeroing the
+  float32 dq buffer [B, H, 2, S / 64, 4096] (the FFI handler's cudaMemsetAsync; here an XLA
+  fill of the same bytes) and turning it into dq (reorder, scale, cast: fused_backward's
+  epilogue), B = 1, 32 heads."""
+  h, d = 32, cuda_bwd.HEAD_DIM
+  shape = (1, h, 2, seq // cuda_bwd.Q_BLOCK, cuda_bwd.Q_BLOCK * 64)
+  frag = cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG
+
+  def epilogue(accum):
+    block = (cuda_bwd.unpermute_fragment_order(accum) if frag
+             else accum.reshape(*shape[:4], cuda_bwd.Q_BLOCK, 64))
+    dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(1, seq, h, d)
+    return (dq * d ** -0.5).astype(jnp.bfloat16)
+
+  accum = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
+  fns = {"dq_zero": (jax.jit(lambda x: jnp.zeros(shape, jnp.float32) + x), (jnp.float32(0),)),
+         "dq_epilogue": (jax.jit(epilogue), (accum,))}
+  rows = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, (fn, args) in fns.items():
+      rows[name].append(time_fn(fn, args, rounds=reps, inner=1))
+  return [dict(seq=seq, case="fixed", impl=name, pass_="bwd part", ms=statistics.median(ms),
+               ms_rounds=ms, tflops=0.0) for name, ms in rows.items()]
+
+
 def plot(result: dict, path: Path) -> None:
   """Backward ms per implementation, one group of bars per (length, case), the device in the
   title; each bar labelled with its ms and effective TF/s."""
@@ -209,6 +235,9 @@ def main():
   ap.add_argument("--skip-check", action="store_true")
   ap.add_argument("--variants", default="v2,v6",
                   help="kernel variants (fused_backward.VARIANTS)")
+  ap.add_argument("--epilogue", action="store_true",
+                  help="also time the fixed cost outside the kernel (dq buffer zeroed, dq "
+                       "epilogue) once per length")
   args = ap.parse_args()
   if args.plot_from:
     plot(json.loads(args.plot_from.read_text()), args.out.with_suffix(".png"))
@@ -234,6 +263,11 @@ def main():
           " ".join(f"{k} {v:.2e}" for k, v in row["errors"].items()))
       args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
   for seq in (int(x) for x in args.seqs.split(",") if x):
+    if args.epilogue:
+      for row in time_epilogue(seq, args.rounds, args.reps):
+        result["timings"].append(row)
+        say(f"time {seq:6d} {row['case']:6s} {row['impl']:10s} {row['ms']:9.3f} ms  rounds "
+            f"{[round(x, 3) for x in row['ms_rounds']]}")
     for case in args.cases.split(","):
       for row in time_backwards(seq, case, args.rounds, args.reps, args.variants.split(",")):
         result["timings"].append(row)

@@ -799,6 +799,9 @@ s18e_runs() {
 # hand-over simulated in tests/test_cuda_sm90.py: no deadlock, no race, 0-6 steps, random
 # interleavings). Then where v6's step time goes: Nsight Compute (memory, warp state, source
 # counters) on backend="hopper" (v6) and cuDNN's backward, 16k causal.
+# --epilogue times the fused backward's fixed cost outside its kernel (the float32 dq buffer
+# zeroed, then reordered / scaled / cast into dq): the suspect for 16k documents, where hopper
+# is 0.30 ms behind mosaic (prediction: 0.2-0.3 ms at 16k, 4x that at 64k).
 # Prediction (16k causal backward alone): v7 10.5-11.2 ms (v6 11.65: both consumers idle the
 # tensor cores through the element-wise stretch and the dQ staging at the same time, ~20% of a
 # step by the session-19 estimate), v7_offset <= v7; documents v7 ~2.9 (v6 3.01).
@@ -814,9 +817,9 @@ s20a_runs() {
     local seq=${spec%%:*} rest=${spec#*:}
     timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
       --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
-      --variants v6,v7,v7_offset > $R/cuda_bwd_$seq.stdout 2>&1
+      --variants v6,v7,v7_offset --epilogue > $R/cuda_bwd_$seq.stdout 2>&1
     echo "timing $seq: rc $?" | tee -a $R/next.log
-    grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -10 | tee -a $R/next.log
+    grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -12 | tee -a $R/next.log
     pack > /dev/null
   done
   local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
