@@ -33,7 +33,9 @@ from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
 from kvax_plugin.attention.reference import reference_attention  # noqa: E402
 
-# name: (layout builder (rng) -> positions, segment ids [1, S]; query heads; kv heads; causal)
+# name: (layout builder (rng) -> positions, segment ids [B, S]; query heads; kv heads; causal;
+# optionally query rows: the queries are the last that many tokens, the keys all S, as on the
+# last shard of context parallelism)
 CASES = {
     "causal_gqa_512": (lambda r: (np.arange(512, dtype=np.int32)[None],
                                   np.zeros((1, 512), np.int32)), 4, 2, True),
@@ -47,6 +49,9 @@ CASES = {
     # two batch rows with different documents (not GPU-run yet: added after session 18's calls)
     "batch2_docs_384": (lambda r: layouts.packed_documents(r, 2, 384, num_docs=3, pad_tail=20),
                         4, 2, True),
+    # Sq != Skv (prepared in session 19, not GPU-run yet)
+    "query_shorter_docs_768": (lambda r: layouts.packed_documents(r, 1, 768, num_docs=4,
+                                                                  pad_tail=30), 4, 2, True, 256),
 }
 
 
@@ -92,23 +97,25 @@ def _rel(a, b):
 
 def check_case(name: str, variant: str = "v2") -> dict:
   """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
-  build, h, kh, causal = CASES[name]
+  build, h, kh, causal, *q_rows = CASES[name]
   pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
   (b, s), d = pos.shape, cuda_bwd.HEAD_DIM
+  sq = q_rows[0] if q_rows else s
+  q_pos, q_seg = pos[:, s - sq:], seg[:, s - sq:]
   keys = jax.random.split(jax.random.PRNGKey(len(name)), 4)
-  q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (b, sq, h, d), jnp.bfloat16)
   k = jax.random.normal(keys[1], (b, s, kh, d), jnp.bfloat16)
   v = jax.random.normal(keys[2], (b, s, kh, d), jnp.bfloat16)
-  cot = jax.random.normal(keys[3], (b, s, h, d), jnp.float32)
-  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, causal=causal)
+  cot = jax.random.normal(keys[3], (b, sq, h, d), jnp.float32)
+  mask = create_attention_mask(q_pos, q_seg, pos, seg, calc_bwd_mask=True, causal=causal)
   scale = d ** -0.5
 
   def ours(q, k, v):
-    return attention(q, k, v, pos, seg, pos, seg, mask, scale=scale, variant=variant)
+    return attention(q, k, v, q_pos, q_seg, pos, seg, mask, scale=scale, variant=variant)
 
   def ref(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
-    return reference_attention(f32(q), f32(k), f32(v), pos, seg, pos, seg, causal=causal,
+    return reference_attention(f32(q), f32(k), f32(v), q_pos, q_seg, pos, seg, causal=causal,
                                scale=scale)
 
   def grads(fn, *args):

@@ -797,7 +797,9 @@ s18e_runs() {
 # step late, so they may drift apart instead of meeting every step) and v7_offset (the second
 # consumer starts half a step late), CPU-checked only (ptxas: 0 spills, 226 registers; the
 # hand-over simulated in tests/test_cuda_sm90.py: no deadlock, no race, 0-6 steps, random
-# interleavings). Then where v6's step time goes: Nsight Compute (memory, warp state, source
+# interleavings). The checks include a new layout, query_shorter_docs_768 (Sq 256 against Skv 768,
+# as on context parallelism's last shard): the kernel now takes Sq != Skv, backend="hopper"
+# still refuses it until this passes. Then where v6's step time goes: Nsight Compute (memory, warp state, source
 # counters) on backend="hopper" (v6) and cuDNN's backward, 16k causal.
 # --epilogue times the fused backward's fixed cost outside its kernel (the float32 dq buffer
 # zeroed, then reordered / scaled / cast into dq): the suspect for 16k documents, where hopper

@@ -46,7 +46,7 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     cuda_bwd.fused_backward(z(1, 256, 4, 64), z(1, 256, 2, 64), z(1, 256, 2, 64),
                             z(1, 256, 4, 64), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
-  with pytest.raises(ValueError, match="multiple of 128"):
+  with pytest.raises(ValueError, match="Sq and Skv multiples of 128"):
     cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
                             z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
@@ -159,6 +159,15 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
       ids, ids, ids, ids, *bounds)
   assert calls == [()]
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 256, 2, 128)
+  # Sq != Skv: the shapes follow each side (the kernel indexes them apart)
+  k512 = z(1, 512, 2, 128)
+  kv_ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+  bounds4 = (jax.ShapeDtypeStruct((1, 4), jnp.int32),) * 2
+  dq, dk, dv = jax.eval_shape(
+      lambda *a: cuda_bwd.fused_backward(*a[:10], a[10:], scale=0.1, causal=True),
+      z(1, 256, 4, 128), k512, k512, z(1, 256, 4, 128), f32, f32, ids, ids, kv_ids, kv_ids,
+      *bounds4)
+  assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 512, 2, 128)
 
 
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------

@@ -27,8 +27,8 @@
 //
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16, head dim 128
-// for Q / K / V, causal or not, segment ids, GQA / MQA, Sq == Skv a multiple of 128, no soft
-// cap, window or sinks. Variants: template feature bits F, below (the JAX side's
+// for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128, no soft
+// cap, window or sinks (Sq != Skv: taken here, not yet run on a GPU). Variants: template feature bits F, below (the JAX side's
 // fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64] (per column half and
 // 64-row block), zeroed by the handler; the JAX side turns it into dq.
 #include <cuda.h>
@@ -638,9 +638,10 @@ static ffi::Error FusedBackwardImpl(
   if (qd.size() != 4 || kd.size() != 4 || qd[3] != D || kd[3] != D)
     return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128]");
   const int64_t b = qd[0], sq = qd[1], h = qd[2], skv = kd[1], kh = kd[2];
-  if (sq != skv || skv % KV_TILE || h % kh)
+  if (kd[0] != b || sq % KV_TILE || skv % KV_TILE || h % kh)
     return ffi::Error::InvalidArgument(
-        "expected Sq == Skv, a multiple of 128, and query heads a multiple of kv heads");
+        "expected one batch size, Sq and Skv multiples of 128, and query heads a multiple of "
+        "kv heads");
   Params p{};
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK),
                      make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK),

@@ -99,27 +99,29 @@ def unpermute_fragment_order(accum):
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = "v6"):
-  """q, d_out [B, S, H, 128] bf16; k, v [B, S, KH, 128] bf16; lse, delta [B, H, S] float32;
-  positions / segment ids int32 [B, S]; bounds from tile_bounds. Returns dq [B, S, H, 128]
-  (q.dtype) and dk, dv [B, S, KH, 128] bf16."""
+  """q, d_out [B, Sq, H, 128] bf16; k, v [B, Skv, KH, 128] bf16 (Sq, Skv multiples of 128;
+  Sq != Skv not yet run on a GPU); lse, delta [B, H, Sq] float32; positions / segment ids
+  int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. Returns dq [B, Sq, H, 128] (q.dtype) and
+  dk, dv [B, Skv, KH, 128] bf16."""
   b, s, h, d = q.shape
-  kh = k.shape[2]
-  if d != HEAD_DIM or k.shape[1] != s or s % KV_TILE or h % kh:
-    raise ValueError(f"q {q.shape}, k {k.shape}: expected head dim {HEAD_DIM}, Sq == Skv a "
-                     f"multiple of {KV_TILE}, query heads a multiple of kv heads")
+  skv, kh = k.shape[1], k.shape[2]
+  if (d != HEAD_DIM or k.shape[3] != HEAD_DIM or k.shape[0] != b or s % KV_TILE
+      or skv % KV_TILE or h % kh):
+    raise ValueError(f"q {q.shape}, k {k.shape}: expected head dim {HEAD_DIM}, one batch size, "
+                     f"Sq and Skv multiples of {KV_TILE}, query heads a multiple of kv heads")
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
   # The kernel indexes these by the shapes above and checks nothing itself: a wrong shape would
   # read past a buffer, so each is named here.
   expected = {"v": k.shape, "d_out": q.shape, "lse": (b, h, s), "delta": (b, h, s),
-              "q_pos": (b, s), "q_seg": (b, s), "kv_pos": (b, s), "kv_seg": (b, s)}
+              "q_pos": (b, s), "q_seg": (b, s), "kv_pos": (b, skv), "kv_seg": (b, skv)}
   given = {"v": v, "d_out": d_out, "lse": lse, "delta": delta, "q_pos": q_pos, "q_seg": q_seg,
            "kv_pos": kv_pos, "kv_seg": kv_seg}
   for name, x in given.items():
     if x.shape != expected[name]:
       raise ValueError(f"{name}: shape {x.shape}, expected {expected[name]}")
-  if len(bounds) != 2 or any(x.shape != (b, s // KV_TILE) for x in bounds):
-    raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, s // KV_TILE)}; "
+  if len(bounds) != 2 or any(x.shape != (b, skv // KV_TILE) for x in bounds):
+    raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, skv // KV_TILE)}; "
                      f"got {[getattr(x, 'shape', x) for x in bounds]}")
   load()  # registers the FFI target (once per process): lowering needs it
   bf16 = lambda x: x.astype(jnp.bfloat16)
