@@ -259,3 +259,14 @@ def test_the_hand_over_simulation_catches_a_missing_barrier():
   rng = np.random.default_rng(8)
   found = [_simulate(5, False, rng, skip_free_sync=True) for _ in range(200)]
   assert any(f and "overwrites buffer" in f for f in found)
+
+
+def test_a_library_from_another_source_is_refused(tmp_path):
+  class Lib:  # what ctypes gives for a library with / without the version symbol
+    def __init__(self, version):
+      if version is not None:
+        self.KvaxSm90AbiVersion = lambda: version
+  cuda_bwd.check_abi(Lib(cuda_bwd.ABI_VERSION), tmp_path / "lib.so")
+  for stale in (None, cuda_bwd.ABI_VERSION - 1):
+    with pytest.raises(RuntimeError, match=r"built from another fused_backward.cu .*rebuild"):
+      cuda_bwd.check_abi(Lib(stale), tmp_path / "lib.so")

@@ -683,6 +683,10 @@ static ffi::Error FusedBackwardImpl(
 
 }  // namespace kvax_sm90
 
+// The interface this file implements: the handler's arguments and the variants' feature bits.
+// fused_backward.py refuses a library that reports another (built from an older source).
+extern "C" int KvaxSm90AbiVersion() { return 2; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()

@@ -26,6 +26,10 @@ KV_TILE = 128
 Q_BLOCK = 64
 
 
+# fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
+# module passes. Bump both together when either changes.
+ABI_VERSION = 2
+
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 
 
@@ -39,10 +43,22 @@ def load(path: str | None = None) -> ctypes.CDLL:
     raise FileNotFoundError(f"{lib_path}: not built; run kvax_plugin/attention/kernels/"
                             "cuda_sm90/build.sh with an nvcc >= 13 (PyPI: nvidia-cuda-nvcc)")
   lib = ctypes.cdll.LoadLibrary(str(lib_path))
+  check_abi(lib, lib_path)
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
                               platform="CUDA")
   _LOADED.append(lib)
   return lib
+
+
+def check_abi(lib, lib_path) -> None:
+  """Refuse a library built from another version of fused_backward.cu (its arguments or variant
+  bits would not match this module's: an error at best, a wrong gradient at worst)."""
+  version = getattr(lib, "KvaxSm90AbiVersion", None)
+  got = version() if version is not None else None
+  if got != ABI_VERSION:
+    raise RuntimeError(f"{lib_path}: built from another fused_backward.cu (interface version "
+                       f"{got}, this module needs {ABI_VERSION}); rebuild it with "
+                       "kvax_plugin/attention/kernels/cuda_sm90/build.sh")
 
 
 def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
