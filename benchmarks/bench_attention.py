@@ -187,6 +187,7 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
     return fn
   impls["hopper_v7"] = hopper_variant("v7")
   impls["hopper_v7_offset"] = hopper_variant("v7_offset")
+  impls["hopper_v8"] = hopper_variant("v8")
   impls["mosaic_fused"] = make_mosaic(det=False)
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)

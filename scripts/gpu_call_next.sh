@@ -795,7 +795,8 @@ s18e_runs() {
 # Prepared for session 20's first call (build the .so first; carry it with .whl): v7 (DECOUPLE:
 # the consumers hand dS over by named-barrier arrive / sync pairs and run each step's dQ one
 # step late, so they may drift apart instead of meeting every step) and v7_offset (the second
-# consumer starts half a step late), CPU-checked only (ptxas: 0 spills, 226 registers; the
+# consumer starts half a step late) and v8 (v7 + SCHED: the consumers take turns issuing their
+# two bursts of products per step, FlashAttention-3's forward ordering), CPU-checked only (ptxas: 0 spills, 226 registers; the
 # hand-over simulated in tests/test_cuda_sm90.py: no deadlock, no race, 0-6 steps, random
 # interleavings). The checks include a new layout, query_shorter_docs_768 (Sq 256 against Skv 768,
 # as on context parallelism's last shard): the kernel now takes Sq != Skv, backend="hopper"
@@ -806,11 +807,11 @@ s18e_runs() {
 # is 0.30 ms behind mosaic (prediction: 0.2-0.3 ms at 16k, 4x that at 64k).
 # Prediction (16k causal backward alone): v7 10.5-11.2 ms (v6 11.65: both consumers idle the
 # tensor cores through the element-wise stretch and the dQ staging at the same time, ~20% of a
-# step by the session-19 estimate), v7_offset <= v7; documents v7 ~2.9 (v6 3.01).
+# step by the session-19 estimate), v7_offset <= v7, v8 10.0-10.8; documents v7 ~2.9 (v6 3.01).
 s20a_runs() {
   local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
   timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s20a \
-    --seqs "" --variants v7,v7_offset,v6 > $R/cuda_bwd_check_s20a.stdout 2>&1
+    --seqs "" --variants v7,v8,v7_offset,v6 > $R/cuda_bwd_check_s20a.stdout 2>&1
   echo "check: rc $?" | tee -a $R/next.log
   grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s20a.stdout | grep -v " ok " | tail -12 | tee -a $R/next.log
   grep -c " ok " $R/cuda_bwd_check_s20a.stdout | sed 's/^/checks ok: /' | tee -a $R/next.log
@@ -819,7 +820,7 @@ s20a_runs() {
     local seq=${spec%%:*} rest=${spec#*:}
     timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
       --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
-      --variants v6,v7,v7_offset --epilogue > $R/cuda_bwd_$seq.stdout 2>&1
+      --variants v6,v7,v8,v7_offset --epilogue > $R/cuda_bwd_$seq.stdout 2>&1
     echo "timing $seq: rc $?" | tee -a $R/next.log
     grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -12 | tee -a $R/next.log
     pack > /dev/null

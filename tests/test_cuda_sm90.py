@@ -175,37 +175,60 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
 # in fused_backward.cu (the step loop, dq_part and the tail). A named barrier completes when 256
 # threads (both consumers' 128) have arrived; a consumer that arrives twice in one generation
 # would complete it alone (a race on the GPU), so the simulation treats that as an error.
-BAR_DS_FULL, BAR_DS_FREE, BAR_START = 4, 8, 12
+BAR_DS_FULL, BAR_DS_FREE, BAR_START, BAR_SCHED = 4, 8, 12, 13
 
 
-def _consumer_ops(c: int, steps: int, offset: bool, skip_free_sync: bool = False):
+def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
+                  skip_free_sync: bool = False):
   """The events of consumer c: ("sync" | "arrive", barrier), ("write", buffer, step),
-  ("read", buffer, step)."""
-  def dq_part(m):
+  ("read_begin" | "read_end", buffer, step): the dQ wgmmas read both halves of a buffer from
+  their issue to their wait."""
+  def turn_begin():
+    if sched:
+      yield ("sync", BAR_SCHED + c)
+
+  def turn_end(last):
+    if sched and not (last and c == 1):
+      yield ("arrive", BAR_SCHED + (1 - c))
+
+  def dq_part(m, end_turn, last):
     bm = m % 2
     yield ("sync", BAR_DS_FULL + 2 * bm + c)
-    yield ("read", bm, m)  # the dQ wgmmas read both halves of buffer bm
+    yield ("read_begin", bm, m)
+    if end_turn:
+      yield from turn_end(last)
+    yield ("read_end", bm, m)  # wg_wait<0>
     if m + 2 < steps:
       yield ("arrive", BAR_DS_FREE + 2 * bm + (1 - c))
+
   if offset and c == 1 and steps > 0:
     yield ("sync", BAR_START)
+  if sched and c == 1 and steps > 0:
+    yield ("arrive", BAR_SCHED + 0)
   for n in range(steps):
+    yield from turn_begin()  # S^T / dP^T
+    yield from turn_end(False)
     if offset and c == 0 and n == 0:
       yield ("arrive", BAR_START)
     buf = n % 2
+    yield from turn_begin()  # dV / dK, then the late dQ
     if n >= 2 and not skip_free_sync:
       yield ("sync", BAR_DS_FREE + 2 * buf + c)
     yield ("write", buf, n)
     yield ("arrive", BAR_DS_FULL + 2 * buf + (1 - c))
     if n >= 1:
-      yield from dq_part(n - 1)
+      yield from dq_part(n - 1, True, False)
+    else:
+      yield from turn_end(False)
   if steps > 0:
-    yield from dq_part(steps - 1)
+    yield from turn_begin()
+    yield from dq_part(steps - 1, True, True)
 
 
-def _simulate(steps: int, offset: bool, rng, **kw) -> str | None:
-  """Run both consumers in a random interleaving; the first problem found, or None."""
-  ops = [list(_consumer_ops(c, steps, offset, **kw)) for c in (0, 1)]
+def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
+  """Run both consumers in a random interleaving; the first problem found, or None (trace:
+  gets (consumer, event) in the order they ran)."""
+  ops = [list(_consumer_ops(c, steps, **kw)) for c in (0, 1)]
   pc = [0, 0]
   arrived: dict[int, set] = {}   # barrier -> consumers arrived in the current generation
   waiting: dict[int, int] = {}   # consumer -> barrier it is blocked on
@@ -218,6 +241,8 @@ def _simulate(steps: int, offset: bool, rng, **kw) -> str | None:
     c = runnable[rng.integers(len(runnable))]
     op = ops[c][pc[c]]
     pc[c] += 1
+    if trace is not None:
+      trace.append((c, op))
     if op[0] in ("sync", "arrive"):
       got = arrived.setdefault(op[1], set())
       if c in got:
@@ -236,28 +261,44 @@ def _simulate(steps: int, offset: bool, rng, **kw) -> str | None:
         return f"consumer {c} overwrites buffer {buf} at step {n} before step {n - 2} is read"
       half[(buf, c)] = n
       reads_left[(buf, n)] = {0, 1}
-    else:
+    elif op[0] == "read_begin":
       _, buf, m = op
       if half.get((buf, 0)) != m or half.get((buf, 1)) != m:
         return f"consumer {c} reads buffer {buf} for step {m}: halves hold {half}"
+    else:
+      _, buf, m = op
       reads_left[(buf, m)].discard(c)
   if any(arrived.values()):
     return f"barriers left mid-generation at exit: {arrived}"
   return None
 
 
-@pytest.mark.parametrize("offset", [False, True])
-def test_decoupled_ds_hand_over_has_no_race_or_deadlock(offset):
+@pytest.mark.parametrize("variant", ["v7", "v7_offset", "v8"])
+def test_decoupled_ds_hand_over_has_no_race_or_deadlock(variant):
+  bits = cuda_bwd.VARIANTS[variant]
+  assert bits & cuda_bwd.DECOUPLE
+  kw = dict(offset=bool(bits & cuda_bwd.OFFSET), sched=bool(bits & cuda_bwd.SCHED))
   rng = np.random.default_rng(7)
   for steps in range(0, 7):
     for _ in range(150):
-      problem = _simulate(steps, offset, rng)
+      problem = _simulate(steps, rng, **kw)
       assert problem is None, f"steps={steps}: {problem}"
+
+
+def test_sched_alternates_the_bursts():
+  """SCHED: consumer 0 then 1, burst by burst (two per step and the late dQ's tail)."""
+  rng = np.random.default_rng(9)
+  for _ in range(50):
+    trace = []
+    assert _simulate(3, rng, trace=trace, sched=True) is None
+    # who hands the turn on, in the order it happened: 1 (the start), then 0, 1, 0, ...
+    handed = [c for c, op in trace if op[0] == "arrive" and op[1] in (BAR_SCHED, BAR_SCHED + 1)]
+    assert handed == [1] + [0, 1] * 6 + [0]  # 7 bursts each; consumer 1's last hands on none
 
 
 def test_the_hand_over_simulation_catches_a_missing_barrier():
   rng = np.random.default_rng(8)
-  found = [_simulate(5, False, rng, skip_free_sync=True) for _ in range(200)]
+  found = [_simulate(5, rng, skip_free_sync=True) for _ in range(200)]
   assert any(f and "overwrites buffer" in f for f in found)
 
 

@@ -260,18 +260,23 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         both idle the tensor cores through their element-wise stretches at the same time).
 //   OFFSET    (with DECOUPLE) the second consumer starts once the first has its step 0's S^T /
 //         dP^T: the drift begins at about half a step.
-constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, OFFSET = 64;  // (bits 1 and 8:
-                                                                            // FULL and PIPE, removed)
+//   SCHED     (with DECOUPLE) the consumers take turns to issue their products: each step's two
+//         bursts (S^T / dP^T; dV / dK and the late dQ) alternate between them, so one's
+//         element-wise stretch runs while the other's products do (FlashAttention-3's forward
+//         orders its two consumers' GEMMs the same way).
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, OFFSET = 64, SCHED_BIT = 128;
+// (bits 1 and 8: FULL and PIPE, removed)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
-// overwrite its half"; BAR_START the OFFSET start.
-constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8, BAR_START = 12;
+// overwrite its half"; BAR_START the OFFSET start; SCHED: BAR_SCHED + c "consumer c's turn".
+constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8, BAR_START = 12, BAR_SCHED = 13;
 
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, START_OFFSET = DECOUPLE && (F & OFFSET);
+  constexpr bool SCHED = DECOUPLE && (F & SCHED_BIT);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -360,7 +365,18 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
   // and pair (the JAX side undoes the order).
   // release: the ring slot's "empty" barrier to arrive at once the products are done (0: none).
-  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release) {
+  // SCHED: a burst of products starts with turn_begin and ends, once issued, with turn_end (the
+  // second consumer's last burst passes the turn to no one).
+  auto turn_begin = [&]() {
+    if constexpr (SCHED) named_sync(BAR_SCHED + c, 256);
+  };
+  auto turn_end = [&](bool last) {
+    if constexpr (SCHED) {
+      if (!(last && c == 1)) named_arrive(BAR_SCHED + (1 - c), 256);
+    }
+  };
+  // end_turn: (SCHED) the dQ products end this consumer's burst (last: its final one).
+  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release, bool end_turn, bool last) {
     const int bm = m % 2;
     if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
     float dq[32];
@@ -374,6 +390,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                            k > 0);
     }
     wg_commit();
+    if (end_turn) turn_end(last);
     wg_wait<0>();
     if (release && t == 0) mbar_arrive(release);  // Q / dO slot free
     if constexpr (DECOUPLE) {  // buffer bm read: the other consumer may write its half at m + 2
@@ -402,6 +419,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   if constexpr (START_OFFSET) {
     if (c == 1 && steps > 0) named_sync(BAR_START, 256);
   }
+  if constexpr (SCHED) {
+    if (c == 1 && steps > 0) named_arrive(BAR_SCHED + 0, 256);  // the first turn: consumer 0
+  }
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
@@ -414,6 +434,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
     float st[32], dpt[32];
+    turn_begin();
     wg_fence();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -430,6 +451,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                            desc_sw128(slot + qoff, 16, 1024), k > 0);
     }
     wg_commit();
+    turn_end(false);
     wg_wait<0>();
     if constexpr (START_OFFSET) {
       if (c == 0 && n == 0) named_arrive(BAR_START, 256);
@@ -479,6 +501,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
     // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
     // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
+    turn_begin();  // (SCHED) this burst runs through the late dQ's issue
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -537,8 +560,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       // other's products instead of both idling the tensor cores at once.
       named_arrive(BAR_DS_FULL + 2 * buf + (1 - c), 256);
       if (n >= 1) {
-        dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s);  // waits for this step's too
+        dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s, true, false);  // waits for all
       } else {
+        turn_end(false);
         wg_wait<0>();
         if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
       }
@@ -546,11 +570,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       prev_q0 = q0;
     } else {
       named_sync(1, 256);  // both consumers' dS halves written
-      dq_part(n, head, q0, bar_empty + 8 * s);
+      dq_part(n, head, q0, bar_empty + 8 * s, false, false);
     }
   }
   if constexpr (DECOUPLE) {
-    if (steps > 0) dq_part(steps - 1, prev_head, prev_q0, 0);
+    if (steps > 0) {
+      turn_begin();
+      dq_part(steps - 1, prev_head, prev_q0, 0, true, true);
+    }
   }
   if (t == 0) bulk_wait0();
 
@@ -609,7 +636,8 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
 #define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT, \
-                           STM | FRAG | EXP | DECOUPLE_BIT | OFFSET
+                           STM | FRAG | EXP | DECOUPLE_BIT | OFFSET, \
+                           STM | FRAG | EXP | DECOUPLE_BIT | SCHED_BIT
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
@@ -685,7 +713,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 2; }
+extern "C" int KvaxSm90AbiVersion() { return 3; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -28,7 +28,7 @@ Q_BLOCK = 64
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes. Bump both together when either changes.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 
@@ -77,8 +77,8 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
 # the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz, DECOUPLE hands dS
 # between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
 # consumers may drift apart instead of meeting every step), OFFSET starts the second consumer
-# half a step late.
-STM, FRAG, EXP, DECOUPLE, OFFSET = 2, 4, 16, 32, 64
+# half a step late, SCHED (with DECOUPLE) makes the consumers take turns issuing their products.
+STM, FRAG, EXP, DECOUPLE, OFFSET, SCHED = 2, 4, 16, 32, 64, 128
 VARIANTS = {
     # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
     # branch-free per element; dS stored element by element, the dQ part staged row-major
@@ -89,6 +89,8 @@ VARIANTS = {
     # v7 (prepared in session 19, not yet run on a GPU): v6 with DECOUPLE; v7_offset with OFFSET
     "v7": STM | FRAG | EXP | DECOUPLE,
     "v7_offset": STM | FRAG | EXP | DECOUPLE | OFFSET,
+    # v8 (prepared in session 19, not yet run on a GPU): v7 with SCHED
+    "v8": STM | FRAG | EXP | DECOUPLE | SCHED,
 }
 # Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
