@@ -358,13 +358,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
 
-  // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
-  // K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the K tile),
-  // then staged and bulk reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Row-major staging
-  // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
-  // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
-  // and pair (the JAX side undoes the order).
-  // release: the ring slot's "empty" barrier to arrive at once the products are done (0: none).
   // SCHED: a burst of products starts with turn_begin and ends, once issued, with turn_end (the
   // second consumer's last burst passes the turn to no one).
   auto turn_begin = [&]() {
@@ -375,7 +368,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       if (!(last && c == 1)) named_arrive(BAR_SCHED + (1 - c), 256);
     }
   };
-  // end_turn: (SCHED) the dQ products end this consumer's burst (last: its final one).
+  // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
+  // K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the K tile),
+  // then staged and bulk reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Row-major staging
+  // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
+  // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
+  // and pair (the JAX side undoes the order). release: the ring slot's "empty" barrier to
+  // arrive at once the products are done (0: none); end_turn: (SCHED) the dQ products end this
+  // consumer's burst (last: its final one).
   auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release, bool end_turn, bool last) {
     const int bm = m % 2;
     if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
