@@ -174,7 +174,7 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
   impls["mosaic"] = make_mosaic()
 
   # --- ours, backend="hopper": the Mosaic forward with the CUDA C++ fused backward (its shared
-  # object built by kernels/cuda_sm90/build.sh)
+  # object built by python -m kvax_plugin.attention.kernels.cuda_sm90.build)
   def hopper(q, k, v):
     return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale, backend="hopper")
   hopper.mask = mask

@@ -311,3 +311,47 @@ def test_a_library_from_another_source_is_refused(tmp_path):
   for stale in (None, cuda_bwd.ABI_VERSION - 1):
     with pytest.raises(RuntimeError, match=r"built from another fused_backward.cu .*rebuild"):
       cuda_bwd.check_abi(Lib(stale), tmp_path / "lib.so")
+
+
+# --- the builder (python -m kvax_plugin.attention.kernels.cuda_sm90.build) ----------------------
+def test_builder_finds_nvcc_in_order(tmp_path, monkeypatch):
+  from kvax_plugin.attention.kernels.cuda_sm90 import build
+  exe = lambda p: (p.parent.mkdir(parents=True, exist_ok=True), p.write_text(""), p)[2]
+  wheel = exe(tmp_path / "site" / "nvidia" / "cu13" / "bin" / "nvcc")
+  on_path = exe(tmp_path / "bin" / "nvcc")
+  on_path.chmod(0o755)
+  env = exe(tmp_path / "env" / "nvcc")
+  given = exe(tmp_path / "given" / "nvcc")
+  monkeypatch.setattr("sys.path", [str(tmp_path / "site")])
+  monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+  monkeypatch.setenv(build.NVCC_ENV, str(env))
+  assert build.find_nvcc(str(given)) == given
+  assert build.find_nvcc() == env
+  monkeypatch.delenv(build.NVCC_ENV)
+  assert build.find_nvcc() == on_path
+  monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+  assert build.find_nvcc() == wheel
+  monkeypatch.setattr("sys.path", [])
+  with pytest.raises(FileNotFoundError, match=r"no nvcc .*nvidia-cuda-nvcc>=13"):
+    build.find_nvcc()
+  with pytest.raises(FileNotFoundError, match="nvcc: .*does not exist"):
+    build.find_nvcc(str(tmp_path / "missing"))
+  assert build.main(["--out", str(tmp_path / "x.so")]) == 1  # no nvcc: a message, exit 1
+
+
+def test_builder_command_and_report():
+  from pathlib import Path
+  from kvax_plugin.attention.kernels.cuda_sm90 import build
+  cmd = build.nvcc_command(Path("/x/nvcc"), build.SOURCE, build.OUTPUT, "/inc")
+  assert cmd[0] == "/x/nvcc" and "arch=compute_90a,code=sm_90a" in cmd
+  assert cmd[cmd.index("-cudart") + 1] == "static" and "-I/inc" in cmd
+  assert cmd[-3:] == [str(build.SOURCE), "-o", str(build.OUTPUT)]
+  assert build.SOURCE.exists() and build.OUTPUT.parent == cuda_bwd.LIB.parent
+  assert build.OUTPUT.name == cuda_bwd.LIB.name
+  keep = lambda line: build._keep(line, build.SOURCE)
+  assert keep("ptxas info    : Used 168 registers, used 16 barriers")
+  assert keep("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+  assert keep("fused_backward.cu(12): warning #177-D: variable declared but never referenced")
+  assert keep("x.cu(1): error: expected an expression")
+  assert not keep("  __attribute__((always_inline)) typename ErrorPolicy::Status VerifyBuffer(")
+  assert not keep("                 ^")

@@ -65,7 +65,7 @@ def test_device_check_names_the_missing_build(monkeypatch, tmp_path):
   h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
   monkeypatch.setattr(cuda_bwd, "LIB", tmp_path / "libkvax_sm90_bwd.so")
   ok, why = hopper.device_supported(h100)
-  assert not ok and "is not built" in why and "cuda_sm90/build.sh" in why
+  assert not ok and "is not built" in why and "kernels.cuda_sm90.build" in why
   (tmp_path / "libkvax_sm90_bwd.so").write_bytes(b"")
   assert hopper.device_supported(h100) == (True, "")
   a100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA A100", compute_capability="8.0")

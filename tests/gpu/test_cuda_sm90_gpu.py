@@ -18,7 +18,7 @@ from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  
 
 pytestmark = MOSAIC_GPU_MARKS + [
     pytest.mark.skipif(not cuda_bwd.LIB.exists(), reason=f"{cuda_bwd.LIB.name} not built "
-                       "(kvax_plugin/attention/kernels/cuda_sm90/build.sh)")]
+                       "(python -m kvax_plugin.attention.kernels.cuda_sm90.build)")]
 
 
 # "hopper": the same kernel through the public op (kvax_plugin.flash_attention, backend="hopper")

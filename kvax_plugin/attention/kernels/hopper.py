@@ -13,8 +13,9 @@ window or sinks. So "auto" does not take it (AUTO_ORDER); users ask for it by na
 it does not cover raises (BackendUnavailableError from the registry, ValueError here) instead of
 running another backward.
 
-The shared object is built from source (kernels/cuda_sm90/build.sh, nvcc >= 13 from PyPI); until
-it is, device_supported says so and an explicit backend="hopper" raises with that reason.
+The shared object is built from source (python -m kvax_plugin.attention.kernels.cuda_sm90.build,
+nvcc >= 13 from PyPI); until it is, device_supported says so and an explicit backend="hopper"
+raises with that reason.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def device_supported(device) -> tuple[bool, str]:
   if not ok:
     return ok, why
   if not cuda_bwd.LIB.exists():
-    return False, (f"{cuda_bwd.LIB} is not built: run bash kvax_plugin/attention/kernels/"
-                   "cuda_sm90/build.sh with an nvcc >= 13 (python3 -m pip install "
-                   "'nvidia-cuda-nvcc>=13' nvidia-cuda-cccl)")
+    return False, (f"{cuda_bwd.LIB} is not built: run python -m kvax_plugin.attention.kernels."
+                   "cuda_sm90.build (any machine with Python; it needs nvcc >= 13: python3 -m "
+                   "pip install 'nvidia-cuda-nvcc>=13' nvidia-cuda-cccl, or kvax-plugin[hopper])")
   return True, ""
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds libkvax_sm90_bwd.so (the CUDA C++ fused backward, sm_90a) with scripts/build_ffi_so.sh:
-# nvcc 13 + cccl from PyPI, the jaxlib FFI headers, ptxas's register / spill report printed.
+# Builds libkvax_sm90_bwd.so (the CUDA C++ fused backward, sm_90a) next to this file with the
+# project's .venv (build.py: nvcc 13 from PyPI, the jaxlib FFI headers, ptxas's report).
+# Outside a source checkout: python -m kvax_plugin.attention.kernels.cuda_sm90.build
 # Usage: bash kvax_plugin/attention/kernels/cuda_sm90/build.sh [NVCC]
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -40,8 +40,8 @@ def load(path: str | None = None) -> ctypes.CDLL:
     return _LOADED[0]
   lib_path = Path(path) if path else LIB
   if not lib_path.exists():
-    raise FileNotFoundError(f"{lib_path}: not built; run kvax_plugin/attention/kernels/"
-                            "cuda_sm90/build.sh with an nvcc >= 13 (PyPI: nvidia-cuda-nvcc)")
+    raise FileNotFoundError(f"{lib_path}: not built; run python -m kvax_plugin.attention.kernels."
+                            "cuda_sm90.build (nvcc >= 13: PyPI nvidia-cuda-nvcc)")
   lib = ctypes.cdll.LoadLibrary(str(lib_path))
   check_abi(lib, lib_path)
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
@@ -58,7 +58,7 @@ def check_abi(lib, lib_path) -> None:
   if got != ABI_VERSION:
     raise RuntimeError(f"{lib_path}: built from another fused_backward.cu (interface version "
                        f"{got}, this module needs {ABI_VERSION}); rebuild it with "
-                       "kvax_plugin/attention/kernels/cuda_sm90/build.sh")
+                       "python -m kvax_plugin.attention.kernels.cuda_sm90.build")
 
 
 def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
