@@ -46,6 +46,7 @@ def _variant() -> str:
                      f"{sorted(cuda_bwd.VARIANTS)}")
   return name
 
+
 CAPABILITIES = Capabilities(dtypes=("bfloat16",), min_head_dim=HEAD_DIM, max_head_dim=HEAD_DIM,
                             head_dim_multiple=HEAD_DIM,
                             features=frozenset({"causal", "gqa", "backward"}))
