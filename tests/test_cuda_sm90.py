@@ -182,7 +182,8 @@ def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
                   skip_free_sync: bool = False):
   """The events of consumer c: ("sync" | "arrive", barrier), ("write", buffer, step),
   ("read_begin" | "read_end", buffer, step): the dQ wgmmas read both halves of a buffer from
-  their issue to their wait."""
+  their issue to their wait; ("loaded", step): waits for the producer's ring slot;
+  ("release", step): the slot handed back (after the wait that retires the step's products)."""
   def turn_begin():
     if sched:
       yield ("sync", BAR_SCHED + c)
@@ -191,13 +192,15 @@ def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
     if sched and not (last and c == 1):
       yield ("arrive", BAR_SCHED + (1 - c))
 
-  def dq_part(m, end_turn, last):
+  def dq_part(m, end_turn, last, release):
     bm = m % 2
     yield ("sync", BAR_DS_FULL + 2 * bm + c)
     yield ("read_begin", bm, m)
     if end_turn:
       yield from turn_end(last)
     yield ("read_end", bm, m)  # wg_wait<0>
+    if release is not None:
+      yield ("release", release)
     if m + 2 < steps:
       yield ("arrive", BAR_DS_FREE + 2 * bm + (1 - c))
 
@@ -206,6 +209,7 @@ def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
   if sched and c == 1 and steps > 0:
     yield ("arrive", BAR_SCHED + 0)
   for n in range(steps):
+    yield ("loaded", n)
     yield from turn_begin()  # S^T / dP^T
     yield from turn_end(False)
     if offset and c == 0 and n == 0:
@@ -217,32 +221,53 @@ def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
     yield ("write", buf, n)
     yield ("arrive", BAR_DS_FULL + 2 * buf + (1 - c))
     if n >= 1:
-      yield from dq_part(n - 1, True, False)
+      yield from dq_part(n - 1, True, False, release=n)
     else:
       yield from turn_end(False)
+      yield ("release", 0)
   if steps > 0:
     yield from turn_begin()
-    yield from dq_part(steps - 1, True, True)
+    yield from dq_part(steps - 1, True, True, release=None)
 
 
 def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
   """Run both consumers in a random interleaving; the first problem found, or None (trace:
   gets (consumer, event) in the order they ran)."""
-  ops = [list(_consumer_ops(c, steps, **kw)) for c in (0, 1)]
-  pc = [0, 0]
+  # actors 0, 1: the consumers; 2: the producer, loading step n into slot n % 2 once both
+  # consumers released step n - 2 (a ring of 2)
+  ops = [list(_consumer_ops(c, steps, **kw)) for c in (0, 1)] + [
+      [("load", n) for n in range(steps)]]
+  pc = [0, 0, 0]
+  loaded, released = set(), {}
   arrived: dict[int, set] = {}   # barrier -> consumers arrived in the current generation
   waiting: dict[int, int] = {}   # consumer -> barrier it is blocked on
   half = {}                      # (buffer, consumer) -> step whose dS that half holds
   reads_left = {}                # (buffer, step) -> consumers that still have to read it
-  while pc[0] < len(ops[0]) or pc[1] < len(ops[1]):
-    runnable = [c for c in (0, 1) if pc[c] < len(ops[c]) and c not in waiting]
+  def ready(a):
+    if pc[a] >= len(ops[a]) or a in waiting:
+      return False
+    op = ops[a][pc[a]]
+    if op[0] == "loaded":
+      return op[1] in loaded
+    if op[0] == "load":
+      return op[1] < 2 or released.get(op[1] - 2, 0) == 2
+    return True
+
+  while any(pc[a] < len(ops[a]) for a in range(3)):
+    runnable = [a for a in range(3) if ready(a)]
     if not runnable:
-      return f"deadlock at {[ops[c][pc[c]] if pc[c] < len(ops[c]) else 'end' for c in (0, 1)]}"
+      return f"deadlock at {[ops[a][pc[a]] if pc[a] < len(ops[a]) else 'end' for a in range(3)]}"
     c = runnable[rng.integers(len(runnable))]
     op = ops[c][pc[c]]
     pc[c] += 1
     if trace is not None:
       trace.append((c, op))
+    if op[0] in ("load", "loaded"):
+      loaded.add(op[1])
+      continue
+    if op[0] == "release":
+      released[op[1]] = released.get(op[1], 0) + 1
+      continue
     if op[0] in ("sync", "arrive"):
       got = arrived.setdefault(op[1], set())
       if c in got:
@@ -270,6 +295,8 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
       reads_left[(buf, m)].discard(c)
   if any(arrived.values()):
     return f"barriers left mid-generation at exit: {arrived}"
+  if any(released.get(n, 0) != 2 for n in range(steps)):
+    return f"ring slots not released exactly once per consumer: {released}"
   return None
 
 
