@@ -13,7 +13,6 @@ Mosaic forward's residuals (its custom VJP), so the two rows differ only in the 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -55,39 +54,23 @@ CASES = {
 }
 
 
-@functools.cache
-def _mosaic_forward_cuda_backward(variant: str):
-  """The shared custom VJP (kernels/custom_vjp.kernel_attention) over the Mosaic backend's
-  forward and this backward, as the backends build theirs."""
-  from kvax_plugin.attention.kernels.custom_vjp import kernel_attention
-  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
-
-  def backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out):
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq, dk, dv = cuda_bwd.fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos,
-                                         kv_seg, cuda_bwd.tile_bounds(mask), scale=cfg.scale,
-                                         causal=cfg.causal, variant=variant)
-    return dq, dk, dv, jnp.zeros_like(sinks)
-  return kernel_attention(mosaic._forward, backward)
-
-
 def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
               variant: str = "v2"):
   """Attention with the Mosaic forward and the CUDA fused backward (differentiable in q, k, v):
-  the given fused_backward variant, or variant="hopper" for the public op's backend="hopper"."""
-  from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+  backend="hopper"'s custom VJP (kernels/hopper.py) with the given fused_backward variant, its
+  argument checks left out (so Sq != Skv runs); variant="hopper": the public op itself."""
+  import kvax_plugin as kvax
+  from kvax_plugin.attention.kernels import hopper
 
   if variant == "hopper":
-    import kvax_plugin as kvax
     return kvax.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, scale=scale,
                                 backend="hopper")
-
-  cfg = mosaic.Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
-                      causal=bool(mask.spec.causal), window=0, deterministic=True,
-                      interpret=False)
+  cfg = hopper._Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
+                       causal=bool(mask.spec.causal), window=0, deterministic=True,
+                       interpret=False, variant=variant)
   sinks = jnp.zeros((q.shape[2],), jnp.float32)
   ints = tuple(x.astype(jnp.int32) for x in (q_pos, q_seg, kv_pos, kv_seg))
-  return _mosaic_forward_cuda_backward(variant)(cfg, q, k, v, sinks, *ints, mask)
+  return hopper._attention(cfg, q, k, v, sinks, *ints, mask)
 
 
 def _rel(a, b):
@@ -169,20 +152,15 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   return out
 
 
-def time_epilogue(seq: int, rounds: int, reps: int, variant: str = "v6") -> list[dict]:
+def time_epilogue(seq: int, rounds: int, reps: int,
+                  variant: str = cuda_bwd.DEFAULT_VARIANT) -> list[dict]:
   """The fused backward's fixed cost per call outside its kernel, timed alone: zeroing the
   float32 dq buffer [B, H, 2, S / 64, 4096] (the FFI handler's cudaMemsetAsync; here an XLA
   fill of the same bytes) and turning it into dq (reorder, scale, cast: fused_backward's
   epilogue), B = 1, 32 heads."""
   h, d = 32, cuda_bwd.HEAD_DIM
   shape = (1, h, 2, seq // cuda_bwd.Q_BLOCK, cuda_bwd.Q_BLOCK * 64)
-  frag = cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG
-
-  def epilogue(accum):
-    block = (cuda_bwd.unpermute_fragment_order(accum) if frag
-             else accum.reshape(*shape[:4], cuda_bwd.Q_BLOCK, 64))
-    dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(1, seq, h, d)
-    return (dq * d ** -0.5).astype(jnp.bfloat16)
+  epilogue = lambda accum: cuda_bwd.dq_from_accum(accum, variant, d ** -0.5, jnp.bfloat16)
 
   accum = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
   fns = {"dq_zero": (jax.jit(lambda x: jnp.zeros(shape, jnp.float32) + x), (jnp.float32(0),)),

@@ -91,6 +91,27 @@ def test_dq_staging_order_is_undone_by_the_jax_side():
   np.testing.assert_array_equal(back, block)
 
 
+@pytest.mark.parametrize("variant", ["v2", "v6"])
+def test_dq_from_accum_places_every_block(variant):
+  """dq_accum[b, h, half, block] as the kernel writes it (its staging order per 64 x 64 part:
+  row-major, or FRAG's fragment order) back to dq [B, Sq, H, 128], scaled."""
+  rng = np.random.default_rng(1)
+  b, sq, h = 2, 192, 3
+  dq = rng.normal(size=(b, sq, h, 128)).astype(np.float32)
+  accum = np.zeros((b, h, 2, sq // 64, 4096), np.float32)
+  for bi, hi, c, blk in np.ndindex(b, h, 2, sq // 64):
+    part = dq[bi, 64 * blk:64 * blk + 64, hi, 64 * c:64 * c + 64]
+    if cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG:
+      for t in range(128):
+        for p in range(16):
+          row, col = _fragment(t, p)
+          accum[bi, hi, c, blk, (p * 128 + t) * 2:(p * 128 + t) * 2 + 2] = part[row, col:col + 2]
+    else:
+      accum[bi, hi, c, blk] = part.reshape(-1)
+  got = cuda_bwd.dq_from_accum(jnp.asarray(accum), variant, 0.5, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), 0.5 * dq)
+
+
 def _sw128(row: int, col: int) -> int:
   """Byte offset of bf16 element (row, col) in a [rows][64] tile with the 128-byte swizzle."""
   return row * 128 + ((col >> 3) ^ (row & 7)) * 16 + (col & 7) * 2

@@ -33,7 +33,7 @@ from kvax_plugin.attention.kernels.custom_vjp import kernel_attention
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
 HEAD_DIM = cuda_bwd.HEAD_DIM
-VARIANT = "v6"  # the fused backward's feature set (cuda_sm90/fused_backward.py VARIANTS)
+VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (VARIANTS there)
 # Benchmarking hook: another of VARIANTS, read while tracing (measured ones that lose are
 # removed from VARIANTS, and then this errors).
 VARIANT_ENV = "KVAX_HOPPER_BWD_VARIANT"

@@ -92,6 +92,7 @@ VARIANTS = {
     # v8 (prepared in session 19, not yet run on a GPU): v7 with SCHED
     "v8": STM | FRAG | EXP | DECOUPLE | SCHED,
 }
+DEFAULT_VARIANT = "v6"  # backend="hopper"'s (kernels/hopper.py)
 # Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
 # the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
@@ -116,7 +117,7 @@ def unpermute_fragment_order(accum):
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
-                   scale: float, causal: bool, variant: str = "v6"):
+                   scale: float, causal: bool, variant: str = DEFAULT_VARIANT):
   """q, d_out [B, Sq, H, 128] bf16; k, v [B, Skv, KH, 128] bf16 (Sq, Skv multiples of 128;
   Sq != Skv not yet run on a GPU); lse, delta [B, H, Sq] float32; positions / segment ids
   int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. Returns dq [B, Sq, H, 128] (q.dtype) and
@@ -152,10 +153,16 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(VARIANTS[variant]))
-  # dq_accum[b, h, half, block]: dS K for query rows 64 block.. and columns 64 half.. (unscaled)
+  return dq_from_accum(dq_accum, variant, scale, q.dtype), dk, dv
+
+
+def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
+  """dq [B, Sq, H, 128] from the kernel's float32 dq_accum [B, H, 2, Sq / 64, 4096]: per column
+  half and 64-row query block, dS K unscaled, row-major or (FRAG) in fragment order."""
+  b, h, _, blocks, _ = dq_accum.shape
   if VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)
   else:
-    block = dq_accum.reshape(b, h, 2, s // Q_BLOCK, Q_BLOCK, 64)
-  dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, s, h, d)
-  return (dq * scale).astype(q.dtype), dk, dv
+    block = dq_accum.reshape(b, h, 2, blocks, Q_BLOCK, 64)
+  dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, blocks * Q_BLOCK, h, HEAD_DIM)
+  return (dq * scale).astype(dtype)
