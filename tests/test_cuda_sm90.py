@@ -403,3 +403,21 @@ def test_builder_command_and_report():
   assert keep("x.cu(1): error: expected an expression")
   assert not keep("  __attribute__((always_inline)) typename ErrorPolicy::Status VerifyBuffer(")
   assert not keep("                 ^")
+
+
+def test_the_kernel_source_and_the_jax_side_agree():
+  """fused_backward.cu's feature bits, the variants its handler launches and its interface
+  version are what fused_backward.py passes (read from the source: CI has no nvcc). A variant
+  named in VARIANTS but not built fails only on a GPU, with 'not one of the feature sets'."""
+  import re
+  src = cuda_bwd.LIB.with_name("fused_backward.cu").read_text()
+  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT|OFFSET|SCHED_BIT) = (\d+)", src))
+  py = {"STM": cuda_bwd.STM, "FRAG": cuda_bwd.FRAG, "EXP": cuda_bwd.EXP,
+        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "OFFSET": cuda_bwd.OFFSET, "SCHED_BIT": cuda_bwd.SCHED}
+  assert {k: int(v) for k, v in bits.items()} == py
+  built_text = re.search(r"#define KVAX_SM90_VARIANTS (.*?)\n\n", src, re.S).group(1)
+  built = {eval(term.replace("\\", "").strip(), {}, {k: int(v) for k, v in bits.items()})
+           for term in built_text.split(",")}
+  assert built == set(cuda_bwd.VARIANTS.values())
+  version = re.search(r"KvaxSm90AbiVersion\(\) \{ return (\d+); \}", src).group(1)
+  assert int(version) == cuda_bwd.ABI_VERSION
