@@ -185,9 +185,8 @@ def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
       return hopper(q, k, v)
     fn.env, fn.mask = {"KVAX_HOPPER_BWD_VARIANT": variant}, mask
     return fn
-  impls["hopper_v7"] = hopper_variant("v7")
-  impls["hopper_v7_offset"] = hopper_variant("v7_offset")
-  impls["hopper_v8"] = hopper_variant("v8")
+  for variant in ("v6", "v10", "v11"):  # the default is v7 (fused_backward.DEFAULT_VARIANT)
+    impls[f"hopper_{variant}"] = hopper_variant(variant)
   impls["mosaic_fused"] = make_mosaic(det=False)
   impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
   # fused dq with whole 64 x D partials per consumer (before the column-split dq)

@@ -808,42 +808,54 @@ s18e_runs() {
 # Prediction (16k causal backward alone): v7 10.5-11.2 ms (v6 11.65: both consumers idle the
 # tensor cores through the element-wise stretch and the dQ staging at the same time, ~20% of a
 # step by the session-19 estimate), v7_offset <= v7, v8 10.0-10.8; documents v7 ~2.9 (v6 3.01).
-s20a_runs() {
+# S20A (its lane in git history): H200 (the first since session 14); 24 of 24 checks ok (v6, v7,
+# v7_offset, v8 on 6 layouts, Sq != Skv included); backward alone, ms: 16k causal v6 11.58, v7
+# 11.08, v8 11.36, v7_offset 11.42 (cuDNN 10.93, Mosaic 12.38); 16k documents v7 2.82 (Mosaic
+# 2.70); 64k causal v6 177.4, v7 169.4, v8 173.6, v7_offset 168.1 (cuDNN 163.5); dq epilogue
+# 0.18 ms (16k), zero + epilogue 1.16 ms (64k). Nsight (16k causal, v6 vs cuDNN): 3.63 G vs
+# 2.88 G warp instructions; the mask ~5 and the descriptors ~7 per element / wgmma.
+# v7 is the default; v7_offset and v8 removed.
+# Session 20, second call (S20B): v9 = v7 + PREP (the mask as 2 integer compares on prepared
+# query-side values, lse in log2 units) and v10 = v9 + DESC (wgmma descriptors stepped from a
+# base), checked on 6 layouts and timed against v7; then the GPU tests of every variant and
+# backend="hopper" (now taking Sq != Skv).
+# Prediction (16k causal backward alone, v7 11.08): v9 10.7-10.9 (2 of ~26 instructions per
+# element, the stretch overlapping the other consumer's products), v10 10.6-10.9; documents
+# v9 ~2.75.
+# S20B (its lane in git history): 12 of 12 checks ok; backward alone, ms: 16k causal v7 11.32,
+# v9 11.61, v10 11.15 (cuDNN 11.03, Mosaic 12.15); documents v7 2.82, v9 3.06, v10 2.98 (Mosaic
+# 2.75); 64k causal v7 170.1, v9 177.0, v10 169.3 (cuDNN 163.4); GPU tests: 36 passed (5
+# variants and backend="hopper" on 6 layouts, hopper's Sq != Skv included). v9 removed.
+# Session 20, third call (S20C): v11 = v7 + DESC alone (v9 = PREP lost 4% and v10 = PREP + DESC
+# came back to v7: is DESC worth ~4% alone?), checked and timed with v7 and v10; then the
+# forward+backward rows, interleaved, at 16k and 64k: hopper (v7), hopper_v11, mosaic, cuDNN,
+# tokamax Mosaic (16k).
+# Prediction (16k causal backward alone): v11 10.8-11.0 (v7 11.1-11.3); 64k 163-166 (v7 ~170).
+# Forward+backward (hopper = Mosaic forward + v7): 16k causal 0.97-1.0x cuDNN, 64k 0.96-0.98x.
+s20c_runs() {
   local LIB=kvax_plugin/attention/kernels/cuda_sm90/libkvax_sm90_bwd.so
-  timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s20a \
-    --seqs "" --variants v7,v8,v7_offset,v6 > $R/cuda_bwd_check_s20a.stdout 2>&1
+  timeout 90 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_check_s20c \
+    --seqs "" --variants v11 > $R/cuda_bwd_check_s20c.stdout 2>&1
   echo "check: rc $?" | tee -a $R/next.log
-  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s20a.stdout | grep -v " ok " | tail -12 | tee -a $R/next.log
-  grep -c " ok " $R/cuda_bwd_check_s20a.stdout | sed 's/^/checks ok: /' | tee -a $R/next.log
+  grep -E "^check|rror|FAIL" $R/cuda_bwd_check_s20c.stdout | grep -v " ok " | tail -12 | tee -a $R/next.log
+  grep -c " ok " $R/cuda_bwd_check_s20c.stdout | sed 's/^/checks ok: /' | tee -a $R/next.log
   pack > /dev/null
   for spec in 16384:causal,docs:3 65536:causal:2; do  # length : cases : rounds
     local seq=${spec%%:*} rest=${spec#*:}
-    timeout 170 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
+    timeout 150 python3 benchmarks/cuda_backward_check.py --lib $LIB --out $R/cuda_bwd_$seq \
       --skip-check --seqs $seq --cases ${rest%%:*} --rounds ${rest##*:} --reps 5 \
-      --variants v6,v7,v8,v7_offset --epilogue > $R/cuda_bwd_$seq.stdout 2>&1
+      --variants v7,v11,v10 > $R/cuda_bwd_$seq.stdout 2>&1
     echo "timing $seq: rc $?" | tee -a $R/next.log
     grep -E "^time|rror" $R/cuda_bwd_$seq.stdout | tail -12 | tee -a $R/next.log
     pack > /dev/null
   done
-  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  mkdir -p $R/ncu_s20a
-  for impl in hopper cudnn; do
-    timeout 150 $NCU --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters \
-      --kernel-name regex:"fused_backward_kernel|bprop" --launch-count 1 -f -o /tmp/ncu_$impl \
-      python3 benchmarks/ncu_kernels.py --impl $impl --case causal --seq 16384 \
-      > $R/ncu_s20a/$impl.log 2>&1
-    echo "ncu $impl: rc $?" | tee -a $R/next.log
-    $NCU --import /tmp/ncu_$impl.ncu-rep --page details > $R/ncu_s20a/$impl.details.txt 2>&1
-    $NCU --import /tmp/ncu_$impl.ncu-rep --page source --csv --print-source sass \
-      > $R/ncu_s20a/$impl.sass.csv 2>&1
-    grep -E "Duration|Shared Memory|Warp Cycles|Stall|Issue Slot|Tensor" $R/ncu_s20a/$impl.details.txt \
-      | head -20 | tee -a $R/next.log
-    gzip -9 $R/ncu_s20a/$impl.sass.csv; pack > /dev/null
-  done
+  bench_rows 170 bench_16k_s20c --seq 16384 --cases causal,docs --passes fwd_bwd \
+    --impls hopper,hopper_v11,mosaic,cudnn,tokamax_mosaic --interleave --rounds 3
+  bench_rows 200 bench_64k_s20c --seq 65536 --cases causal,docs --passes fwd_bwd \
+    --impls hopper,hopper_v11,mosaic,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
 }
 case ${LANE:-CP} in
-  S20A) s20a_runs ;;
+  S20C) s20c_runs ;;
   S18E) s18e_runs ;;
   S18D) S18C_SEQ=16384 S18C_SPECS="mosaic:causal cudnn:causal mosaic:docs" s18c_runs ;;
   S18C) s18c_runs ;;

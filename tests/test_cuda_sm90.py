@@ -50,7 +50,8 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
                             z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
-  with pytest.raises(ValueError, match=r"variant='v1': expected one of \['v2', 'v6', 'v7'"):
+  with pytest.raises(ValueError,
+                     match=r"variant='v1': expected one of \['v10', 'v11', 'v2', 'v6', 'v7'\]"):
     cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
                             z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True, variant="v1")
@@ -191,64 +192,83 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 512, 2, 128)
 
 
+# --- PREP (v10): the 2-compare mask on prepared query-side values --------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_prepared_mask_keeps_the_reference_pairs(causal):
+  """prepare_query_side + the kernel's rule (kept_pairs_prepared) against the reference's
+  dense_mask, on ids chosen to break it: padding on both sides, int32 extremes as positions and
+  segment ids, equal positions, ids that match only through padding."""
+  from kvax_plugin.attention.block_mask import dense_mask
+  imin, imax = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+  edge_pos = np.array([imin, imin + 1, -1, 0, 1, 7, imax - 1, imax], np.int32)
+  edge_seg = np.array([-1, 0, 1, imax, imin, -2, 5], np.int32)
+  rng = np.random.default_rng(3)
+  for _ in range(20):
+    q_pos, kv_pos = (rng.choice(edge_pos, (2, n)) for n in (48, 40))
+    q_seg, kv_seg = (rng.choice(edge_seg, (2, n)) for n in (48, 40))
+    want = dense_mask(jnp.asarray(q_pos), jnp.asarray(q_seg), jnp.asarray(kv_pos),
+                      jnp.asarray(kv_seg), causal=causal)
+    qp, _ = cuda_bwd.prepare_query_side(jnp.asarray(q_pos), jnp.asarray(q_seg),
+                                        jnp.zeros((2, 1, 48), jnp.float32))
+    got = cuda_bwd.kept_pairs_prepared(qp, jnp.asarray(q_seg), jnp.asarray(kv_pos),
+                                       jnp.asarray(kv_seg), causal)
+    assert want.any() and not want.all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_prepared_lse_is_in_log2_units():
+  lse = jnp.asarray([[[0.0, 1.0, -3.5, 80.0]]], jnp.float32)
+  _, lse2 = cuda_bwd.prepare_query_side(jnp.zeros((1, 4), jnp.int32),
+                                        jnp.zeros((1, 4), jnp.int32), lse)
+  np.testing.assert_allclose(np.exp2(np.asarray(lse2)), np.exp(np.asarray(lse)), rtol=1e-6)
+
+
+def test_the_kernel_computes_the_prepared_rule():
+  """The kernel source's PREP branch is the rule kept_pairs_prepared tests (read from the
+  source: CI has no GPU)."""
+  src = cuda_bwd.LIB.with_name("fused_backward.cu").read_text()
+  assert "keep = (qs == ks) & (kpe <= qp);" in src
+  assert "kvs0 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp0)" in src
+  assert "kvs1 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp1)" in src
+  assert "x = fmaf(st[i + e], sl2, -l);" in src
+
+
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
 # The kernel's order of named-barrier operations and dS buffer accesses per consumer, as written
 # in fused_backward.cu (the step loop, dq_part and the tail). A named barrier completes when 256
 # threads (both consumers' 128) have arrived; a consumer that arrives twice in one generation
 # would complete it alone (a race on the GPU), so the simulation treats that as an error.
-BAR_DS_FULL, BAR_DS_FREE, BAR_START, BAR_SCHED = 4, 8, 12, 13
+BAR_DS_FULL, BAR_DS_FREE = 4, 8
 
 
-def _consumer_ops(c: int, steps: int, offset: bool = False, sched: bool = False,
-                  skip_free_sync: bool = False):
+def _consumer_ops(c: int, steps: int, skip_free_sync: bool = False):
   """The events of consumer c: ("sync" | "arrive", barrier), ("write", buffer, step),
   ("read_begin" | "read_end", buffer, step): the dQ wgmmas read both halves of a buffer from
   their issue to their wait; ("loaded", step): waits for the producer's ring slot;
   ("release", step): the slot handed back (after the wait that retires the step's products)."""
-  def turn_begin():
-    if sched:
-      yield ("sync", BAR_SCHED + c)
-
-  def turn_end(last):
-    if sched and not (last and c == 1):
-      yield ("arrive", BAR_SCHED + (1 - c))
-
-  def dq_part(m, end_turn, last, release):
+  def dq_part(m, release):
     bm = m % 2
     yield ("sync", BAR_DS_FULL + 2 * bm + c)
     yield ("read_begin", bm, m)
-    if end_turn:
-      yield from turn_end(last)
     yield ("read_end", bm, m)  # wg_wait<0>
     if release is not None:
       yield ("release", release)
     if m + 2 < steps:
       yield ("arrive", BAR_DS_FREE + 2 * bm + (1 - c))
 
-  if offset and c == 1 and steps > 0:
-    yield ("sync", BAR_START)
-  if sched and c == 1 and steps > 0:
-    yield ("arrive", BAR_SCHED + 0)
   for n in range(steps):
     yield ("loaded", n)
-    yield from turn_begin()  # S^T / dP^T
-    yield from turn_end(False)
-    if offset and c == 0 and n == 0:
-      yield ("arrive", BAR_START)
     buf = n % 2
-    yield from turn_begin()  # dV / dK, then the late dQ
     if n >= 2 and not skip_free_sync:
       yield ("sync", BAR_DS_FREE + 2 * buf + c)
     yield ("write", buf, n)
     yield ("arrive", BAR_DS_FULL + 2 * buf + (1 - c))
     if n >= 1:
-      yield from dq_part(n - 1, True, False, release=n)
+      yield from dq_part(n - 1, release=n)
     else:
-      yield from turn_end(False)
       yield ("release", 0)
   if steps > 0:
-    yield from turn_begin()
-    yield from dq_part(steps - 1, True, True, release=None)
+    yield from dq_part(steps - 1, release=None)
 
 
 def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
@@ -321,27 +341,27 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
   return None
 
 
-@pytest.mark.parametrize("variant", ["v7", "v7_offset", "v8"])
-def test_decoupled_ds_hand_over_has_no_race_or_deadlock(variant):
-  bits = cuda_bwd.VARIANTS[variant]
-  assert bits & cuda_bwd.DECOUPLE
-  kw = dict(offset=bool(bits & cuda_bwd.OFFSET), sched=bool(bits & cuda_bwd.SCHED))
+def test_decoupled_ds_hand_over_has_no_race_or_deadlock():
+  assert all(cuda_bwd.VARIANTS[v] & cuda_bwd.DECOUPLE for v in ("v7", "v10", "v11"))
   rng = np.random.default_rng(7)
   for steps in range(0, 7):
     for _ in range(150):
-      problem = _simulate(steps, rng, **kw)
+      problem = _simulate(steps, rng)
       assert problem is None, f"steps={steps}: {problem}"
 
 
-def test_sched_alternates_the_bursts():
-  """SCHED: consumer 0 then 1, burst by burst (two per step and the late dQ's tail)."""
+def test_decoupled_consumers_drift_apart():
+  """What DECOUPLE is for: some interleavings have one consumer a step ahead (its dS of step
+  n + 1 written before the other wrote step n's)."""
   rng = np.random.default_rng(9)
-  for _ in range(50):
+  ahead = 0
+  for _ in range(100):
     trace = []
-    assert _simulate(3, rng, trace=trace, sched=True) is None
-    # who hands the turn on, in the order it happened: 1 (the start), then 0, 1, 0, ...
-    handed = [c for c, op in trace if op[0] == "arrive" and op[1] in (BAR_SCHED, BAR_SCHED + 1)]
-    assert handed == [1] + [0, 1] * 6 + [0]  # 7 bursts each; consumer 1's last hands on none
+    assert _simulate(4, rng, trace=trace) is None
+    written = [(c, op[2]) for c, op in trace if op[0] == "write"]
+    ahead += any(n1 > n0 for i, (c0, n0) in enumerate(written) for c1, n1 in written[i + 1:]
+                 if c1 != c0)
+  assert ahead > 0
 
 
 def test_the_hand_over_simulation_catches_a_missing_barrier():
@@ -411,9 +431,9 @@ def test_the_kernel_source_and_the_jax_side_agree():
   named in VARIANTS but not built fails only on a GPU, with 'not one of the feature sets'."""
   import re
   src = cuda_bwd.LIB.with_name("fused_backward.cu").read_text()
-  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT|OFFSET|SCHED_BIT) = (\d+)", src))
+  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT|PREP|DESC) = (\d+)", src))
   py = {"STM": cuda_bwd.STM, "FRAG": cuda_bwd.FRAG, "EXP": cuda_bwd.EXP,
-        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "OFFSET": cuda_bwd.OFFSET, "SCHED_BIT": cuda_bwd.SCHED}
+        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "PREP": cuda_bwd.PREP, "DESC": cuda_bwd.DESC}
   assert {k: int(v) for k, v in bits.items()} == py
   built_text = re.search(r"#define KVAX_SM90_VARIANTS (.*?)\n\n", src, re.S).group(1)
   built = {eval(term.replace("\\", "").strip(), {}, {k: int(v) for k, v in bits.items()})

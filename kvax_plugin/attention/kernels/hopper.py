@@ -5,11 +5,11 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
 Why a backend of its own: the fused backward is faster than the Mosaic backward on plain causal
-attention (H100, 16k, backward alone: 11.65 ms against 12.05, cuDNN 11.16; 64k: 181.9 against
-189.1, cuDNN 168.2; benchmarks/NOTES.md, session 19) and slower on short packed documents (16k:
-3.01 against 2.69 ms), and it covers fewer cases: bfloat16, head dim 128 for query, key and
-value, Sq == Skv a multiple of 128, causal or not, segment ids, GQA / MQA; no soft cap, sliding
-window or sinks. So "auto" does not take it (AUTO_ORDER); users ask for it by name, and a call
+attention (H200, backward alone, session 20's S20A: 16k 11.08 ms against 12.38, cuDNN 10.93;
+64k 169.4 against 187.3, cuDNN 163.5; benchmarks/NOTES.md) and slower on short packed documents
+(16k: 2.82 against 2.70 ms), and it covers fewer cases: bfloat16, head dim 128 for query, key
+and value, query and key lengths multiples of 128, causal or not, segment ids, GQA / MQA; no
+soft cap, sliding window or sinks. So "auto" does not take it (AUTO_ORDER); users ask for it by name, and a call
 it does not cover raises (BackendUnavailableError from the registry, ValueError here) instead of
 running another backward.
 
@@ -109,10 +109,10 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            logits_soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, S, H, 128], key / value [B, S, K, 128] bfloat16 (H a multiple of K), positions /
-  segment ids int32 [B, S] with S a multiple of 128, mask from create_attention_mask with the
-  backward tables (calc_bwd_mask=True) and default block sizes. Returns [B, S, H, 128] bfloat16;
-  differentiable in query, key and value.
+  query [B, Sq, H, 128], key / value [B, Skv, K, 128] bfloat16 (H a multiple of K), positions /
+  segment ids int32 [B, Sq] and [B, Skv] (Sq, Skv multiples of 128), mask from
+  create_attention_mask with the backward tables (calc_bwd_mask=True) and default block sizes.
+  Returns [B, Sq, H, 128] bfloat16; differentiable in query, key and value.
   """
   if logits_soft_cap:
     raise ValueError(f"logits_soft_cap={logits_soft_cap}: not supported by the hopper backend "
@@ -121,9 +121,9 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
     raise ValueError("sinks: not supported by the hopper backend; use backend=\"mosaic\"")
   b, sq, h, d = query.shape
   skv = key.shape[1]
-  if sq != skv or sq % cuda_bwd.KV_TILE:
-    raise ValueError(f"query length {sq}, key length {skv}: the hopper backend needs equal "
-                     f"lengths, a multiple of {cuda_bwd.KV_TILE}; use backend=\"mosaic\"")
+  if sq % cuda_bwd.KV_TILE or skv % cuda_bwd.KV_TILE:
+    raise ValueError(f"query length {sq}, key length {skv}: the hopper backend needs both a "
+                     f"multiple of {cuda_bwd.KV_TILE}; use backend=\"mosaic\"")
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.dtype != jnp.bfloat16 or x.shape[3] != HEAD_DIM:
       raise ValueError(f"{name}: {x.dtype} with head dim {x.shape[3]}; the hopper backend "

@@ -28,13 +28,14 @@
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16, head dim 128
 // for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128, no soft
-// cap, window or sinks (Sq != Skv: taken here, not yet run on a GPU). Variants: template feature bits F, below (the JAX side's
+// cap, window or sinks (Sq != Skv checked on a GPU since S20A). Variants: template feature bits F, below (the JAX side's
 // fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64] (per column half and
 // 64-row block), zeroed by the handler; the JAX side turns it into dq.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -183,6 +184,14 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
+// desc_sw128(addr + off, ...) from desc_sw128(addr, ...): the start-address field (bits 0-13,
+// addr >> 4) grows by off >> 4 with no carry out as long as addr + off < 2^18 (shared memory is
+// 228 KiB); a 32-bit add on the low word, the high word untouched.
+__device__ __forceinline__ uint64_t desc_step(uint64_t d, uint32_t off) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // The float32 accumulator operands of the wgmmas: the m64n128 register list in the PTX text and
 // the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
 #define KVAX_REGS64                                                                            \
@@ -258,25 +267,28 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         direction) instead of meeting at one barrier each step, and each does step n - 1's dQ
 //         during step n: they may drift up to a step apart (else they run in lockstep, and
 //         both idle the tensor cores through their element-wise stretches at the same time).
-//   OFFSET    (with DECOUPLE) the second consumer starts once the first has its step 0's S^T /
-//         dP^T: the drift begins at about half a step.
-//   SCHED     (with DECOUPLE) the consumers take turns to issue their products: each step's two
-//         bursts (S^T / dP^T; dV / dK and the late dQ) alternate between them, so one's
-//         element-wise stretch runs while the other's products do (FlashAttention-3's forward
-//         orders its two consumers' GEMMs the same way).
-constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, OFFSET = 64, SCHED_BIT = 128;
-// (bits 1 and 8: FULL and PIPE, removed)
+//   PREP  the query-side values come prepared by the JAX side (fused_backward.py): padding
+//         queries at position INT_MIN and lse in log2 units. A pair is then kept iff
+//         q_seg == kv_seg and kpe <= q_pos, kpe per kv row (two per thread, set once): INT_MAX
+//         for a padding row (its only segment match is a padding query, at INT_MIN), INT_MIN
+//         when not causal, else the row's position: 2 integer compares per element instead of
+//         3 and a predicate op, and no multiply for lse (S20A's profile: ~7 instructions per
+//         element before the exponential, 5 of them the mask).
+//   DESC  each wgmma's shared-memory descriptors stepped from a base computed once per operand
+//         (a constant added to the start-address field) instead of rebuilt from the address at
+//         each k step (S20A: ~7 uniform-datapath instructions per wgmma).
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, PREP = 256, DESC = 512;
+// (bits 1, 8, 64 and 128: FULL, PIPE, OFFSET and SCHED, measured slower and removed)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
-// overwrite its half"; BAR_START the OFFSET start; SCHED: BAR_SCHED + c "consumer c's turn".
-constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8, BAR_START = 12, BAR_SCHED = 13;
+// overwrite its half".
+constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
-  constexpr bool DECOUPLE = F & DECOUPLE_BIT, START_OFFSET = DECOUPLE && (F & OFFSET);
-  constexpr bool SCHED = DECOUPLE && (F & SCHED_BIT);
+  constexpr bool DECOUPLE = F & DECOUPLE_BIT, PREPARED = F & PREP, STEP_DESC = F & DESC;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -349,6 +361,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int kv_tok0 = b * p.s_kv + tile * KV_TILE + 64 * c + r0;
   const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
   const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
+  // PREP: the rows' thresholds (see the feature bits above).
+  const int kpe0 = kvs0 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp0);
+  const int kpe1 = kvs1 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp1);
 
   float dk[64], dv[64];
 #pragma unroll
@@ -358,14 +373,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
 
-  // SCHED: a burst of products starts with turn_begin and ends, once issued, with turn_end (the
-  // second consumer's last burst passes the turn to no one).
-  auto turn_begin = [&]() {
-    if constexpr (SCHED) named_sync(BAR_SCHED + c, 256);
-  };
-  auto turn_end = [&](bool last) {
-    if constexpr (SCHED) {
-      if (!(last && c == 1)) named_arrive(BAR_SCHED + (1 - c), 256);
+  // The wgmmas' shared-memory descriptors: the operand's base descriptor plus a byte offset
+  // (DESC: a constant added to the start-address field, exact since shared addresses stay below
+  // 2^18; else rebuilt from the address).
+  auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
+    if constexpr (STEP_DESC) {
+      return desc_step(desc_sw128(addr, lbo, 1024), off);
+    } else {
+      return desc_sw128(addr + off, lbo, 1024);
     }
   };
   // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
@@ -374,9 +389,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
   // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
   // and pair (the JAX side undoes the order). release: the ring slot's "empty" barrier to
-  // arrive at once the products are done (0: none); end_turn: (SCHED) the dQ products end this
-  // consumer's burst (last: its final one).
-  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release, bool end_turn, bool last) {
+  // arrive at once the products are done (0: none).
+  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release) {
     const int bm = m % 2;
     if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
     float dq[32];
@@ -385,12 +399,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 1>(dq, desc_sw128(ds_base + aoff, 16, 1024),
-                           desc_sw128(base + OFF_K + c * HALF_KV + k * 2048, HALF_KV, 1024),
-                           k > 0);
+      wgmma_64x64_ss<0, 1>(dq, desc_at(ds_base, aoff, 16),
+                           desc_at(base + OFF_K + c * HALF_KV, k * 2048, HALF_KV), k > 0);
     }
     wg_commit();
-    if (end_turn) turn_end(last);
     wg_wait<0>();
     if (release && t == 0) mbar_arrive(release);  // Q / dO slot free
     if constexpr (DECOUPLE) {  // buffer bm read: the other consumer may write its half at m + 2
@@ -416,12 +428,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     }
   };
   int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
-  if constexpr (START_OFFSET) {
-    if (c == 1 && steps > 0) named_sync(BAR_START, 256);
-  }
-  if constexpr (SCHED) {
-    if (c == 1 && steps > 0) named_arrive(BAR_SCHED + 0, 256);  // the first turn: consumer 0
-  }
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
@@ -434,28 +440,21 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
     // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
     float st[32], dpt[32];
-    turn_begin();
     wg_fence();
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 0>(st, desc_sw128(k_c + koff, 16, 1024),
-                           desc_sw128(slot + qoff, 16, 1024), k > 0);
+      wgmma_64x64_ss<0, 0>(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = 2 * HALF_Q + (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 0>(dpt, desc_sw128(v_c + koff, 16, 1024),
-                           desc_sw128(slot + qoff, 16, 1024), k > 0);
+      wgmma_64x64_ss<0, 0>(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
     wg_commit();
-    turn_end(false);
     wg_wait<0>();
-    if constexpr (START_OFFSET) {
-      if (c == 0 && n == 0) named_arrive(BAR_START, 256);
-    }
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
@@ -477,11 +476,20 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
         const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+        const int kpe = half ? kpe1 : kpe0;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
-          const float x = fmaf(st[i + e], sl2, (e ? l2.y : l2.x) * -1.4426950408889634f);
+          const float l = e ? l2.y : l2.x;
+          bool keep;
+          float x;
+          if constexpr (PREPARED) {  // lse already in log2 units
+            keep = (qs == ks) & (kpe <= qp);
+            x = fmaf(st[i + e], sl2, -l);
+          } else {
+            keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+            x = fmaf(st[i + e], sl2, l * -1.4426950408889634f);
+          }
           st[i + e] = exp2_of<FAST_EXP>(keep ? x : -INFINITY);
         }
         pa[i / 2] = pack_bf16(st[i], st[i + 1]);
@@ -501,17 +509,16 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
     // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
     // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
-    turn_begin();  // (SCHED) this burst runs through the late dQ's issue
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma_64x128_rs(dv, a, desc_sw128(slot + 2 * HALF_Q + kk * 2048, HALF_Q, 1024));
+      wgmma_64x128_rs(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
-      wgmma_64x128_rs(dk, a, desc_sw128(slot + kk * 2048, HALF_Q, 1024));
+      wgmma_64x128_rs(dk, a, desc_at(slot, kk * 2048, HALF_Q));
     }
     wg_commit();
 
@@ -560,9 +567,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       // other's products instead of both idling the tensor cores at once.
       named_arrive(BAR_DS_FULL + 2 * buf + (1 - c), 256);
       if (n >= 1) {
-        dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s, true, false);  // waits for all
+        dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s);  // waits for all
       } else {
-        turn_end(false);
         wg_wait<0>();
         if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
       }
@@ -570,14 +576,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       prev_q0 = q0;
     } else {
       named_sync(1, 256);  // both consumers' dS halves written
-      dq_part(n, head, q0, bar_empty + 8 * s, false, false);
+      dq_part(n, head, q0, bar_empty + 8 * s);
     }
   }
   if constexpr (DECOUPLE) {
-    if (steps > 0) {
-      turn_begin();
-      dq_part(steps - 1, prev_head, prev_q0, 0, true, true);
-    }
+    if (steps > 0) dq_part(steps - 1, prev_head, prev_q0, 0);
   }
   if (t == 0) bulk_wait0();
 
@@ -636,8 +639,8 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
 #define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT, \
-                           STM | FRAG | EXP | DECOUPLE_BIT | OFFSET, \
-                           STM | FRAG | EXP | DECOUPLE_BIT | SCHED_BIT
+                           STM | FRAG | EXP | DECOUPLE_BIT | PREP | DESC, \
+                           STM | FRAG | EXP | DECOUPLE_BIT | DESC
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
@@ -713,7 +716,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 3; }
+extern "C" int KvaxSm90AbiVersion() { return 4; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
