@@ -162,15 +162,19 @@ def test_longest_first_launch_order(monkeypatch):
   test_kernels_in_interpreter_match_reference("docs_padding_gqa")
 
 
-@pytest.mark.parametrize("case", ["docs_padding_gqa", "window_cap_sinks_det",
-                                  "window_masked_full_masked_fused"])
+# HEAD_LPT=1 is the default since session 15, so the interpreter run of window_cap_sinks_det and
+# window_masked_full_masked_fused here was the same kernel configuration on the same inputs as
+# test_kernels_in_interpreter_match_reference[<case>]: one case (documents, padding, GQA, both
+# backward kernels) checks the setting reaches them; lowering checks it too
+# (test_backward_launch_order_settings).
+@pytest.mark.parametrize("case", ["docs_padding_gqa"])
 def test_launch_order_over_heads(case, monkeypatch):
   """KVAX_MOSAIC_HEAD_LPT=1 (BwdConfig.head_lpt): the backward kernels map their launch position
   (head * n_tiles + tile) to the (head, tile) of forward.longest_first_over_heads: a permutation
-  of all pairs, longest tile first, the heads of one tile together. Both backward kernels (and
-  the fused one) still match the float32 reference in the interpreter with documents, padding
-  and GQA (the dk/dv kernel's heads are kv heads, the dq kernel's query heads), and lower for
-  CUDA. The kernels must really get the setting."""
+  of all pairs, longest tile first, the heads of one tile together. Both backward kernels still
+  match the float32 reference in the interpreter with documents, padding and GQA (the dk/dv
+  kernel's heads are kv heads, the dq kernel's query heads), and lower for CUDA. The kernels
+  must really get the setting."""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   from kvax_plugin.attention.kernels.mosaic import forward as fw
   lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
@@ -254,17 +258,23 @@ def test_backward_launch_order_settings(env, head_lpt, lpt, monkeypatch):
     test_kernels_lower_for_cuda((128, 128), True)
 
 
-@pytest.mark.parametrize("case,snake", [("window_cap_sinks_det", True), ("prefill_mla", True),
-                                        ("window_masked_full_masked_fused", True),
+# The persistent snake-deal forward (3 CTAs) is the interpreter's default ("auto") at head dims
+# 64 / 128, so window_cap_sinks_det and window_masked_full_masked_fused with snake=True ran the
+# same kernels as test_kernels_in_interpreter_match_reference[<case>]: they are not repeated here.
+# prefill_mla with snake=True stays (auto runs MLA per-tile: the persistent kernel's 64-row kv
+# tile and separate O staging run only here).
+@pytest.mark.parametrize("case,snake", [("prefill_mla", True),
                                         ("docs_padding_gqa", False), ("prefill_mla", False),
                                         ("odd_rounds_mqa", False)])
 def test_persistent_forward_matches_reference(case, snake, monkeypatch):
   """KVAX_MOSAIC_FWD_PERSISTENT=1 (FwdConfig.num_ctas): 3 CTAs in the interpreter, each taking
   several (batch, query tile, head) items with one kv ring across them and Q loaded one item
-  ahead; soft cap + sinks + MQA + non-contiguous documents, Dv != Dk with Sq != Skv (the
-  separate O staging), a sliding window; against the float32 reference, and lowered for CUDA
-  (one CTA per SM). The kernel must really run persistent, with the snake deal (the default:
-  longest-first tiles, odd rounds mirrored) or the round robin (KVAX_MOSAIC_FWD_SNAKE=0)."""
+  ahead; Dv != Dk with Sq != Skv (the separate O staging), documents + padding + GQA, odd
+  rounds (soft cap + sinks + MQA and the sliding window run persistent in
+  test_kernels_in_interpreter_match_reference, "auto"); against the float32 reference, and
+  lowered for CUDA (one CTA per SM). The kernel must really run persistent, with the snake
+  deal (the default: longest-first tiles, odd rounds mirrored) or the round robin
+  (KVAX_MOSAIC_FWD_SNAKE=0)."""
   from kvax_plugin.attention.kernels.mosaic import forward as fw
   monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
   if not snake:
@@ -288,7 +298,10 @@ def test_persistent_forward_matches_reference(case, snake, monkeypatch):
   assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
 
 
-@pytest.mark.parametrize("case", ["docs_padding_gqa", "odd_rounds_mqa"])
+# docs_padding_gqa here was the same run as test_kernels_in_interpreter_match_reference
+# [docs_padding_gqa] ("auto" is the persistent snake deal there) with the same assertions as
+# odd_rounds_mqa, whose odd second round (and deterministic backward) only this test runs.
+@pytest.mark.parametrize("case", ["odd_rounds_mqa"])
 def test_snake_deal_is_the_persistent_forwards_default(case, monkeypatch):
   """The snake deal (backend.Static.fwd_snake) reaches the persistent forward by default (the
   interpreter runs it persistent with FWD_PERSISTENT=1), against the float32 reference; the
@@ -324,7 +337,11 @@ def test_snake_deal_is_the_persistent_forwards_default(case, monkeypatch):
     monkeypatch.delenv(name)
 
 
-@pytest.mark.parametrize("case", ["prefill_mla", "mla_docs"])
+# prefill_mla here was the same run as test_kernels_in_interpreter_match_reference[prefill_mla]
+# ("auto" runs MLA per-tile with 128-row kv blocks) and tests/test_mosaic_races.py's
+# test_mla_forward_output_in_q_memory_has_no_race; mla_docs (two query tiles, documents, GQA)
+# checks the 128 block reaches the kernel.
+@pytest.mark.parametrize("case", ["mla_docs"])
 def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
   """Dv < Dk in the per-tile forward (KVAX_MOSAIC_FWD_PERSISTENT=0): O is staged in a RefUnion
   with Q (forward.o_in_q), both consumers meeting at a barrier after their last Q K^T product,
@@ -389,26 +406,28 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
                               logits_soft_cap=None, sinks=None)
 
 
-@pytest.mark.parametrize("case,env,field,value", [
-    # session 12: the step's products as two pairs (S^T with dP^T, then dV with dK)
-    ("window_masked_full_masked_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
-    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_EARLY_DP": "1"}, "dkv_early_dp", True),
-    # session 14: lse / delta folded into the accumulators (with a soft cap: delta only); the
-    # default since session 15, so both settings are checked
-    ("window_masked_full_masked_det", {}, "dkv_fold", True),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_FOLD": "1"}, "dkv_fold", True),
-    ("window_cap_sinks_det", {}, "dkv_fold", True),
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_FOLD": "0"}, "dkv_fold", False),
-    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "0"}, "dkv_fold", False),
+# session 12: the step's products as two pairs (S^T with dP^T, then dV with dK); session 14:
+# lse / delta folded into the accumulators (with a soft cap: delta only). Both are the defaults
+# (EARLY_DP since session 12, FOLD since 15), so the cases with EARLY_DP=1, FOLD=1 or no
+# setting ran the default kernels on inputs already run that way: window_masked_full_masked_det
+# and window_cap_sinks_det by test_kernels_in_interpreter_match_reference[<case>] (the first also
+# by tests/test_mosaic_races.py), docs_padding_gqa (deterministic) by
+# test_launch_order_over_heads[docs_padding_gqa] and test_fold_changes_dkv_rounding_only (which
+# also shows FOLD=1 reaching the kernel: dv changes). The non-default FOLD=0 stays on both
+# feature sets; the explicit EARLY_DP=1 is checked on the way.
+@pytest.mark.parametrize("case,env,want", [
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1", "KVAX_MOSAIC_DKV_FOLD": "0"},
+     {"dkv_early_dp": True, "dkv_fold": False}),
+    ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "0"},
+     {"dkv_early_dp": True, "dkv_fold": False}),
 ])
-def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monkeypatch):
+def test_dkv_kernel_register_hooks_match_reference(case, env, want, monkeypatch):
   """The deterministic backward's step-order lever (BwdConfig.dkv_early_dp: two product pairs
   per dk/dv step, the default) and the accumulators started from -lse / scale and -delta
-  (BwdConfig.dkv_fold): interpreter against the float32 reference (masked runs on both
-  sides of full blocks; documents, a one-token document, padding, GQA; soft cap and sinks), and
-  lowered for CUDA. The kernel must really get the setting. (Session 9's register levers and
-  session 12's software-pipelined dk/dv and dq steps were removed after measuring slower:
+  (BwdConfig.dkv_fold): interpreter against the float32 reference with the fold off
+  (documents, a one-token document, padding, GQA; soft cap and sinks), and lowered for CUDA.
+  The kernel must really get the setting. (Session 9's register levers and session 12's
+  software-pipelined dk/dv and dq steps were removed after measuring slower:
   test_removed_hooks_are_refused.)"""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   for name, v in env.items():
@@ -416,12 +435,12 @@ def test_dkv_kernel_register_hooks_match_reference(case, env, field, value, monk
   monkeypatch.setitem(CASES, "docs_padding_gqa", dict(CASES["docs_padding_gqa"], det=True))
   seen = []
   real = bk.dkv_call
-  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(getattr(cfg, field)),
-                                                       real(cfg, *a))[1])
+  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (
+      seen.append({field: getattr(cfg, field) for field in want}), real(cfg, *a))[1])
   test_kernels_in_interpreter_match_reference(case)
-  assert seen == [value], seen
+  assert seen == [want], seen
   test_kernels_lower_for_cuda((128, 128), True)
-  assert seen[-1] == value, seen
+  assert seen[-1] == want, seen
   with pytest.raises(ValueError, match="consumer_regs=236"):
     bk.BwdConfig(table_q=128, table_kv=128, scale=1.0, soft_cap=0.0, causal=True, window=0,
                  with_dq=False, interpret=False, consumer_regs=236)
