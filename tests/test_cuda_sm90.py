@@ -51,7 +51,7 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
                             z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
   with pytest.raises(ValueError,
-                     match=r"variant='v1': expected one of \['v10', 'v11', 'v2', 'v6', 'v7'\]"):
+                     match=r"variant='v1': expected one of \['v2', 'v6', 'v7'\]"):
     cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
                             z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True, variant="v1")
@@ -192,47 +192,6 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 512, 2, 128)
 
 
-# --- PREP (v10): the 2-compare mask on prepared query-side values --------------------------
-@pytest.mark.parametrize("causal", [True, False])
-def test_prepared_mask_keeps_the_reference_pairs(causal):
-  """prepare_query_side + the kernel's rule (kept_pairs_prepared) against the reference's
-  dense_mask, on ids chosen to break it: padding on both sides, int32 extremes as positions and
-  segment ids, equal positions, ids that match only through padding."""
-  from kvax_plugin.attention.block_mask import dense_mask
-  imin, imax = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-  edge_pos = np.array([imin, imin + 1, -1, 0, 1, 7, imax - 1, imax], np.int32)
-  edge_seg = np.array([-1, 0, 1, imax, imin, -2, 5], np.int32)
-  rng = np.random.default_rng(3)
-  for _ in range(20):
-    q_pos, kv_pos = (rng.choice(edge_pos, (2, n)) for n in (48, 40))
-    q_seg, kv_seg = (rng.choice(edge_seg, (2, n)) for n in (48, 40))
-    want = dense_mask(jnp.asarray(q_pos), jnp.asarray(q_seg), jnp.asarray(kv_pos),
-                      jnp.asarray(kv_seg), causal=causal)
-    qp, _ = cuda_bwd.prepare_query_side(jnp.asarray(q_pos), jnp.asarray(q_seg),
-                                        jnp.zeros((2, 1, 48), jnp.float32))
-    got = cuda_bwd.kept_pairs_prepared(qp, jnp.asarray(q_seg), jnp.asarray(kv_pos),
-                                       jnp.asarray(kv_seg), causal)
-    assert want.any() and not want.all()
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_prepared_lse_is_in_log2_units():
-  lse = jnp.asarray([[[0.0, 1.0, -3.5, 80.0]]], jnp.float32)
-  _, lse2 = cuda_bwd.prepare_query_side(jnp.zeros((1, 4), jnp.int32),
-                                        jnp.zeros((1, 4), jnp.int32), lse)
-  np.testing.assert_allclose(np.exp2(np.asarray(lse2)), np.exp(np.asarray(lse)), rtol=1e-6)
-
-
-def test_the_kernel_computes_the_prepared_rule():
-  """The kernel source's PREP branch is the rule kept_pairs_prepared tests (read from the
-  source: CI has no GPU)."""
-  src = cuda_bwd.LIB.with_name("fused_backward.cu").read_text()
-  assert "keep = (qs == ks) & (kpe <= qp);" in src
-  assert "kvs0 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp0)" in src
-  assert "kvs1 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp1)" in src
-  assert "x = fmaf(st[i + e], sl2, -l);" in src
-
-
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
 # The kernel's order of named-barrier operations and dS buffer accesses per consumer, as written
 # in fused_backward.cu (the step loop, dq_part and the tail). A named barrier completes when 256
@@ -342,7 +301,7 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
 
 
 def test_decoupled_ds_hand_over_has_no_race_or_deadlock():
-  assert all(cuda_bwd.VARIANTS[v] & cuda_bwd.DECOUPLE for v in ("v7", "v10", "v11"))
+  assert cuda_bwd.VARIANTS["v7"] & cuda_bwd.DECOUPLE
   rng = np.random.default_rng(7)
   for steps in range(0, 7):
     for _ in range(150):
@@ -431,9 +390,9 @@ def test_the_kernel_source_and_the_jax_side_agree():
   named in VARIANTS but not built fails only on a GPU, with 'not one of the feature sets'."""
   import re
   src = cuda_bwd.LIB.with_name("fused_backward.cu").read_text()
-  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT|PREP|DESC) = (\d+)", src))
+  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT) = (\d+)", src))
   py = {"STM": cuda_bwd.STM, "FRAG": cuda_bwd.FRAG, "EXP": cuda_bwd.EXP,
-        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "PREP": cuda_bwd.PREP, "DESC": cuda_bwd.DESC}
+        "DECOUPLE_BIT": cuda_bwd.DECOUPLE}
   assert {k: int(v) for k, v in bits.items()} == py
   built_text = re.search(r"#define KVAX_SM90_VARIANTS (.*?)\n\n", src, re.S).group(1)
   built = {eval(term.replace("\\", "").strip(), {}, {k: int(v) for k, v in bits.items()})

@@ -35,7 +35,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -184,14 +183,6 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
-// desc_sw128(addr + off, ...) from desc_sw128(addr, ...): the start-address field (bits 0-13,
-// addr >> 4) grows by off >> 4 with no carry out as long as addr + off < 2^18 (shared memory is
-// 228 KiB); a 32-bit add on the low word, the high word untouched.
-__device__ __forceinline__ uint64_t desc_step(uint64_t d, uint32_t off) {
-  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
-  return (d & 0xFFFFFFFF00000000ull) | lo;
-}
-
 // The float32 accumulator operands of the wgmmas: the m64n128 register list in the PTX text and
 // the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
 #define KVAX_REGS64                                                                            \
@@ -267,18 +258,9 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         direction) instead of meeting at one barrier each step, and each does step n - 1's dQ
 //         during step n: they may drift up to a step apart (else they run in lockstep, and
 //         both idle the tensor cores through their element-wise stretches at the same time).
-//   PREP  the query-side values come prepared by the JAX side (fused_backward.py): padding
-//         queries at position INT_MIN and lse in log2 units. A pair is then kept iff
-//         q_seg == kv_seg and kpe <= q_pos, kpe per kv row (two per thread, set once): INT_MAX
-//         for a padding row (its only segment match is a padding query, at INT_MIN), INT_MIN
-//         when not causal, else the row's position: 2 integer compares per element instead of
-//         3 and a predicate op, and no multiply for lse (S20A's profile: ~7 instructions per
-//         element before the exponential, 5 of them the mask).
-//   DESC  each wgmma's shared-memory descriptors stepped from a base computed once per operand
-//         (a constant added to the start-address field) instead of rebuilt from the address at
-//         each k step (S20A: ~7 uniform-datapath instructions per wgmma).
-constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, PREP = 256, DESC = 512;
-// (bits 1, 8, 64 and 128: FULL, PIPE, OFFSET and SCHED, measured slower and removed)
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32;
+// (bits 1, 8, 64, 128, 256 and 512: FULL, PIPE, OFFSET, SCHED, PREP and DESC, measured and
+// removed: fused_backward.py's VARIANTS comment has their numbers)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
@@ -288,7 +270,7 @@ constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 template <int F>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
-  constexpr bool DECOUPLE = F & DECOUPLE_BIT, PREPARED = F & PREP, STEP_DESC = F & DESC;
+  constexpr bool DECOUPLE = F & DECOUPLE_BIT;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
@@ -361,9 +343,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int kv_tok0 = b * p.s_kv + tile * KV_TILE + 64 * c + r0;
   const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
   const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
-  // PREP: the rows' thresholds (see the feature bits above).
-  const int kpe0 = kvs0 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp0);
-  const int kpe1 = kvs1 == -1 ? INT_MAX : (not_causal ? INT_MIN : kvp1);
 
   float dk[64], dv[64];
 #pragma unroll
@@ -373,15 +352,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
 
-  // The wgmmas' shared-memory descriptors: the operand's base descriptor plus a byte offset
-  // (DESC: a constant added to the start-address field, exact since shared addresses stay below
-  // 2^18; else rebuilt from the address).
+  // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step (stepping
+  // them from a base, DESC, measured no faster: S20B-C).
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
-    if constexpr (STEP_DESC) {
-      return desc_step(desc_sw128(addr, lbo, 1024), off);
-    } else {
-      return desc_sw128(addr + off, lbo, 1024);
-    }
+    return desc_sw128(addr + off, lbo, 1024);
   };
   // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
   // K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the K tile),
@@ -476,20 +450,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
         const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
-        const int kpe = half ? kpe1 : kpe0;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          const float l = e ? l2.y : l2.x;
-          bool keep;
-          float x;
-          if constexpr (PREPARED) {  // lse already in log2 units
-            keep = (qs == ks) & (kpe <= qp);
-            x = fmaf(st[i + e], sl2, -l);
-          } else {
-            keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
-            x = fmaf(st[i + e], sl2, l * -1.4426950408889634f);
-          }
+          const bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+          const float x = fmaf(st[i + e], sl2, (e ? l2.y : l2.x) * -1.4426950408889634f);
           st[i + e] = exp2_of<FAST_EXP>(keep ? x : -INFINITY);
         }
         pa[i / 2] = pack_bf16(st[i], st[i + 1]);
@@ -638,9 +603,7 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 }
 
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
-#define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT, \
-                           STM | FRAG | EXP | DECOUPLE_BIT | PREP | DESC, \
-                           STM | FRAG | EXP | DECOUPLE_BIT | DESC
+#define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT
 
 template <int F>
 static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
@@ -716,7 +679,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 4; }
+extern "C" int KvaxSm90AbiVersion() { return 5; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

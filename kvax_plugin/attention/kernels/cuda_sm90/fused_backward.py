@@ -28,7 +28,7 @@ Q_BLOCK = 64
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes. Bump both together when either changes.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 
@@ -76,10 +76,8 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
 # The kernel's feature bits (fused_backward.cu): STM stores dS with stmatrix .trans, FRAG stages
 # the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz, DECOUPLE hands dS
 # between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
-# consumers may drift apart instead of meeting every step), PREP takes the query-side values
-# prepared here (prepare_query_side: a 2-compare mask, lse in log2 units), DESC steps the wgmma
-# descriptors from a base instead of rebuilding them.
-STM, FRAG, EXP, DECOUPLE, PREP, DESC = 2, 4, 16, 32, 256, 512
+# consumers may drift apart instead of meeting every step).
+STM, FRAG, EXP, DECOUPLE = 2, 4, 16, 32
 VARIANTS = {
     # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
     # branch-free per element; dS stored element by element, the dQ part staged row-major
@@ -91,10 +89,6 @@ VARIANTS = {
     # v7 11.08, cuDNN 10.93, Mosaic 12.38; 16k documents v6 2.92, v7 2.82, Mosaic 2.70; 64k
     # causal v6 177.4, v7 169.4, cuDNN 163.5, Mosaic 187.3)
     "v7": STM | FRAG | EXP | DECOUPLE,
-    # v10: v7 with PREP and DESC (S20B: 16k causal 11.15 against v7's 11.32, documents 2.98
-    # against 2.82, 64k causal 169.3 against 170.1); v11 (S20C times it): v7 with DESC alone
-    "v10": STM | FRAG | EXP | DECOUPLE | PREP | DESC,
-    "v11": STM | FRAG | EXP | DECOUPLE | DESC,
 }
 DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
 # Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
@@ -114,7 +108,14 @@ DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
 # 11.36, 2.86, 173.6 - the turn-taking costs more than the ordering wins. S20B (H200, same run):
 # v9 = v7 + PREP (the mask as 2 compares on prepared query-side values, lse in log2 units: ~2
 # fewer instructions per element) 16k causal 11.61 against v7's 11.32, documents 3.06 against
-# 2.82, 64k causal 177.0 against 170.1: slower everywhere despite the shorter stretch.
+# 2.82, 64k causal 177.0 against 170.1: slower everywhere despite the shorter stretch. v11 = v7
+# + DESC (each wgmma's descriptors stepped from a base by a constant add instead of rebuilt
+# from the address: ~5 fewer uniform-datapath instructions per wgmma) and v10 = v9 + DESC, S20C
+# (same run as v7): 16k causal v11 11.25, v10 11.16, v7 11.45; documents 2.93, 3.04, 3.14; 64k
+# causal 173.3, 171.0, 170.7 (S20B: v10 11.15 / 2.98 / 169.3 against v7's 11.32 / 2.82 /
+# 170.1). Neither beats v7 in every case of both runs (the rounds spread 3-10%): removed. The
+# step's time is not set by its instruction count (Nsight, S20A: v6 issues 26% more warp
+# instructions than cuDNN's backward with issue slots 37% busy).
 
 
 def unpermute_fragment_order(accum):
@@ -157,37 +158,15 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   load()  # registers the FFI target (once per process): lowering needs it
   bf16 = lambda x: x.astype(jnp.bfloat16)
   i32 = lambda x: x.astype(jnp.int32)
-  lse = lse.astype(jnp.float32)
-  if VARIANTS[variant] & PREP:
-    q_pos, lse = prepare_query_side(i32(q_pos), i32(q_seg), lse)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, jnp.bfloat16), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
        jax.ShapeDtypeStruct((b, h, 2, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
-  )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse,
+  )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse.astype(jnp.float32),
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(VARIANTS[variant]))
   return dq_from_accum(dq_accum, variant, scale, q.dtype), dk, dv
-
-
-def prepare_query_side(q_pos, q_seg, lse):
-  """PREP's inputs: q_pos int32 [B, Sq] with padding queries (segment id -1) at INT32_MIN, and
-  lse float32 [B, H, Sq] in log2 units. The kernel then keeps pair (q, kv) iff
-  q_seg == kv_seg and kpe <= q_pos, kpe = INT32_MAX for a padding kv row, INT32_MIN when not
-  causal, else kv_pos: the same pairs as the reference's rule (equal ids, not -1, kv_pos <= q_pos
-  when causal) for every int32 value (a padding kv row's only id match is a padding query, whose
-  position INT32_MIN is below INT32_MAX)."""
-  q_pos = jnp.where(q_seg == -1, jnp.iinfo(jnp.int32).min, q_pos)
-  return q_pos, lse * np.float32(np.log2(np.e))
-
-
-def kept_pairs_prepared(q_pos, q_seg, kv_pos, kv_seg, causal: bool):
-  """bool [B, Sq, Skv]: PREP's rule as the kernel computes it, from prepare_query_side's q_pos
-  (a CPU test checks it against the reference rule on awkward ids)."""
-  imax, imin = np.iinfo(np.int32).max, np.iinfo(np.int32).min
-  kpe = jnp.where(kv_seg == -1, imax, kv_pos if causal else imin)
-  return (q_seg[:, :, None] == kv_seg[:, None, :]) & (kpe[:, None, :] <= q_pos[:, :, None])
 
 
 def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
