@@ -870,7 +870,34 @@ s20e_runs() {
   bench_rows 200 bench_128k_s20e --seq 131072 --cases causal --passes fwd_bwd \
     --impls hopper,mosaic,cudnn --interleave --rounds 2 --max-dense-mask-seq 0
 }
+# S20E (its lane above): MaxText 16k one document kvax hopper 81.2k vs cudnn_flash_jax 70.3k
+# (1.155x); 64k short documents flash 26.1k (kvax 130.3k in S20D: 4.99x); 128k causal forward+
+# backward hopper 908.4, cuDNN 903.1, mosaic 978.2 ms.
+# Session 20, sixth call (S20F): MaxText's default remat policy (full: the forward runs twice per
+# layer) at 64k, one document per row, kvax hopper against cudnn_flash_jax (session 17 with the
+# Mosaic backward: 0.93x); then the forward alone on this H200, interleaved: 16k and 64k, causal
+# and documents, ours (the Mosaic forward, hopper's too) against cuDNN and tokamax Mosaic.
+# Prediction: remat full 64k 1.00-1.05x (the backward's 4% gain over mosaic at the kernel plus
+# the forward run twice by both); forward causal 1.0-1.05x cuDNN, documents 0.95-1.05x tokamax.
+s20f_runs() {
+  local run t
+  for spec in 64k-long:kvax:160 64k-long:cudnn_flash_jax:125; do  # the first: cold imports
+    run=${spec%:*}; t=${spec##*:}
+    local name=$(echo $run | tr ':' '_')_full
+    timeout $t python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e20f_$name --steps 6 \
+      --timeout $((t - 5)) --runs $run --kvax_backend hopper \
+      --maxtext_override remat_policy=full > $R/e2e_s20f_$name.log 2>&1
+    mkdir -p $R/e2e_s20f_$name && cp /tmp/e2e20f_$name/e2e.json $R/e2e_s20f_$name/ 2>/dev/null
+    for d in /tmp/e2e20f_$name/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s20f_$name/$(basename "$d").summary.json"; done
+    tail -1 $R/e2e_s20f_$name.log | tee -a $R/next.log; pack > /dev/null
+  done
+  bench_rows 100 bench_16k_fwd_s20f --seq 16384 --cases causal,docs --passes fwd \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3
+  bench_rows 120 bench_64k_fwd_s20f --seq 65536 --cases causal,docs --passes fwd \
+    --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
+}
 case ${LANE:-CP} in
+  S20F) s20f_runs ;;
   S20E) s20e_runs ;;
   S20D) s20d_runs ;;
   S18E) s18e_runs ;;
