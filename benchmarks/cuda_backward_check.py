@@ -48,7 +48,7 @@ CASES = {
     # two batch rows with different documents (not GPU-run yet: added after session 18's calls)
     "batch2_docs_384": (lambda r: layouts.packed_documents(r, 2, 384, num_docs=3, pad_tail=20),
                         4, 2, True),
-    # Sq != Skv (prepared in session 19, not GPU-run yet)
+    # Sq != Skv (as on context parallelism's last shard; GPU-checked since session 20)
     "query_shorter_docs_768": (lambda r: layouts.packed_documents(r, 1, 768, num_docs=4,
                                                                   pad_tail=30), 4, 2, True, 256),
 }

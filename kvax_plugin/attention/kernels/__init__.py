@@ -91,7 +91,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "hopper": KernelBackend(
         name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
-                    "bf16, head dim 128, Sq == Skv; by name only)",
+                    "bf16, head dim 128, lengths multiples of 128; by name only)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
         install_hint="build it: python -m kvax_plugin.attention.kernels.cuda_sm90.build"),
     "jax": KernelBackend(
@@ -105,8 +105,10 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # "auto": the first of these that can run here and supports the call.
 # Mosaic first: on Hopper it is the fastest of ours on every case measured (benchmarks/NOTES.md,
 # "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
-# "hopper" is not in it: faster than "mosaic" on plain causal attention, slower on short packed
-# documents (session 19, H100; kernels/hopper.py), and it covers only bf16 at head dim 128.
+# "hopper" is not in it: faster than "mosaic" on plain causal attention (session 20, H200: 1.8%
+# at 16k, 9% at 64k, 7% at 128k forward+backward) and at 64k documents, slower on 16k documents
+# (4.7%), its backward not bitwise reproducible (dq reduce-added in float32 in no fixed order,
+# where "mosaic"'s default is deterministic), and it covers only bf16 at head dim 128.
 AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)

@@ -1,7 +1,7 @@
 """JAX side of fused_backward.cu: load the shared object, register its FFI target, call it.
 
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True, variant="v6")
+                                tile_bounds(mask), scale=..., causal=True, variant="v7")
     # (the call loads libkvax_sm90_bwd.so, next to this file, once per process)
 
 kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper");
