@@ -72,7 +72,7 @@ def _parse(argv):
   ap.add_argument("--head_dim", type=int, default=128)
   ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
   ap.add_argument("--backend", default="auto",
-                  help="flash_attention backend (auto, jax, triton, mosaic, reference)")
+                  help="flash_attention backend (auto, jax, triton, mosaic, hopper, reference)")
   ap.add_argument("--orders", default=",".join(ORDERS), help="token orders of the cp runs")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)

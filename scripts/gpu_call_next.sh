@@ -896,7 +896,27 @@ s20f_runs() {
   bench_rows 120 bench_64k_fwd_s20f --seq 65536 --cases causal,docs --passes fwd \
     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3 --max-dense-mask-seq 0
 }
+# S20F (its lane above): MaxText 64k one document under remat full, kvax hopper 45.1k vs
+# cudnn_flash_jax 43.5k (1.04x); forward rows (README, NOTES session 20).
+# Session 20, seventh call (S20G, the 2-GPU H200 kind): context parallelism with backend="hopper"
+# for the first time (each shard's call is Sq = S / 2 queries against all S keys, which hopper
+# takes since session 20), against "mosaic" in the same call: 128k, one document and packed,
+# balanced order, cp=2 against one device (agreement and speed-up).
+# Prediction: agreement as mosaic's (rel L2 ~3e-3); hopper's cp speed-up 1.85-1.95x (mosaic's
+# was 1.88-1.92x in session 8), each shard's time ~7% under mosaic's as at 64k on one GPU.
+s20g_runs() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  local be
+  for be in hopper mosaic; do
+    mkdir -p $R/cp_$be
+    timeout 250 python3 benchmarks/bench_context_parallel.py --backend $be --iters 10 \
+      --orders balanced --out_dir $R/cp_$be > $R/cp_$be.log 2>&1
+    echo "cp $be: rc $?" | tee -a $R/next.log
+    grep -vE "^WARNING" $R/cp_$be.log | tail -8 | tee -a $R/next.log; pack > /dev/null
+  done
+}
 case ${LANE:-CP} in
+  S20G) s20g_runs ;;
   S20F) s20f_runs ;;
   S20E) s20e_runs ;;
   S20D) s20d_runs ;;
