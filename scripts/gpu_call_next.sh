@@ -904,8 +904,17 @@ s20f_runs() {
 # balanced order, cp=2 against one device (agreement and speed-up).
 # Prediction: agreement as mosaic's (rel L2 ~3e-3); hopper's cp speed-up 1.85-1.95x (mosaic's
 # was 1.88-1.92x in session 8), each shard's time ~7% under mosaic's as at 64k on one GPU.
+# S20G, first try (2026-11-26 01:46): hopper's cp run hung at the dk / dv reduce-scatter (one
+# device never arrived: XLA aborted after 40 s); mosaic's agreed (rel L2 2.9e-3) at 1.96x (one
+# document) and 1.82x (packed). The fused backward's handler set the kernel's shared-memory
+# limit once per process, for the first device only (a per-device attribute): fixed (per device,
+# the current device checked against the stream's), ABI 6. The rerun first calls hopper on each
+# GPU alone (benchmarks/hopper_on_each_device.py), so a failure names its device.
 s20g_runs() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 120 python3 benchmarks/hopper_on_each_device.py > $R/hopper_each_device.log 2>&1
+  echo "hopper on each device: rc $?" | tee -a $R/next.log
+  grep -E "^device|rror" $R/hopper_each_device.log | tail -6 | tee -a $R/next.log; pack > /dev/null
   local be
   for be in hopper mosaic; do
     mkdir -p $R/cp_$be

@@ -605,20 +605,35 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 // The feature sets built (fused_backward.py's VARIANTS maps names to them).
 #define KVAX_SM90_VARIANTS 0, STM | FRAG | EXP, STM | FRAG | EXP | DECOUPLE_BIT
 
+// The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
+// and variant (a process driving several GPUs calls the handler from one thread per device;
+// setting it for the first device only left the others' launches failing, S20G).
+constexpr int MAX_DEVICES = 64;
+
 template <int F>
-static void launch_one(const dim3& grid, const Params& p, cudaStream_t stream) {
-  static std::once_flag attr;  // one per instantiation
-  std::call_once(attr, [] {
-    cudaFuncSetAttribute(fused_backward_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         SMEM_BYTES);
-  });
+static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cudaStream_t stream) {
+  static std::mutex mu;  // one per instantiation
+  static bool attr_set[MAX_DEVICES] = {};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!attr_set[device]) {
+      const cudaError_t err = cudaFuncSetAttribute(
+          fused_backward_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+      if (err != cudaSuccess) return err;
+      attr_set[device] = true;
+    }
+  }
   fused_backward_kernel<F><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <int... Fs>
-static bool launch(int variant, const dim3& grid, const Params& p, cudaStream_t stream) {
-  return ((variant == Fs ? (launch_one<Fs>(grid, p, stream), true) : false) || ...);
+static bool launch(int variant, int device, const dim3& grid, const Params& p,
+                   cudaStream_t stream, cudaError_t* err) {
+  return ((variant == Fs ? (*err = launch_one<Fs>(device, grid, p, stream), true) : false) ||
+          ...);
 }
+
 
 static ffi::Error FusedBackwardImpl(
     cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
@@ -663,14 +678,24 @@ static ffi::Error FusedBackwardImpl(
   p.kv_heads = static_cast<int>(kh);
   p.scale = scale;
   p.causal = causal;
-  cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
+  // The runtime API below (the attribute, the memset, the launch) acts on the calling thread's
+  // current device: it must be the stream's (XLA makes it so; checked, not assumed).
+  int device = -1, stream_device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaStreamGetDevice(stream, &stream_device) !=
+      cudaSuccess)
+    return ffi::Error::Internal(std::string("cudaGetDevice / cudaStreamGetDevice: ") +
+                                cudaGetErrorString(cudaGetLastError()));
+  if (device != stream_device || device < 0 || device >= MAX_DEVICES)
+    return ffi::Error::Internal("the current device (" + std::to_string(device) +
+                                ") is not the stream's (" + std::to_string(stream_device) + ")");
+  cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  const bool launched = launch<KVAX_SM90_VARIANTS>(variant, grid, p, stream);
+  const bool launched = launch<KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
-  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
 }
@@ -679,7 +704,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 5; }
+extern "C" int KvaxSm90AbiVersion() { return 6; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -27,8 +27,9 @@ Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
-# module passes. Bump both together when either changes.
-ABI_VERSION = 5
+# module passes, or a host-side fix an older build must not stand in for (6: the per-device
+# shared-memory attribute, S20G). Bump both together.
+ABI_VERSION = 6
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 
