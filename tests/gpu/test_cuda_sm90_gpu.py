@@ -31,3 +31,14 @@ def test_fused_backward_against_reference(name, variant):
   row = check.check_case(name, variant)
   assert row["finite"], row
   assert max(row["errors"].values()) < 2e-2, row
+
+
+def test_hopper_runs_on_every_gpu_of_the_process():
+  """backend="hopper" on each visible GPU in turn, against the float32 reference: the handler's
+  per-device state (the kernel's shared-memory limit; S20G's first context-parallel run hung
+  when only the first device had it). benchmarks/hopper_on_each_device.py is the same check as
+  a program (run on 2 x H200 in S20G)."""
+  import jax
+  import hopper_on_each_device as each
+  for device in jax.devices():
+    assert each.check_device(device) < 2e-2, device
