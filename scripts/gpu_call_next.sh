@@ -924,7 +924,19 @@ s20g_runs() {
     grep -vE "^WARNING" $R/cp_$be.log | tail -8 | tee -a $R/next.log; pack > /dev/null
   done
 }
+# S20G (rerun, its lane above): hopper on each GPU ok; context parallelism with hopper 2.00x /
+# 1.89x (mosaic 1.97x / 1.89x), agreeing with one device.
+# Session 20, last call (S20H): the GPU test file of the fused backward on the final build
+# (v2, v6, v7 and backend="hopper" on 6 layouts, and hopper on every GPU of the process).
+s20h_runs() {
+  timeout 240 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_cuda_sm90_gpu.py \
+    > $R/gpu_tests_s20h.log 2>&1
+  echo "gpu tests: rc $?" | tee -a $R/next.log
+  grep -E "passed|failed|FAILED|Error" $R/gpu_tests_s20h.log | tail -8 | tee -a $R/next.log
+  pack > /dev/null
+}
 case ${LANE:-CP} in
+  S20H) s20h_runs ;;
   S20G) s20g_runs ;;
   S20F) s20f_runs ;;
   S20E) s20e_runs ;;
