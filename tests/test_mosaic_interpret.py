@@ -414,10 +414,11 @@ def test_forward_grid_choice(env, kv_len, dims, persistent, monkeypatch):
 # by tests/test_mosaic_races.py), docs_padding_gqa (deterministic) by
 # test_launch_order_over_heads[docs_padding_gqa] and test_fold_changes_dkv_rounding_only (which
 # also shows FOLD=1 reaching the kernel: dv changes). The non-default FOLD=0 stays on both
-# feature sets; the explicit EARLY_DP=1 is checked on the way.
+# feature sets, and the non-default EARLY_DP=0 (the step's products in their plain order) runs
+# on the first.
 @pytest.mark.parametrize("case,env,want", [
-    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "1", "KVAX_MOSAIC_DKV_FOLD": "0"},
-     {"dkv_early_dp": True, "dkv_fold": False}),
+    ("docs_padding_gqa", {"KVAX_MOSAIC_DKV_EARLY_DP": "0", "KVAX_MOSAIC_DKV_FOLD": "0"},
+     {"dkv_early_dp": False, "dkv_fold": False}),
     ("window_cap_sinks_det", {"KVAX_MOSAIC_DKV_FOLD": "0"},
      {"dkv_early_dp": True, "dkv_fold": False}),
 ])
