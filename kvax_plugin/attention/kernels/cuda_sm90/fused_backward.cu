@@ -27,9 +27,9 @@
 //
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16, head dim 128
-// for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128, no soft
-// cap, window or sinks (Sq != Skv checked on a GPU since S20A). Variants: template feature bits F, below (the JAX side's
-// fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64] (per column half and
+// for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128 (Sq != Skv
+// checked on a GPU since S20A), no soft cap, window or sinks. Variants: template feature bits
+// F, below (the JAX side's fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64] (per column half and
 // 64-row block), zeroed by the handler; the JAX side turns it into dq.
 #include <cuda.h>
 #include <cuda_bf16.h>
