@@ -95,7 +95,7 @@ def flash_attention(query: jax.Array,
                     logits_soft_cap: float | None = None,
                     sinks: jax.Array | None = None,
                     backend: str = "auto",
-                    deterministic_backward: bool = True,
+                    deterministic_backward: bool | None = None,
                     query_specs: Any = None,
                     kv_specs: Any = None) -> jax.Array:
   """kvax's flash_attention: query [B, Sq, H, D], key / value [B, Skv, K, D] -> [B, Sq, H, D].

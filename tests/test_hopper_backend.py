@@ -114,3 +114,30 @@ def test_variant_hook_is_checked(monkeypatch):
     hopper._variant()
   monkeypatch.delenv(hopper.VARIANT_ENV)
   assert hopper._variant() == hopper.VARIANT == "v7"
+
+
+def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
+  """hopper's backward reduce-adds dq in float32 in no fixed order: deterministic_backward=True
+  names the argument and the backend that has one, through the public op too (the option
+  reaches hopper: registry options); None (the default: the backend's own) and False pass
+  these checks."""
+  from kvax_plugin.attention import kernels
+  pos, seg = _ids(256)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+  k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  message = r"deterministic_backward=True: the hopper backend's backward .*backend=\"mosaic\""
+  with pytest.raises(ValueError, match=message):
+    hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
+                                  logits_soft_cap=None, sinks=None, deterministic_backward=True)
+  assert kernels.backend_options("hopper", deterministic_backward=True,
+                                 memory_optimized_gqa_backward=True) == {
+                                     "deterministic_backward": True}
+  real = kernels.availability
+  monkeypatch.setattr(kernels, "availability", lambda name: (
+      (True, "pretend Hopper") if name == "hopper" else real(name)))
+  with pytest.raises(ValueError, match=message):
+    kp.flash_attention(q, k, k, pos, seg, pos, seg, mask, scale=0.1, backend="hopper",
+                       deterministic_backward=True)
+  import inspect
+  assert inspect.signature(kp.flash_attention).parameters["deterministic_backward"].default is None

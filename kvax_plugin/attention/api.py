@@ -110,7 +110,7 @@ def flash_attention(query: jax.Array,
                     logits_soft_cap: float | None = None,
                     sinks: jax.Array | None = None,
                     backend: str = "auto",
-                    deterministic_backward: bool = True,
+                    deterministic_backward: bool | None = None,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
@@ -146,11 +146,13 @@ def flash_attention(query: jax.Array,
       Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
       of kernels.KERNEL_BACKENDS ("mosaic", "triton", "jax", "reference"); an explicit name
       that cannot run raises BackendUnavailableError.
-    deterministic_backward: Mosaic only. True (default): dq from its own kernel, bitwise
-      reproducible (7 matrix products per tile pair). False: dq is bulk-reduce-added into a
-      float32 buffer by the dk/dv kernel (5 products; the float32 summation order varies
-      between runs). On an H200 True measured faster too (benchmarks/NOTES.md). The Triton
-      backward is always deterministic.
+    deterministic_backward: None (default): each backend's own - Mosaic's deterministic
+      backward, Triton's (always deterministic), hopper's (not bitwise reproducible). For
+      Mosaic, True: dq from its own kernel, bitwise reproducible (7 matrix products per tile
+      pair; the default, and on an H200 the faster too, benchmarks/NOTES.md); False: dq
+      bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products; the float32
+      summation order varies between runs). backend="hopper" has only the second kind (its dq
+      reduce-added from many thread blocks): True with it raises ValueError.
     debug: print the chosen backend and shapes at trace time, and check that the mask was built
       from these positions / segment ids (as kvax_plugin.check_mask_inputs() does).
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must

@@ -834,7 +834,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                             memory_optimized_gqa_backward: bool,
                             token_order: str, backend: str, mesh,
                             query_specs=None, kv_specs=None,
-                            deterministic_backward: bool = True) -> jax.Array:
+                            deterministic_backward: bool | None = None) -> jax.Array:
   """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
 
   query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /

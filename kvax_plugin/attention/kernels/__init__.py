@@ -93,6 +93,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
                     "bf16, head dim 128, lengths multiples of 128; by name only)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
+        options=("deterministic_backward",),
         install_hint="build it: python -m kvax_plugin.attention.kernels.cuda_sm90.build"),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",

@@ -106,19 +106,26 @@ _attention = kernel_attention(mosaic._forward, _backward)
 
 def flash_attention_hopper(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
-                           logits_soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
+                           logits_soft_cap: float | None, sinks: jax.Array | None,
+                           deterministic_backward: bool | None = None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
   query [B, Sq, H, 128], key / value [B, Skv, K, 128] bfloat16 (H a multiple of K), positions /
   segment ids int32 [B, Sq] and [B, Skv] (Sq, Skv multiples of 128), mask from
   create_attention_mask with the backward tables (calc_bwd_mask=True) and default block sizes.
-  Returns [B, Sq, H, 128] bfloat16; differentiable in query, key and value.
+  Returns [B, Sq, H, 128] bfloat16; differentiable in query, key and value. The backward
+  reduce-adds dq in float32 from many thread blocks, in no fixed order: not bitwise
+  reproducible, so deterministic_backward=True is refused (None and False run).
   """
   if logits_soft_cap:
     raise ValueError(f"logits_soft_cap={logits_soft_cap}: not supported by the hopper backend "
                      "(the fused backward has no soft cap); use backend=\"mosaic\"")
   if sinks is not None:
     raise ValueError("sinks: not supported by the hopper backend; use backend=\"mosaic\"")
+  if deterministic_backward:
+    raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
+                     "in float32 in no fixed order (not bitwise reproducible); use "
+                     "backend=\"mosaic\" for a deterministic backward, or leave it None")
   b, sq, h, d = query.shape
   skv = key.shape[1]
   if sq % cuda_bwd.KV_TILE or skv % cuda_bwd.KV_TILE:

@@ -391,7 +391,7 @@ def _env_int(name: str, default: int) -> int:
 def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
-                           deterministic_backward: bool = True,
+                           deterministic_backward: bool | None = True,
                            interpret: bool = False) -> jax.Array:
   """Attention over validated inputs with the Mosaic GPU kernels (Hopper; or the CPU
   interpreter with interpret=True, for tests).
@@ -399,9 +399,10 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv] (bf16 / fp16), positions /
   segment ids int32 [B, S], mask from create_attention_mask with blocks the kernels' tiles divide
   (the defaults do). Returns [B, Sq, H, Dv] in query.dtype; differentiable in query, key, value
-  and sinks. deterministic_backward (default): dq from its own kernel (7 matrix products per
-  tile pair, bitwise reproducible); False: dq bulk-reduce-added into a float32 buffer by the
-  dk/dv kernel (5 products, order-dependent rounding). Measured on an H200 the deterministic
+  and sinks. deterministic_backward True (default; None, the public op's "backend's own", means
+  the same): dq from its own kernel (7 matrix products per tile pair, bitwise reproducible);
+  False: dq bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products,
+  order-dependent rounding). Measured on an H200 the deterministic
   way is also the faster (64k causal forward+backward 245 vs 268 ms; benchmarks/NOTES.md), so
   it is the default.
   """
@@ -417,7 +418,8 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-               deterministic=bool(deterministic_backward), interpret=bool(interpret),
+               deterministic=deterministic_backward is None or bool(deterministic_backward),
+               interpret=bool(interpret),
                paired=os.environ.get("KVAX_MOSAIC_UNPAIRED", "") != "1",
                dq_split=os.environ.get("KVAX_MOSAIC_DQ_WHOLE", "") != "1",
                consumer_regs=_env_int("KVAX_MOSAIC_BWD_REGS", 232),
