@@ -29,8 +29,9 @@
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16, head dim 128
 // for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128 (Sq != Skv
 // checked on a GPU since S20A), no soft cap, window or sinks. Variants: template feature bits
-// F, below (the JAX side's fused_backward.VARIANTS). dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64] (per column half and
-// 64-row block), zeroed by the handler; the JAX side turns it into dq.
+// F, below (the JAX side's fused_backward.VARIANTS). dq_accum is float32
+// [B, H, 2, Sq / 64, 64 x 64] (per column half and 64-row block), zeroed by the handler; the JAX
+// side turns it into dq.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -633,7 +634,6 @@ static bool launch(int variant, int device, const dim3& grid, const Params& p,
   return ((variant == Fs ? (*err = launch_one<Fs>(device, grid, p, stream), true) : false) ||
           ...);
 }
-
 
 static ffi::Error FusedBackwardImpl(
     cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
