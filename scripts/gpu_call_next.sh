@@ -844,19 +844,21 @@ s18e_runs() {
 # 64k short documents with hopper (flash's row: S20E).
 # Prediction: one document 1.12-1.18x at 16k, 1.20-1.25x at 64k (S19F on H100 with v6: 1.12x,
 # 1.20x; v7 is ~4% faster in the backward).
-s20d_runs() {
-  local run t
-  for spec in ${S20D_SPECS:-16k-long:cudnn_flash_jax:70 16k-long:kvax:70 64k-long:kvax:115 \
-              64k-long:cudnn_flash_jax:115 64k-short:kvax:120}; do
-    run=${spec%:*}; t=${spec##*:}
-    local name=$(echo $run | tr ':' '_')
-    timeout $t python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e20d_$name --steps 6 \
+maxtext_hopper_runs() {  # tag, remat policy, name suffix, then run:timeout specs
+  local tag=$1 remat=$2 suffix=$3 spec run t name; shift 3
+  for spec in "$@"; do
+    run=${spec%:*}; t=${spec##*:}; name=$(echo $run | tr ':' '_')$suffix
+    timeout $t python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e_${tag}_$name --steps 6 \
       --timeout $((t - 5)) --runs $run --kvax_backend hopper \
-      --maxtext_override remat_policy=minimal_with_context > $R/e2e_s20d_$name.log 2>&1
-    mkdir -p $R/e2e_s20d_$name && cp /tmp/e2e20d_$name/e2e.json $R/e2e_s20d_$name/ 2>/dev/null
-    for d in /tmp/e2e20d_$name/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s20d_$name/$(basename "$d").summary.json"; done
-    tail -1 $R/e2e_s20d_$name.log | tee -a $R/next.log; pack > /dev/null
+      --maxtext_override remat_policy=$remat > $R/e2e_${tag}_$name.log 2>&1
+    mkdir -p $R/e2e_${tag}_$name && cp /tmp/e2e_${tag}_$name/e2e.json $R/e2e_${tag}_$name/ 2>/dev/null
+    for d in /tmp/e2e_${tag}_$name/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_${tag}_$name/$(basename "$d").summary.json"; done
+    tail -1 $R/e2e_${tag}_$name.log | tee -a $R/next.log; pack > /dev/null
   done
+}
+s20d_runs() {
+  maxtext_hopper_runs s20d minimal_with_context "" ${S20D_SPECS:-16k-long:cudnn_flash_jax:70 \
+    16k-long:kvax:70 64k-long:kvax:115 64k-long:cudnn_flash_jax:115 64k-short:kvax:120}
 }
 # S20D (its lane above): 16k-long:cudnn_flash_jax was killed at its 70 s limit before printing
 # (the machine's first MaxText import); kvax hopper 16k one document 74.8k tokens/s, 64k one
@@ -880,17 +882,8 @@ s20e_runs() {
 # Prediction: remat full 64k 1.00-1.05x (the backward's 4% gain over mosaic at the kernel plus
 # the forward run twice by both); forward causal 1.0-1.05x cuDNN, documents 0.95-1.05x tokamax.
 s20f_runs() {
-  local run t
-  for spec in 64k-long:kvax:160 64k-long:cudnn_flash_jax:125; do  # the first: cold imports
-    run=${spec%:*}; t=${spec##*:}
-    local name=$(echo $run | tr ':' '_')_full
-    timeout $t python3 benchmarks/maxtext_e2e.py --out_dir /tmp/e2e20f_$name --steps 6 \
-      --timeout $((t - 5)) --runs $run --kvax_backend hopper \
-      --maxtext_override remat_policy=full > $R/e2e_s20f_$name.log 2>&1
-    mkdir -p $R/e2e_s20f_$name && cp /tmp/e2e20f_$name/e2e.json $R/e2e_s20f_$name/ 2>/dev/null
-    for d in /tmp/e2e20f_$name/*/; do [ -f "$d/summary.json" ] && cp "$d/summary.json" "$R/e2e_s20f_$name/$(basename "$d").summary.json"; done
-    tail -1 $R/e2e_s20f_$name.log | tee -a $R/next.log; pack > /dev/null
-  done
+  # the first run pays the machine's cold imports
+  maxtext_hopper_runs s20f full _full 64k-long:kvax:160 64k-long:cudnn_flash_jax:125
   bench_rows 100 bench_16k_fwd_s20f --seq 16384 --cases causal,docs --passes fwd \
     --impls mosaic,cudnn,tokamax_mosaic --interleave --rounds 3
   bench_rows 120 bench_64k_fwd_s20f --seq 65536 --cases causal,docs --passes fwd \

@@ -144,8 +144,8 @@ def flash_attention(query: jax.Array,
       See kvax_plugin.attention.context_parallel.
     backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
       Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
-      of kernels.KERNEL_BACKENDS ("mosaic", "triton", "jax", "reference"); an explicit name
-      that cannot run raises BackendUnavailableError.
+      of kernels.KERNEL_BACKENDS ("mosaic", "hopper", "triton", "jax", "reference"); an
+      explicit name that cannot run raises BackendUnavailableError.
     deterministic_backward: None (default): each backend's own - Mosaic's deterministic
       backward, Triton's (always deterministic), hopper's (not bitwise reproducible). For
       Mosaic, True: dq from its own kernel, bitwise reproducible (7 matrix products per tile

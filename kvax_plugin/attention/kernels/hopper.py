@@ -9,9 +9,11 @@ attention (H200, backward alone, session 20's S20A: 16k 11.08 ms against 12.38, 
 64k 169.4 against 187.3, cuDNN 163.5; benchmarks/NOTES.md) and slower on short packed documents
 (16k: 2.82 against 2.70 ms), and it covers fewer cases: bfloat16, head dim 128 for query, key
 and value, query and key lengths multiples of 128, causal or not, segment ids, GQA / MQA; no
-soft cap, sliding window or sinks. So "auto" does not take it (AUTO_ORDER); users ask for it by name, and a call
-it does not cover raises (BackendUnavailableError from the registry, ValueError here) instead of
-running another backward.
+soft cap, sliding window or sinks. Its backward reduce-adds dq in float32 in no fixed order (not
+bitwise reproducible), where "mosaic"'s default backward is. So "auto" does not take it
+(AUTO_ORDER); users ask for it by name, and a call it does not cover raises
+(BackendUnavailableError from the registry, ValueError here) instead of running another
+backward.
 
 The shared object is built from source (python -m kvax_plugin.attention.kernels.cuda_sm90.build,
 nvcc >= 13 from PyPI); until it is, device_supported says so and an explicit backend="hopper"
