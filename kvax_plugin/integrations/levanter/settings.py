@@ -38,7 +38,8 @@ class KvaxLevanterSettings:
   block_size: query and key/value block size of both passes (power of two >= 16); None takes
     kvax's defaults.
   memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
-  deterministic_backward: Mosaic only, see kvax_plugin.flash_attention.
+  deterministic_backward: Mosaic's choice of backward (kernel="hopper" refuses True), see
+    kvax_plugin.flash_attention.
   skip_pad_tokens: skip blocks made only of padding (False visits them, masked).
   """
 
