@@ -49,6 +49,11 @@ CASES = {
     "window_masked_full_masked_fused": dict(segs=[7] * 640, h=2, kh=1, window=300),
     # Sq != Skv (queries are the last tokens), MLA-style head dims 192 / 128
     "prefill_mla": dict(segs=[0] * 384, sq=128, h=2, kh=2, dk=192, dv=128),
+    # backward tables of 64-query blocks (kvax 0.1.0's Hopper default, bwd 64 x 128): the dq
+    # kernel's 128-row tiles walk the union of two table rows (zero / NaN dq before 2026-11-26)
+    "bwd_q64_docs_det": dict(segs=[4] * 70 + [8] * 1 + [6] * 120 + [-1] * 65, h=2, kh=1,
+                             det=True, bwd=(64, 128)),
+    "bwd_q64_causal_fused": dict(segs=[1] * 256, h=2, kh=2, bwd=(64, 128)),
 }
 
 
@@ -67,8 +72,10 @@ def test_kernels_in_interpreter_match_reference(name):
   cot = jax.random.normal(keys[3], (1, sq, h, dv), jnp.float32)
   sinks = jax.random.normal(keys[4], (h,), jnp.float32) if c.get("sinks") else None
   window, cap = c.get("window"), c.get("cap")
+  from kvax_plugin.attention.params import FlashAttentionParamsConfig
+  bwd = FlashAttentionParamsConfig(*c["bwd"]) if "bwd" in c else None
   mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=True,
-                               sliding_window=window)
+                               sliding_window=window, bwd_params=bwd)
   if "masked_full_masked" in name:  # the case is about rows with both masked runs
     for table in (mask.fwd, mask.dq, mask.dkv):
       lo, up, flo, fup = (np.asarray(x) for x in (table.lower, table.upper, table.full_lower,

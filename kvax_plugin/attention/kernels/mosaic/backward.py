@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -59,7 +61,7 @@ def _logit_terms(cfg, st):
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-  table_q: int  # the backward tables' query block (a multiple of 128)
+  table_q: int  # the backward tables' query block (a multiple of 64; the dq kernel re-tiles it)
   table_kv: int  # their kv block (a multiple of 128)
   scale: float
   soft_cap: float  # 0: none
@@ -702,6 +704,46 @@ def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_
     raise ValueError(f"head dims ({dk_dim}, {dv_dim}) do not fit the Mosaic GPU dq kernel's "
                      "shared memory")
   bk, dq_stages = fits[0]
+  if cfg.table_q % DQ_TILE_Q:
+    # The dq kernel walks one table row per 128 query rows; the mask's rows are finer (64,
+    # kvax's Hopper default) or do not align (192): walk the union of the rows each tile
+    # covers instead (without this, 64-row tables gave a zero-row stride: zero or NaN dq).
+    dq_table = tile_rows(dq_table, cfg.table_q, DQ_TILE_Q, q.shape[1] // DQ_TILE_Q)
+    cfg = dataclasses.replace(cfg, table_q=DQ_TILE_Q)
   dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                *dq_table)
   return dq, dk, dv
+
+
+def tile_rows(table, table_rows: int, tile_rows_: int, n_tiles: int):
+  """The (lower, upper, full_lower, full_upper) table [B, n_tiles] of tiles of `tile_rows_`
+  outer rows, from a table whose rows cover `table_rows` outer rows each.
+
+  A tile visits every block any of its table rows visits (the union: the kernels mask every
+  visited block element-wise, so an extra visit costs time, never correctness) and treats as
+  full only blocks full for all of its rows (the intersection of their full ranges; empty when
+  they do not overlap). Rows that visit nothing do not widen the union.
+  """
+  lower, upper, full_lower, full_upper = (jnp.asarray(x) for x in table)
+  n_rows = lower.shape[1]
+  first = (np.arange(n_tiles) * tile_rows_) // table_rows
+  last = ((np.arange(n_tiles) + 1) * tile_rows_ - 1) // table_rows
+  span = int((last - first).max()) + 1
+  idx = first[:, None] + np.arange(span)[None, :]  # [n_tiles, span] table rows of each tile
+  valid = jnp.asarray((idx <= last[:, None]) & (idx < n_rows))
+  idx = jnp.asarray(np.minimum(idx, n_rows - 1))
+  take = lambda x: x[:, idx]  # [B, n_tiles, span]
+  lo, up, flo, fup = take(lower), take(upper), take(full_lower), take(full_upper)
+  visits = valid & (up > lo)
+  big = jnp.iinfo(jnp.int32).max
+  u_lo = jnp.min(jnp.where(visits, lo, big), axis=-1)
+  u_up = jnp.max(jnp.where(visits, up, 0), axis=-1)
+  empty = ~jnp.any(visits, axis=-1)
+  u_lo = jnp.where(empty, 0, u_lo)
+  u_up = jnp.where(empty, 0, u_up)
+  f_lo = jnp.max(jnp.where(valid, flo, 0), axis=-1)
+  f_up = jnp.min(jnp.where(valid, fup, big), axis=-1)
+  no_full = f_lo >= f_up
+  f_lo = jnp.where(no_full, u_lo, f_lo)
+  f_up = jnp.where(no_full, u_lo, f_up)
+  return tuple(x.astype(jnp.int32) for x in (u_lo, u_up, f_lo, f_up))
