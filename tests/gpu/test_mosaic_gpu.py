@@ -47,7 +47,7 @@ def _grads(fn, q, k, v, s, cot):
 
 def _run(name, pos_q, seg_q, pos_kv, seg_kv, *, h=8, kh=2, dk=128, dv=None,
          dtype=jnp.bfloat16, causal=True, window=None, cap=None, sinks=False,
-         deterministic=True, seed=0):
+         deterministic=True, seed=0, bwd_blocks=None):
   dv = dv or dk
   b, sq = seg_q.shape
   skv = seg_kv.shape[1]
@@ -58,8 +58,10 @@ def _run(name, pos_q, seg_q, pos_kv, seg_kv, *, h=8, kh=2, dk=128, dv=None,
   cot = jax.random.normal(keys[3], (b, sq, h, dv), jnp.float32)
   s = jax.random.normal(keys[4], (h,), jnp.float32) if sinks else None
   ints = tuple(jnp.asarray(x, jnp.int32) for x in (pos_q, seg_q, pos_kv, seg_kv))
+  bwd_params = (None if bwd_blocks is None
+                else kvax.FlashAttentionParamsConfig(*bwd_blocks, num_warps=4, num_stages=2))
   mask = kvax.create_attention_mask(*ints, calc_bwd_mask=True, causal=causal,
-                                    sliding_window=window)
+                                    sliding_window=window, bwd_params=bwd_params)
   scale = dk ** -0.5
 
   def ours(q, k, v, s):
@@ -139,6 +141,18 @@ def test_query_shorter_than_kv(sq, skv):
   seg_kv = np.zeros((1, skv), np.int32)
   _run(f"sq{sq}_skv{skv}", pos_kv[:, skv - sq:], np.zeros((1, sq), np.int32), pos_kv, seg_kv,
        seed=sq + skv)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("b,h,s_len", [(2, 2, 8192), (2, 8, 8192), (3, 1, 1000)])
+def test_kvax_backward_blocks_64x128(b, h, s_len, deterministic):
+  """kvax 0.1.0's Hopper default backward blocks (query 64, kv 128): causal, one document per
+  row, MHA. Before 2026-11-26 the deterministic dq kernel read these tables with a zero row
+  stride and returned dq all zeros (B=2, H=2, 8k) or NaN (B=2, H=8, 8k)."""
+  pos = np.tile(np.arange(s_len, dtype=np.int32), (b, 1))
+  seg = np.zeros((b, s_len), np.int32)
+  _run(f"kvax_bwd_64x128_b{b}_h{h}_{s_len}", pos, seg, pos, seg, h=h, kh=h,
+       deterministic=deterministic, bwd_blocks=(64, 128), seed=b * 100 + h)
 
 
 def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible():
