@@ -236,7 +236,11 @@ def _small(d):
     (QUERY_SPECS, (("data", "fsdp"), "context", "tensor", None), r"kv_specs\[1\]"),
     (("data", "context", "tensor", "fsdp"), None, r"query_specs\[3\] \(head_dim\)"),
     (QUERY_SPECS, ("data", None, "tensor", None), r"query_specs\[0\] and kv_specs\[0\] \(batch\)"),
-    (QUERY_SPECS, (("data", "fsdp"), None, None, None), r"\(heads\) must be equal"),
+    ((("data", "fsdp"), "context", None, None), (("data", "fsdp"), None, "tensor", None),
+     r"kv_specs\[2\] \(heads\) shards .*'tensor' but query_specs\[2\] leaves the query heads "
+     r"unsharded"),
+    (("data", "context", "tensor", None), ("data", None, "fsdp", None),
+     r"query_specs\[2\] and kv_specs\[2\] \(heads\) name different mesh axes.*or None"),
     (("data", "context", "model", None), None, r"query_specs\[2\].*'model'"),
     (("data", "data", None, None), None, r"more than once"),
     (("data", None, None), None, r"4-entry spec"),

@@ -19,9 +19,14 @@ A *spec* describes how one BSHD array is laid out over a `jax.sharding.Mesh`: a 
   value, kv positions and kv segment ids *sharded over the query's context axis* and all-gathers
   them inside shard_map, so arrays that are already context-sharded (the usual case after the
   k/v projections) cross the network once, in the all-gather, and nowhere else.
-* heads: tensor parallelism; query and kv must use the same axes (the GQA grouping stays local).
-  With fewer kv heads than head shards (tensor size a multiple of the kv heads), key / value
-  enter whole over the head axes and each shard keeps the one kv head its query heads read.
+* heads: tensor parallelism. kv_specs[2] either names the query's head axes or is None (kv
+  heads replicated, as kvax runs MQA / GQA under tensor parallelism). Query head h reads kv head
+  h // (H / K), so a shard needs the kv heads of its own query heads: with kv heads sharded like
+  the query heads and K a multiple of the shard count, those are exactly its own kv shard;
+  otherwise (kv_specs[2] None, or fewer kv heads than shards) key / value enter whole over the
+  head axes and each shard takes the kv heads its query heads read (`_kv_head_plan`): K / tp
+  consecutive heads, the one head shared by tp / K shards, or, when neither divides the other
+  (e.g. 3 kv heads over 4 shards), one kv head per local query head.
 * head_dim: never sharded.
 
 Specs come from explicit `query_specs=` / `kv_specs=` arguments or, when those are None, from the
@@ -86,8 +91,10 @@ significand bits for bfloat16's and float16's p, so the double rounding is innoc
 done in the input dtype, half the bytes on the wire (2 x H200, 128k packed documents,
 forward+backward 73.1 -> 71.5 ms). `KV_GRAD_REDUCE_DTYPE` set to a dtype forces that dtype. Sinks are passed to the backend in float32, so their
 gradient, summed over the batch and context shards by shard_map, is reduced in float32 too.
-When kv heads are shared by several head shards, shard_map's transpose sums those shards' kv
-gradients in the input dtype (tp / K terms, after the float32 context reduction).
+When key / value enter whole over the head axes (kv_specs[2] None, or fewer kv heads than head
+shards), each shard's kv gradient is zero outside the heads it took, and shard_map's transpose
+of the replicated input sums the shards' gradients over the head axes in the input dtype (the
+shards reading one kv head, after the float32 context reduction).
 """
 
 from __future__ import annotations
@@ -257,10 +264,20 @@ def check_specs(specs: AttentionSpecs, mesh) -> None:
   if specs.query[0] != specs.kv[0]:
     raise ValueError(f"query_specs[0] and kv_specs[0] (batch) must be equal, got "
                      f"{_entry(specs.query[0])!r} and {_entry(specs.kv[0])!r}")
-  if specs.query[2] != specs.kv[2]:
-    raise ValueError(f"query_specs[2] and kv_specs[2] (heads) must be equal, got "
-                     f"{_entry(specs.query[2])!r} and {_entry(specs.kv[2])!r}: each tensor-parallel "
-                     "shard must hold whole GQA groups (its query heads and their kv heads)")
+  if specs.kv[2] and specs.query[2] != specs.kv[2]:
+    # Replicated kv heads (kv_specs[2] None) work with any query head sharding: each shard takes
+    # the kv heads its query heads read. Sharded kv heads must follow the query heads' axes, or
+    # a shard would hold kv heads its query heads do not read and miss those they do.
+    if not specs.query[2]:
+      raise ValueError(
+          f"kv_specs[2] (heads) shards the key/value heads over {_entry(specs.kv[2])!r} but "
+          "query_specs[2] leaves the query heads unsharded: expected kv_specs[2] None (key/value "
+          "heads replicated) or query_specs[2] naming the same mesh axes")
+    raise ValueError(
+        f"query_specs[2] and kv_specs[2] (heads) name different mesh axes, "
+        f"{_entry(specs.query[2])!r} and {_entry(specs.kv[2])!r}: expected kv_specs[2] equal to "
+        "query_specs[2] (kv heads sharded like the query heads) or None (kv heads replicated; "
+        "each shard then uses the kv heads its own query heads read)")
 
 
 def _check_divisible(what: str, length: int, arg: str, size: int, axes: AxisNames) -> None:
@@ -289,18 +306,55 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
                          "load-balancing chunks)")
   if heads is not None:
     _check_divisible("query heads", heads, "query_specs[2]", tp, specs.head_axes)
-  if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+  # Replicated kv heads (kv_specs[2] None) fit any K that divides H (check_qkv); sharded ones
+  # must split evenly over the shards or be shared by a whole number of them.
+  if specs.kv[2] and kv_heads is not None and kv_heads % tp and tp % kv_heads:
     raise ValueError(
         f"key/value heads ({kv_heads}) and the size of the head axes {specs.head_axes} ({tp}) "
         "given in kv_specs[2] must divide one another: either every shard holds whole kv heads "
-        "or each kv head is shared by a whole number of shards")
+        "or each kv head is shared by a whole number of shards; or pass kv_specs[2]=None "
+        "(key/value heads replicated, each shard taking the kv heads its query heads read)")
 
 
-def _replicated_kv_heads(mesh, specs: AttentionSpecs, kv_heads: int) -> bool:
-  """Fewer kv heads than head shards (e.g. 4 kv heads, tensor parallelism 8): key / value are
-  then taken whole over the head axes and each shard slices the one kv head its query heads
-  read (check_shapes ensures the tensor size is a multiple of kv_heads)."""
-  return kv_heads % _axes_size(mesh, specs.head_axes) != 0
+@dataclasses.dataclass(frozen=True)
+class _KvHeadPlan:
+  """Which kv heads tensor-parallel shard t takes from key / value that enter whole over the
+  head axes (static). Shard t holds query heads [t * hl, (t + 1) * hl), hl = H / tp, and query
+  head h reads kv head h // g, g = H / K."""
+
+  head_axis: Any  # axis_index argument: the head axes (a name or a tuple of names)
+  local_heads: int  # hl
+  group: int  # g
+  kv_heads: int  # K
+  shards: int  # tp
+
+  def take(self, x: jax.Array) -> jax.Array:
+    """[B, S, K, D] -> the kv heads this shard's query heads read, along axis 2."""
+    t = jax.lax.axis_index(self.head_axis)
+    if self.kv_heads % self.shards == 0:
+      # Whole groups per shard: its K / tp kv heads, consecutive (a GQA problem locally).
+      n = self.kv_heads // self.shards
+      return jax.lax.dynamic_slice_in_dim(x, t * n, n, axis=2)
+    if self.shards % self.kv_heads == 0:
+      # A group spans tp / K shards: the one kv head they share.
+      return jax.lax.dynamic_slice_in_dim(x, t // (self.shards // self.kv_heads), 1, axis=2)
+    # Groups straddle shard borders (e.g. H 12, K 3, tp 4: shard 1 reads kv heads 0, 1, 1): no
+    # uniform local grouping exists, so one kv head per local query head (MHA locally). The
+    # transpose of the gather adds the gradients of repeated heads.
+    heads = (t * self.local_heads + jnp.arange(self.local_heads)) // self.group
+    return jnp.take(x, heads, axis=2)
+
+
+def _kv_head_plan(mesh, specs: AttentionSpecs, heads: int, kv_heads: int) -> _KvHeadPlan | None:
+  """None when key / value enter sharded as kv_specs[2] says (or there is no tensor
+  parallelism); else the plan by which each shard takes its kv heads from whole key / value:
+  kv_specs[2] None (replicated kv heads), or fewer kv heads than head shards (check_shapes
+  ensures the shard count is then a multiple of K)."""
+  tp = _axes_size(mesh, specs.head_axes)
+  if tp == 1 or (specs.kv[2] and kv_heads % tp == 0):
+    return None
+  return _KvHeadPlan(head_axis=_axis_name(specs.head_axes), local_heads=heads // tp,
+                     group=heads // kv_heads, kv_heads=kv_heads, shards=tp)
 
 
 # ----------------------------------------------------------------------------- token orders
@@ -898,18 +952,16 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
 
   bat, ctx, hd = (_entry(a) for a in (specs.batch_axes, specs.context_axes, specs.head_axes))
   x_spec = P(bat, ctx, hd, None)
-  kv_spec = x_spec
-  if _replicated_kv_heads(mesh, specs, kh):
-    # Each kv head serves tp / K consecutive head shards. kv enters whole over the head axes;
-    # shard t keeps kv head t // (tp / K). shard_map sums the kv gradients of the shards
-    # sharing a head (its transpose of the replicated input, in the input dtype).
-    kv_spec = P(bat, ctx, None, None)
-    shards_per_kv_head = _axes_size(mesh, specs.head_axes) // kh
-    head_axis = specs.head_axes if len(specs.head_axes) > 1 else specs.head_axes[0]
-    pick_kv_head = lambda x: jax.lax.dynamic_slice_in_dim(
-        x, jax.lax.axis_index(head_axis) // shards_per_kv_head, 1, axis=2)
-  else:
+  plan = _kv_head_plan(mesh, specs, h, kh)
+  if plan is None:
+    kv_spec = P(bat, ctx, _entry(specs.kv[2]), None)
     pick_kv_head = lambda x: x
+  else:
+    # key / value enter whole over the head axes and each shard takes the kv heads its query
+    # heads read. shard_map's transpose of that replicated input sums the shards' kv
+    # gradients over the head axes (each zero outside the heads it took).
+    kv_spec = P(bat, ctx, None, None)
+    pick_kv_head = plan.take
   tok = P(bat, ctx)
   # Sinks in float32: shard_map sums their gradient over the batch / context shards (the axes
   # their spec leaves out), and that sum should not be rounded to bfloat16 on every shard.
