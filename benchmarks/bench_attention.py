@@ -1,35 +1,36 @@
-"""Attention benchmark: ours (backend="mosaic" and "triton") against cuDNN and tokamax, in one run.
+"""Attention kernel benchmark: our backends against cuDNN and tokamax, timed in one run.
 
-    python benchmarks/bench_attention.py                      # the issue's grid: 16k and 64k
-    python benchmarks/bench_attention.py --seq 16384 --impls ours,cudnn --cases causal
-    python benchmarks/bench_attention.py --seq 16384 --impls ours --split \
-        --variant 'dq64|dq=64,64,4,2' --variant 'perhead|gqa=perhead'   # tuning runs
+    python -m benchmarks.run --preset full                 # the README's table (uses this file)
+    python benchmarks/bench_attention.py --seq 16384 --impls hopper,mosaic,cudnn --cases causal
+    python benchmarks/bench_attention.py --seq 65536 --impls mosaic --split   # each kernel alone
+    python benchmarks/bench_attention.py --seq 131072 --cases causal --impls mosaic \
+        --variant 'pertile=mosaic:mosaic_forward_grid=per_tile'            # a KernelOptions field
 
 Cases: "causal" (one causal document) and "docs" (12 random-length causal documents followed by
 1000 padding tokens), B=1, 32 query heads, 8 kv heads, bf16, head dim 128 by default. Each
 implementation is timed forward and forward+backward (jax.grad of <out, cotangent> w.r.t.
-q, k, v, which includes the forward it needs), as the median over many timed rounds of
-back-to-back calls after warm-up. Effective TFLOP/s count only the (q, kv) pairs the mask keeps:
-forward 4 * H * D * pairs, backward 2.5x that (so forward+backward 3.5x).
+q, k, v, which includes the forward it needs), as the median over timed rounds of back-to-back
+calls after warm-up; --interleave then times every implementation again round-robin, so a drift
+of the GPU's clocks cannot favour whoever ran first (the medians of those rounds are reported).
+Effective TFLOP/s count only the (q, kv) pairs the mask keeps: forward 2 * H * (Dk + Dv) per
+pair (4 * H * D), forward+backward 3.5x that.
 
-How the peers see documents: cuDNN through jax.nn.dot_product_attention with a dense [B, 1, S, S]
-boolean mask (it has no segment ids; skipped where that mask would not fit the time budget);
-tokamax through its per-row k_start mask (each row may see keys from its document's start, plus
-causality); padding rows there attend to themselves (they cost nothing extra).
-Our mask build time is timed on its own and reported separately (it is built once per step and
-shared by all layers).
+Implementations: ours through the public op, one per backend name (auto, hopper, mosaic,
+mosaic_fused = mosaic with deterministic_backward=False, triton, jax); cudnn
+(jax.nn.dot_product_attention, implementation="cudnn"); tokamax_mosaic and tokamax_triton
+(tokamax's Mosaic GPU and Pallas-Triton flash attention). How the peers see documents: cuDNN
+takes a dense [B, 1, S, S] boolean mask (it has no segment ids; skipped above
+--max-dense-mask-seq); tokamax a per-row k_start mask (each row sees keys from its document's
+start, plus causality; padding rows attend to themselves, which costs nothing extra). The mask
+build is timed on its own: it runs once per step, shared by all layers.
 
---split also times each of our kernels alone (forward, delta, dq, dk/dv); --variant adds runs of
-ours with other launch tiles or tables (see --help); benchmarks/NOTES.md records what they showed.
-
-Writes benchmarks/results/<name>.json (conditions: GPU, versions, command, date) and a PNG plot.
-A peer that fails records its error instead of a number.
+Writes <out>.json (conditions: date, GPU, versions, command, shapes) and <out>.png. A peer that
+fails or cannot run here records its error instead of a number.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -44,15 +45,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from kvax_plugin.attention.api import flash_attention  # noqa: E402
-from kvax_plugin.attention.kernels.triton import backend as triton_backend  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
-from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS,  # noqa: E402
-                                          DEFAULT_FWD_PARAMS)
 
 PAD = -1
+OURS = ("auto", "hopper", "mosaic", "mosaic_fused", "triton", "jax")
+PEERS = ("cudnn", "tokamax_mosaic", "tokamax_triton")
+IMPLS = OURS + PEERS
+FLOPS_FWD_BWD = 3.5  # forward+backward / forward: the backward does 2.5x the forward's products
 
 
 def documents_layout(seq: int, num_docs: int, pad: int, seed: int):
@@ -71,12 +74,13 @@ def documents_layout(seq: int, num_docs: int, pad: int, seed: int):
   return pos[None], seg[None], lengths
 
 
-def layout(case: str, seq: int, seed: int):
+def layout(case: str, seq: int, seed: int, num_docs: int = 12, pad: int = 1000):
+  """(positions, segment ids, document lengths) of a case; "docs" = num_docs documents + pad."""
   if case == "causal":
     return np.arange(seq, dtype=np.int32)[None], np.zeros((1, seq), np.int32), np.array([seq])
   if case == "docs":
-    return documents_layout(seq, 12, 1000, seed)
-  raise ValueError(case)
+    return documents_layout(seq, num_docs, pad, seed)
+  raise ValueError(f"case must be causal or docs, got {case!r}")
 
 
 def kept_pairs(lengths) -> int:
@@ -86,10 +90,8 @@ def kept_pairs(lengths) -> int:
 
 def time_fn(fn, args, rounds: int, inner: int) -> float:
   """Median ms per call over `rounds` rounds of `inner` back-to-back calls (after warm-up)."""
-  out = fn(*args)
-  jax.block_until_ready(out)
-  out = fn(*args)
-  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
   return statistics.median([round_ms(fn, args, inner) for _ in range(rounds)])
 
 
@@ -107,14 +109,13 @@ def parse_head_dims(spec: str) -> tuple[int, int]:
   parts = spec.split(":")
   if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
     raise ValueError(f"--head-dims entry {spec!r}: expected D or DK:DV, e.g. 128 or 192:128")
-  dk = int(parts[0])
-  return dk, int(parts[-1])
+  return int(parts[0]), int(parts[-1])
 
 
 def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
-  """Times the compiled implementations of each pass round-robin (--interleave): per round one
-  `inner`-call round of each, in an order rotated every round; rows get ms (median of these
-  rounds), ms_sequential (their one-by-one median) and tflops from the new ms."""
+  """Times the compiled implementations of each pass round-robin: per round one `inner`-call
+  round of each, in an order rotated every round; rows get ms (median of these rounds),
+  ms_sequential (their one-by-one median) and tflops from the new ms."""
   for p, entries in timed.items():
     if len(entries) < 2:
       continue
@@ -122,7 +123,7 @@ def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
     for r in range(rounds):
       for name, f, inner, _ in entries[r % len(entries):] + entries[:r % len(entries)]:
         times[name].append(round_ms(f, args, inner))
-    flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
+    flops = flops_fwd * (1.0 if p == "fwd" else FLOPS_FWD_BWD)
     for name, _, _, row in entries:
       ms = statistics.median(times[name])
       row.update(ms_sequential=row["ms"], ms=ms, tflops=flops / ms / 1e9, interleaved=True,
@@ -131,236 +132,103 @@ def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
             f"alone {row['ms_sequential']:.3f})", flush=True)
 
 
-def make_impls(case, pos, seg, h, kh, d, scale, variants=()):
-  """name -> forward function of (q, k, v) (or a string: why it is unavailable).
+def auto_choice(mask, dtype, dk: int, dv: int) -> str | None:
+  """What backend="auto" runs for these inputs here (None if it cannot say)."""
+  try:
+    from kvax_plugin.attention.kernels import resolve_backend_for
+    return resolve_backend_for("auto", dtype, dk, dv, (), mask)
+  except Exception:  # noqa: BLE001 - only a label for the table
+    return None
 
-  variants: (label, tiles, flags) for extra runs of ours named "ours@label"; tiles in the
-  KVAX_TRITON_TILES format, set while that variant is traced (see triton_backend); flags: "mo"
-  (memory_optimized_gqa_backward), "bq=N" / "fq=N" (backward / forward tables at query block N
-  instead of the default, so the kernels may use N-row tiles).
-  """
-  impls = {}
+
+def parse_variant(spec: str) -> tuple[str, str, dict]:
+  """'label=BACKEND:field=value,field=value' -> (label, backend, KernelOptions fields): a run of
+  one of our backends with kvax_plugin.KernelOptions set (values: integers, true / false, or
+  strings as written)."""
+  label, sep, rest = spec.partition("=")
+  backend, _, fields = rest.partition(":")
+  if not sep or not label or backend not in OURS:
+    raise ValueError(f"--variant {spec!r}: expected LABEL=BACKEND:FIELD=VALUE,... with BACKEND "
+                     f"one of {OURS}")
+  options = {}
+  for item in filter(None, fields.split(",")):
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise ValueError(f"--variant {spec!r}: {item!r} is not FIELD=VALUE")
+    low = value.lower()
+    options[key] = (True if low == "true" else False if low == "false"
+                    else int(value) if value.lstrip("-").isdigit() else value)
+  return label, backend, options
+
+
+def make_impls(case, pos, seg, scale, names=IMPLS, variants=()):
+  """name -> forward function of (q, k, v), or a string saying why it cannot run here; and the
+  block mask ours use (built once, as a training step does). variants: parse_variant's
+  (label, backend, KernelOptions fields), each an implementation named by its label."""
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
+  mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
+  impls = {}
 
-  # --- ours
-  def make_ours(flags=()):
-    kw = {}
-    for f in flags:
-      if f.startswith("bq="):
-        kw["bwd_params"] = dataclasses.replace(DEFAULT_BWD_PARAMS, query_block_size=int(f[3:]))
-      if f.startswith("fq="):
-        kw["fwd_params"] = dataclasses.replace(DEFAULT_FWD_PARAMS, query_block_size=int(f[3:]))
-    mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True, **kw)
-    mo = "mo" in flags
-
-    def ours(q, k, v):
-      return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
-                             memory_optimized_gqa_backward=mo, backend="triton")
-    ours.mask, ours.mo, ours.tiles = mask, mo, ""
-    return ours
-  impls["ours"] = make_ours()
-  mask = impls["ours"].mask
-
-  # --- ours, Mosaic GPU (Hopper): deterministic backward (the default), the fused-dq one
-  # (reduce-adds), and the one-wait-per-product variant (KVAX_MOSAIC_UNPAIRED, read while
-  # tracing)
-  def make_mosaic(det=True, env=None):
-    def mosaic(q, k, v):
-      return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
-                             backend="mosaic", deterministic_backward=det)
-    mosaic.env = env or {}
-    mosaic.mask = mask
-    return mosaic
-  impls["mosaic"] = make_mosaic()
-
-  # --- ours, backend="hopper": the Mosaic forward with the CUDA C++ fused backward (its shared
-  # object built by python -m kvax_plugin.attention.kernels.cuda_sm90.build)
-  def hopper(q, k, v):
-    return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale, backend="hopper")
-  hopper.mask = mask
-  impls["hopper"] = hopper
-
-  def hopper_variant(variant):  # another fused-backward variant (kernels/hopper.py's hook)
+  def ours(backend, **kw):
     def fn(q, k, v):
-      return hopper(q, k, v)
-    fn.env, fn.mask = {"KVAX_HOPPER_BWD_VARIANT": variant}, mask
+      return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
+                             backend=backend, **kw)
+    fn.mask = mask
     return fn
-  for variant in ("v2", "v6"):  # the default is v7 (fused_backward.DEFAULT_VARIANT)
-    impls[f"hopper_{variant}"] = hopper_variant(variant)
-  impls["mosaic_fused"] = make_mosaic(det=False)
-  impls["mosaic_unpaired"] = make_mosaic(env={"KVAX_MOSAIC_UNPAIRED": "1"})
-  # fused dq with whole 64 x D partials per consumer (before the column-split dq)
-  impls["mosaic_fused_whole"] = make_mosaic(det=False, env={"KVAX_MOSAIC_DQ_WHOLE": "1"})
-  # register split 240 / 24 for the backward's consumers / producer (ptxas spills at 232 / 40),
-  # the dq kernel stepping 64 kv rows (half the S / dP registers), and their combinations
-  regs240 = {"KVAX_MOSAIC_BWD_REGS": "240"}
-  impls["mosaic_regs240"] = make_mosaic(env=regs240)
-  impls["mosaic_dq64"] = make_mosaic(env={"KVAX_MOSAIC_DQ_KV_TILE": "64"})
-  impls["mosaic_regs240_dq64"] = make_mosaic(env={**regs240, "KVAX_MOSAIC_DQ_KV_TILE": "64"})
-  impls["mosaic_fused_regs240"] = make_mosaic(det=False, env=regs240)
-  impls["mosaic_fused_unpaired"] = make_mosaic(det=False, env={"KVAX_MOSAIC_UNPAIRED": "1"})
-  # unpaired frees P's 16-bit copy before dP is accumulated (16 registers at the fused kernel's
-  # peak: dK 64 + dV 64 + P 32 + dP 32 float32 per thread)
-  impls["mosaic_fused_unpaired_regs240"] = make_mosaic(
-      det=False, env={**regs240, "KVAX_MOSAIC_UNPAIRED": "1"})
-  # forward hooks: optimization barrier after the softmax; the next K awaited at the top of a
-  # step (the default since session 7 awaits it behind the P V product)
-  impls["mosaic_fwd_optbar"] = make_mosaic(env={"KVAX_MOSAIC_FWD_OPT_BARRIER": "1"})
-  impls["mosaic_fwd_noprewait"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PREWAIT": "0"})
-  # masked steps read the kv positions / segment ids from a ring the producer fills with K
-  impls["mosaic_fwd_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1"})
-  # ... and the backward kernels' masked steps likewise (q ids in the dk/dv kernel's q ring,
-  # kv ids in the dq kernel's K ring)
-  impls["mosaic_ids_tma"] = make_mosaic(env={"KVAX_MOSAIC_FWD_IDS_TMA": "1",
-                                             "KVAX_MOSAIC_BWD_IDS_TMA": "1"})
-  # every kernel's CTAs in longest-first order of their table rows (forward.longest_first)
-  impls["mosaic_lpt"] = make_mosaic(env={"KVAX_MOSAIC_LPT": "1"})
-  # every kernel's CTA exits once its output stores have read shared memory (the default since
-  # session 9; mosaic_exit_write: the old wait for the global writes)
-  impls["mosaic_exit_read"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "1"})
-  impls["mosaic_exit_write"] = make_mosaic(env={"KVAX_MOSAIC_EXIT_AFTER_READ": "0"})
-  # the forward as a persistent kernel, one CTA per SM (FwdConfig.num_ctas)
-  impls["mosaic_persistent"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "1"})
-  # ... and the per-tile grid (one CTA per (query tile, head)) it replaced as the default
-  impls["mosaic_pertile"] = make_mosaic(env={"KVAX_MOSAIC_FWD_PERSISTENT": "0"})
-  # the deterministic dk/dv step's products in two pairs (S^T with dP^T, dV with dK) are the
-  # default since session 12 ("mosaic"); the order before it (1 + 2 + 1 products per step)
-  impls["mosaic_no_early_dp"] = make_mosaic(env={"KVAX_MOSAIC_DKV_EARLY_DP": "0"})
-  # the dk/dv kernel's S^T / dP^T accumulators started from -lse / scale and -delta: the default
-  # since session 15 ("mosaic"); without it
-  impls["mosaic_nofold"] = make_mosaic(env={"KVAX_MOSAIC_DKV_FOLD": "0"})
-  # the backward kernels' launch order longest tile first over all (head, tile) pairs: the
-  # default since session 15 ("mosaic"); the grid's head-major order instead
-  impls["mosaic_head_major"] = make_mosaic(env={"KVAX_MOSAIC_HEAD_LPT": "0"})
-  # the persistent forward's items dealt as a snake draft in longest-first order: the default
-  # since session 16 ("mosaic"); the round robin before it
-  impls["mosaic_fwd_round_robin"] = make_mosaic(env={"KVAX_MOSAIC_FWD_SNAKE": "0"})
-  for label, tiles, flags in variants:
-    impls[f"ours@{label}"] = make_ours(flags)
-    impls[f"ours@{label}"].tiles = tiles
 
-  # --- cuDNN through jax.nn
-  if case == "causal":
-    def cudnn(q, k, v):
-      return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                          implementation="cudnn")
-    impls["cudnn"] = cudnn
-  else:
-    def cudnn(q, k, v):
-      s = jseg[:, :, None]
-      dense = (s == jseg[:, None, :]) & (s != PAD) & (jpos[:, None, :] <= jpos[:, :, None])
-      return jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], scale=scale,
-                                          implementation="cudnn")
-    impls["cudnn"] = cudnn
-
-  # --- tokamax (Mosaic GPU and Pallas-Triton flash attention)
-  try:
-    from tokamax._src.ops.attention import api as tk_api
-    from tokamax._src.ops.attention import base as tk_base
-    if case == "causal":
-      tk_mask = tk_base.Mask(is_causal=True)
+  for name in names:
+    if name == "mosaic_fused":  # dq reduce-added by the dk/dv kernel: 5 products, not bitwise
+      impls[name] = ours("mosaic", deterministic_backward=False)
+    elif name in OURS:
+      impls[name] = ours(name)
+  for label, backend, fields in variants:
+    from kvax_plugin.attention.options import KernelOptions
+    impls[label] = ours("mosaic" if backend == "mosaic_fused" else backend,
+                        kernel_options=KernelOptions(**fields),
+                        **({"deterministic_backward": False} if backend == "mosaic_fused" else {}))
+    impls[label].kernel_options = fields
+  on_gpu = jax.devices()[0].platform == "gpu"
+  if "cudnn" in names:
+    if not on_gpu:
+      impls["cudnn"] = f"cuDNN needs a CUDA GPU (JAX platform: {jax.devices()[0].platform})"
+    elif case == "causal":
+      impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, scale=scale, is_causal=True, implementation="cudnn")
     else:
-      idx = np.arange(seg.shape[1])
-      start = np.zeros(seg.shape[1], np.int32)
-      for i in range(seg.shape[1]):  # start index of each row's document; padding: itself
-        start[i] = i if seg[0, i] == PAD else (start[i - 1] if i and seg[0, i - 1] == seg[0, i]
-                                                else i)
-      del idx
-      tk_mask = tk_base.Mask(k_start=jnp.asarray(start)[None, None, :], is_causal=True)
-    for name, key in (("tokamax_mosaic", "mosaic_gpu"), ("tokamax_triton", "triton")):
-      if key not in tk_api.IMPLEMENTATIONS:
-        impls[name] = f"tokamax has no {key!r} implementation here"
-        continue
-      impl = tk_api.IMPLEMENTATIONS[key]
-      impls[name] = (lambda impl: (lambda q, k, v: impl(q, k, v, mask=tk_mask,
-                                                          logits_scale=scale)))(impl)
-  except Exception as e:  # noqa: BLE001 - record why the peer is missing
-    impls["tokamax_mosaic"] = impls["tokamax_triton"] = f"tokamax import failed: {e!r}"
-  return impls, mask
-
-
-def time_parts(fn, pos, seg, q, k, v, cot, scale, rounds):
-  """ms of each kernel of ours alone: forward, delta, dq, dk/dv (+ the GQA group sum)."""
-  saved = os.environ.get("KVAX_TRITON_TILES")
-  os.environ["KVAX_TRITON_TILES"] = fn.tiles
-  try:
-    cfg = triton_backend.static_config(fn.mask, scale=scale, logits_soft_cap=None,
-                                       has_sinks=False, memory_optimized_gqa_backward=fn.mo)
-  finally:
-    if saved is None:
-      os.environ.pop("KVAX_TRITON_TILES", None)
-    else:
-      os.environ["KVAX_TRITON_TILES"] = saved
-  ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
-  sinks = jnp.zeros((q.shape[2],), jnp.float32)
-  mask = fn.mask
-  fwd = jax.jit(lambda q, k, v: triton_backend._forward(cfg, q, k, v, sinks, *ints, mask))
-  out, lse = fwd(q, k, v)
-  delta_fn = jax.jit(triton_backend._bwd_delta)
-  delta = delta_fn(out, cot)
-  dq = jax.jit(lambda q, k, v, lse, delta, do: triton_backend._bwd_dq(
-      cfg, q, k, v, *ints, mask, lse, delta, do))
-  dkv = jax.jit(lambda q, k, v, lse, delta, do: triton_backend._bwd_dkv(
-      cfg, q, k, v, *ints, mask, lse, delta, do))
-  ms = lambda f, args: time_fn(f, args, rounds, max(1, int(20.0 / max(time_fn(f, args, 1, 1),
-                                                                       1e-3))))
-  return dict(fwd=ms(fwd, (q, k, v)), delta=ms(delta_fn, (out, cot)),
-              dq=ms(dq, (q, k, v, lse, delta, cot)), dkv=ms(dkv, (q, k, v, lse, delta, cot)))
-
-
-def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=False):
-  """ms of each Mosaic GPU kernel alone (causal / documents as the mask says): forward, the dk/dv
-  kernel of the deterministic backward, its dq kernel, and the fused dk/dv kernel that also
-  reduce-adds dq."""
-  import dataclasses as dc
-  from kvax_plugin.attention.kernels.mosaic import backend as mb
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
-  sinks = jnp.zeros((q.shape[2],), jnp.float32)
-  st = mb.Static(scale=float(scale), soft_cap=0.0, has_sinks=False, causal=bool(mask.spec.causal),
-                 window=0, deterministic=True, interpret=interpret)
-  fwd = jax.jit(lambda q, k, v: mb._forward(st, q, k, v, sinks, *ints, mask))
-  out, lse = fwd(q, k, v)
-  p = mb._Padded(mask, q, k, v, *ints)
-  delta = jnp.einsum("bshd,bshd->bhs", cot.astype(jnp.float32), out.astype(jnp.float32))
-  d_out = cot.astype(q.dtype)
-  spec = mask.spec
-  cfg = bk.BwdConfig(table_q=spec.bwd_params.query_block_size,
-                     table_kv=spec.bwd_params.kv_block_size, scale=float(scale), soft_cap=0.0,
-                     causal=bool(spec.causal), window=0, with_dq=False, interpret=interpret)
-  itemsize = jnp.dtype(q.dtype).itemsize
-  dk_dim, dv_dim = q.shape[3], v.shape[3]
-  stages = next(s for s in (3, 2, 1)
-                if bk.dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, False) <= bk.SMEM_BUDGET)
-  args = (p.q, p.k, p.v, d_out, lse, delta, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg)
-  dkv = jax.jit(lambda *a: bk.dkv_call(cfg, stages, *a, *mask.dkv)[1:])
-  bk_tile = 128 if spec.bwd_params.kv_block_size % 128 == 0 else 64
-  dq = jax.jit(lambda *a: bk.dq_call(cfg, bk_tile, 2, *a, *mask.dq))
-  fcfg = dc.replace(cfg, with_dq=True)
-  split = bk.splits_dq(fcfg, dk_dim)
-  fstages = next(s for s in (3, 2, 1)
-                 if bk.dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, True, split) <= bk.SMEM_BUDGET)
-  fused = jax.jit(lambda *a: bk.dkv_call(fcfg, fstages, *a, *mask.dkv))
-  ms = lambda f, a: time_fn(f, a, rounds, max(1, int(20.0 / max(time_fn(f, a, 1, 1), 1e-3))))
-  parts = dict(fwd=ms(fwd, (q, k, v)), dkv=ms(dkv, args), dq=ms(dq, args),
-               fused_dkv_dq=ms(fused, args))
-  # Variants of single kernels: the fastest fused variant measured in session 7 (consumers at
-  # 240 registers, products awaited one by one). The register split 240 / 24 and the dq
-  # kernel's 64-row kv steps changed nothing for the deterministic kernels there (dkv 111.7 vs
-  # 111.8 ms, dq 76.9 / 79.2 vs 76.6; results/mosaic/s7_bench_64k_split.*).
-  # (Hooks measured slower and removed in sessions 12 and 13 - backward pre-waits, a 4-deep
-  # ring, 128-query steps, P^T in 16 bits, K in registers, the software-pipelined dk/dv and dq
-  # steps - are in benchmarks/NOTES.md.)
-  f240 = dc.replace(fcfg, consumer_regs=240)
-  variants = dict(
-      fused_dkv_dq_unpaired_regs240=(lambda *a: bk.dkv_call(
-          dc.replace(f240, paired=False), fstages, *a, *mask.dkv)))
-  for name, fn in variants.items():
+      def cudnn(q, k, v):
+        s = jseg[:, :, None]
+        dense = (s == jseg[:, None, :]) & (s != PAD) & (jpos[:, None, :] <= jpos[:, :, None])
+        return jax.nn.dot_product_attention(q, k, v, mask=dense[:, None], scale=scale,
+                                            implementation="cudnn")
+      impls["cudnn"] = cudnn
+  wanted_tk = [n for n in ("tokamax_mosaic", "tokamax_triton") if n in names]
+  if wanted_tk and not on_gpu:
+    for n in wanted_tk:
+      impls[n] = f"tokamax's GPU kernels need a CUDA GPU (JAX platform: {jax.devices()[0].platform})"
+  elif wanted_tk:
     try:
-      parts[name] = ms(jax.jit(fn), args)
-    except Exception as e:  # noqa: BLE001  (a variant that fails to compile is reported)
-      parts[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-  return parts
+      from tokamax._src.ops.attention import api as tk_api
+      from tokamax._src.ops.attention import base as tk_base
+      if case == "causal":
+        tk_mask = tk_base.Mask(is_causal=True)
+      else:
+        start = np.zeros(seg.shape[1], np.int32)
+        for i in range(seg.shape[1]):  # start index of each row's document; padding: itself
+          same = i and seg[0, i] != PAD and seg[0, i - 1] == seg[0, i]
+          start[i] = start[i - 1] if same else i
+        tk_mask = tk_base.Mask(k_start=jnp.asarray(start)[None, None, :], is_causal=True)
+      for name in wanted_tk:
+        key = "mosaic_gpu" if name == "tokamax_mosaic" else "triton"
+        if key not in tk_api.IMPLEMENTATIONS:
+          impls[name] = f"tokamax has no {key!r} implementation here"
+          continue
+        impl = tk_api.IMPLEMENTATIONS[key]
+        impls[name] = (lambda impl: (lambda q, k, v: impl(q, k, v, mask=tk_mask,
+                                                            logits_scale=scale)))(impl)
+    except Exception as e:  # noqa: BLE001 - record why the peer is missing
+      for name in wanted_tk:
+        impls[name] = f"tokamax import failed: {e!r}"
+  return impls, mask
 
 
 def bench_mask_build(pos, seg, rounds):
@@ -371,7 +239,7 @@ def bench_mask_build(pos, seg, rounds):
 
 def versions():
   out = {"python": platform.python_version(), "jax": jax.__version__}
-  for mod in ("jaxlib", "triton", "jax_triton", "tokamax"):
+  for mod in ("jaxlib", "triton", "jax_triton", "tokamax", "maxtext", "kvax_plugin"):
     try:
       m = __import__(mod)
       out[mod] = getattr(m, "__version__", "?")
@@ -380,14 +248,131 @@ def versions():
   return out
 
 
-def plot(results, path):
+def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 128),),
+            heads=32, kv_heads=8, dtype=jnp.bfloat16, rounds=15, min_round_ms=20.0,
+            interleaved=True, max_dense_mask_seq=32768, num_docs=12, pad=1000, split=False,
+            check=False, variants=()):
+  """Time every implementation on every (head dims, length, case, pass); the rows as dicts
+  (impl, seq, case, head_dim, head_dim_v, pass, ms, tflops, pairs, ...; error where one failed)."""
+  results = []
+  for d, dv in head_dims:
+    for seq in seqs:
+      for case in cases:
+        pos, seg, lengths = layout(case, seq, seed=seq, num_docs=num_docs, pad=pad)
+        pairs = kept_pairs(lengths)
+        flops_fwd = 2.0 * heads * (d + dv) * pairs  # Q K^T (2 d) and P V (2 dv) per pair
+        scale = d ** -0.5
+        keys = jax.random.split(jax.random.PRNGKey(seq + d), 4)
+        q = jax.random.normal(keys[0], (1, seq, heads, d), dtype)
+        k = jax.random.normal(keys[1], (1, seq, kv_heads, d), dtype)
+        v = jax.random.normal(keys[2], (1, seq, kv_heads, dv), dtype)
+        cot = jax.random.normal(keys[3], (1, seq, heads, dv), dtype)
+        base = dict(seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs)
+        mask_ms = bench_mask_build(pos, seg, rounds)
+        results.append(dict(impl="mask_build", **base, **{"pass": "mask"}, ms=mask_ms,
+                            tflops=None))
+        print(f"S={seq} {case} D={d}/{dv}: mask build {mask_ms:.3f} ms; kept pairs {pairs:.3e}",
+              flush=True)
+        fns, mask = make_impls(case, pos, seg, scale, impls, variants)
+        picked = auto_choice(mask, dtype, d, dv)
+        outs = {}
+        timed = {p: [] for p in passes}  # pass -> [(name, compiled fn, inner, row)]
+        for name in list(impls) + [v[0] for v in variants]:
+          fn = fns.get(name, f"unknown implementation {name!r} (known: {', '.join(IMPLS)})")
+          for p in passes:
+            row = dict(impl=name, **base, ms=None, tflops=None, **{"pass": p})
+            if getattr(fn, "kernel_options", None):
+              row["kernel_options"] = fn.kernel_options
+            if name == "auto" and picked:
+              row["auto_picked"] = picked
+            if isinstance(fn, str):
+              row["error"] = fn
+            elif name == "cudnn" and case == "docs" and seq > max_dense_mask_seq:
+              row["error"] = (f"skipped: a dense {seq}x{seq} mask is above "
+                              f"max_dense_mask_seq {max_dense_mask_seq}")
+            if "error" in row:
+              results.append(row)
+              print(f"  {name:15s} {p:8s} not run: {row['error']}", flush=True)
+              continue
+            try:
+              if p == "fwd":
+                f = jax.jit(fn)
+              else:
+                f = jax.jit(jax.grad(
+                    lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
+                    argnums=(0, 1, 2)))
+              if p == "fwd" and check:
+                outs[name] = f(q, k, v)
+              # one round lasts about min_round_ms: short kernels are called many times a round
+              inner = max(1, int(min_round_ms / max(time_fn(f, (q, k, v), 1, 1), 1e-3)))
+              ms = time_fn(f, (q, k, v), rounds, inner)
+              flops = flops_fwd * (1.0 if p == "fwd" else FLOPS_FWD_BWD)
+              row.update(ms=ms, tflops=flops / ms / 1e9, inner=inner, rounds=rounds)
+              timed[p].append((name, f, inner, row))
+              print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s", flush=True)
+            except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
+              row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+              print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
+              traceback.print_exc(limit=2)
+            results.append(row)
+          if split and not isinstance(fn, str) and name in ("mosaic", "triton"):
+            from benchmarks.tools import kernel_parts
+            try:
+              time_parts = (kernel_parts.time_parts_mosaic if name == "mosaic"
+                            else kernel_parts.time_parts_triton)
+              parts = time_parts(mask, pos, seg, q, k, v, cot, scale, rounds)
+              results.append(dict(impl=name, **base, **{"pass": "parts"}, parts_ms=parts))
+              print(f"  {name:15s} parts    " + "  ".join(
+                  f"{kk} {vv:.3f}" if isinstance(vv, float) else f"{kk} {vv}"
+                  for kk, vv in parts.items()) + " ms", flush=True)
+            except Exception as e:  # noqa: BLE001
+              print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
+                    flush=True)
+        if interleaved:
+          interleave(timed, (q, k, v), rounds, flops_fwd)
+        if check and len(outs) > 1:
+          first, ref = next(iter(outs.items()))
+          real = jnp.asarray(seg != PAD)[..., None, None]
+          for other, o in list(outs.items())[1:]:
+            a, b = ref.astype(jnp.float32), o.astype(jnp.float32)
+            err = float(jnp.linalg.norm(jnp.where(real, a - b, 0)) /
+                        jnp.linalg.norm(jnp.where(real, a, 0)))
+            print(f"  check: {other} vs {first} rel-L2 {err:.2e} (non-padding rows)", flush=True)
+            results.append(dict(impl=f"check_{other}_vs_{first}", **base, **{"pass": "check"},
+                                rel_l2=err, ms=None))
+        del fns, outs
+  return results
+
+
+def conditions(*, heads, kv_heads, dtype, num_docs, pad, rounds, interleaved, argv=None):
+  dev = jax.devices()[0]
+  return dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      gpu=dev.device_kind, platform=dev.platform, versions=versions(),
+      command=" ".join(argv if argv is not None else sys.argv),
+      env={k: v for k, v in os.environ.items() if k.startswith(("KVAX_", "XLA_FLAGS"))},
+      layout=(f"B=1, {heads} q heads, {kv_heads} kv heads, {jnp.dtype(dtype).name}; docs = "
+              f"{num_docs} random-length documents + {pad} padding tokens"),
+      timing=(f"median of {rounds} rounds of back-to-back calls"
+              + (", implementations interleaved round-robin" if interleaved else "")),
+      flops=("fwd 2*H*(Dk+Dv)*kept_pairs (4*H*D when Dk = Dv); fwd_bwd "
+             f"{FLOPS_FWD_BWD}x that"))
+
+
+def impl_order(rows) -> list[str]:
+  """The implementations of timed rows: ours, the peers, then --variant labels as they came."""
+  names = [r["impl"] for r in rows if r.get("pass") in ("fwd", "fwd_bwd")]
+  return ([n for n in IMPLS if n in names]
+          + [n for n in dict.fromkeys(names) if n not in IMPLS])
+
+
+def plot(results, path, title=None):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = [r for r in results if r.get("tflops") is not None]
   groups = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in rows})
-  impls = sorted({r["impl"] for r in rows}, key=lambda n: (not n.startswith("mosaic"),
-                                                          n != "ours", n))
+  impls = impl_order(rows)
   fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 5))
   width = 0.8 / max(1, len(impls))
   for i, name in enumerate(impls):
@@ -400,7 +385,7 @@ def plot(results, path):
   ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
   ax.set_xticklabels([f"{s // 1024}k {c}\nD{d} {p}" for s, c, d, p in groups], fontsize=7)
   ax.set_ylabel("effective TFLOP/s (kept pairs only)")
-  ax.set_title(f"attention, B=1, 32 q heads, 8 kv heads, bf16 - {jax.devices()[0].device_kind}")
+  ax.set_title(title or f"attention kernels - {jax.devices()[0].device_kind}")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -414,177 +399,50 @@ def main():
   ap.add_argument("--head-dims", default="128",
                   help="comma-separated head dims; DK:DV for a value head dim unlike the "
                        "query / key one (MLA: 192:128)")
-  ap.add_argument("--impls", default="mosaic,mosaic_fused,ours,cudnn,tokamax_mosaic,"
-                                     "tokamax_triton")
+  ap.add_argument("--impls", default="auto,hopper,mosaic,cudnn,tokamax_mosaic",
+                  help=f"comma-separated, of: {', '.join(IMPLS)}")
   ap.add_argument("--passes", default="fwd,fwd_bwd")
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--min-round-ms", type=float, default=20.0)
   ap.add_argument("--max-dense-mask-seq", type=int, default=32768,
                   help="cuDNN documents need an S x S mask: skip it above this length")
-  ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_attention"))
-  ap.add_argument("--check", action="store_true", help="compare outputs with cuDNN (causal)")
-  ap.add_argument("--variant", action="append", default=[],
-                  help="extra run of ours: 'label|fwd=128,64,8,3;dq=64,64,4,3;dkv=...|mo' "
-                       "(tiles in KVAX_TRITON_TILES format; a trailing |mo turns on "
-                       "memory_optimized_gqa_backward, |bq=128 / |fq=256 build the backward / "
-                       "forward tables at that query block; flags are comma-separated)")
+  ap.add_argument("--out", default=str(ROOT / "outputs" / "bench_attention"))
+  ap.add_argument("--check", action="store_true",
+                  help="compare every forward output with the first implementation's")
   ap.add_argument("--interleave", action="store_true",
                   help="after timing each implementation alone, time them again round-robin "
-                  "(one round of each per pass, --rounds times, order rotated every round) and "
-                  "report those medians as ms (the one-by-one medians stay as ms_sequential): "
-                  "a slow drift of the GPU's clocks then cannot favour whoever ran first")
+                  "and report those medians as ms (the one-by-one medians stay as "
+                  "ms_sequential)")
+  ap.add_argument("--variant", action="append", default=[], metavar="LABEL=BACKEND:FIELD=VALUE,...",
+                  help="an extra run of one of our backends with kvax_plugin.KernelOptions "
+                       "fields set, e.g. 'pertile=mosaic:mosaic_forward_grid=per_tile' "
+                       "(repeatable; docs/kernels.md lists the fields)")
   ap.add_argument("--split", action="store_true",
-                  help="also time each kernel of ours (and its variants) alone: forward, "
-                       "delta, dq, dk/dv; and of mosaic: forward, dk/dv, dq, fused dk/dv+dq")
+                  help="also time each kernel of mosaic / triton alone "
+                       "(benchmarks/tools/kernel_parts.py)")
   args = ap.parse_args()
-
-  heads, kv_heads = 32, 8
-  variants = []
-  for spec in args.variant:
-    parts = spec.split("|")
-    flags = tuple(f for f in parts[2].split(",") if f) if len(parts) > 2 else ()
-    unknown = [f for f in flags if f != "mo" and not f.startswith(("bq=", "fq="))]
-    if unknown:
-      ap.error(f"--variant {spec!r}: unknown flags {unknown} (expected mo, bq=N, fq=N)")
-    variants.append((parts[0], parts[1] if len(parts) > 1 else "", flags))
-  wanted = args.impls.split(",") + [f"ours@{v[0]}" for v in variants]
-  passes = args.passes.split(",")
-  results = []
-  dev = jax.devices()[0]
-  print(f"device: {dev.device_kind}; versions: {versions()}", flush=True)
-  for d, dv in map(parse_head_dims, args.head_dims.split(",")):
-    for seq in map(int, args.seq.split(",")):
-      for case in args.cases.split(","):
-        pos, seg, lengths = layout(case, seq, seed=seq)
-        pairs = kept_pairs(lengths)
-        flops_fwd = 2.0 * heads * (d + dv) * pairs  # Q K^T (2 d) and P V (2 dv) per pair
-        scale = d ** -0.5
-        keys = jax.random.split(jax.random.PRNGKey(seq + d), 4)
-        q = jax.random.normal(keys[0], (1, seq, heads, d), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (1, seq, kv_heads, d), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (1, seq, kv_heads, dv), jnp.bfloat16)
-        cot = jax.random.normal(keys[3], (1, seq, heads, dv), jnp.bfloat16)
-        mask_ms = bench_mask_build(pos, seg, args.rounds)
-        results.append(dict(impl="ours_mask_build", seq=seq, case=case, head_dim=d, head_dim_v=dv,
-                            **{"pass": "mask"}, ms=mask_ms, tflops=None, pairs=pairs))
-        print(f"S={seq} {case} D={d}: mask build {mask_ms:.3f} ms; kept pairs {pairs:.3e}",
-              flush=True)
-        impls, _ = make_impls(case, pos, seg, heads, kv_heads, d, scale, variants)
-        outs = {}
-        timed = {p: [] for p in passes}  # pass -> [(name, compiled fn, inner, row)]
-        for name in wanted:
-          fn = impls.get(name, f"unknown implementation {name}")
-          for p in passes:
-            row = dict(impl=name, seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs, ms=None,
-                       tflops=None, **{"pass": p})
-            if isinstance(fn, str):
-              row["error"] = fn
-              results.append(row)
-              print(f"  {name:15s} {p:8s} unavailable: {fn}", flush=True)
-              continue
-            if name == "cudnn" and case == "docs" and seq > args.max_dense_mask_seq:
-              row["error"] = (f"skipped: dense {seq}x{seq} mask above --max-dense-mask-seq "
-                              f"{args.max_dense_mask_seq}")
-              results.append(row)
-              print(f"  {name:15s} {p:8s} {row['error']}", flush=True)
-              continue
-            try:
-              if p == "fwd":
-                f = jax.jit(fn)
-              else:
-                f = jax.jit(jax.grad(
-                    lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
-                    argnums=(0, 1, 2)))
-              tiles = getattr(fn, "tiles", None)
-              env = dict(getattr(fn, "env", {}))
-              if tiles:  # read while tracing: the first call below compiles this variant
-                env["KVAX_TRITON_TILES"] = tiles
-                row["tiles"] = tiles
-              if getattr(fn, "env", None):
-                row["env"] = fn.env
-              saved = {key_: os.environ.get(key_) for key_ in env}
-              os.environ.update(env)
-              # Size the inner loop so one round lasts about --min-round-ms. The hooks in env
-              # are read while tracing: the first call (the check's, or the timing's) compiles.
-              try:
-                if p == "fwd" and args.check:
-                  outs[name] = f(q, k, v)
-                t1 = time_fn(f, (q, k, v), 1, 1)
-              finally:
-                for key_, val in saved.items():
-                  if val is None:
-                    os.environ.pop(key_, None)
-                  else:
-                    os.environ[key_] = val
-              inner = max(1, int(args.min_round_ms / max(t1, 1e-3)))
-              ms = time_fn(f, (q, k, v), args.rounds, inner)
-              flops = flops_fwd * (1.0 if p == "fwd" else 3.5)
-              row.update(ms=ms, tflops=flops / ms / 1e9, inner=inner, rounds=args.rounds)
-              timed[p].append((name, f, inner, row))
-              print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s", flush=True)
-            except Exception as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
-              row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-              print(f"  {name:15s} {p:8s} FAILED {row['error'][:200]}", flush=True)
-              traceback.print_exc(limit=2)
-            results.append(row)
-          if args.split and not isinstance(fn, str) and (name == "mosaic"
-                                                         or name.startswith("ours")):
-            try:
-              if name == "mosaic":
-                kparts = time_parts_mosaic(fn.mask, pos, seg, q, k, v, cot, scale, args.rounds)
-              else:
-                kparts = time_parts(fn, pos, seg, q, k, v, cot, scale, args.rounds)
-              results.append(dict(impl=name, seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs,
-                                  **{"pass": "parts"}, parts_ms=kparts,
-                                  tiles=getattr(fn, "tiles", None)))
-              print(f"  {name:15s} parts    " + "  ".join(
-                  f"{kk} {vv:.3f}" if isinstance(vv, float) else f"{kk} {vv}"
-                  for kk, vv in kparts.items()) + " ms",
-                    flush=True)
-            except Exception as e:  # noqa: BLE001
-              print(f"  {name:15s} parts    FAILED {type(e).__name__}: {str(e)[:200]}",
-                    flush=True)
-              traceback.print_exc(limit=2)
-        if args.interleave:
-          interleave(timed, (q, k, v), args.rounds, flops_fwd)
-        if args.check and "ours" in outs:
-          for other, o in outs.items():
-            if other != "ours":
-              a = outs["ours"].astype(jnp.float32)
-              b = o.astype(jnp.float32)
-              real = jnp.asarray(seg != PAD)[..., None, None]
-              err = float(jnp.linalg.norm(jnp.where(real, a - b, 0)) /
-                          jnp.linalg.norm(jnp.where(real, b, 0)))
-              print(f"  check: ours vs {other} rel-L2 {err:.2e} (non-padding rows)", flush=True)
-              results.append(dict(impl=f"check_vs_{other}", seq=seq, case=case, head_dim=d, head_dim_v=dv,
-                                  **{"pass": "check"}, rel_l2=err, ms=None))
-        del impls, outs
+  try:
+    variants = [parse_variant(v) for v in args.variant]
+  except ValueError as e:
+    ap.error(str(e))
+  heads, kv_heads, dtype = 32, 8, jnp.bfloat16
+  print(f"device: {jax.devices()[0].device_kind}; versions: {versions()}", flush=True)
+  results = measure(seqs=[int(s) for s in args.seq.split(",")], cases=args.cases.split(","),
+                    impls=args.impls.split(","), passes=args.passes.split(","),
+                    head_dims=[parse_head_dims(s) for s in args.head_dims.split(",")],
+                    heads=heads, kv_heads=kv_heads, dtype=dtype, rounds=args.rounds,
+                    min_round_ms=args.min_round_ms, interleaved=args.interleave,
+                    max_dense_mask_seq=args.max_dense_mask_seq, split=args.split,
+                    check=args.check, variants=variants)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              gpu=dev.device_kind, versions=versions(), command=" ".join(sys.argv),
-              env={k: v for k, v in os.environ.items() if k.startswith("KVAX_")},
-              layout="B=1, 32 q heads, 8 kv heads, bf16; docs = 12 random documents + 1000 pad",
-              flops="fwd 2*H*(Dk+Dv)*kept_pairs (4*H*D when Dk = Dv); fwd_bwd 3.5x that")
+  meta = conditions(heads=heads, kv_heads=kv_heads, dtype=dtype, num_docs=12, pad=1000,
+                    rounds=args.rounds, interleaved=args.interleave)
   out.with_suffix(".json").write_text(json.dumps(dict(conditions=meta, results=results),
                                                  indent=1))
   plot(results, out.with_suffix(".png"))
-  # Summary table: ms and ratio against the peers.
-  print("\nseq   case   D    pass   mosaic ms  triton ms   cudnn ms  tk_mosaic ms  "
-        "tk_triton ms  mosaic vs cudnn  vs best tokamax  vs triton")
-  keys = sorted({(r["seq"], r["case"], r["head_dim"], r["pass"]) for r in results
-                 if r["pass"] in ("fwd", "fwd_bwd")})
-  for key in keys:
-    get = lambda n: next((r.get("ms") for r in results if r["impl"] == n and
-                          (r["seq"], r["case"], r["head_dim"], r["pass"]) == key), None)
-    o, c, tm, tt = get("ours"), get("cudnn"), get("tokamax_mosaic"), get("tokamax_triton")
-    m = get("mosaic")
-    fmt = lambda x: f"{x:9.3f}" if x else "      n/a"
-    ratio = lambda a, b: f"{b / a:6.2f}x" if a and b else "   n/a "
-    best_tk = min([x for x in (tm, tt) if x], default=None)
-    print(f"{key[0]:6d} {key[1]:6s} {key[2]:4d} {key[3]:8s} {fmt(m)} {fmt(o)} {fmt(c)} "
-          f"{fmt(tm)}     {fmt(tt)}      {ratio(m, c)}          {ratio(m, best_tk)}"
-          f"        {ratio(m, o)}")
+  from benchmarks import run
+  print("\n" + run.kernel_table(results))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 against the float32 reference on small awkward layouts, then its backward time against the Mosaic
 backward (two kernels, 7 products) and cuDNN's, same run, interleaved.
 
-    python benchmarks/cuda_backward_check.py --out results/cuda_bwd   # writes .json and .log
+    python benchmarks/cuda_backward_check.py --out outputs/cuda_bwd   # writes .json and .log
 
 Timing is of the backward alone: jax.vjp runs the forward once, and the jitted vjp function
 (residuals passed in) is timed; every implementation gets the same q, k, v and cotangent
@@ -45,10 +45,10 @@ CASES = {
                                                                       chunk=41), 2, 2, True),
     "not_causal_docs_640": (lambda r: layouts.packed_documents(r, 1, 640, num_docs=3,
                                                                huge_ids=True), 8, 2, False),
-    # two batch rows with different documents (not GPU-run yet: added after session 18's calls)
+    # two batch rows with different documents (not GPU-run yet: added after the 2026-11-25 H100 runs)
     "batch2_docs_384": (lambda r: layouts.packed_documents(r, 2, 384, num_docs=3, pad_tail=20),
                         4, 2, True),
-    # Sq != Skv (as on context parallelism's last shard; GPU-checked since session 20)
+    # Sq != Skv (as on context parallelism's last shard; GPU-checked since 2026-11-26)
     "query_shorter_docs_768": (lambda r: layouts.packed_documents(r, 1, 768, num_docs=4,
                                                                   pad_tail=30), 4, 2, True, 256),
 }

@@ -1,6 +1,7 @@
 """MaxText end to end: tokens/s of attention=kvax against MaxText's own GPU kernels.
 
-    python benchmarks/maxtext_e2e.py --out_dir $OUT/e2e                 # the default matrix
+    python -m benchmarks.run --preset full                  # the README's table (uses this file)
+    python benchmarks/maxtext_e2e.py --out_dir outputs/e2e                # the default matrix
     python benchmarks/maxtext_e2e.py --runs 16k-short:kvax,16k-short:flash --steps 6
 
 Each run is one `python -m kvax_plugin.launch` process (MaxText's own training loop, the packed
@@ -8,7 +9,7 @@ shipped corpus, llama3-8b shrunk to --layers layers and a --vocab-token vocabula
 launcher defaults otherwise), so every kernel sees the same model and the same batches. Layouts:
 "short" = the launcher's packing of documents of 64..4096 bytes; "long" = documents far longer
 than a row, so every row is one document (plain causal attention). Attentions: kvax (with
---kvax_backend, default mosaic), flash (MaxText's tokamax Pallas-Triton kernel on a dense
+--kvax_backend, default auto), flash (MaxText's tokamax Pallas-Triton kernel on a dense
 segment mask), cudnn_flash_jax (cuDNN through jax.nn; it does not see document boundaries).
 
 Per run it records the launcher's summary (summary.json): mean real tokens/s over the steps after
@@ -31,12 +32,12 @@ kernel caches) under its output directory. `--warm` runs each program twice over
 of caches, cold then warm, and reports both setup+compile numbers (and breakdowns).
 
 Before the runs, one throwaway process imports the launcher's packages (jax, kvax_plugin,
-MaxText) so that the first run does not pay alone for reading them from disk: in session 6's
+MaxText) so that the first run does not pay alone for reading them from disk: in the 2026-11-23
 pair, kvax (run first) spent 20.2 s in "MaxText import + config" against cudnn_flash_jax's 14.4 s.
 
 `--profile` adds MaxText's own profiler (profiler=xplane, --profile_steps steps after
 --profile_skip; trace: <run>/tensorboard/plugins/profile/<time>/<host>.xplane.pb), and
-benchmarks/profile_e2e.py puts GPU ms per step by kernel category (attention, matmul, collectives,
+benchmarks/tools/profile_e2e.py puts GPU ms per step by kernel category (attention, matmul, collectives,
 other, idle) in the row's "profile". Profiled runs' step times include the profiler's overhead.
 
 Writes e2e.json (conditions included) and e2e.png.
@@ -58,6 +59,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 DEFAULT_RUNS = ("16k-long:kvax,16k-long:cudnn_flash_jax,16k-short:kvax,16k-short:flash,"
                 "16k-short:cudnn_flash_jax,64k-short:kvax,64k-short:flash")
 SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048, "1k": 1024}  # 1k: CPU tests
@@ -180,11 +182,10 @@ def profiler_overrides(args) -> list[str]:
 
 
 def profile_of(run_dir: Path, steps: int, host_fallback: bool) -> dict:
-  """benchmarks/profile_e2e.py's summary of the run's trace; an "error" entry if it fails.
+  """benchmarks/tools/profile_e2e.py's summary of the run's trace; an "error" entry if it fails.
   host_fallback: CPU runs only (host XLA ops stand in for the missing GPU plane)."""
-  sys.path.insert(0, str(Path(__file__).resolve().parent))
   try:
-    import profile_e2e
+    from benchmarks.tools import profile_e2e
     return profile_e2e.summarize_xplane(run_dir, steps=steps, host_fallback=host_fallback)
   except Exception as e:  # noqa: BLE001 - the run's numbers stand without it
     return {"error": f"profile analysis failed: {e!r}"[:2000]}
@@ -229,7 +230,7 @@ def main():
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--vocab", type=int, default=512)
-  ap.add_argument("--kvax_backend", default="mosaic")
+  ap.add_argument("--kvax_backend", default="auto")
   ap.add_argument("--variant", default="8b", help="configs/llama3.py variant (tiny: CPU smoke)")
   ap.add_argument("--timeout", type=int, default=300)
   ap.add_argument("--warm", action="store_true",
@@ -237,7 +238,7 @@ def main():
   ap.add_argument("--profile", action="store_true",
                   help="MaxText's xplane profiler on --profile_steps steps after --profile_skip; "
                   "each row gets 'profile' (GPU time per step by kernel category, "
-                  "benchmarks/profile_e2e.py). Step times / tokens/s of profiled runs include "
+                  "benchmarks/tools/profile_e2e.py). Step times / tokens/s of profiled runs include "
                   "the profiler's overhead for the profiled steps")
   ap.add_argument("--profile_skip", type=int, default=3,
                   help="steps before the profiled ones (MaxText's skip_first_n_steps_for_profiler)")
@@ -263,18 +264,39 @@ def main():
   for item in args.maxtext_override:
     if "=" not in item or not item.split("=", 1)[0]:
       ap.error(f"--maxtext_override {item!r}: expected KEY=VALUE")
-  out_dir = Path(args.out_dir)
+  if args.profile:
+    profiler_overrides(args)  # checks the step counts before any run
+  result = run_matrix(args, Path(args.out_dir))
+  print_table(result["runs"])
+  if args.profile:
+    print_profiles(result["runs"])
+
+
+def maxtext_missing() -> str | None:
+  """Why the MaxText runs cannot start here (None when maxtext imports)."""
+  import importlib.util
+  if importlib.util.find_spec("maxtext") is None:
+    return ("maxtext is not installed (pip install 'kvax-plugin[maxtext]' -c constraints.txt, "
+            "or bash scripts/bootstrap.sh)")
+  return None
+
+
+def run_matrix(args, out_dir: Path) -> dict:
+  """Every run of args.runs ("LENGTH-LAYOUT:ATTENTION,..."), one process each; writes
+  out_dir/e2e.json after each run (so a cut sweep keeps what finished) and e2e.png at the end.
+  args: the namespace main() parses (runs, steps, layers, vocab, kvax_backend, variant, timeout,
+  warm, profile, profile_skip, profile_steps, maxtext_override)."""
   out_dir.mkdir(parents=True, exist_ok=True)
   import jax
   args.platform = jax.devices()[0].platform
   result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[],
+                model=f"configs/llama3.py:{args.variant}",
                 maxtext_overrides=list(args.maxtext_override),
                 caches="warm: each program run twice over shared caches" if args.warm
                 else "cold: every run with empty compilation caches of its own")
   if args.profile:
-    profiler_overrides(args)  # checks the step counts before any run
     result["profile"] = dict(skip=args.profile_skip, steps=args.profile_steps,
                              note="step times of these runs include profiler overhead")
   result["import_warmup_s"] = warm_imports()
@@ -287,15 +309,12 @@ def main():
     print(json.dumps(short)[:600], flush=True)
     (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
   plot(result["runs"], out_dir / "e2e.png")
-  print_table(result["runs"])
-  if args.profile:
-    print_profiles(result["runs"])
+  return result
 
 
 def print_profiles(rows) -> None:
   """profile_e2e's table per profiled run; for two runs, their difference per category."""
-  sys.path.insert(0, str(Path(__file__).resolve().parent))
-  import profile_e2e
+  from benchmarks.tools import profile_e2e
   profiled = [(r["label"] + ":" + r["attention"], r["profile"]) for r in rows if r.get("profile")]
   for name, prof in profiled:
     print(profile_e2e.format_summary(name, prof))

@@ -8,8 +8,8 @@ the float32 reference as in that test). The detector prints one "RACE DETECTED" 
 racing access (thousands of lines); this prints each distinct pair once, as
 "<access> at <kernel source line>  vs  <access> at <kernel source line>", with its count.
 --no-release-commit turns the interpreter-only `released_for_tma` commit (kernels/mosaic/
-forward.py) off, which shows the detector's TMA ring-reuse artefact (benchmarks/NOTES.md, "Race
-detector reports (session 7)").
+forward.py) off, which shows the detector's TMA ring-reuse artefact (docs/kernels.md, "The race
+detector").
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The benchmark programs' GPU-independent parts run on CPU, so a GPU session is never their
-first run: bench_context_parallel.py --smoke (2 simulated devices, float32, the llama3 and
-balanced orders, both layouts, with and without the overlapped k / v collective) must agree with
-one device and write its JSON and plot; bench_attention.py's round-robin timing (--interleave) must time every implementation in rotated order;
-maxtext_e2e.py --profile and profile_e2e.py's kernel categories and per-step sums (on a made-up GPU
-trace, and on the tiny MaxText run's CPU trace) must hold."""
+"""The benchmark programs' GPU-independent parts run on CPU, so a GPU run is never their first:
+`python -m benchmarks.run --preset smoke` (the README's benchmark command, tiny shapes, backend
+"jax") must write its results, tables and plot, name why the GPU peers and MaxText did not run,
+and redraw a saved results folder; bench_context_parallel.py --smoke (2 simulated devices,
+float32, the llama3 and balanced orders, both layouts, with and without the overlapped k / v
+collective) must agree with one device and write its JSON and plot; bench_attention's
+round-robin timing must time every implementation in rotated order; maxtext_e2e.py --profile
+and tools/profile_e2e.py's kernel categories and per-step sums (on a made-up GPU trace, and on
+the tiny MaxText run's CPU trace) must hold."""
 
 from __future__ import annotations
 
@@ -16,6 +19,78 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
+  sys.path.insert(0, str(ROOT))
+SAVED = ROOT / "benchmarks" / "results"
+
+
+def test_benchmarks_run_smoke_writes_results_tables_and_plot(tmp_path):
+  """The benchmark command's CPU dry run: kernel rows for ours ("auto" resolves to "jax" here),
+  the cuDNN peer recorded as not runnable (with the reason), the MaxText part skipped by flag;
+  results.json carries the conditions, tables.md the markdown the command prints."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+  out = tmp_path / "smoke"
+  done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--preset", "smoke",
+                         "--no-e2e", "--impls", "auto,cudnn", "--out", str(out)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  result = json.loads((out / "results.json").read_text())
+  cond = result["conditions"]
+  assert cond["preset"] == "smoke" and cond["gpu"] and cond["date"] and cond["versions"]["jax"]
+  assert cond["command"].startswith("python -m benchmarks.run --preset smoke")
+  assert cond["kernel_shapes"]["seqs"] == [256] and cond["kernel_shapes"]["impls"] == ["auto",
+                                                                                       "cudnn"]
+  rows = [r for r in result["kernels"] if r["pass"] in ("fwd", "fwd_bwd")]
+  assert {(r["case"], r["pass"]) for r in rows} == {
+      (c, p) for c in ("causal", "docs") for p in ("fwd", "fwd_bwd")}
+  ours = [r for r in rows if r["impl"] == "auto"]
+  assert len(ours) == 4 and all(r["ms"] > 0 and r["tflops"] > 0 for r in ours)
+  assert all(r["auto_picked"] == "jax" for r in ours)
+  assert all("needs a CUDA GPU" in r["error"] for r in rows if r["impl"] == "cudnn")
+  assert result["maxtext"] == {"skipped": "--no-e2e"}
+  tables = (out / "tables.md").read_text()
+  assert "| 256 causal | fwd+bwd |" in tables and "ours: auto (= jax)" in tables
+  assert tables.split("\n")[2] in done.stdout  # the printed table is the written one
+  assert (out / "speed.png").stat().st_size > 10_000
+
+
+def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
+  """Without maxtext the MaxText table is skipped, and the reason (how to install it) is what
+  the results and the printed table say."""
+  import importlib.util
+  from benchmarks import maxtext_e2e, run
+  installed = importlib.util.find_spec("maxtext") is not None
+  assert (maxtext_e2e.maxtext_missing() is None) == installed
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  reason = maxtext_e2e.maxtext_missing()
+  assert reason.startswith("maxtext is not installed (pip install 'kvax-plugin[maxtext]'")
+  result = run.run_e2e(run.PRESETS["smoke"]["e2e"], tmp_path, keep_runs=False)
+  assert result == {"skipped": reason} and not list(tmp_path.iterdir())
+  assert run.e2e_table(result) == f"MaxText table not run: {reason}"
+
+
+def test_benchmarks_run_redraws_the_saved_h200_results(tmp_path):
+  """--from: the README's numbers (2026-11-26, H200) printed again from their results folder,
+  and the plot redrawn (into a copy, so the repository stays untouched)."""
+  import shutil
+  from benchmarks import run
+  saved = SAVED / "2026-11-26-h200"
+  shutil.copy(saved / "results.json", tmp_path / "results.json")
+  result = run.main(["--from", str(tmp_path)])
+  assert result["conditions"]["gpu"] == "NVIDIA H200"
+  tables = (tmp_path / "tables.md").read_text()
+  assert tables == (saved / "tables.md").read_text()
+  assert "| 16k causal | fwd+bwd | 15.30 (503) |" in tables
+  assert "| 64k, one document per row | 56.7k | - | 46.9k | 1.21x |" in tables
+  assert (tmp_path / "speed.png").stat().st_size > 10_000
+
+
+def test_gpu_names_become_folder_names():
+  from benchmarks import run
+  assert run.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert run.gpu_slug("NVIDIA H200") == "h200"
+  assert run.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+  assert run.gpu_slug("cpu") == "cpu"
 
 
 def test_bench_context_parallel_smoke(tmp_path):
@@ -52,8 +127,7 @@ def test_bench_context_parallel_smoke(tmp_path):
 
 def test_bench_attention_interleave_times_every_implementation_round_robin():
   import jax.numpy as jnp
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import bench_attention
+  from benchmarks import bench_attention
 
   calls = []
 
@@ -74,15 +148,14 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
 
 
 def test_bench_attention_split_parts_run_in_the_interpreter():
-  """bench_attention --split's Mosaic parts (every kernel alone, with the register / tile
-  variants the next GPU call times) build and run through Pallas' interpreter, so a GPU call
-  never finds a Python error there; the values are interpreter milliseconds, not GPU times."""
+  """bench_attention --split's Mosaic parts (every kernel alone, tools/kernel_parts.py) build
+  and run through Pallas' interpreter, so a GPU run never finds a Python error there; the
+  values are interpreter milliseconds, not GPU times."""
   import jax.numpy as jnp
   import numpy as np
-  sys.path.insert(0, str(ROOT / "benchmarks"))
   sys.path.insert(0, str(ROOT / "tests"))
-  import bench_attention
   import layouts
+  from benchmarks.tools import kernel_parts
   from kvax_plugin.attention.api import create_attention_mask
 
   s = 256
@@ -92,16 +165,14 @@ def test_bench_attention_split_parts_run_in_the_interpreter():
   rng = np.random.default_rng(1)
   q = jnp.asarray(rng.standard_normal((1, s, 2, 64)), jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((1, s, 1, 64)), jnp.bfloat16)
-  parts = bench_attention.time_parts_mosaic(mask, pos, seg, q, k, k, q, 0.125, 1,
-                                            interpret=True)
-  expected = {"fwd", "dkv", "dq", "fused_dkv_dq", "fused_dkv_dq_unpaired_regs240"}
+  parts = kernel_parts.time_parts_mosaic(mask, pos, seg, q, k, k, q, 0.125, 1, interpret=True)
+  expected = {"fwd", "dkv", "dq", "fused_dkv_dq"}
   assert set(parts) == expected
   assert all(isinstance(v, float) and v > 0 for v in parts.values()), parts
 
 
 def _profile_e2e():
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import profile_e2e
+  from benchmarks.tools import profile_e2e
   return profile_e2e
 
 
@@ -224,8 +295,7 @@ def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
   """A run past --timeout becomes a row with an error that names the limit; the sweep goes on
   (before: subprocess.TimeoutExpired ended the whole program and its other runs' results)."""
   import types
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import maxtext_e2e
+  from benchmarks import maxtext_e2e
   args = types.SimpleNamespace(variant="tiny", steps=3, kvax_backend="jax", layers=2, vocab=512,
                                timeout=1, profile=False, warm=False)
   row = maxtext_e2e.run_launcher("1k-long", "kvax", args, tmp_path / "run",
@@ -246,8 +316,7 @@ def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
 def test_bench_attention_head_dims_take_a_value_head_dim():
   """--head-dims 192:128 (MLA) times query / key head dim 192 with value head dim 128; a plain
   D means both; anything else is refused by name."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import bench_attention
+  from benchmarks import bench_attention
   assert bench_attention.parse_head_dims("128") == (128, 128)
   assert bench_attention.parse_head_dims("192:128") == (192, 128)
   for bad in ("192:", "a", "1:2:3"):
@@ -255,11 +324,31 @@ def test_bench_attention_head_dims_take_a_value_head_dim():
       bench_attention.parse_head_dims(bad)
 
 
+def test_bench_attention_variants_set_kernel_options():
+  """--variant 'LABEL=BACKEND:FIELD=VALUE,...' runs one of our backends with
+  kvax_plugin.KernelOptions fields (typed from their text); a malformed one is refused by name."""
+  import numpy as np
+  from benchmarks import bench_attention as bench
+  label, backend, fields = bench.parse_variant(
+      "pertile=mosaic:mosaic_forward_grid=per_tile,mosaic_backward_registers=240,dq_after_dkv=true")
+  assert (label, backend) == ("pertile", "mosaic")
+  assert fields == {"mosaic_forward_grid": "per_tile", "mosaic_backward_registers": 240,
+                    "dq_after_dkv": True}
+  for bad in ("pertile", "x=cudnn:a=1", "x=mosaic:grid"):
+    with pytest.raises(ValueError, match="--variant"):
+      bench.parse_variant(bad)
+  pos, seg, _ = bench.layout("docs", 256, seed=0, num_docs=3, pad=16)
+  fns, _ = bench.make_impls("docs", pos, seg, 0.125, ("jax",), [(label, backend, fields)])
+  assert set(fns) == {"jax", "pertile"} and fns["pertile"].kernel_options == fields
+  rows = [dict(impl=n, **{"pass": "fwd"}) for n in ("pertile", "cudnn", "jax")]
+  assert bench.impl_order(rows) == ["jax", "cudnn", "pertile"]
+  del np
+
+
 def test_profile_kernels_summarize_counts_overlaps_once():
-  """profile_kernels.summarize on made-up GPU events (us): busy is the union of the intervals
-  (two overlapping kernels count once), idle the rest of the span, per-step ms by name."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import profile_kernels
+  """tools/profile_kernels.summarize on made-up GPU events (us): busy is the union of the
+  intervals (two overlapping kernels count once), idle the rest of the span, per-step ms."""
+  from benchmarks.tools import profile_kernels
   events = [dict(name="a", ts=0.0, dur=100.0), dict(name="b", ts=50.0, dur=100.0),
             dict(name="a", ts=300.0, dur=100.0)]
   s = profile_kernels.summarize(events, steps=2)
@@ -271,32 +360,12 @@ def test_profile_kernels_summarize_counts_overlaps_once():
   assert s["span_ms_per_step"] == pytest.approx(0.2) and s["events"] == 3
 
 
-def test_plot_e2e_remat_builds(tmp_path, monkeypatch):
-  """benchmarks/plot_e2e_remat.py draws its figure from the committed results."""
-  import importlib.util
-  root = Path(__file__).resolve().parents[1]
-  spec = importlib.util.spec_from_file_location("plot_e2e_remat",
-                                                root / "benchmarks" / "plot_e2e_remat.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  for _, directory in module.GROUPS:
-    assert set(module.tokens_per_s(directory)) == {"kvax", "cudnn_flash_jax"}, directory
-  monkeypatch.setattr(module, "ROOT", tmp_path)
-  for _, directory in module.GROUPS:  # the figure from copies, so the repository stays untouched
-    (tmp_path / directory).mkdir()
-    (tmp_path / directory / "e2e.json").write_text(
-        (root / "benchmarks/results/e2e/s13_remat" / directory / "e2e.json").read_text())
-  module.main()
-  assert (tmp_path / "e2e_remat.png").stat().st_size > 10_000
-
-
 def test_launch_order_model_shows_the_documents_tail(tmp_path):
-  """benchmarks/launch_order_model.py (the model behind the backward's head-interleaved launch
-  order): list scheduling reproduces the 16k documents tail of the head-major grid (the dk/dv
-  kernel's SMs idle ~25%; Nsight Compute saw 31%) that per-head LPT keeps and the order over
-  heads removes, while causal masks have no tail in any order; the program writes its rows."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import launch_order_model as lom
+  """benchmarks/tools/launch_order_model.py (the model behind the backward's head-interleaved
+  launch order): list scheduling reproduces the 16k documents tail of the head-major grid (the
+  dk/dv kernel's SMs idle ~25%; Nsight Compute saw 31%) that per-head LPT keeps and the order
+  over heads removes, while causal masks have no tail in any order; the program writes its rows."""
+  from benchmarks.tools import launch_order_model as lom
   # a long job last leaves the other machine idle; first, the short ones fill around it
   assert lom.makespan([1, 1, 1, 1, 4], 2, 0.0) == 6.0
   assert lom.makespan([4, 1, 1, 1, 1], 2, 0.0) == 4.0
@@ -308,7 +377,7 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
   # the Triton grids interleave the heads already: no tail worth an order of their own
   assert all(row["tail"] < 0.02 for key, row in docs.items() if key.startswith("triton_"))
   out = tmp_path / "lom.json"
-  done = subprocess.run([sys.executable, "benchmarks/launch_order_model.py", "--seq", "4096",
+  done = subprocess.run([sys.executable, "-m", "benchmarks.tools.launch_order_model", "--seq", "4096",
                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                         timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
@@ -327,11 +396,11 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
 
 
 def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
-  """benchmarks/ptxas_splits.py's GPU-free parts: the setmaxnreg values of a PTX are found and
-  replaced in order (a wrong count or value is refused), and a ptxas report is read the way
-  session 17's offline register search needed (C7507 ignored, C7512 serialized, spills)."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import ptxas_splits
+  """benchmarks/tools/ptxas_splits.py's GPU-free parts: the setmaxnreg values of a PTX are
+  found and replaced in order (a wrong count or value is refused), and a ptxas report is read
+  the way the offline register search of 2026-11-25 needed (C7507 ignored, C7512 serialized,
+  spills)."""
+  from benchmarks.tools import ptxas_splits
   ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 216;\n  mov.u32 %r1, 0;\n"
          "\tsetmaxnreg.dec.sync.aligned.u32 56;\n\tsetmaxnreg.dec.sync.aligned.u32 24;\n")
   assert ptxas_splits.setmaxnreg_values(ptx) == [("inc", 216), ("dec", 56), ("dec", 24)]
@@ -342,8 +411,8 @@ def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
     ptxas_splits.with_split(ptx, [208, 72])
   with pytest.raises(ValueError, match="60 is not a multiple of 8"):
     ptxas_splits.with_split(ptx, [208, 60, 24])
-  # The GPU image's report of session 17's dq-warpgroup kernel at 216 / 56 / 24.
-  report = (Path(ROOT) / "benchmarks/results/ncu/s17/ptxas_s17_dq_warpgroup_h100.txt").read_text()
+  # The GPU image's report of the dq-warpgroup kernel at 216 / 56 / 24 (2026-11-25, H100).
+  report = (SAVED / "2026-11-25-h100" / "ptxas_dq_warpgroup.txt").read_text()
   kernel = report.split("-- entry_1")[1]
   assert ptxas_splits.parse_report(kernel) == {
       "setmaxnreg_ignored": True, "wgmma_serialized": True, "spill_stores": 2342,
@@ -356,10 +425,10 @@ def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
 
 
 def test_maxtext_e2e_plots_saved_runs_together(tmp_path):
-  """--plot_from: session 19's four MaxText rows (H100, one call per run) merged into one
-  e2e.json and one plot, kvax named with its backend."""
-  saved = ROOT / "benchmarks/results/e2e/s19_h100_hopper"
-  files = sorted(str(p) for p in saved.glob("s19f_*/e2e.json"))
+  """--plot_from: the four MaxText rows of 2026-11-25 (H100, one device call per run) merged
+  into one e2e.json and one plot, kvax named with its backend."""
+  saved = SAVED / "2026-11-25-h100" / "maxtext"
+  files = sorted(str(p) for p in saved.glob("*/e2e.json"))
   assert len(files) == 4
   done = subprocess.run([sys.executable, "benchmarks/maxtext_e2e.py", "--out_dir", str(tmp_path),
                          "--plot_from", *files], cwd=ROOT, capture_output=True, text=True,

@@ -1,6 +1,6 @@
 """The Mosaic kernels' launch tail under their CTA orders, from the block tables alone (CPU).
 
-    python benchmarks/launch_order_model.py --seq 16384 65536 --out results/launch_order.json
+    python -m benchmarks.tools.launch_order_model --seq 16384 65536 --out outputs/launch_order.json
 
 Model (greedy list scheduling, what the CTA scheduler does): one CTA per SM at a time (the dk/dv
 and dq kernels' shared memory allows one), `--sms` SMs, CTAs taken in launch order by the first
@@ -11,20 +11,20 @@ the perfect split (total / SMs) is the tail. Orders, over the grid's (head, tile
     head_major     the grid's own order (head slowest; the dq kernel's causal tiles reversed)
     per_head_lpt   each head's tiles longest first, heads one after another (KVAX_MOSAIC_LPT=1)
     over_heads     longest tile first over all (head, tile) pairs, heads of a tile together
-                   (forward.longest_first_over_heads, the default since session 15)
+                   (forward.longest_first_over_heads, the default since 2026-11-25)
 
 The persistent forward (one CTA per SM) deals its (tile, head) items statically instead:
-round_robin (the default until session 15; KVAX_MOSAIC_FWD_SNAKE=0), round_robin_lpt
-(longest-first tiles), snake (odd rounds mirrored; session 10's zigzag hook, since removed) and
-snake_lpt (both: the default since session 16, backend.Static.fwd_snake).
+round_robin (the default until 2026-11-25; KVAX_MOSAIC_FWD_SNAKE=0), round_robin_lpt
+(longest-first tiles), snake (odd rounds mirrored; a zigzag hook of 2026-11-24, since removed) and
+snake_lpt (both: the default since 2026-11-25, backend.Static.fwd_snake).
 
 The layouts are bench_attention.py's (causal; 12 random documents + 1000 padding tokens, the
-same seed), 32 query / 8 kv heads. Session 15 measured (H100, interleaved) 16k documents
+same seed), 32 query / 8 kv heads. We measured (H100, interleaved) 16k documents
 fwd+bwd 3.27 vs 3.75 ms with over_heads against head_major; the model says why per-head order
-(session 9) did not help: the last head's long tiles start in the last waves either way.
+(2026-11-24) did not help: the last head's long tiles start in the last waves either way.
 The Triton backend's grids (heads fastest, `triton_*` rows) leave at most ~1% of tail in these
 layouts, so they need no reordering: interleaving the heads is what the Mosaic backward's order
-does. Session 16 measured the forward the model predicted (16k documents tail 6.7% -> 1.2%): 0.789 ->
+does. A later run measured the forward the model predicted (16k documents tail 6.7% -> 1.2%): 0.789 ->
 0.736 ms interleaved (0.736 -> 0.702 alone).
 """
 
@@ -38,10 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench_attention import layout  # noqa: E402  (the benchmark's own layouts)
+from benchmarks.bench_attention import layout  # noqa: E402  (the benchmark's own layouts)
 
 
 def makespan(works, sms: int, overhead: float) -> float:

@@ -1,13 +1,13 @@
 """One attention forward+backward per process, for Nsight Compute (ncu) to read the kernels' counters.
 
     ncu --clock-control none --set full --kernel-name regex:"mosaic_gpu_kernel|sdpa_sm90" \
-        --csv --page raw python3 benchmarks/ncu_kernels.py --impl mosaic --case causal --seq 16384
+        --csv --page raw python3 -m benchmarks.tools.ncu_kernels --impl mosaic --case causal --seq 16384
 
 Same cases, shapes and implementations as benchmarks/bench_attention.py (B=1, 32 query / 8 kv
 heads, head dim 128, bf16): jax.grad of <out, cotangent> is compiled, then run --steps times and
 waited for. Nothing is timed here; ncu replays each selected kernel launch once per counter pass
-and reports its duration and counters (benchmarks/ncu_summary.py turns the raw CSV into the
-table of benchmarks/NOTES.md). XLA's command buffers are turned off (set below, before jax is
+and reports its duration and counters (benchmarks/tools/ncu_summary.py turns the raw CSV into the
+table of docs/performance.md). XLA's command buffers are turned off (set below, before jax is
 imported) so every kernel is a launch of its own, as in the timed benchmarks' steady state.
 """
 
@@ -24,9 +24,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
-from profile_kernels import environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import bench_attention as bench  # noqa: E402
+from benchmarks.tools.profile_kernels import environment  # noqa: E402
 
 
 def main():
@@ -39,7 +39,7 @@ def main():
   args = ap.parse_args()
   h, kh, d = 32, 8, args.head_dim
   pos, seg, _ = bench.layout(args.case, args.seq, args.seq)
-  impls, _ = bench.make_impls(args.case, pos, seg, h, kh, d, d ** -0.5)
+  impls, _ = bench.make_impls(args.case, pos, seg, d ** -0.5, (args.impl,))
   fn = impls.get(args.impl)
   if fn is None or isinstance(fn, str):
     raise SystemExit(f"--impl {args.impl!r}: {fn or 'not an implementation of bench_attention'}")

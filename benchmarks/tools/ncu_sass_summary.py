@@ -2,11 +2,10 @@
 executed per opcode, stall reasons and where the warp-state samples land.
 
 Input: the CSV that `ncu --import X.ncu-rep --page source --csv --print-source sass` writes
-(gzipped or not), one per kernel; scripts/gpu_call_next.sh lane S20A wrote
-benchmarks/results/ncu/s20/{hopper,cudnn}.sass.csv.gz this way.
+(gzipped or not), one per kernel, e.g. of our backward and cuDNN's (docs/kernels.md, "Profiling"):
 
-  python benchmarks/ncu_sass_summary.py benchmarks/results/ncu/s20/hopper.sass.csv.gz \
-      benchmarks/results/ncu/s20/cudnn.sass.csv.gz
+  python -m benchmarks.tools.ncu_sass_summary outputs/ncu/hopper.sass.csv.gz \
+      outputs/ncu/cudnn.sass.csv.gz
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Nsight Compute raw CSVs (`ncu --import X.ncu-rep --csv --page raw`) as one table: a row per
 metric, a column per kernel launch.
 
-    python benchmarks/ncu_summary.py results/ncu/*.csv [--match REGEX ...] [--out table.md]
+    python -m benchmarks.tools.ncu_summary outputs/ncu/*.csv [--match REGEX ...] [--out table.md]
 
-Each CSV is one process of benchmarks/ncu_kernels.py (file name ncu_<impl>_<case>.csv); its
+Each CSV is one process of benchmarks/tools/ncu_kernels.py (file name ncu_<impl>_<case>.csv); its
 kernels are labelled <impl>/<case>/<n>:<short kernel name>. Without --match, the metrics that
 decide where an attention kernel's time goes are kept: duration, launch shape, the tensor
 (gmma) pipe, shared memory, L2 / DRAM throughput and the warp-stall breakdown.

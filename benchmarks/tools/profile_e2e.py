@@ -1,8 +1,8 @@
 """Where a profiled MaxText training step's GPU time goes: kernels summed by category.
 
-    python benchmarks/profile_e2e.py outputs/e2e/16k-long_kvax                       # one run
-    python benchmarks/profile_e2e.py outputs/e2e/16k-long_kvax outputs/e2e/16k-long_cudnn_flash_jax
-    python benchmarks/profile_e2e.py path/to/host.xplane.pb --steps 2 --json out.json
+    python -m benchmarks.tools.profile_e2e outputs/e2e/16k-long_kvax                   # one run
+    python -m benchmarks.tools.profile_e2e outputs/e2e/16k-long_kvax outputs/e2e/16k-long_cudnn_flash_jax
+    python -m benchmarks.tools.profile_e2e path/to/host.xplane.pb --steps 2 --json out.json
 
 Reads the xplane trace that MaxText's own profiler writes (maxtext_e2e.py --profile: profiler=
 xplane; the launcher puts it at <run dir>/tensorboard/plugins/profile/<timestamp>/<host>.xplane.pb)
@@ -45,7 +45,7 @@ OTHER = "other fusions"
 CATEGORIES = (ATTN_KVAX, ATTN_CUDNN, ATTN_PALLAS, MATMUL, COLLECTIVES, MEMCPY, OTHER)
 
 # kvax's kernels as the GPU names them: Mosaic GPU kernels are "<pallas kernel fn>_mosaic_gpu_
-# kernel" (benchmarks/results/mosaic/s9_profile_64k.json: entry_mosaic_gpu_kernel,
+# kernel" (a 64k profile of 2026-11-24: entry_mosaic_gpu_kernel,
 # entry_no_dq_mosaic_gpu_kernel); the Triton backend's are its @triton.jit functions
 # (kvax_plugin/attention/kernels/triton: attn_fwd_kernel, attn_bwd_{dq,dkv,delta}_kernel).
 # Note: tokamax's Mosaic GPU attention would also match "mosaic_gpu"; MaxText's GPU `flash` is

@@ -1,7 +1,7 @@
 """Where the GPU time of one attention forward+backward goes, kernel by kernel.
 
-    python benchmarks/profile_kernels.py --seq 65536 --cases causal,docs --impls mosaic,cudnn \
-        --out benchmarks/results/profile_64k
+    python -m benchmarks.tools.profile_kernels --seq 65536 --cases causal,docs --impls mosaic,cudnn \
+        --out outputs/profile_64k
 
 Runs jax.grad of <out, cotangent> for each implementation of benchmarks/bench_attention.py (same
 cases and shapes: B=1, 32 query / 8 kv heads, head dim 128, bf16) under jax.profiler with a
@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
-import profile_e2e  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import bench_attention as bench  # noqa: E402
+from benchmarks.tools import profile_e2e  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -105,7 +105,7 @@ def main():
                             "steps": args.steps}, "runs": {}}
   for case in args.cases.split(","):
     pos, seg, _ = bench.layout(case, args.seq, args.seq)  # bench_attention's seed
-    impls, _ = bench.make_impls(case, pos, seg, h, kh, d, scale)
+    impls, _ = bench.make_impls(case, pos, seg, scale, args.impls.split(","))
     key = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(key[0], (1, args.seq, h, d), jnp.bfloat16)
     k = jax.random.normal(key[1], (1, args.seq, kh, d), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """What ptxas does with a kernel's setmaxnreg register split, tried offline on its PTX.
 
-    python benchmarks/ptxas_splits.py --ptx dump/entry_1.ptx --split 216,56,24 --split 208,72,24
+    python -m benchmarks.tools.ptxas_splits --ptx dump/entry_1.ptx --split 216,56,24 --split 208,72,24
 
 Mosaic GPU dumps each kernel's PTX on the GPU machine (MOSAIC_GPU_DUMP_PTX=1 with
 MOSAIC_GPU_DUMP_TO=DIR). This program rewrites only the values of the kernel's setmaxnreg
@@ -16,8 +16,8 @@ A split is valid on the GPU only if the warpgroups' registers sum to at most 512
 down to 168); --launch-total sets that sum, and invalid rows are marked.
 
 ptxas: --ptxas, else `ptxas` on PATH, else the PyPI package nvidia-cuda-nvcc (CUDA 13:
-`pip install nvidia-cuda-nvcc`). Session 17 checked that its ptxas 13.5 reproduces the GPU
-image's report on the same PTX (2334 vs 2342 bytes spilled; benchmarks/NOTES.md).
+`pip install nvidia-cuda-nvcc`). On 2026-11-25 we checked that its ptxas 13.5 reproduces the GPU
+image's report on the same PTX (2334 vs 2342 bytes spilled; docs/performance.md).
 """
 
 from __future__ import annotations

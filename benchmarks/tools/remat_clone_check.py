@@ -4,10 +4,10 @@ with and without the optimization barrier in custom_vjp.saved_residuals (KVAX_RE
 drops it), and with XLA's dynamic-slice fusion switched off. One configuration per process (XLA
 flags are read at start-up):
 
-    python benchmarks/remat_clone_check.py                      # as shipped
-    KVAX_RESIDUAL_BARRIER=0 python benchmarks/remat_clone_check.py
+    python -m benchmarks.tools.remat_clone_check                      # as shipped
+    KVAX_RESIDUAL_BARRIER=0 python -m benchmarks.tools.remat_clone_check
     KVAX_RESIDUAL_BARRIER=0 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false \\
-        python benchmarks/remat_clone_check.py
+        python -m benchmarks.tools.remat_clone_check
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 import jax  # noqa: E402
