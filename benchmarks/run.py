@@ -1,7 +1,7 @@
 """The benchmark behind the README's tables: our kernels against cuDNN and tokamax, and MaxText
 end to end against MaxText's own GPU kernels, on the GPU it finds.
 
-    python -m benchmarks.run --preset quick     # 16k only, fewer rounds: ~5 minutes on an H100
+    python -m benchmarks.run --preset quick     # 16k only, fewer rounds: 5-10 minutes on an H100
     python -m benchmarks.run --preset full      # 16k and 64k, the README's table
     python -m benchmarks.run --preset smoke     # CPU dry run: tiny shapes, backend "jax"
     python -m benchmarks.run --from benchmarks/results/2026-11-26-h200   # tables + plot again
