@@ -1,0 +1,187 @@
+"""The conformance matrix's generator and checks on the CPU (tests/conformance_cells.py), before
+they reach a GPU (tests/gpu/test_conformance.py):
+
+* the generator covers every value of every axis for every registered backend, asks the
+  registry for each cell, and splits into disjoint parts;
+* the CPU-sized matrix runs for the backends that run here (the JAX backend) through the
+  public op and matches the float32 reference; a backend that cannot run here is checked to
+  refuse by name;
+* the checks catch what they are for: fake backends (registered for the test) that return
+  zeros, one wrong row, non-zero padding, NaN, or refuse late, or that the registry refuses;
+* (slow) one tiny cell through the Mosaic GPU interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conformance_cells as cc
+from kvax_plugin.attention import api, kernels
+from kvax_plugin.attention.kernels.capabilities import Capabilities
+from kvax_plugin.attention.reference import reference_attention
+
+
+def test_generator_covers_every_axis_value_of_every_backend():
+  cells = cc.generate("quick")
+  assert len({c.id for c in cells}) == len(cells)
+  by_backend: dict[str, list[cc.Cell]] = {}
+  for c in cells:
+    by_backend.setdefault(c.backend, []).append(c)
+  assert set(by_backend) == set(cc.matrix_backends())
+  for backend, mine in by_backend.items():
+    axes = cc._axes_for(backend, "gpu")
+    for axis, values in axes.items():
+      for value in values:
+        holders = [c for c in mine if _row(c)[axis] == value]
+        assert holders, f"{backend}: no cell with {axis}={value!r}"
+    for c in mine:
+      verdict, why = cc.registry_verdict(c)
+      assert verdict == (c.predicted == "accept"), (c.id, why)
+      if c.predicted == "refuse":
+        assert c.reason and c.reason == why
+  # Mosaic's backward 64 x 128 (kvax's Hopper default) in both backward modes, derived from
+  # the record's options rather than listed
+  mosaic = [c for c in by_backend["mosaic"] if c.blocks == "kvax_h100" and c.predicted == "accept"]
+  modes = {dict(c.options)["deterministic_backward"] for c in mosaic}
+  assert {True, False} <= modes, modes
+
+
+def _row(cell: cc.Cell) -> dict:
+  row = dict(dtype=cell.dtype, dims=cell.dims, heads=cell.heads, batch=cell.batch,
+             length=cell.length, qmode=cell.qmode, mask=cell.mask, logits=cell.logits,
+             blocks=cell.blocks, skip_pad=cell.skip_pad)
+  row.update({"opt:" + k: v for k, v in cell.options})
+  return row
+
+
+def test_parts_are_disjoint_whole_groups():
+  cells = cc.generate("quick")
+  parts = [cc.select(cells, f"{k}/3") for k in (1, 2, 3)]
+  ids = [c.id for p in parts for c in p]
+  assert sorted(ids) == sorted(c.id for c in cells)
+  groups = [{c.group for c in p} for p in parts]
+  assert not (groups[0] & groups[1]) and not (groups[1] & groups[2])
+  assert all(parts)
+
+
+def test_cpu_matrix_matches_the_reference(tmp_path):
+  """The CPU-sized matrix for the backends that run here, and one cell of each backend that
+  does not (it must raise BackendUnavailableError naming why)."""
+  here = [b for b in cc.matrix_backends() if kernels.availability(b)[0]]
+  assert "jax" in here
+  cells = cc.generate("cpu", backends=here)
+  elsewhere = [b for b in cc.matrix_backends() if b not in here]
+  for backend in elsewhere:
+    cells.append(cc.generate("cpu", backends=[backend])[0])
+  records = [cc.run_cell(c) for c in cells]
+  rep = cc.report(records, expected=cells)
+  print("\n".join(cc.summary_lines(rep)))
+  assert not rep["failures"], rep["failures"]
+  statuses = {r["id"]: r["status"] for r in records}
+  assert all(statuses[c.id] == cc.PASSED for c in cells if c.backend in here
+             and c.predicted == "accept"), statuses
+  assert all(statuses[c.id] == cc.UNAVAILABLE for c in cells if c.backend in elsewhere)
+  # the report is what scripts/test_gpu.sh writes
+  path = tmp_path / "records.jsonl"
+  path.write_text("".join(json.dumps(r, default=str) + "\n" for r in records))
+  merged = cc.report(cc.read_records([str(path)]))
+  json.dumps(merged, default=str)
+  for backend in here:
+    counts = merged["counts"][backend]
+    assert counts["run"] == counts["passed"] > 0, counts
+
+
+# ----------------------------------------------------------------------------- fake backends
+
+CAPABILITIES = Capabilities()  # what the fake backends below declare: everything
+
+
+def _reference(query, key, value, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale, logits_soft_cap,
+               sinks):
+  return reference_attention(query, key, value, q_pos, q_seg, kv_pos, kv_seg,
+                             causal=mask.spec.causal, sliding_window=mask.spec.sliding_window,
+                             scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+
+def fake_zeros(query, key, value, *args, **kwargs):
+  return jnp.zeros(query.shape[:3] + value.shape[3:], query.dtype)
+
+
+def fake_row_off(*args, **kwargs):
+  """One (token, head) row off by 0.35 of the RMS row norm: under the relative L2 tolerance
+  (about 0.35 / sqrt(rows)), over the row check's."""
+  out = _reference(*args, **kwargs)
+  f = out.astype(jnp.float32)
+  rms = jnp.sqrt(jnp.mean(jnp.sum(f * f, axis=-1)))
+  bump = jax.lax.stop_gradient(0.35 * rms / np.sqrt(out.shape[-1]))
+  return (f.at[0, out.shape[1] // 2, 0].add(bump)).astype(out.dtype)
+
+
+def fake_pad_leak(query, key, value, q_pos, q_seg, *args, **kwargs):
+  out = _reference(query, key, value, q_pos, q_seg, *args, **kwargs)
+  leak = jnp.where((q_seg == -1)[:, :, None, None], 1e-3, 0.0)
+  return (out.astype(jnp.float32) + leak).astype(out.dtype)
+
+
+def fake_nan(*args, **kwargs):
+  out = _reference(*args, **kwargs)
+  return out.at[0, 0, 0, 0].set(jnp.nan)
+
+
+def fake_late_refusal(*args, **kwargs):
+  raise ValueError("fake_late_refusal: these inputs are not supported after all")
+
+
+def fake_refuses_masks(mask):
+  return False, "fake: no mask is supported"
+
+
+_FAKES = {
+    "fake_zeros": (dict(function="fake_zeros"), cc.FAILED, "all zero"),
+    "fake_row_off": (dict(function="fake_row_off"), cc.FAILED, "worst row"),
+    "fake_pad_leak": (dict(function="fake_pad_leak"), cc.FAILED, "padding rows"),
+    "fake_nan": (dict(function="fake_nan"), cc.FAILED, "non-finite"),
+    "fake_late_refusal": (dict(function="fake_late_refusal"), cc.REFUSED_LATE, "after all"),
+    "fake_refused": (dict(function="fake_zeros", mask_check="fake_refuses_masks"), cc.REFUSED,
+                     "no mask is supported"),
+}
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+  for name, (fields, _, _) in _FAKES.items():
+    monkeypatch.setitem(kernels.KERNEL_BACKENDS, name, kernels.KernelBackend(
+        name=name, module=__name__, description="a deliberately wrong backend (test)", **fields))
+  names = ("auto",) + tuple(kernels.KERNEL_BACKENDS)
+  monkeypatch.setattr(kernels, "BACKENDS", names)
+  monkeypatch.setattr(api, "BACKENDS", names)
+
+
+def test_checks_catch_wrong_backends(fake_backends):
+  # bf16 (relative L2 2e-2, rows 0.2), 2 x 77 tokens x 4 heads, padding at the tail
+  base = cc.Cell(backend="", dtype="bfloat16", dims=(16, 16), heads=(4, 2), batch=2, length=77,
+                 qmode="self", mask="causal", logits="plain", blocks="16x32", skip_pad=True,
+                 options=(), layout="pad_tail")
+  for name, (_, status, words) in _FAKES.items():
+    record = cc.run_cell(cc.dataclasses.replace(base, backend=name))
+    text = record.get("error") or record.get("reason") or ""
+    assert record["status"] == status and words in text, (name, record)
+    if name == "fake_row_off":  # caught by the row check alone
+      assert record["errors"]["out"] < cc.TOLERANCE["bfloat16"], record
+
+
+@pytest.mark.slow
+def test_one_cell_in_the_mosaic_interpreter():
+  """The smallest Mosaic cell (one 128-token tile, bwd blocks 64 x 128, the fused backward)
+  through the Mosaic GPU interpreter: the direct path the CPU uses for a GPU backend."""
+  cell = cc.Cell(backend="mosaic", dtype="bfloat16", dims=(64, 64), heads=(1, 1), batch=1,
+                 length=128, qmode="self", mask="causal", logits="plain", blocks="kvax_h100",
+                 skip_pad=True, options=(("deterministic_backward", False),), layout="pad_middle")
+  assert cc.registry_verdict(cell)[0]
+  record = cc.run_cell(cell, direct=(("interpret", True),))
+  assert record["status"] == cc.PASSED, record
