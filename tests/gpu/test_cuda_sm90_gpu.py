@@ -1,8 +1,10 @@
-"""The CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90) against the float32
-reference on a Hopper GPU: out, dq, dk, dv on small awkward layouts (GQA, MQA with padding and
-one-token documents, non-contiguous segments, non-causal with huge segment ids, two batch
-rows). Needs the
-shared object built by its build.sh (skipped, with the reason, where it is absent)."""
+"""The CUDA C++ fused backward (kvax_plugin/attention/kernels/cuda_sm90) and backend="hopper"
+against the float32 reference on a Hopper GPU: out, dq, dk, dv on small awkward layouts (GQA,
+MQA with padding and one-token documents, non-contiguous segments, non-causal with huge segment
+ids, two batch rows, Sq != Skv), lengths off the kernel's 128-row tiles (padded by the backend),
+kvax's (64, 128) backward blocks, and "auto" taking hopper where it covers the call. The library
+comes from the build cache or a prebuilt one with a matching key, or is built on first use where
+nvcc is installed; without any of them the file is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/layouts.py
 
 from mosaic_marks import MOSAIC_GPU_MARKS  # noqa: E402
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
 
-pytestmark = MOSAIC_GPU_MARKS + [
-    pytest.mark.skipif(not cuda_bwd.LIB.exists(), reason=f"{cuda_bwd.LIB.name} not built "
-                       "(python -m kvax_plugin.attention.kernels.cuda_sm90.build)")]
+_OK, _WHY = cuda_bwd.library_status()
+pytestmark = MOSAIC_GPU_MARKS + [pytest.mark.skipif(not _OK, reason=f"hopper: {_WHY}")]
 
 
 # "hopper": the same kernel through the public op (kvax_plugin.flash_attention, backend="hopper")
@@ -31,6 +33,83 @@ def test_fused_backward_against_reference(name, variant):
   row = check.check_case(name, variant)
   assert row["finite"], row
   assert max(row["errors"].values()) < 2e-2, row
+
+
+def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hopper",
+            deterministic_backward=None):
+  """Largest relative L2 error of out, dq, dk, dv (bf16 against the float32 reference) of
+  kvax_plugin.flash_attention on packed documents with a padding tail; the queries are the
+  last sq tokens of the skv keys (or their own layout when longer)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import kvax_plugin as kp
+  import layouts
+  from kvax_plugin.attention.block_mask import FlashAttentionParamsConfig, create_attention_mask
+  from kvax_plugin.attention.reference import reference_attention
+
+  rng = np.random.default_rng(sq * 7 + skv)
+  kv_pos, kv_seg = layouts.packed_documents(rng, batch, skv, num_docs=3, pad_tail=skv // 9,
+                                            one_token_docs=1)
+  q_pos, q_seg = kv_pos[:, skv - sq:], kv_seg[:, skv - sq:]
+  if sq > skv:
+    q_pos, q_seg = layouts.packed_documents(rng, batch, sq, num_docs=2, pad_tail=5)
+  ids = tuple(jnp.asarray(x) for x in (q_pos, q_seg, kv_pos, kv_seg))
+  bwd = FlashAttentionParamsConfig(query_block_size=bwd_q, kv_block_size=128)
+  mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in (
+      (batch, sq, heads, 128), (batch, skv, kv_heads, 128), (batch, skv, kv_heads, 128),
+      (batch, sq, heads, 128)))
+  scale = 128 ** -0.5
+  f32 = lambda x: x.astype(jnp.float32)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out,) + vjp(cot.astype(out.dtype))
+
+  ours = jax.jit(lambda *a: grads(lambda q, k, v: kp.flash_attention(
+      q, k, v, *ids, mask, scale=scale, backend=backend, bwd_params=bwd,
+      deterministic_backward=deterministic_backward), *a))(q, k, v)
+  want = jax.jit(lambda *a: grads(lambda q, k, v: reference_attention(
+      q, k, v, *ids, causal=causal, scale=scale), *a))(f32(q), f32(k), f32(v))
+  errors = []
+  for a, b in zip(ours, want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all()
+    errors.append(float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30)))
+  return max(errors)
+
+
+@pytest.mark.parametrize("sq, skv, heads, kv_heads, causal, batch, bwd_q", [
+    (200, 200, 4, 2, True, 1, 128),   # one length off the tile
+    (136, 392, 4, 1, True, 2, 64),    # Sq != Skv, MQA, batch 2, kvax's (64, 128) blocks
+    (256, 130, 2, 2, False, 1, 128),  # kv one token past a tile, not causal
+    (1, 300, 4, 2, True, 1, 128),     # one query (decode)
+])
+def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batch, bwd_q):
+  assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q) < 2e-2
+
+
+def test_auto_takes_hopper_and_deterministic_takes_mosaic():
+  """Where the library is there (or buildable), "auto" runs hopper for a call it covers, and
+  deterministic_backward=True runs mosaic, whose backward is bitwise reproducible."""
+  import jax.numpy as jnp
+
+  from kvax_plugin.attention import kernels
+  dims = (jnp.bfloat16, 128, 128, ("causal", "gqa", "backward"))
+  assert kernels.resolve_backend_for("auto", *dims) == "hopper"
+  assert kernels.resolve_backend_for("auto", *dims, deterministic_backward=True) == "mosaic"
+  assert _errors(384, 384, 4, 2, True, backend="auto") < 2e-2
+  assert _errors(384, 384, 4, 2, True, backend="auto", deterministic_backward=True) < 2e-2
+
+
+def test_the_library_is_the_one_for_this_source():
+  """The loaded library is a prebuilt or cached one whose recorded key is this source's (or
+  was just built into the cache under it)."""
+  from kvax_plugin.attention.kernels.cuda_sm90 import build
+  cuda_bwd.load()
+  assert build.cached_library() is not None
 
 
 def test_hopper_runs_on_every_gpu_of_the_process():

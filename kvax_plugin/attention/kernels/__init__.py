@@ -8,11 +8,12 @@ implementation with one calling convention:
 
 over inputs already validated by the public op (shapes, dtypes, head dims, mask). Each backend
 is a leaf module or package under this folder that imports only the mask tables
-(attention.block_mask), the params (attention.params), the dense reference, capabilities.py,
-custom_vjp.py (the custom VJP shared by backends with backward kernels) and its own files; tests/test_layering.py enforces that. The leaf's module declares what it supports
-as `CAPABILITIES` (a `Capabilities`). This module holds one `KernelBackend` record per name: where
-the implementation lives (imported on first use), which devices it needs and how to check one,
-and which extra options it takes. Everything that picks a backend asks here.
+(attention.block_mask), the params and tuning options (attention.params, attention.options),
+the dense reference, capabilities.py, custom_vjp.py (the custom VJP shared by backends with
+backward kernels) and its own files; tests/test_layering.py enforces that. The leaf's module
+declares what it supports as `CAPABILITIES` (a `Capabilities`). This module holds one
+`KernelBackend` record per name: where the implementation lives (imported on first use), which
+devices it needs and how to check one, and which extra options it takes. Everything that picks a backend asks here.
 
 Adding a backend = one new leaf + one entry in `KERNEL_BACKENDS` (+ its place in `AUTO_ORDER`).
 A leaf's module must import without its optional dependencies (Triton, a Mosaic toolchain):
@@ -60,6 +61,8 @@ class KernelBackend:
   options: keyword options beyond the common convention the function accepts; the public op
     passes only those.
   install_hint: what to install when `module` cannot be imported.
+  reproducible_backward: whether its backward can give bitwise-reproducible gradients (False:
+    "auto" passes over it when the call asks for deterministic_backward=True).
   """
 
   name: str
@@ -72,6 +75,7 @@ class KernelBackend:
   auto_check: str | None = None
   options: tuple[str, ...] = ()
   install_hint: str = ""
+  reproducible_backward: bool = True
 
 
 _PACKAGE = __name__
@@ -81,20 +85,22 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         name="triton", module=f"{_PACKAGE}.triton.backend", function="flash_attention_triton",
         description="FlashAttention-2 Triton kernels through jax-triton (CUDA GPUs, sm80+)",
         platforms=("gpu",), device_check="device_supported",
-        options=("memory_optimized_gqa_backward",), install_hint="install kvax-plugin[gpu]"),
+        options=("memory_optimized_gqa_backward", "kernel_options"),
+        install_hint="install kvax-plugin[gpu]"),
     "mosaic": KernelBackend(
         name="mosaic", module=f"{_PACKAGE}.mosaic.backend", function="flash_attention_mosaic",
         description="FlashAttention-3-style Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, "
                     "warp-specialised producer / consumers)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
-        auto_check="auto_prefers", options=("deterministic_backward",)),
+        auto_check="auto_prefers", options=("deterministic_backward", "kernel_options")),
     "hopper": KernelBackend(
         name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
-                    "bf16, head dim 128, lengths multiples of 128; by name only)",
+                    "bf16, head dim 128; built with nvcc on first use; its dq summation order "
+                    "varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
-        options=("deterministic_backward",),
-        install_hint="build it: python -m kvax_plugin.attention.kernels.cuda_sm90.build"),
+        options=("deterministic_backward",), reproducible_backward=False,
+        install_hint="install kvax-plugin[gpu] (nvcc >= 13 builds its CUDA backward)"),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",
         description="blockwise online-softmax attention in plain JAX (any device)"),
@@ -104,13 +110,16 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 }
 
 # "auto": the first of these that can run here and supports the call.
-# Mosaic first: on Hopper it is the fastest of ours on every case measured (benchmarks/NOTES.md,
+# "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable) and covers
+# the call (bf16, head dim 128, no window / soft cap / sinks, its mask blocks), unless the call
+# asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
+# Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
+# 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k
+# documents 32.77 / 36.35; MaxText end to end, tokens/s, hopper / auto (then mosaic): 64k short
+# documents 98.8k / 91.8k, 16k one document 58.7k / 57.0k.
+# Then "mosaic": on Hopper the fastest of the rest on every case measured (benchmarks/NOTES.md,
 # "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
-# "hopper" is not in it: faster than "mosaic" on plain causal attention (session 20, H200: 1.8%
-# at 16k, 9% at 64k, 7% at 128k forward+backward) and at 64k documents, slower on 16k documents
-# (4.7%), its backward not bitwise reproducible (dq reduce-added in float32 in no fixed order,
-# where "mosaic"'s default is deterministic), and it covers only bf16 at head dim 128.
-AUTO_ORDER: tuple[str, ...] = ("mosaic", "triton", "jax")
+AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
 
@@ -193,13 +202,18 @@ def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int) -> tu
 
 
 def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
-                        features: Iterable[str] = (), mask: Any = None) -> str:
+                        features: Iterable[str] = (), mask: Any = None,
+                        deterministic_backward: bool | None = None) -> str:
   """The backend for one call. "auto": the first of AUTO_ORDER that runs here, supports the
-  inputs (and `mask`, when given) and is not measured slower there than the next (auto_check);
-  an explicit name that cannot run them raises BackendUnavailableError naming them."""
+  inputs (and `mask`, when given), is not measured slower there than the next (auto_check) and,
+  when deterministic_backward is True, has a bitwise-reproducible backward; an explicit name
+  that cannot run them raises BackendUnavailableError naming them (deterministic_backward is
+  then the backend's own to honour or refuse)."""
   features = tuple(features)
   if backend == "auto":
     for name in AUTO_ORDER:
+      if deterministic_backward and not KERNEL_BACKENDS[name].reproducible_backward:
+        continue
       if (availability(name)[0]
           and supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)[0]
           and auto_prefers(name, dtype, qk_head_dim, v_head_dim)[0]):

@@ -1,32 +1,60 @@
-"""Build an XLA FFI shared object for Hopper (sm_90a) from CUDA C++ source, on any machine with
-Python (no GPU needed): nvcc 13 (PyPI: nvidia-cuda-nvcc, nvidia-cuda-cccl; the `hopper` extra of
-kvax-plugin), the XLA FFI headers of the installed jaxlib, cudart linked statically (so only the
-driver is needed where it runs). Prints ptxas's register / spill report: a kernel's register
-budget is checked here, before a GPU run.
+"""Build backend="hopper"'s CUDA C++ backward (libkvax_sm90_bwd.so, an XLA FFI shared object for
+Hopper, sm_90a) from fused_backward.cu. No GPU is needed to build: nvcc >= 13 (PyPI:
+nvidia-cuda-nvcc, nvidia-cuda-cccl; both in kvax-plugin's `gpu` extra), the XLA FFI headers of
+the installed jaxlib, cudart linked statically (so only the driver is needed where it runs).
 
-    python -m kvax_plugin.attention.kernels.cuda_sm90.build    # libkvax_sm90_bwd.so, next to
-                                                              # fused_backward.py
+The backend builds it itself on first use (ensure_library, called by fused_backward.load) into
+a cache keyed by what the binary depends on (build_key: the source, the flags, the jaxlib
+version, the architecture):
+
+    $XDG_CACHE_HOME/kvax_plugin/sm90/<key>/libkvax_sm90_bwd.so   (default ~/.cache/...)
+
+Several processes starting at once (one per GPU) build it once: the first takes a file lock,
+compiles into a temporary file and renames it into place; the others wait on the lock and load
+the result. A prebuilt library next to fused_backward.py is used instead when the key recorded
+beside it (libkvax_sm90_bwd.so.json) matches, which is how a machine without nvcc (the GPU
+image) gets one:
+
+    python -m kvax_plugin.attention.kernels.cuda_sm90.build    # prebuild next to the source,
+                                                               # with ptxas's register report
+    python -m kvax_plugin.attention.kernels.cuda_sm90.build --cache-dir DIR   # into a cache
     python -m kvax_plugin.attention.kernels.cuda_sm90.build --source probe.cu --out probe.so
 
-The flags live here only: scripts/build_ffi_so.sh (the FFI probe) and build.sh call this.
+nvcc is the `nvcc` argument (--nvcc) when given, else the one the nvidia-cuda-nvcc wheel
+installed, else nvcc on PATH. scripts/build_ffi_so.sh (the FFI probe) and build.sh call this.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "fused_backward.cu"
-OUTPUT = HERE / "libkvax_sm90_bwd.so"
-NVCC_ENV = "KVAX_NVCC"
-INSTALL_HINT = ("python3 -m pip install 'nvidia-cuda-nvcc>=13' nvidia-cuda-cccl "
-                "(or kvax-plugin[hopper])")
+LIB_NAME = "libkvax_sm90_bwd.so"
+OUTPUT = HERE / LIB_NAME  # the optional prebuilt library (git-ignored), used when its key matches
+ARCH = "sm_90a"  # wgmma, setmaxnreg, TMA: Hopper's arch-specific features
+# Everything on nvcc's command line but the paths: part of the cache key.
+FLAGS = ("-std=c++17", "-O3", "-gencode", f"arch=compute_90a,code={ARCH}", "--shared",
+         "-Xcompiler", "-fPIC", "-cudart", "static", "-Xptxas", "-v")
+INSTALL_HINT = ("pip install 'kvax-plugin[gpu]' (or: pip install 'nvidia-cuda-nvcc>=13' "
+                "'nvidia-cuda-cccl>=13')")
+MISSING_TOOLCHAIN = (
+    f'backend="hopper" compiles its CUDA backward ({LIB_NAME}) once, on first use, and needs '
+    f"nvcc >= 13 for it: {INSTALL_HINT}. Or build it on another machine with the same jaxlib "
+    "(python -m kvax_plugin.attention.kernels.cuda_sm90.build; no GPU needed) and copy "
+    f"{LIB_NAME} and {LIB_NAME}.json next to {HERE / 'fused_backward.py'}")
 # What the report keeps of nvcc's output: ptxas's lines (registers, spills, serialization
 # warnings) and anything about the source itself or an error; the FFI headers' own warnings
 # (their message, source excerpt and caret lines) are dropped.
@@ -34,64 +62,212 @@ _PTXAS_DETAIL = re.compile(r"^\s+\d+ bytes stack frame")
 _ERROR = re.compile(r"\berror\b", re.IGNORECASE)
 
 
+class ToolchainMissing(FileNotFoundError):
+  """No nvcc to build the library with (the message says what to install)."""
+
+
 def _keep(line: str, source: Path) -> bool:
   return ("ptxas" in line or source.name in line or bool(_ERROR.search(line))
           or bool(_PTXAS_DETAIL.match(line)))
 
 
-def find_nvcc(explicit: str | None = None) -> Path:
-  """nvcc: `explicit`, else $KVAX_NVCC, else nvcc on PATH, else the one the nvidia-cuda-nvcc wheel
-  installs (nvidia/cu13/bin or nvidia/cuda_nvcc/bin on sys.path). Raises FileNotFoundError with
-  what to install."""
-  for candidate in (explicit, os.environ.get(NVCC_ENV) or None):
-    if candidate:
-      if not Path(candidate).is_file():
-        raise FileNotFoundError(f"nvcc: {candidate} does not exist")
-      return Path(candidate)
-  on_path = shutil.which("nvcc")
-  if on_path:
-    return Path(on_path)
+def find_nvcc(explicit: str | os.PathLike | None = None) -> Path:
+  """nvcc: `explicit`, else the nvidia-cuda-nvcc wheel's (nvidia/cu13/bin or nvidia/cuda_nvcc/bin
+  on sys.path: the version kvax-plugin[gpu] pins, ahead of an older CUDA on PATH), else nvcc on
+  PATH. Raises ToolchainMissing saying what to install."""
+  if explicit:
+    if not Path(explicit).is_file():
+      raise ToolchainMissing(f"nvcc={str(explicit)!r}: no such file (expected the path of an "
+                             "nvcc >= 13 executable, or None to look it up)")
+    return Path(explicit)
   for entry in sys.path:
     for sub in ("nvidia/cu13/bin/nvcc", "nvidia/cuda_nvcc/bin/nvcc"):
       path = Path(entry or ".") / sub
       if path.is_file():
         return path
-  raise FileNotFoundError(f"no nvcc (--nvcc, ${NVCC_ENV}, PATH, the nvidia-cuda-nvcc wheel); "
-                          f"install it: {INSTALL_HINT}")
+  on_path = shutil.which("nvcc")
+  if on_path:
+    return Path(on_path)
+  raise ToolchainMissing(MISSING_TOOLCHAIN)
 
 
 def nvcc_command(nvcc: Path, source: Path, out: Path, ffi_include: str) -> list[str]:
-  """The nvcc command line: sm_90a (wgmma, setmaxnreg, TMA), a shared object with cudart
-  static, ptxas's report on."""
-  return [str(nvcc), "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "--shared",
-          "-Xcompiler", "-fPIC", "-cudart", "static", "-Xptxas", "-v", f"-I{ffi_include}",
-          str(source), "-o", str(out)]
+  """The nvcc command line: FLAGS, the FFI headers, the source, the output."""
+  return [str(nvcc), *FLAGS, f"-I{ffi_include}", str(source), "-o", str(out)]
 
 
-def build(source: Path = SOURCE, out: Path = OUTPUT, nvcc: str | None = None) -> Path:
-  """Compile `source` into `out` (an old `out` is removed first, so a failed build leaves none);
-  prints the compiler's report. Returns `out`; raises RuntimeError when nvcc fails."""
+def _jaxlib_version() -> str:
+  import jaxlib
+  return jaxlib.__version__
+
+
+def key_parts(source: Path = SOURCE) -> dict[str, str]:
+  """What the binary depends on: the source, the flags, the jaxlib whose FFI headers it is
+  compiled against (and whose runtime calls it), the GPU architecture. Not nvcc's version: the
+  key must be computable where no nvcc is installed (the GPU image loading a prebuilt one)."""
+  return {"source_sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest(),
+          "flags": " ".join(FLAGS), "jaxlib": _jaxlib_version(), "arch": ARCH}
+
+
+def build_key(source: Path = SOURCE) -> str:
+  """16 hex digits of the hash of key_parts(source)."""
+  text = json.dumps(key_parts(source), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+  """$XDG_CACHE_HOME/kvax_plugin/sm90, or ~/.cache/kvax_plugin/sm90 (XDG_CACHE_HOME unset, empty
+  or relative, as the XDG spec says to ignore it)."""
+  base = os.environ.get("XDG_CACHE_HOME", "")
+  root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+  return root / "kvax_plugin" / "sm90"
+
+
+def info_path(lib: Path) -> Path:
+  """The JSON beside a library: its key, key parts and the compiler's report."""
+  return Path(lib).with_name(Path(lib).name + ".json")
+
+
+def recorded_key(lib: Path) -> str | None:
+  """The key recorded beside `lib` (None: no library, no record, or an unreadable one)."""
+  try:
+    if not Path(lib).is_file():
+      return None
+    return json.loads(info_path(lib).read_text()).get("key")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+  os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from other users of a shared cache
+  os.replace(tmp, path)
+
+
+def build(source: Path = SOURCE, out: Path = OUTPUT, nvcc: str | os.PathLike | None = None,
+          *, verbose: bool = True) -> Path:
+  """Compile `source` into `out` and record its key in out.json; returns `out`.
+
+  An old `out` and its record are removed first (a failed build leaves none); the library is
+  compiled into a temporary file in out's folder and renamed into place after its record is
+  written, so a reader that finds `out` finds the whole file and its key. `nvcc`: the
+  compiler to run (find_nvcc's order when None). verbose: print ptxas's report (registers,
+  spills). Raises ToolchainMissing without nvcc, RuntimeError when nvcc fails.
+  """
   import jax.ffi
-  cmd = nvcc_command(find_nvcc(nvcc), Path(source), Path(out), jax.ffi.include_dir())
-  Path(out).unlink(missing_ok=True)
-  done = subprocess.run(cmd, capture_output=True, text=True)
-  report = [line for line in (done.stdout + done.stderr).splitlines()
-            if _keep(line, Path(source))]
-  print("\n".join(report))
-  if done.returncode != 0 or not Path(out).exists():
-    raise RuntimeError(f"nvcc failed (exit {done.returncode}): {' '.join(cmd)}")
-  print(f"built {out} ({Path(out).stat().st_size} bytes)")
-  return Path(out)
+  source, out = Path(source), Path(out)
+  compiler = find_nvcc(nvcc)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.unlink(missing_ok=True)
+  info_path(out).unlink(missing_ok=True)
+  fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+  os.close(fd)
+  tmp = Path(tmp_name)
+  try:
+    cmd = nvcc_command(compiler, source, tmp, jax.ffi.include_dir())
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    report = [line for line in (done.stdout + done.stderr).splitlines() if _keep(line, source)]
+    if verbose:
+      print("\n".join(report))
+    if done.returncode != 0 or not tmp.exists() or tmp.stat().st_size == 0:
+      tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
+      raise RuntimeError(f"nvcc failed (exit {done.returncode}): {' '.join(cmd)}\n{tail}")
+    info = {"key": build_key(source), "parts": key_parts(source), "nvcc": str(compiler),
+            "seconds": round(time.monotonic() - start, 1), "report": report}
+    _atomic_write_text(info_path(out), json.dumps(info, indent=1) + "\n")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, out)
+  finally:
+    tmp.unlink(missing_ok=True)
+  if verbose:
+    print(f"built {out} ({out.stat().st_size} bytes, key {build_key(source)})")
+  return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, waiting_message: str):
+  """An exclusive fcntl lock on `path`, held for the block (released if the holder dies, as the
+  kernel drops a dead process's locks); says once on stderr that it waits for another holder."""
+  with open(path, "a") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      print(waiting_message, file=sys.stderr, flush=True)
+      fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_library(cache_dir: str | os.PathLike | None = None, source: Path = SOURCE,
+                   prebuilt: Path | None = OUTPUT) -> Path | None:
+  """The library to load without building, if there is one: `prebuilt` when its recorded key
+  matches the source's, else the cache's copy for that key; None otherwise."""
+  key = build_key(source)
+  if prebuilt is not None and recorded_key(prebuilt) == key:
+    return Path(prebuilt)
+  cached = Path(cache_dir or default_cache_dir()) / key / LIB_NAME
+  return cached if recorded_key(cached) == key else None
+
+
+def ensure_library(cache_dir: str | os.PathLike | None = None,
+                   nvcc: str | os.PathLike | None = None, *, source: Path = SOURCE,
+                   prebuilt: Path | None = OUTPUT) -> Path:
+  """The path of a library built from `source`, building it into the cache if needed.
+
+  cache_dir: the cache's root (default: default_cache_dir(), which follows XDG_CACHE_HOME);
+    the library goes to <cache_dir>/<build_key>/libkvax_sm90_bwd.so.
+  nvcc: the compiler to build with (default: find_nvcc's order).
+  source / prebuilt: what to build, and the prebuilt library that stands in for the build when
+    its recorded key matches (None: none).
+  Several processes may call this at once: one builds (under a file lock in the key's folder),
+  the others wait for it and return its result. Raises ToolchainMissing (what to install) when
+  there is nothing to load and no nvcc, RuntimeError when nvcc fails.
+  """
+  found = cached_library(cache_dir, source, prebuilt)
+  if found is not None:
+    return found
+  key = build_key(source)
+  folder = Path(cache_dir or default_cache_dir()) / key
+  target = folder / LIB_NAME
+  folder.mkdir(parents=True, exist_ok=True)
+  with _file_lock(folder / ".lock", f"kvax_plugin: waiting for another process building "
+                                    f"{target}"):
+    if recorded_key(target) == key:  # built by the process that held the lock before us
+      return target
+    compiler = find_nvcc(nvcc)  # after the lock: a waiter needs no nvcc of its own
+    print(f"kvax_plugin: compiling backend=\"hopper\"'s CUDA backward into {target} (once per "
+          "source and jaxlib version; about a minute)", file=sys.stderr, flush=True)
+    build(source, target, compiler, verbose=False)
+  return target
 
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--source", type=Path, default=SOURCE)
-  ap.add_argument("--out", type=Path, default=OUTPUT)
-  ap.add_argument("--nvcc", help=f"the nvcc to use (default: ${NVCC_ENV}, PATH, the wheel's)")
+  ap.add_argument("--out", type=Path, default=None,
+                  help=f"the library to write (default: {OUTPUT}, the prebuilt one)")
+  ap.add_argument("--cache-dir", type=Path, default=None,
+                  help="build into this cache (as the backend does on first use) instead")
+  ap.add_argument("--nvcc", help="the nvcc to use (default: the nvidia-cuda-nvcc wheel's, then "
+                                 "PATH)")
+  ap.add_argument("--print-key", action="store_true",
+                  help="print the cache key of --source and exit")
   args = ap.parse_args(argv)
+  if args.print_key:
+    print(build_key(args.source))
+    return 0
+  if args.cache_dir is not None and args.out is not None:
+    ap.error("--cache-dir and --out: give one (where the library goes)")
   try:
-    build(args.source, args.out, args.nvcc)
+    if args.cache_dir is not None:
+      print(ensure_library(args.cache_dir, args.nvcc, source=args.source, prebuilt=None))
+    else:
+      build(args.source, args.out or OUTPUT, args.nvcc)
   except (FileNotFoundError, RuntimeError) as e:
     print(f"build: {e}", file=sys.stderr)
     return 1

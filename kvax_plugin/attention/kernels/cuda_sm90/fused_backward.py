@@ -1,25 +1,31 @@
-"""JAX side of fused_backward.cu: load the shared object, register its FFI target, call it.
+"""JAX side of fused_backward.cu: find or build the shared object, register its FFI target, call it.
 
     dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True, variant="v7")
-    # (the call loads libkvax_sm90_bwd.so, next to this file, once per process)
+                                tile_bounds(mask), scale=..., causal=True)
+    # the first call loads libkvax_sm90_bwd.so, building it first if needed (build.py's
+    # ensure_library: a prebuilt one next to this file whose key matches, else the cache,
+    # else nvcc into the cache), once per process
 
 kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper");
-benchmarks/cuda_backward_check.py does the same per variant, to check each against the float32
-reference and time it against the Mosaic backward and cuDNN. This module imports no other
-kernel backend (a leaf, tests/test_layering.py).
+benchmarks/cuda_backward_check.py does the same, to check it against the float32 reference and
+time it against the Mosaic backward and cuDNN. This module imports no other kernel backend (a
+leaf, tests/test_layering.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-LIB = Path(__file__).with_name("libkvax_sm90_bwd.so")
+from kvax_plugin.attention.kernels.cuda_sm90 import build
+
+PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
 TARGET = "kvax_sm90_fused_backward"
 HEAD_DIM = 128
 KV_TILE = 128
@@ -32,23 +38,84 @@ Q_BLOCK = 64
 ABI_VERSION = 6
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
+# Why this process could not get a library (the exception's type and message): said again on
+# every later ask instead of looking for nvcc or compiling again.
+_FAILED: list[tuple[type, str]] = []
+_LOCK = threading.Lock()  # one loader per process (threads tracing on several GPUs at once)
 
 
-def load(path: str | None = None) -> ctypes.CDLL:
-  """Load the shared object (built by build.sh) and register its FFI target for CUDA, once per
-  process (later calls return the first library, whatever their path)."""
+def library_status(cache_dir: str | os.PathLike | None = None) -> tuple[bool, str]:
+  """(ok, reason) without building or loading anything: ok when the library is loaded,
+  prebuilt with a matching key, in the cache, or can be built here (nvcc found); else why not
+  (what to install, or this process's failed attempt)."""
   if _LOADED:
-    return _LOADED[0]
-  lib_path = Path(path) if path else LIB
-  if not lib_path.exists():
-    raise FileNotFoundError(f"{lib_path}: not built; run python -m kvax_plugin.attention.kernels."
-                            "cuda_sm90.build (nvcc >= 13: PyPI nvidia-cuda-nvcc)")
-  lib = ctypes.cdll.LoadLibrary(str(lib_path))
-  check_abi(lib, lib_path)
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
-                              platform="CUDA")
-  _LOADED.append(lib)
-  return lib
+    return True, ""
+  if _FAILED:
+    return False, _FAILED[0][1]
+  if build.cached_library(cache_dir, prebuilt=PREBUILT) is not None:
+    return True, ""
+  try:
+    build.find_nvcc()
+  except build.ToolchainMissing as e:
+    return False, str(e)
+  return True, ""
+
+
+def prepare(cache_dir: str | os.PathLike | None = None,
+            nvcc: str | os.PathLike | None = None) -> tuple[bool, str]:
+  """(ok, reason): load(cache_dir=..., nvcc=...), building the library first if needed, and say
+  why not instead of raising. backend="hopper"'s device check calls it on a Hopper GPU, so
+  "auto" takes hopper only once its backward is really there; the build (about a minute, said
+  on stderr) happens once per source and jaxlib version, a failure once per process."""
+  try:
+    load(cache_dir=cache_dir, nvcc=nvcc)
+  except (OSError, RuntimeError) as e:  # ToolchainMissing is an OSError (FileNotFoundError)
+    return False, str(e)
+  return True, ""
+
+
+def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
+         nvcc: str | os.PathLike | None = None) -> ctypes.CDLL:
+  """Load the shared object and register its FFI target for CUDA, once per process (later
+  calls return the first library, whatever their arguments).
+
+  path: a library to load as it is (no key check). None: build.ensure_library(cache_dir, nvcc)
+    finds it (the prebuilt one if its key matches, else the cache) or builds it into the cache
+    (cache_dir: its root, default $XDG_CACHE_HOME/kvax_plugin/sm90 or ~/.cache/...; nvcc: the
+    compiler, default the nvidia-cuda-nvcc wheel's, then PATH). Call it before the first
+    backend="hopper" call to choose those; the backend itself calls it with the defaults.
+  Raises build.ToolchainMissing (what to install) or RuntimeError (a failed build, a library
+  from another source); with path=None the failure is remembered and raised again at once.
+  """
+  with _LOCK:
+    if _LOADED:
+      return _LOADED[0]
+    if path is not None:
+      lib_path = Path(path)
+      if not lib_path.is_file():
+        raise FileNotFoundError(f"path={str(path)!r}: no such library (expected a "
+                                f"{build.LIB_NAME} built by python -m kvax_plugin.attention."
+                                "kernels.cuda_sm90.build, or None to find or build it)")
+      lib = ctypes.cdll.LoadLibrary(str(lib_path))
+      check_abi(lib, lib_path)
+    else:
+      if _FAILED:
+        kind, message = _FAILED[0]
+        raise kind(message)
+      try:
+        lib_path = build.ensure_library(cache_dir, nvcc, prebuilt=PREBUILT)
+        lib = ctypes.cdll.LoadLibrary(str(lib_path))
+        check_abi(lib, lib_path)
+      except build.ToolchainMissing as e:
+        _FAILED.append((build.ToolchainMissing, str(e)))
+        raise
+      except (OSError, RuntimeError) as e:  # nvcc failed, dlopen failed, another source
+        _FAILED.append((RuntimeError, f"{build.LIB_NAME} could not be built or loaded: {e}"))
+        raise RuntimeError(_FAILED[0][1]) from e
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
+                                platform="CUDA")
+    _LOADED.append(lib)
+    return lib
 
 
 def check_abi(lib, lib_path) -> None:
@@ -79,20 +146,22 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
 # between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
 # consumers may drift apart instead of meeting every step).
 STM, FRAG, EXP, DECOUPLE = 2, 4, 16, 32
+# The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS): the variant choice is
+# settled, so the library holds v7 alone (a third of the compile time of three). The name stays
+# an argument of fused_backward so benchmarks/cuda_backward_check.py can keep naming it.
 VARIANTS = {
-    # v2: dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
-    # branch-free per element; dS stored element by element, the dQ part staged row-major
-    "v2": 0,
-    # v6: v2 with the three (S19C, H100, 16k causal backward: v2 13.99, v5 = STM | FRAG 12.90,
-    # v6 11.65 ms; Mosaic 12.05, cuDNN 11.16; 64k: v6 181.9, Mosaic 189.1, cuDNN 168.2)
-    "v6": STM | FRAG | EXP,
-    # v7 (the default): v6 with DECOUPLE (S20A, H200, backward alone, ms: 16k causal v6 11.58,
-    # v7 11.08, cuDNN 10.93, Mosaic 12.38; 16k documents v6 2.92, v7 2.82, Mosaic 2.70; 64k
-    # causal v6 177.4, v7 169.4, cuDNN 163.5, Mosaic 187.3)
+    # v7: v2 (dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
+    # branch-free per element; dS stored element by element, the dQ part staged row-major) with
+    # STM | FRAG | EXP (= v6: S19C, H100, 16k causal backward: v2 13.99, v5 = STM | FRAG 12.90,
+    # v6 11.65 ms; Mosaic 12.05, cuDNN 11.16; 64k: v6 181.9, Mosaic 189.1, cuDNN 168.2) and
+    # DECOUPLE (S20A, H200, backward alone, ms: 16k causal v6 11.58, v7 11.08, cuDNN 10.93,
+    # Mosaic 12.38; 16k documents v6 2.92, v7 2.82, Mosaic 2.70; 64k causal v6 177.4, v7 169.4,
+    # cuDNN 163.5, Mosaic 187.3)
     "v7": STM | FRAG | EXP | DECOUPLE,
 }
 DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
-# Measured and removed. Session 18 (H100, 16k causal backward): v1, each consumer computing the
+# Measured and removed: v2 and v6 (above; built until 2026-11-26, main ccc4639). Before them,
+# Session 18 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
 # the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
 # C7512 otherwise). Session 19 (S19A, S19B): v0, v2 with shared memory reached through generic
