@@ -99,8 +99,6 @@ def test_deterministic_backward_routes_auto_to_mosaic(fake_hopper_gpu):
   assert kernels.resolve_backend_for("hopper", *args, deterministic_backward=True) == "hopper"
 
 
-@pytest.mark.xfail(strict=False, reason="until api.flash_attention passes deterministic_backward "
-                   "to resolve_backend_for (the registry side is done)")
 def test_the_public_op_routes_deterministic_auto_to_mosaic(fake_hopper_gpu, monkeypatch):
   """Through kvax_plugin.flash_attention: "auto" runs hopper by default and mosaic for
   deterministic_backward=True (the backends are recorded, not run: no GPU here)."""

@@ -186,7 +186,8 @@ def flash_attention(query: jax.Array,
     validation.check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
                                          kv_segment_ids)
   name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
-                             _features(query, key, value, mask, logits_soft_cap, sinks), mask)
+                             _features(query, key, value, mask, logits_soft_cap, sinks), mask,
+                             deterministic_backward=deterministic_backward)
   if validation.is_empty(query, key):
     # Batch, a length or the heads is 0: empty in, empty out; with Skv = 0 every row has
     # nothing to attend, so it is 0 (README, "Degenerate sizes"). Gradients are zero.
