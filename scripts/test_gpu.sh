@@ -17,7 +17,9 @@
 #   conformance_<size>.json   date, GPU, versions, per-backend counts (cells / run / passed /
 #                             failed / refused / refused_late / unavailable / not_run), the
 #                             failing cells with their errors, every cell's record
+#                             (conformance_full_part1of2.json with PART=1/2)
 #   conformance_<size>_shard<i>.{log,jsonl}, gpu_tests_<file>.{log,xml}, env.txt
+# Parts merge on any machine: python tests/conformance_cells.py merge ALL.json OUT*/*.jsonl --size full
 # Exit status: 0 when no cell and no GPU test failed.
 #
 # Environment: SHARDS (matrix processes side by side on the one GPU; compiling dominates and
@@ -63,15 +65,16 @@ for name in kernels.KERNEL_BACKENDS:
 
 if [ "$size" = full ]; then shards=${SHARDS:-8}; marker="gpu and conformance_full"; else shards=${SHARDS:-4}; marker="gpu and conformance"; fi
 sizeenv=""; [ "$size" = cpu ] && sizeenv=cpu
+tag=$size${PART:+_part${PART/\//of}}  # conformance_full_part1of2.json, ...
 gpu_tests=${GPU_TESTS:-$([ "$size" = full ] && echo 1 || echo 0)}
-rm -f "$out"/conformance_"$size"_shard*.jsonl "$out"/gpu_tests_*.xml
+rm -f "$out"/conformance_"$tag"_shard*.jsonl "$out"/gpu_tests_*.xml
 t0=$(date +%s)
 pids=()
 for i in $(seq 1 "$shards"); do
   KVAX_CONFORMANCE_SIZE=$sizeenv KVAX_CONFORMANCE_SHARD=$i/$shards KVAX_CONFORMANCE_PART=${PART:-} \
-  KVAX_CONFORMANCE_SEED=${SEED:-0} KVAX_CONFORMANCE_JSONL="$out/conformance_${size}_shard$i.jsonl" \
+  KVAX_CONFORMANCE_SEED=${SEED:-0} KVAX_CONFORMANCE_JSONL="$out/conformance_${tag}_shard$i.jsonl" \
     timeout "${MATRIX_TIMEOUT:-540}" "$PY" -m pytest -m "$marker" tests/gpu/test_conformance.py \
-      -q -rf -p no:cacheprovider > "$out/conformance_${size}_shard$i.log" 2>&1 &
+      -q -rf -p no:cacheprovider > "$out/conformance_${tag}_shard$i.log" 2>&1 &
   pids+=($!)
 done
 if [ "$gpu_tests" = 1 ] && [ -z "${PART:-}" -o "${PART%%/*}" = 1 ]; then
@@ -108,7 +111,7 @@ print(json.dumps({"size": size, "part": part or None, "shards": int(shards),
                   "command": f"bash scripts/test_gpu.sh {size}",
                   "gpu_tests": files, "gpu_tests_cut": cut}))
 EOF
-"$PY" tests/conformance_cells.py merge "$out/conformance_$size.json" "$out"/conformance_"$size"_shard*.jsonl \
+"$PY" tests/conformance_cells.py merge "$out/conformance_$tag.json" "$out"/conformance_"$tag"_shard*.jsonl \
   --size "$size" ${PART:+--part "$PART"} --seed "${SEED:-0}" --extra "$out/extra.json" | tee -a "$out/env.txt"
 status=${PIPESTATUS[0]}
 for log in "$out"/gpu_tests_*.log; do
@@ -117,5 +120,5 @@ done
 if ls "$out"/gpu_tests_*.xml >/dev/null 2>&1 && grep -lE 'failures="[1-9]|errors="[1-9]' "$out"/gpu_tests_*.xml >/dev/null; then
   status=1
 fi
-echo "result: $out/conformance_$size.json (exit $status)"
+echo "result: $out/conformance_$tag.json (exit $status)"
 exit "$status"

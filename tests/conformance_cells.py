@@ -176,11 +176,6 @@ class Cell:
             f"-b{self.batch}-q{self.q_len}kv{self.length}-{self.layout}-{self.mask}"
             f"-{self.logits}-{_blocks_id(self.blocks)}{'' if self.skip_pad else '-padvisit'}{opts}")
 
-  def config_key(self) -> tuple:
-    """What decides shapes and statics: cells equal here share compiled programs."""
-    return (self.backend, self.dtype, self.dims, self.heads, self.batch, self.length, self.qmode,
-            self.mask, self.logits, self.blocks, self.skip_pad, self.options)
-
 
 _DTYPE_ABBREV = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _OPTION_ABBREV = {"deterministic_backward": "det", "memory_optimized_gqa_backward": "memgqa"}
@@ -439,7 +434,9 @@ def _generate(size: str, seed: int, backends: tuple[str, ...]) -> tuple[Cell, ..
                                            predicted="accept", group=group))
       for row in refused:
         group += 1
-        cell = _cell_from(backend, row, LAYOUTS[group % len(LAYOUTS)])
+        # any layout (the registry's answer does not depend on it), the same in every size
+        layout = LAYOUTS[_seed_for(backend, sorted(row.items(), key=str)) % len(LAYOUTS)]
+        cell = _cell_from(backend, row, layout)
         _, why = registry_verdict(cell)
         cells.append(dataclasses.replace(cell, sizes=sizes, predicted="refuse", reason=why,
                                          group=group))
@@ -574,7 +571,7 @@ def _programs():
   @functools.partial(jax.jit, static_argnames=("backend", "scale", "cap", "options", "direct"))
   def ours(q, k, v, s, cot, ints, mask, *, backend, scale, cap, options, direct):
     opts = dict(options)
-    if direct:
+    if direct is not None:
       # Interpreter runs on the CPU (no GPU for the registry's device check): the backend's
       # function with its interpreter switch, over inputs the public op validated (see
       # run_cell: the same call went through the op's checks first).
@@ -629,12 +626,12 @@ def _explicit_refusal(tb) -> bool:
   return "/kvax_plugin/" in path or not any(part in path for part in _TOOLCHAIN)
 
 
-def run_cell(cell: Cell, seed: int = 0, direct: tuple = ()) -> dict[str, Any]:
+def run_cell(cell: Cell, seed: int = 0, direct: tuple | None = None) -> dict[str, Any]:
   """Check one cell; returns its record (status, errors, reason, seconds).
 
-  direct: run the backend's function itself with these extra keywords (e.g. (("interpret",
-  True),) for the Mosaic interpreter on the CPU) instead of the public op; the op's own checks
-  still run on the same call first, and the registry's verdict is still required.
+  direct: None (the public op), or run the backend's function itself with these extra keywords
+  (e.g. (("interpret", True),) for the Mosaic interpreter on the CPU, () for none); the op's
+  own checks still run on the same call first, and the registry's verdict is still required.
   """
   import jax
   import jax.numpy as jnp
@@ -644,7 +641,7 @@ def run_cell(cell: Cell, seed: int = 0, direct: tuple = ()) -> dict[str, Any]:
   t0 = time.perf_counter()
   record: dict[str, Any] = dict(id=cell.id, backend=cell.backend, group=cell.group,
                                 sizes=list(cell.sizes), predicted=cell.predicted,
-                                cell=describe(cell))
+                                cell=describe(cell), device=jax.devices()[0].device_kind)
   cell_seed = _seed_for(seed, cell.id)
   rng = np.random.default_rng(cell_seed)
   q_pos, q_seg, kv_pos, kv_seg = make_layout(cell, rng)
@@ -682,18 +679,19 @@ def run_cell(cell: Cell, seed: int = 0, direct: tuple = ()) -> dict[str, Any]:
     record["seconds"] = round(time.perf_counter() - t0, 3)
     return record
 
-  available, why = kernels.availability(cell.backend)
-  if not available and not direct:
-    return expect_refusal(UNAVAILABLE, why)
   accepted, why = registry_verdict(cell, mask)
   record["accepted"] = accepted
+  available, why_not_here = kernels.availability(cell.backend)
+  if not available and direct is None:
+    return expect_refusal(UNAVAILABLE, why_not_here)
   if not accepted:
     return expect_refusal(REFUSED, why)
 
   ours, reference = _programs()
   f32_products = cell.dtype == "float32"
+  record["ran"] = True  # attempted: a crash below counts as a run that failed
   try:
-    if direct:
+    if direct is not None:
       # The public op's validation and the registry's choice on this very call (then the
       # backend's own function runs, with its interpreter switch).
       try:
@@ -708,7 +706,6 @@ def run_cell(cell: Cell, seed: int = 0, direct: tuple = ()) -> dict[str, Any]:
       mine = ours(q, k, v, s, cot, ints, mask, backend=cell.backend, scale=scale, cap=cap,
                   options=options, direct=direct)
       mine = jax.device_get(mine)
-    record["ran"] = True
   except (ValueError, NotImplementedError, kernels.BackendUnavailableError) as e:
     if _explicit_refusal(e.__traceback__):
       # The registry said yes and the backend then refused, naming why: not a wrong answer,
@@ -843,8 +840,10 @@ def report(records: list[dict], expected: list[Cell] | None = None,
     c = counts.setdefault(r["backend"], {s: 0 for s in ("cells", "run") + STATUSES})
     c["cells"] += 1
     c[r["status"]] += 1
-    c["run"] += bool(r.get("ran"))
+    c["run"] += bool(r.get("ran")) and r["status"] in (PASSED, FAILED)
   out = dict(environment(), **(extra or {}))
+  # the devices the cells ran on (a report merged elsewhere describes that machine above)
+  out["cell_devices"] = sorted({r["device"] for r in records if r.get("device")})
   out.update(
       counts=counts,
       failures=[{k: r.get(k) for k in ("id", "error", "errors", "seconds")}
@@ -879,6 +878,15 @@ def summary_lines(rep: dict[str, Any]) -> list[str]:
                  f"{c['passed']:4d}  failed {c['failed']:3d}  refused {c['refused']:4d}  "
                  f"refused_late {c['refused_late']:3d}  unavailable {c['unavailable']:4d}  "
                  f"not_run {c['not_run']:3d}")
+  late: dict[tuple, int] = {}
+  for r in rep["refused_late"]:
+    key = (r["id"].split("-")[0], (r["reason"] or "")[:160])
+    late[key] = late.get(key, 0) + 1
+  for (backend, reason), n in sorted(late.items()):
+    lines.append(f"  refused_late x{n} {backend}: {reason}")
+  if rep.get("registry_mismatch"):
+    lines.append(f"  registry answers that differ from the generator's: "
+                 f"{len(rep['registry_mismatch'])} cells")
   for f in rep["failures"]:
     lines.append(f"  FAILED {f['id']}: {f['error']}")
   return lines

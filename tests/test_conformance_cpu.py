@@ -51,6 +51,23 @@ def test_generator_covers_every_axis_value_of_every_backend():
   assert {True, False} <= modes, modes
 
 
+def test_full_contains_quick_and_covers_the_risky_pairs():
+  quick, full = cc.generate("quick"), cc.generate("full")
+  assert {c.id for c in quick} == {c.id for c in full if "quick" in c.sizes}
+  for backend in cc.matrix_backends():
+    axes = cc._axes_for(backend, "gpu")
+    rows = [_row(c) for c in full if c.backend == backend]
+    accepted = [_row(c) for c in full if c.backend == backend and c.predicted == "accept"]
+    for a, b in cc.RISKY_PAIRS:
+      for x in axes[a]:
+        for y in axes[b]:
+          if any(r[a] == x and r[b] == y for r in accepted):
+            continue
+          # not run: then refused, in this pair's own cell or in one of its values' cell
+          assert any(r[a] == x and r[b] == y for r in rows) or not all(
+              any(r[k] == v for r in accepted) for k, v in ((a, x), (b, y))), (backend, a, x, b, y)
+
+
 def _row(cell: cc.Cell) -> dict:
   row = dict(dtype=cell.dtype, dims=cell.dims, heads=cell.heads, batch=cell.batch,
              length=cell.length, qmode=cell.qmode, mask=cell.mask, logits=cell.logits,

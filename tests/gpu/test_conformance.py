@@ -14,6 +14,9 @@ result JSON. Environment:
     KVAX_CONFORMANCE_SEED=int     generator and input seed (default 0)
     KVAX_CONFORMANCE_SIZE=cpu     the CPU-sized cells on a machine without GPU (a dry run of the
                                   script's plumbing)
+    KVAX_CONFORMANCE_STRICT=1     a cell the registry accepts and the backend then refuses
+                                  ("refused_late": an explicit error, never a wrong answer, but a
+                                  declaration that does not say all) fails too
 """
 
 from __future__ import annotations
@@ -87,3 +90,6 @@ def test_cell(cell):
   print(f"\n[{record['status']}] {cell.id} {record.get('errors', '')} "
         f"{record.get('reason', '')} {record.get('seconds')} s")
   assert record["status"] != cc.FAILED, record.get("error")
+  if os.environ.get("KVAX_CONFORMANCE_STRICT") == "1":
+    assert record["status"] != cc.REFUSED_LATE, (
+        f"the registry accepted this cell, the backend refused it: {record.get('reason')}")
