@@ -77,7 +77,8 @@ for i in $(seq 1 "$shards"); do
       -q -rf -p no:cacheprovider > "$out/conformance_${tag}_shard$i.log" 2>&1 &
   pids+=($!)
 done
-if [ "$gpu_tests" = 1 ] && [ -z "${PART:-}" -o "${PART%%/*}" = 1 ]; then
+part=${PART:-1/1}
+if [ "$gpu_tests" = 1 ] && [ "${part%%/*}" = 1 ]; then
   # One process per file, side by side with the matrix (the files take minutes each).
   for f in tests/gpu/test_*.py; do
     [ "$f" = tests/gpu/test_conformance.py ] && continue
