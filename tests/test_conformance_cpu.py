@@ -202,3 +202,26 @@ def test_one_cell_in_the_mosaic_interpreter():
   assert cc.registry_verdict(cell)[0]
   record = cc.run_cell(cell, direct=(("interpret", True),))
   assert record["status"] == cc.PASSED, record
+
+
+def test_rows_that_vanish_by_cancellation_are_checked_absolutely():
+  """A one-token document's query sees one key: its dq (and that key's dk) is 0 in exact
+  arithmetic, so rounding noise there must pass (relative L2 over a ~0 reference is ~1e28, as
+  an H200 run of 2026-11-26 showed) and a real error there must still fail."""
+  cell = cc.Cell(backend="jax", dtype="bfloat16", dims=(8, 8), heads=(2, 2), batch=1, length=4,
+                 qmode="self", mask="causal", logits="plain", blocks="16x16", skip_pad=True,
+                 options=(), layout="one_token_docs")
+  pos = np.zeros((1, 4), np.int32)
+  seg = np.arange(4, dtype=np.int32)[None]
+  rng = np.random.default_rng(0)
+  out = rng.normal(size=(1, 4, 2, 8)).astype(np.float32)
+  grad_ref = np.full((1, 4, 2, 8), 1e-30, np.float32)
+  noise = 1e-3 * rng.normal(size=(1, 4, 2, 8)).astype(np.float32)
+  theirs = (out, grad_ref, grad_ref, out)
+  problems, errors = cc.check_results(cell, (out, noise, noise, out), theirs, pos, seg, pos, seg)
+  assert not problems, problems
+  assert errors["dq_cancelled_max"] < 1e-2 and errors["dq"] == 0.0, errors
+  wrong = noise.copy()
+  wrong[0, 2, 1, 3] = 0.5
+  problems, _ = cc.check_results(cell, (out, wrong, noise, out), theirs, pos, seg, pos, seg)
+  assert problems and "vanish by cancellation" in problems[0], problems
