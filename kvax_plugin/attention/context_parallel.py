@@ -734,14 +734,24 @@ def _call_shard_map(fn, mesh, in_specs, out_specs, args):
   Explicit axes, e.g. from jax.make_mesh, when the caller passes plain single-device arrays), so
   every argument is first moved to its spec: jax.reshard on Explicit meshes, a sharding
   constraint otherwise. Inside jit both are layout annotations; eagerly they move the data.
+
+  On a concrete mesh the arguments are first put on it with jax.device_put: an array committed
+  to one device (jax.device_put(x, jax.devices()[0])) would otherwise make the jit below fail
+  with JAX's "incompatible devices" error, although the call (e.g. flash_attention without
+  mesh=, running on the mask's mesh) is well defined. An enclosing jit whose own arguments sit
+  on other devices than the mesh still gets JAX's error, naming the argument: its device
+  assignment is fixed before this runs.
   """
   from jax.sharding import AxisType, NamedSharding
 
   explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
+  def shardings(spec):
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), spec,
+                        is_leaf=lambda p: isinstance(p, P))
+
   def place(x, spec):
-    sharding = jax.tree.map(lambda p: NamedSharding(mesh, p), spec,
-                            is_leaf=lambda p: isinstance(p, P))
+    sharding = shardings(spec)
     if explicit:
       return jax.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
@@ -752,6 +762,11 @@ def _call_shard_map(fn, mesh, in_specs, out_specs, args):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*placed)
 
+  # On a concrete mesh only (inside jit the ambient mesh may be abstract). Under jax.grad /
+  # jvp the arguments are tracers over concrete arrays, which this moves too; inside an
+  # enclosing jit it is a layout annotation like `place`.
+  if isinstance(mesh, jax.sharding.Mesh):
+    args = [jax.device_put(a, shardings(spec)) for a, spec in zip(args, in_specs)]
   return run(*args)
 
 
