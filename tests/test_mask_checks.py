@@ -1,5 +1,5 @@
 """A mask knows what it was built for: the mesh (and specs) of a sharded mask, and a fingerprint
-of the positions / segment ids, checked on request. Runs on 4 (one test: all 8)
+of the positions / segment ids and their order, checked on request. Runs on 4 (one test: all 8)
 of the 8 simulated CPU devices (tests/conftest.py).
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvax_plugin as kp
-from kvax_plugin.attention import validation
+from kvax_plugin.attention import context_parallel, token_order, validation
 from kvax_plugin.attention.block_mask import token_fingerprint
 
 B, S, H, K, D = 2, 64, 2, 1, 16
@@ -151,3 +151,90 @@ def test_mask_on_2x4_mesh_runs_there_with_inputs_on_one_device(problem, axis_typ
   for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-5, err_msg=name)
 
+
+ORDER_MESSAGE = (r"token order mismatch: mask was built from the same positions / segment ids as "
+                 r"this call's but in another order \(query and kv side, batch rows \[0, 1\]\).*"
+                 r"natural order and called in load-balanced order.*in the order flash_attention "
+                 r"receives them")
+
+
+def _load_balanced(problem, cp=2):
+  q, k, v, pos, seg, ref = problem
+  return context_parallel.to_load_balanced_order((q, k, v, pos, seg, ref), cp)
+
+
+def test_token_fingerprint_ordered_sees_order():
+  rng = np.random.default_rng(1)
+  seg = np.sort(rng.integers(0, 4, (3, 48)), axis=1).astype(np.int32)
+  pos = np.asarray(kp.positions_from_segment_ids(jnp.asarray(seg)))
+  f = np.asarray(token_fingerprint(jnp.asarray(pos), jnp.asarray(seg), ordered=True))
+  lb = context_parallel.to_load_balanced_order((pos, seg), 2)
+  g = np.asarray(token_fingerprint(jnp.asarray(lb[0]), jnp.asarray(lb[1]), ordered=True))
+  assert np.all(f != g)
+  np.testing.assert_array_equal(  # the same order: the same value
+      f, token_fingerprint(jnp.asarray(pos.copy()), jnp.asarray(seg.copy()), ordered=True))
+
+
+def test_one_device_mask_called_in_another_token_order_is_caught(problem):
+  # Built in natural order on one device, called with the tokens in load-balanced order: the
+  # tables describe other blocks, so the answer is wrong; with checks on, the call raises.
+  q, k, v, pos, seg, ref = problem
+  mask = _mask(pos, seg)
+  lq, lk, lv, lpos, lseg, lref = _load_balanced(problem)
+  wrong = _call(lq, lk, lv, lpos, lseg, mask)  # checks off (default): silently wrong
+  assert float(jnp.max(jnp.abs(wrong - lref))) > 0.1
+  with kp.check_mask_inputs():
+    with pytest.raises(ValueError, match=ORDER_MESSAGE):
+      _call(lq, lk, lv, lpos, lseg, mask)
+    jitted = jax.jit(lambda *a: _call(*a, mask))
+    with pytest.raises(Exception, match=ORDER_MESSAGE):  # under jit: the host callback fails
+      jitted(lq, lk, lv, lpos, lseg).block_until_ready()
+    # The per-batch balanced order is caught the same way.
+    tok = token_order.balanced_order(np.asarray(pos), np.asarray(seg), 2, block=16)
+    bq, bk, bv, bpos, bseg = token_order.apply_token_order((q, k, v, pos, seg), tok)
+    with pytest.raises(ValueError, match=r"token order mismatch"):
+      _call(bq, bk, bv, bpos, bseg, mask)
+  with pytest.raises(ValueError, match=ORDER_MESSAGE):
+    _call(lq, lk, lv, lpos, lseg, mask, debug=True)
+
+
+def test_masks_in_the_call_order_pass_the_order_check(problem):
+  q, k, v, pos, seg, ref = problem
+  lq, lk, lv, lpos, lseg, lref = _load_balanced(problem)
+  with kp.check_mask_inputs():
+    # One device, mask built from the load-balanced tokens: accepted and exact.
+    np.testing.assert_allclose(_call(lq, lk, lv, lpos, lseg, _mask(lpos, lseg)), lref, atol=2e-6)
+    # Natural order, one mask reused by two layers inside lax.scan under jit.
+    mask = _mask(pos, seg)
+
+    def two_layers(q, mask):
+      layer = lambda x, _: (_call(x, k, v, pos, seg, mask), None)  # noqa: E731
+      return jax.lax.scan(layer, q, None, length=2)[0]
+
+    out = jax.jit(two_layers)(q, mask)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    # Context parallelism (2 x 2 data x context): mask and call in the llama3 order.
+    mesh = _mesh()
+    kw = dict(mesh=mesh, query_specs=SPECS)
+    cp_mask = kp.create_attention_mask(lpos, lseg, lpos, lseg, fwd_params=P, token_order="llama3",
+                                       **kw)
+    got = kp.flash_attention(lq, lk, lv, lpos, lseg, lpos, lseg, cp_mask, backend="jax", **kw)
+    np.testing.assert_allclose(got, lref, atol=2e-6)
+    # kvax's convention (kvax_plugin.ops): query side permuted, kv ids in natural order at both
+    # calls; the op reorders the kv ids itself, which the check accepts.
+    ops_mask = kp.ops.create_attention_mask(lpos, lseg, pos, seg, P, mesh=mesh, query_specs=SPECS)
+    got = kp.ops.flash_attention(lq, lk, lv, lpos, lseg, pos, seg, ops_mask, backend="jax",
+                                 permute_tokens_for_load_balance=True, **kw)
+    np.testing.assert_allclose(got, lref, atol=2e-6)
+
+
+def test_sharded_mask_built_from_natural_query_order_is_caught(problem):
+  # Under context parallelism the mask records its order ("llama3" here), but built from
+  # natural-order tokens its query tables describe other tokens than the call's.
+  q, k, v, pos, seg, ref = problem
+  lq, lk, lv, lpos, lseg, lref = _load_balanced(problem)
+  kw = dict(mesh=_mesh(), query_specs=SPECS, token_order="llama3")
+  mask = kp.create_attention_mask(pos, seg, pos, seg, fwd_params=P, **kw)
+  with kp.check_mask_inputs():
+    with pytest.raises(ValueError, match=r"token order mismatch.*\(query side, batch rows"):
+      kp.flash_attention(lq, lk, lv, lpos, lseg, lpos, lseg, mask, backend="jax", **kw)

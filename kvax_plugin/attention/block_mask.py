@@ -115,10 +115,16 @@ class AttentionMask:
   (fwd,) or (fwd, dq, dkv), each with kvax's field names (see BlockTable). The object itself
   stays one pytree, so pass it (not a rebuilt tuple) to flash_attention.
 
-  `fingerprint` (uint32 [B, 2], query side and kv side; see `token_fingerprint`) identifies the
-  positions / segment ids the mask was built from; flash_attention compares it with its own
-  inputs when input checks are on (kvax_plugin.check_mask_inputs, or debug=True).
+  `fingerprint` (uint32 [B, 4], see `mask_fingerprint`) identifies the positions / segment ids
+  the mask was built from, and their order; flash_attention compares it with its own inputs
+  when input checks are on (kvax_plugin.check_mask_inputs, or debug=True).
   """
+
+  # The fingerprint columns flash_attention compares (mask_fingerprint): all four here, as a
+  # one-device mask's tables index query and kv tokens by buffer position, so the same tokens
+  # in another order (e.g. load-balanced) give wrong attention. A ShardedAttentionMask, which
+  # records its token order, narrows this. A class attribute, not a dataclass field.
+  checked_fingerprint_columns = (0, 1, 2, 3)
 
   spec: MaskSpec
   fwd: BlockTable
@@ -405,27 +411,45 @@ def create_attention_mask(query_positions: jax.Array,
   return AttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint)
 
 
-def token_fingerprint(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def token_fingerprint(positions: jax.Array, segment_ids: jax.Array, *,
+                      ordered: bool = False) -> jax.Array:
   """uint32 [B]: a cheap hash of each row's (position, segment id) pairs, O(B * S).
 
-  A sum of mixed per-token hashes, so it does not depend on token order: a mask built in
-  natural order matches a call in context-parallel order (the mask's layout records the order
-  separately). Positions / segment ids of another batch give another value with overwhelming
-  probability; this is a guard against mixing up batches, not a cryptographic hash.
+  ordered=False: a sum of mixed per-token hashes, so it does not depend on token order (a
+  permutation of the row gives the same value). ordered=True: each token's hash is first mixed
+  with its index in the row, so the same tokens in another order give another value (with
+  overwhelming probability; swapping two identical tokens changes nothing, and changes no
+  attention either). Positions / segment ids of another batch give another value with
+  overwhelming probability; this is a guard against mixing up batches and orders, not a
+  cryptographic hash.
   """
   u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
   h = (u(positions) * jnp.uint32(0x9E3779B1)) ^ (u(segment_ids) * jnp.uint32(0x85EBCA77)
                                                  + jnp.uint32(0x27D4EB2F))
   h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)  # spread the bits before the sum
   h = (h ^ (h >> 12)) * jnp.uint32(0x297A2D39)
+  if ordered:
+    # The index enters before another multiply-xorshift round: the round is not linear in the
+    # xor, so moving a token to another index changes its term in a way the sum cannot cancel.
+    idx = jnp.arange(positions.shape[1], dtype=jnp.uint32)[None, :]
+    h = (h ^ (idx * jnp.uint32(0xCC9E2D51) + jnp.uint32(0x165667B1))) * jnp.uint32(0x1B873593)
+    h = (h ^ (h >> 13)) * jnp.uint32(0x85EBCA6B)
   return jnp.sum(h ^ (h >> 15), axis=1, dtype=jnp.uint32)
 
 
 @jax.jit
 def mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
-  """uint32 [B, 2]: token_fingerprint of the query side and of the kv side."""
+  """uint32 [B, 4]: token_fingerprint of the query side and of the kv side, order-free
+  (columns 0, 1), then order-sensitive (columns 2, 3).
+
+  The order-free pair tells "another batch" from "the same tokens in another order"; the
+  ordered pair catches the latter, e.g. a one-device mask built in natural order and called
+  with the tokens in load-balanced order (its tables would then describe other blocks).
+  """
   return jnp.stack([token_fingerprint(query_positions, query_segment_ids),
-                    token_fingerprint(kv_positions, kv_segment_ids)], axis=1)
+                    token_fingerprint(kv_positions, kv_segment_ids),
+                    token_fingerprint(query_positions, query_segment_ids, ordered=True),
+                    token_fingerprint(kv_positions, kv_segment_ids, ordered=True)], axis=1)
 
 
 def _empty_tables(spec: MaskSpec):

@@ -565,6 +565,15 @@ class ShardedAttentionMask(AttentionMask):
   document order of the remote kv (cp > 2 with the llama3 / balanced orders), else None.
   """
 
+  # Fingerprint columns flash_attention compares (block_mask.mask_fingerprint): both sides
+  # order-free, and the query side in order too (each shard's tables index its own queries in
+  # the order they arrive, so a mask built from natural-order query tokens and called with
+  # load-balanced ones is wrong). The kv side is not compared in order: the layout records
+  # how the gathered key / value are arranged, and kvax_plugin.ops legitimately builds the
+  # mask from kv ids in natural order and calls with them in the llama3 order (the op
+  # restores natural order after the all-gather either way).
+  checked_fingerprint_columns = (0, 1, 2)
+
   layout: ShardLayout | None = None
   kv_arrangement: jax.Array | None = None
   remote: tuple[BlockTable, BlockTable | None, BlockTable | None] | None = None
@@ -863,7 +872,9 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                        context_axes=specs.context_axes, context_size=cp, token_order=order,
                        local_spec=local, mesh=mesh, specs=specs, overlap_kv_gather=overlap,
                        remote_spec=remote_spec)
-  fingerprint = bm.mask_fingerprint(*ints)  # global, order-free: matches any call order
+  # Global, over the tokens in the order they arrive (checked_fingerprint_columns says
+  # which parts a call compares).
+  fingerprint = bm.mask_fingerprint(*ints)
   return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
                               kv_arrangement=arrangement, remote=remote)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 
 import jax
@@ -147,8 +148,10 @@ def mask_input_checks_enabled() -> bool:
 @contextlib.contextmanager
 def check_mask_inputs(enabled: bool = True):
   """Within the block, flash_attention checks that every mask was built from the positions /
-  segment ids it is called with (a debugging aid: a mask of another batch with the same shapes
-  otherwise gives wrong attention silently).
+  segment ids it is called with, in the same order (a debugging aid: a mask of another batch
+  with the same shapes, or of the same tokens in another order, e.g. natural against
+  load-balanced, otherwise gives wrong attention silently). A context-parallel mask is checked
+  in order on the query side; its kv side order-free (its layout records the kv order).
 
   Eager calls raise ValueError at once; under jit the check runs as a host callback and a
   mismatch fails the jitted call (a JaxRuntimeError carrying the same message). Costs
@@ -162,33 +165,60 @@ def check_mask_inputs(enabled: bool = True):
     _CHECK_MASK_INPUTS.reset(token)
 
 
-def _fingerprint_mismatch(built, got) -> str | None:
+def _rows_text(rows) -> str:
+  return f"batch rows {rows[:8]}{'...' if len(rows) > 8 else ''}"
+
+
+def _fingerprint_mismatch(built, got, columns=(0, 1, 2, 3)) -> str | None:
+  """The error message for a mask whose fingerprint (block_mask.mask_fingerprint: columns 0, 1
+  order-free query / kv, 2, 3 ordered query / kv) differs from this call's in `columns`."""
   built, got = np.asarray(built), np.asarray(got)
-  rows = sorted({int(r) for r in np.argwhere(built != got)[:, 0]})
-  if not rows:
+  if built.shape != got.shape:
+    return (f"mask.fingerprint has shape {built.shape}, expected {got.shape} (uint32 [batch, 4] "
+            "from create_attention_mask): rebuild the mask with create_attention_mask")
+  sides = ("query", "kv")
+  free = [c for c in columns if c < 2]
+  differs = built[:, free] != got[:, free]
+  if np.any(differs):
+    rows = sorted({int(r) for r in np.argwhere(differs)[:, 0]})
+    named = [sides[c] for i, c in enumerate(free) if np.any(differs[:, i])]
+    return (f"mask was built from other positions / segment ids than this call's "
+            f"({' and '.join(named)} side, {_rows_text(rows)}): build it with "
+            "create_attention_mask from the same query_positions, query_segment_ids, "
+            "kv_positions and kv_segment_ids (a mask is per batch)")
+  ordered = [c for c in columns if c >= 2]
+  differs = built[:, ordered] != got[:, ordered]
+  if not np.any(differs):
     return None
-  sides = [name for i, name in enumerate(("query", "kv")) if np.any(built[:, i] != got[:, i])]
-  return (f"mask was built from other positions / segment ids than this call's "
-          f"({' and '.join(sides)} side, batch rows {rows[:8]}{'...' if len(rows) > 8 else ''}): build it with "
-          "create_attention_mask from the same query_positions, query_segment_ids, kv_positions "
-          "and kv_segment_ids (a mask is per batch)")
+  rows = sorted({int(r) for r in np.argwhere(differs)[:, 0]})
+  named = [sides[c - 2] for i, c in enumerate(ordered) if np.any(differs[:, i])]
+  # Same tokens, other order: the tables index tokens by buffer position, so they describe
+  # other blocks (e.g. a mask built in natural order, called in load-balanced order).
+  return (f"token order mismatch: mask was built from the same positions / segment ids as this "
+          f"call's but in another order ({' and '.join(named)} side, {_rows_text(rows)}), e.g. "
+          "built in natural order and called in load-balanced order (to_load_balanced_order, "
+          "apply_token_order); its block tables index tokens by their place in the buffer. Build "
+          "the mask from query_positions, query_segment_ids, kv_positions and kv_segment_ids in "
+          "the order flash_attention receives them (permute them before create_attention_mask), "
+          "and under context parallelism pass mesh= and the same token_order= to both calls")
 
 
-def _raise_on_mismatch(built, got) -> None:
-  message = _fingerprint_mismatch(built, got)
+def _raise_on_mismatch(built, got, columns=(0, 1, 2, 3)) -> None:
+  message = _fingerprint_mismatch(built, got, columns)
   if message:
     raise ValueError(message)
 
 
 def check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
                               kv_segment_ids) -> None:
-  """The mask's fingerprint against this call's tokens (see check_mask_inputs)."""
+  """The mask's fingerprint against this call's tokens (see check_mask_inputs), in the columns
+  the mask's kind says (AttentionMask.checked_fingerprint_columns)."""
   if mask.fingerprint is None:
     return  # a mask assembled by hand (no fingerprint): nothing to compare
   got = mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids)
   built = mask.fingerprint
+  check = functools.partial(_raise_on_mismatch, columns=tuple(mask.checked_fingerprint_columns))
   if isinstance(got, jax.core.Tracer) or isinstance(built, jax.core.Tracer):
-    jax.debug.callback(_raise_on_mismatch, built, got)
+    jax.debug.callback(check, built, got)
   else:
-    _raise_on_mismatch(built, got)
-
+    check(built, got)
