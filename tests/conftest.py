@@ -1,4 +1,4 @@
-"""Session setup that has to happen before anything imports jax.
+"""Test-run setup that has to happen before anything imports jax.
 
 tests/test_sharding.py needs 8 devices; on CPU, XLA simulates them only if this flag is set before
 the CPU backend starts. Other tests keep using the default (first) device, so they are unaffected.

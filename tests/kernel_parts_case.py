@@ -3,7 +3,7 @@
 float32 reference over the whole key / value.
 
 This is the path the overlapped context parallelism takes on a GPU (one part per kv half), and the
-one session 8's GPU run crashed in ("No constant handler for type: DynamicJaxprTracer": a part
+one a GPU run of 2026-11-24 crashed in ("No constant handler for type: DynamicJaxprTracer": a part
 closed over a tracer of the call that built it). Kept in a plain module so the Triton test can run
 it in its interpreter subprocess.
 """

@@ -147,7 +147,7 @@ def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
 
 
 def test_timing_plot_draws_from_saved_results(tmp_path):
-  """benchmarks/cuda_backward_check.py --plot-from: the saved session-18 timings (H100) drawn
+  """benchmarks/cuda_backward_check.py --plot-from: the saved timings of 2026-11-25 (H100) drawn
   again without a GPU."""
   import sys
   from pathlib import Path

@@ -27,7 +27,7 @@ kernels = importlib.import_module("kvax_plugin.attention.kernels")
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_context_parallel_mosaic_lowers_for_cuda_under_jit_and_grad(overlap, monkeypatch):
-  """Session 8's GPU failure, without a GPU. With the k / v gather overlapped, the op takes the
+  """The GPU failure of 2026-11-24, without a GPU. With the k / v gather overlapped, the op takes the
   backend's kernels as parts; they closed over a tracer of the call that captured them, which
   jit + grad of the sharded op turned into "No constant handler for type: DynamicJaxprTracer"
   at lowering (the CPU tests run backend "jax", which has no parts to capture)."""

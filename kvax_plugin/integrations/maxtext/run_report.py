@@ -62,7 +62,7 @@ REMAT_FULL_NOTE = (
     "attention kernel); remat_policy=minimal_with_context (MaxText's own GPU llama3-8b policy) "
     "keeps kvax's output and log-sum-exp instead. Measured on one H100, 64k rows of one "
     "document each: kvax 1.08-1.09x cudnn_flash_jax with minimal_with_context, 0.93x with full "
-    "(benchmarks/NOTES.md, session 17)")
+    "(docs/performance.md, 2026-11-25)")
 
 
 def run_notes(attention: str, hardware: str | None, remat_policy: str | None) -> list[str]:

@@ -4,7 +4,7 @@
                              corpus (wrapped in MaxText's own MultiHostDataLoadIterator); with
                              attention=kvax it builds each batch's mask on the CPU for the
                              blocks-skipped report (KVAX_FEED_MASK_STATS=0 turns that off: a
-                             diagnostic, session 13)
+                             diagnostic, 2026-11-25)
     progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
                              which prints one line per step and adds TensorBoard scalars
     quiet_maxtext            absl / MaxText INFO logs go to a file only

@@ -1,7 +1,7 @@
 // A 5-product attention backward for Hopper (sm_90a) in CUDA C++, called from JAX through XLA FFI.
 //
 // Why C++: every 5-product backward written in Pallas Mosaic GPU spilled or had its setmaxnreg
-// split ignored by ptxas (benchmarks/NOTES.md, sessions 5-17). Here the register budget of each
+// split ignored by ptxas (docs/performance.md, 2026-11-23 to 2026-11-25). Here the register budget of each
 // warpgroup is set by hand and checked offline (nvcc -Xptxas -v) before a GPU minute is spent.
 //
 // Layout of one CTA (384 threads, three warpgroups), for one kv head, one 128-row kv tile and one
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   constexpr bool DECOUPLE = F & DECOUPLE_BIT;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
-  // loses the address space and every shared access becomes a generic LD.E / ST.E (session 18).
+  // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
   const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded

@@ -161,17 +161,17 @@ VARIANTS = {
 }
 DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
 # Measured and removed: v2 and v6 (above; built until 2026-11-26, main ccc4639). Before them,
-# Session 18 (H100, 16k causal backward): v1, each consumer computing the
+# 2026-11-25 (H100, 16k causal backward): v1, each consumer computing the
 # full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
 # the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
-# C7512 otherwise). Session 19 (S19A, S19B): v0, v2 with shared memory reached through generic
+# C7512 otherwise). Later on 2026-11-25: v0, v2 with shared memory reached through generic
 # addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against v2's
 # 14.22; FULL (bit 1: the table's full blocks unmasked), first with the ids' loads and the
 # exponential guarded by the block's kind (a branch per element in the SASS: 18.24 ms on v2),
 # then branch-free on v6 (13.07 against 11.65: 160 more instructions); PIPE (bit 8: S^T and dP^T
 # in separate commit groups, P^T computed and dV issued while dP^T runs) 14.81 on v2 against
 # 14.41, 11.79 on v6 against 11.65 (64k: 183.5 against 181.9); v3 (FULL | STM | FRAG) 16.17.
-# Session 20 (S20A, H200, backward alone, ms, same run as v7's numbers above): v7_offset (bit 64:
+# 2026-11-26 (H200, backward alone, ms, same run as v7's numbers above): v7_offset (bit 64:
 # the second consumer started once the first had its step-0 S^T / dP^T) 16k causal 11.42,
 # documents 2.98, 64k causal 168.1 (v7 169.4: within its rounds' spread); v8 (bit 128, SCHED:
 # the consumers taking turns to issue their products, one named-barrier hand-off per burst)
