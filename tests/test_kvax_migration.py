@@ -235,7 +235,8 @@ def test_mask_reads_like_kvax_tuple_and_stays_one_pytree():
                         & (v.upper_full_bounds <= v.upper_bounds)))
   # One pytree: through jit and scan, and back as the same kind of object.
   leaves, tree = jax.tree.flatten(mask)
-  # 12 int32 tables + the fingerprint of the positions / segment ids (uint32 [B, 2])
+  # 12 int32 tables + the fingerprint of the positions / segment ids (uint32 [B, 4]: order-free
+  # and order-sensitive hashes of the query and kv sides)
   assert len(leaves) == 13 and jax.tree.unflatten(tree, leaves).spec == mask.spec
   through = jax.jit(lambda m: jax.lax.scan(lambda c, _: (c, None), m, None, length=2)[0])(mask)
   assert type(through) is type(mask) and len(through) == 3
