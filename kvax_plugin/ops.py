@@ -18,7 +18,10 @@ and are honoured here:
   permuting). The native API takes every token array in the same (buffer) order instead; the
   adapter below reorders the two int arrays, which is cheap, and the rest is the native op.
 
-README.md ("Migrating from kvax") lists every remaining difference.
+kvax's per-view class (`kvax.ops.mask_creator.AttentionMask`, alias of kvax.utils.typing's: four
+arrays lower_bounds / upper_bounds / lower_full_bounds / upper_full_bounds) is `BlockTable` here,
+built with kvax's keywords or its own; `AttentionMask` names the whole mask create_attention_mask
+returns. docs/migrating-from-kvax.md lists every remaining difference.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import jax
 
 from kvax_plugin.attention import api, context_parallel, validation
-from kvax_plugin.attention.block_mask import (AttentionMask, calculate_mask_sparsity,
+from kvax_plugin.attention.block_mask import (AttentionMask, BlockTable, calculate_mask_sparsity,
                                               print_mask)
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
@@ -133,4 +136,5 @@ def flash_attention(query: jax.Array,
       query_specs=query_specs, kv_specs=kv_specs)
 
 
-__all__ = ["flash_attention", "create_attention_mask", "print_mask", "calculate_mask_sparsity"]
+__all__ = ["flash_attention", "create_attention_mask", "print_mask", "calculate_mask_sparsity",
+           "BlockTable"]

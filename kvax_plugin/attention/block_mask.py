@@ -50,18 +50,41 @@ _INT32_MIN = np.iinfo(np.int32).min
 _BUILD_CHUNK_ELEMENTS = 1 << 22
 
 
-class BlockTable(NamedTuple):
-  """One view of the block grid; every field is int32 [B, num_outer_blocks].
-
-  kvax 0.1.0 calls a view an AttentionMask with fields lower_bounds, upper_bounds,
-  lower_full_bounds, upper_full_bounds (in this order) and flatten() / unflatten(); those names
-  read the same arrays here, so code written against kvax's views runs unchanged.
-  """
-
+class _BlockTableFields(NamedTuple):
   lower: jax.Array
   upper: jax.Array
   full_lower: jax.Array
   full_upper: jax.Array
+
+
+_KVAX_FIELDS = ("lower_bounds", "upper_bounds", "lower_full_bounds", "upper_full_bounds")
+
+
+class BlockTable(_BlockTableFields):
+  """One view of the block grid; every field is int32 [B, num_outer_blocks].
+
+  kvax 0.1.0 calls a view an AttentionMask with fields lower_bounds, upper_bounds,
+  lower_full_bounds, upper_full_bounds (in this order) and flatten() / unflatten(); those names
+  read the same arrays here, and a table can be built with them too
+  (`BlockTable(lower_bounds=..., upper_bounds=..., lower_full_bounds=..., upper_full_bounds=...)`),
+  so code written against kvax's views runs unchanged. Either spelling, not both.
+  """
+
+  __slots__ = ()
+
+  def __new__(cls, *args, **kwargs):
+    kvax_names = [k for k in _KVAX_FIELDS if k in kwargs]
+    if kvax_names:
+      if args or len(kwargs) != len(kvax_names):
+        raise TypeError("BlockTable takes either its own fields (lower, upper, full_lower, "
+                        "full_upper) or kvax's (lower_bounds, upper_bounds, lower_full_bounds, "
+                        f"upper_full_bounds), not a mix: got {len(args)} positional and "
+                        f"{sorted(kwargs)}")
+      missing = [k for k in _KVAX_FIELDS if k not in kwargs]
+      if missing:
+        raise TypeError(f"BlockTable() missing kvax field(s) {missing}")
+      return super().__new__(cls, *(kwargs[k] for k in _KVAX_FIELDS))
+    return super().__new__(cls, *args, **kwargs)
 
   @property
   def lower_bounds(self) -> jax.Array:
