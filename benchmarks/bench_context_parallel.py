@@ -78,10 +78,11 @@ def _parse(argv):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--tol", type=float, default=None, help="rel L2 bound for `agree`")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--variant_env", action="append", default=[], metavar="NAME=VALUE[,...]",
-                  help="also time every order with these environment variables set while the "
-                       "kernels trace (benchmarking hooks, e.g. KVAX_MOSAIC_DQ_AFTER_DKV=1), "
-                       "same run; repeatable; rows '<order>+<NAME=VALUE>'")
+  ap.add_argument("--variant_options", action="append", default=[],
+                  metavar="FIELD=VALUE[,...]",
+                  help="also time every order with these kvax_plugin.KernelOptions fields "
+                       "(e.g. dq_after_dkv=true; values: integers, true / false, or strings), "
+                       "same run; repeatable; rows '<order>+<FIELD=VALUE,...>'")
   ap.add_argument("--kv_grad_reduce_dtype", choices=("auto", "float32", "input"), default="auto",
                   help="dtype of the cross-shard sum of dk / dv (context_parallel."
                   "KV_GRAD_REDUCE_DTYPE): auto (the library's choice: the input dtype with two "
@@ -102,10 +103,26 @@ def _parse(argv):
     if bad or not values:
       ap.error(f"--{name}: {bad or values} not among {allowed}")
     setattr(args, name, values)
-  for v in args.variant_env:
-    if not all("=" in item and item.split("=", 1)[0] for item in v.split(",")):
-      ap.error(f"--variant_env {v!r}: expected NAME=VALUE[,NAME=VALUE...]")
+  for v in args.variant_options:
+    try:
+      _kernel_options(v)
+    except (TypeError, ValueError) as e:
+      ap.error(f"--variant_options {v!r}: {e}")
   return args
+
+
+def _kernel_options(spec: str):
+  """'field=value,field=value' -> kvax_plugin.KernelOptions (its own checks name a bad field)."""
+  from kvax_plugin.attention.options import KernelOptions
+  fields = {}
+  for item in filter(None, spec.split(",")):
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"{item!r} is not FIELD=VALUE")
+    low = value.lower()
+    fields[key] = (True if low == "true" else False if low == "false"
+                   else int(value) if value.lstrip("-").isdigit() else value)
+  return KernelOptions(**fields)
 
 
 @contextlib.contextmanager
@@ -118,21 +135,6 @@ def _overlap_kv_gather(enabled: bool):
     yield
   finally:
     context_parallel.OVERLAP_KV_GATHER = saved
-
-
-@contextlib.contextmanager
-def _environment(env: dict):
-  """Set environment variables (benchmarking hooks) for the duration of the block."""
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    yield
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def _median_ms(fn, args, iters: int, warmup: int):
@@ -212,8 +214,9 @@ def main(argv=None) -> dict:
   def put_cp(x):  # batch replicated, sequence over "context", the rest whole
     return jax.device_put(x, NamedSharding(mesh, P(None, "context", *([None] * (x.ndim - 2)))))
 
-  def make_fns(order):
-    """Jitted (mask, fwd, fwd+bwd) on one device (order None) or the cp mesh in `order`."""
+  def make_fns(order, options=None):
+    """Jitted (mask, fwd, fwd+bwd) on one device (order None) or the cp mesh in `order`, the
+    kernels run with `options` (a KernelOptions; None: the defaults)."""
     kw = {} if order is None else dict(mesh=mesh, query_specs=specs[0], kv_specs=specs[1],
                                        token_order=order)
 
@@ -223,7 +226,7 @@ def main(argv=None) -> dict:
 
     def attend(q, k, v, pos, seg, mask):
       return flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=scale, backend=backend,
-                             **kw)
+                             kernel_options=options, **kw)
 
     @jax.jit
     def fwd_bwd(q, k, v, w, pos, seg, mask):
@@ -349,9 +352,9 @@ def main(argv=None) -> dict:
   overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
   suffix = lambda overlap: "+overlap" if overlap else ""
   cp_fns = {(order, ov): make_fns(order) for order in args.orders for ov in overlaps}
-  variants = [(v, dict(item.split("=", 1) for item in v.split(","))) for v in args.variant_env]
-  variant_fns = {(order, label, ov): make_fns(order) for order in args.orders
-                 for label, _ in variants for ov in overlaps}
+  variants = [(v, _kernel_options(v)) for v in args.variant_options]
+  variant_fns = {(order, label, ov): make_fns(order, options) for order in args.orders
+                 for label, options in variants for ov in overlaps}
   fwd_flops_per_pair = 4.0 * h * d
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
   results = {}
@@ -360,14 +363,14 @@ def main(argv=None) -> dict:
     single_t, single_res = run(single_fns, None, put_one, pos, seg)
     layout = {"single_device": {"timing": single_t}, "context_parallel": {}}
     pairs = None
-    runs = [(order + suffix(ov), order, cp_fns[(order, ov)], {}, ov)
+    runs = [(order + suffix(ov), order, cp_fns[(order, ov)], ov)
             for order in args.orders for ov in overlaps]
-    runs += [(f"{order}{suffix(ov)}+{label}", order, variant_fns[(order, label, ov)], env, ov)
-             for order in args.orders for label, env in variants for ov in overlaps]
-    for key, order, fns, env, ov in runs:
+    runs += [(f"{order}{suffix(ov)}+{label}", order, variant_fns[(order, label, ov)], ov)
+             for order in args.orders for label, _ in variants for ov in overlaps]
+    for key, order, fns, ov in runs:
       tok = orders.token_order(pos, seg, cp, order=order, block=unit)
-      # The kernels read benchmarking hooks while tracing; the mask reads the overlap setting.
-      with _environment(env), _overlap_kv_gather(ov):
+      # The mask reads the overlap setting while it is traced.
+      with _overlap_kv_gather(ov):
         cp_t, cp_res = run(fns, tok, put_cp, pos, seg)
       agreement = {}
       tok0 = jax.device_put(tok, dev0)

@@ -11,7 +11,8 @@ before tracing (every equation gets an empty source info), and the kernel hash a
 removed, so the text depends on the kernels alone, not on file paths or line numbers; run it on
 two checkouts (e.g. `git worktree add`; each run imports its own checkout). Kernel symbols are
 numbered in lowering order within a process (entry_0, entry_1, ...), so compare runs made with
-the same --only. Benchmarking hooks set in the environment (KVAX_MOSAIC_*) apply as usual.
+the same --only. The kernels are lowered with the default KernelOptions (no environment
+variable changes them).
 """
 
 from __future__ import annotations

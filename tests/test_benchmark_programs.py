@@ -96,7 +96,7 @@ def test_gpu_names_become_folder_names():
 def test_bench_context_parallel_smoke(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the program sets its own
   done = subprocess.run([sys.executable, "benchmarks/bench_context_parallel.py", "--smoke",
-                         "--variant_env", "KVAX_BENCH_SMOKE_HOOK=1", "--overlap", "both",
+                         "--variant_options", "dq_after_dkv=true", "--overlap", "both",
                          # two orders keep the 4 rows per order (variant x overlap) cheap
                          "--orders", "llama3,balanced",
                          "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
@@ -107,9 +107,9 @@ def test_bench_context_parallel_smoke(tmp_path):
   assert set(result["layouts"]) == {"one_doc", "packed"}
   for layout in result["layouts"].values():
     orders = {"llama3", "balanced"}
-    # --variant_env and --overlap rows, same run
+    # --variant_options and --overlap rows, same run
     rows = orders | {f"{o}+overlap" for o in orders}
-    assert set(layout["context_parallel"]) == rows | {f"{r}+KVAX_BENCH_SMOKE_HOOK=1" for r in rows}
+    assert set(layout["context_parallel"]) == rows | {f"{r}+dq_after_dkv=true" for r in rows}
     balanced = layout["context_parallel"]["balanced"]["balance"]
     assert balanced["kept_max_over_min"] <= 1.05, balanced
     assert layout["arrangement_alone_ms"] > 0

@@ -25,7 +25,7 @@ KERNELS = f"{ATTENTION}.kernels"
 # layers (its own kernel leaf package aside). kvax_plugin.attention.__init__ is documentation.
 ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (f"{ATTENTION}.arguments",),
-    (f"{ATTENTION}.params",),
+    (f"{ATTENTION}.params", f"{ATTENTION}.options"),
     (f"{ATTENTION}.block_mask",),
     (f"{ATTENTION}.validation",),
     (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities",
@@ -43,9 +43,9 @@ KERNELS_SHARED = {f"{KERNELS}.capabilities", f"{KERNELS}.custom_vjp"}
 # Backends of the kernels package that compose leaves (not leaves themselves).
 KERNELS_COMPOSED = {f"{KERNELS}.hopper"}
 # What a kernel leaf may import besides its own files.
-KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.block_mask",
-                          f"{ATTENTION}.reference", f"{KERNELS}.capabilities",
-                          f"{KERNELS}.custom_vjp"}
+KERNEL_LEAF_MAY_IMPORT = {f"{ATTENTION}.params", f"{ATTENTION}.options",
+                          f"{ATTENTION}.block_mask", f"{ATTENTION}.reference",
+                          f"{KERNELS}.capabilities", f"{KERNELS}.custom_vjp"}
 
 
 def module_files(root: str, package: str) -> dict[str, str]:

@@ -213,12 +213,20 @@ def test_kernels_have_no_race_in_the_interpreter(name, race_detector, capfd):
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
 
 
+def _with_grid(monkeypatch, case, grid):
+  """CASES[case] of the interpreter tests run with KernelOptions(mosaic_forward_grid=grid)."""
+  from kvax_plugin.attention.options import KernelOptions
+  cases = kernels_in_interpreter.CASES
+  monkeypatch.setitem(cases, case, dict(cases[case],
+                                        options=KernelOptions(mosaic_forward_grid=grid)))
+
+
 def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
-  """The persistent forward (KVAX_MOSAIC_FWD_PERSISTENT=1; 3 CTAs in the interpreter, so each
+  """The persistent forward (mosaic_forward_grid="persistent"; 3 CTAs in the interpreter, so each
   runs several work items): one kv ring across a CTA's items, Q double-buffered and loaded one
   item ahead into the buffer that staged the item before's output. No race reported; matches
   the reference."""
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "1")
+  _with_grid(monkeypatch, "docs_padding_gqa", "persistent")
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference("docs_padding_gqa")
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]
@@ -230,7 +238,7 @@ def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkey
   union's different members); matches the reference. (The consumers' ping-pong barrier already
   orders them here: without the explicit q_dead barrier the detector reports nothing either; the
   barrier keeps the union safe independently of the ping-pong protocol.)"""
-  monkeypatch.setenv("KVAX_MOSAIC_FWD_PERSISTENT", "0")
+  _with_grid(monkeypatch, "prefill_mla", "per_tile")
   kernels_in_interpreter.test_kernels_in_interpreter_match_reference("prefill_mla")
   out, err = capfd.readouterr()
   assert "RACE DETECTED" not in out + err, (out + err)[:4000]

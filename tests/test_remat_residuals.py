@@ -51,8 +51,8 @@ def test_a_policy_saving_context_keeps_the_forward(policy, forward_runs):
 def test_residuals_pass_an_optimization_barrier_before_they_are_named():
   """custom_vjp.saved_residuals: out and lse go through one optimization barrier, then get the
   name. Without the barrier XLA's GPU dynamic-slice fusion cloned the forward kernel into the
-  scan's stacking of the saved values (session 13; tests/gpu/test_remat_gpu.py checks the
-  compiled GPU step); KVAX_RESIDUAL_BARRIER=0 (a benchmarking hook) leaves it out."""
+  scan's stacking of the saved values (2026-11-25; tests/gpu/test_remat_gpu.py checks the
+  compiled GPU step)."""
   attention = kernel_attention(_forward, _backward)
   seg = jnp.zeros((1, 8), jnp.int32)
   pos = jnp.arange(8, dtype=jnp.int32)[None]
@@ -113,9 +113,3 @@ def test_split_kv_attention_residuals_are_saved_by_a_context_policy(capsys):
   assert saved.count(f"named '{RESIDUAL_NAME}'") == 2, saved
   assert "split_kv_attention" in saved, saved
 
-
-def test_bad_residual_barrier_value_is_refused(monkeypatch):
-  from kvax_plugin.attention.kernels.custom_vjp import saved_residuals
-  monkeypatch.setenv("KVAX_RESIDUAL_BARRIER", "off")
-  with pytest.raises(ValueError, match="KVAX_RESIDUAL_BARRIER='off'"):
-    saved_residuals(jnp.ones(2), jnp.ones(2))

@@ -31,7 +31,8 @@ _SCRIPT = textwrap.dedent("""
     from kvax_plugin.attention.kernels.triton import backend as triton_backend
 
     def case(name, sq=100, skv=None, h=4, kh=2, dk=32, dv=None, dtype=jnp.float32, causal=True,
-             window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5):
+             window=None, cap=None, sinks=False, params=None, inplace=False, tol=1e-5,
+             options=None):
         skv = skv or sq; dv = dv or dk
         ks = jax.random.split(jax.random.PRNGKey(sum(map(ord, name))), 6)
         q = jax.random.normal(ks[0], (1, sq, h, dk)).astype(dtype)
@@ -54,7 +55,7 @@ _SCRIPT = textwrap.dedent("""
         ints = (qpos, qseg, kvpos, kvseg)
         ours = lambda q, k, v, s: triton_backend.flash_attention_triton(
             q, k, v, *ints, mask, scale=dk ** -0.5, logits_soft_cap=cap, sinks=s,
-            memory_optimized_gqa_backward=inplace)
+            memory_optimized_gqa_backward=inplace, kernel_options=options)
         ref = lambda q, k, v, s: reference_attention(
             q, k, v, *ints, causal=causal, sliding_window=window, scale=dk ** -0.5,
             logits_soft_cap=cap, sinks=s)
@@ -77,11 +78,11 @@ _SCRIPT = textwrap.dedent("""
     case("softcap_sinks_window", cap=5.0, sinks=True, window=9, params=small)
     case("not_causal_mla_inplace", causal=False, dk=48, dv=32, inplace=True, params=small)
     case("decode_fp16", sq=1, skv=77, dtype=jnp.float16, params=small, tol=2e-3)
-    # The dq-after-dk/dv ordering hook (for context parallelism) computes the same gradients.
-    import os
-    os.environ["KVAX_TRITON_DQ_AFTER_DKV"] = "1"
-    case("dq_after_dkv_hook", sinks=True, params=small)
-    del os.environ["KVAX_TRITON_DQ_AFTER_DKV"]
+    # The dq kernel after the dk/dv kernel (KernelOptions.dq_after_dkv, for context
+    # parallelism) computes the same gradients.
+    from kvax_plugin.attention.options import KernelOptions
+    case("dq_after_dkv_option", sinks=True, params=small,
+         options=KernelOptions(dq_after_dkv=True))
 
     # The kernels as parts (the context-parallel overlap's path): kv in halves, merged by
     # split_kv_attention under jit and grad (tests/kernel_parts_case.py).

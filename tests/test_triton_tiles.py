@@ -71,7 +71,7 @@ def test_fallback_gpu_gets_smaller_limit_and_fits():
 def test_override_is_exact():
   spec = _spec()
   launch = tb._launch_for(spec, H200, 256, 256, override="fwd=64,64,8,3", itemsize=4)
-  assert launch.fwd == tb._Tiles(64, 64, 8, 3)  # benchmarking hook: taken as given
+  assert launch.fwd == tb._Tiles(64, 64, 8, 3)  # KernelOptions.triton_tiles: taken as given
 
 
 def test_float32_products_stay_float32_accurate():
@@ -138,12 +138,42 @@ def test_gqa_inplace_rule():
 
 
 def test_override_keys_are_checked():
+  from kvax_plugin.attention.options import KernelOptions
   spec = _spec()
-  with pytest.raises(ValueError, match="unknown keys"):
+  with pytest.raises(ValueError, match=r"triton_tiles='ws=fwd': 'ws=fwd' is not KEY=VALUE"):
     tb._launch_for(spec, H200, 128, 128, override="ws=fwd", itemsize=2)
-  # gqa= is a backward-launch hook: accepted here, tiles untouched.
+  for bad, why in (("fwd=64,64,8", "four positive integers"), ("gqa=both", "inplace or perhead"),
+                   ("dq", "is not KEY=VALUE")):
+    with pytest.raises(ValueError, match=why):
+      KernelOptions(triton_tiles=bad)  # refused when the options are made, not at trace time
+  # gqa= is the backward launch's choice: accepted here, tiles untouched.
   assert tb._launch_for(spec, H200, 128, 128, override="gqa=perhead", itemsize=2) == \
       tb._launch_for(spec, H200, 128, 128, itemsize=2)
+
+
+def test_kernel_options_reach_the_triton_launch(monkeypatch):
+  """kvax_plugin.flash_attention(kernel_options=...) reaches the Triton backend's launch
+  constants (the tiles and the backward's kernel order), through the registry; the defaults
+  leave them empty."""
+  import kvax_plugin
+  from kvax_plugin.attention import kernels
+  real = kernels.availability
+  monkeypatch.setattr(kernels, "availability", lambda name: (
+      (True, "pretend GPU") if name == "triton" else real(name)))
+  seen = []
+  monkeypatch.setattr(tb, "_attention", lambda cfg, q, *a: (seen.append(cfg), q)[1])
+  monkeypatch.setattr(tb.compat, "check", lambda: None)
+  seg = jnp.zeros((1, 64), jnp.int32)
+  pos = jnp.arange(64, dtype=jnp.int32)[None]
+  mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  x = jnp.zeros((1, 64, 2, 32))
+  options = kvax_plugin.KernelOptions(triton_tiles="fwd=64,64,4,2;gqa=perhead",
+                                      dq_after_dkv=True)
+  for opts in (None, options):
+    kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="triton",
+                                kernel_options=opts)
+  assert [(c.tiles_override, c.dq_after_dkv) for c in seen] == [
+      ("", False), ("fwd=64,64,4,2;gqa=perhead", True)], seen
 
 
 def test_auto_prefers_triton_above_head_dim_128_on_hopper(monkeypatch):

@@ -9,14 +9,15 @@ of that kernel costs) plus `--overhead` blocks of prologue and epilogue. The mak
 the perfect split (total / SMs) is the tail. Orders, over the grid's (head, tile) positions:
 
     head_major     the grid's own order (head slowest; the dq kernel's causal tiles reversed)
-    per_head_lpt   each head's tiles longest first, heads one after another (KVAX_MOSAIC_LPT=1)
+    per_head_lpt   each head's tiles longest first, heads one after another (a switch of
+                   2026-11-24, since removed: docs/tuning-history.md)
     over_heads     longest tile first over all (head, tile) pairs, heads of a tile together
-                   (forward.longest_first_over_heads, the default since 2026-11-25)
+                   (forward.longest_first_over_heads, the kernels' order since 2026-11-25)
 
 The persistent forward (one CTA per SM) deals its (tile, head) items statically instead:
-round_robin (the default until 2026-11-25; KVAX_MOSAIC_FWD_SNAKE=0), round_robin_lpt
-(longest-first tiles), snake (odd rounds mirrored; a zigzag hook of 2026-11-24, since removed) and
-snake_lpt (both: the default since 2026-11-25, backend.Static.fwd_snake).
+round_robin (the default until 2026-11-25, since removed), round_robin_lpt (longest-first
+tiles), snake (odd rounds mirrored; a zigzag switch of 2026-11-24, since removed) and snake_lpt
+(both: the persistent forward's deal since 2026-11-25, forward.FwdConfig.num_ctas).
 
 The layouts are bench_attention.py's (causal; 12 random documents + 1000 padding tokens, the
 same seed), 32 query / 8 kv heads. We measured (H100, interleaved) 16k documents

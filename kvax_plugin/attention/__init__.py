@@ -1,6 +1,7 @@
 """The attention op, in layers (each imports only from the layers above it in this list):
 
-    params.py                 constants and FlashAttentionParamsConfig
+    params.py, options.py     constants and FlashAttentionParamsConfig; the kernels' tuning
+                              options (KernelOptions) and the environment variables kvax reads
     block_mask.py             the block tables (AttentionMask) and their reporting
     reference.py              the dense float32 reference; validation.py: argument checks;
                               token_order.py: context-parallel token orders

@@ -17,6 +17,8 @@ from kvax_plugin.attention import block_mask, context_parallel, validation
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, backend_function,
                                           backend_options, resolve_backend, resolve_backend_for)
+from kvax_plugin.attention.options import KernelOptions
+from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 
 
@@ -111,6 +113,7 @@ def flash_attention(query: jax.Array,
                     sinks: jax.Array | None = None,
                     backend: str = "auto",
                     deterministic_backward: bool | None = None,
+                    kernel_options: KernelOptions | None = None,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
@@ -153,6 +156,8 @@ def flash_attention(query: jax.Array,
       bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products; the float32
       summation order varies between runs). backend="hopper" has only the second kind (its dq
       reduce-added from many thread blocks): True with it raises ValueError.
+    kernel_options: the kernels' tuning options (kvax_plugin.KernelOptions, documented per
+      field; None: the measured defaults). Options of one backend are ignored by the others.
     debug: print the chosen backend and shapes at trace time, and check that the mask was built
       from these positions / segment ids (as kvax_plugin.check_mask_inputs() does).
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
@@ -182,6 +187,7 @@ def flash_attention(query: jax.Array,
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+  kernel_options = as_kernel_options(kernel_options)
   if debug or validation.mask_input_checks_enabled():
     validation.check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
                                          kv_segment_ids)
@@ -201,14 +207,15 @@ def flash_attention(query: jax.Array,
         mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
         memory_optimized_gqa_backward=memory_optimized_gqa_backward, token_order=order,
         backend=name, mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-        deterministic_backward=deterministic_backward)
+        deterministic_backward=deterministic_backward, kernel_options=kernel_options)
   if debug:
     print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
           f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
   kwargs = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
                 **backend_options(name,
                                   memory_optimized_gqa_backward=memory_optimized_gqa_backward,
-                                  deterministic_backward=deterministic_backward))
+                                  deterministic_backward=deterministic_backward,
+                                  kernel_options=kernel_options))
   return backend_function(name)(query, key, value, query_positions, query_segment_ids,
                                 kv_positions, kv_segment_ids, mask, **kwargs)
 

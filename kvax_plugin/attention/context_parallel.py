@@ -914,7 +914,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                             memory_optimized_gqa_backward: bool,
                             token_order: str, backend: str, mesh,
                             query_specs=None, kv_specs=None,
-                            deterministic_backward: bool | None = None) -> jax.Array:
+                            deterministic_backward: bool | None = None,
+                            kernel_options=None) -> jax.Array:
   """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
 
   query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
@@ -936,7 +937,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   backend_fn = kernels.backend_function(backend)
   extra = kernels.backend_options(backend,
                                   memory_optimized_gqa_backward=memory_optimized_gqa_backward,
-                                  deterministic_backward=deterministic_backward)
+                                  deterministic_backward=deterministic_backward,
+                                  kernel_options=kernel_options)
   has_sinks = sinks is not None
   layout_mask = mask
   overlap = mask.layout.overlap_kv_gather

@@ -47,7 +47,7 @@ def _grads(fn, q, k, v, s, cot):
 
 def _run(name, pos_q, seg_q, pos_kv, seg_kv, *, h=8, kh=2, dk=128, dv=None,
          dtype=jnp.bfloat16, causal=True, window=None, cap=None, sinks=False,
-         deterministic=True, seed=0, bwd_blocks=None):
+         deterministic=True, seed=0, bwd_blocks=None, options=None):
   dv = dv or dk
   b, sq = seg_q.shape
   skv = seg_kv.shape[1]
@@ -66,7 +66,8 @@ def _run(name, pos_q, seg_q, pos_kv, seg_kv, *, h=8, kh=2, dk=128, dv=None,
 
   def ours(q, k, v, s):
     return kvax.flash_attention(q, k, v, *ints, mask, scale=scale, logits_soft_cap=cap, sinks=s,
-                                backend="mosaic", deterministic_backward=deterministic)
+                                backend="mosaic", deterministic_backward=deterministic,
+                                kernel_options=options)
 
   def ref(q, k, v, s):
     return kvax.reference_attention(q, k, v, *ints, causal=causal, sliding_window=window,
@@ -157,11 +158,11 @@ def test_kvax_backward_blocks_64x128(b, h, s_len, deterministic):
 
 def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible():
   """16k tokens, 32/8 heads: the two backward modes agree to rounding, and the deterministic one
-  is bitwise reproducible. dk / dv were bitwise equal between the modes until session 15; the
-  deterministic dk/dv kernel now folds lse / delta into its products' accumulators (BwdConfig.
-  dkv_fold) and the fused one does not, so their float32 rounding differs (this test failed on
-  an H100 in session 15's last call, its report cut by the call's limit, most likely on the old
-  bitwise assertion; the interpreter shows the size:
+  is bitwise reproducible. dk / dv were bitwise equal between the modes until 2026-11-25; the
+  deterministic dk/dv kernel now folds lse / delta into its products' accumulators (backward.py,
+  BwdConfig's settled choices) and the fused one does not, so their float32 rounding differs
+  (this test failed on an H100 in the last call of 2026-11-25, its report cut by the call's
+  limit, most likely on the old bitwise assertion; the interpreter shows the size:
   tests/test_mosaic_interpret.py::test_fold_changes_dkv_rounding_only)."""
   s_len, h, kh, d = 16384, 32, 8, 128
   pos, seg = layouts.packed_documents(np.random.default_rng(3), 1, s_len, num_docs=12,
@@ -190,42 +191,27 @@ def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducibl
   assert errs["dk"] < 2e-3 and errs["dv"] < 2e-3  # the fold's float32 rounding, one bf16 rounding
 
 
-# Hooks with a GPU test against the float32 reference; selected by id, e.g. -k "EARLY_DP".
-HOOK_ENVS = [{"KVAX_MOSAIC_LPT": "1"}, {"KVAX_MOSAIC_EXIT_AFTER_READ": "1"},
-             {"KVAX_MOSAIC_FWD_PERSISTENT": "1"},
-             {"KVAX_MOSAIC_DKV_EARLY_DP": "0"}, {"KVAX_MOSAIC_DKV_FOLD": "0"},
-             {"KVAX_MOSAIC_HEAD_LPT": "0"},
-             {"KVAX_MOSAIC_FWD_PERSISTENT": "1", "KVAX_MOSAIC_FWD_SNAKE": "0"}]
+# KernelOptions fields with a GPU test against the float32 reference, selected by id, e.g.
+# -k "per_tile". (The defaults run in every other test.)
+OPTIONS = {"persistent": dict(mosaic_forward_grid="persistent"),
+           "per_tile": dict(mosaic_forward_grid="per_tile"),
+           "regs240": dict(mosaic_backward_registers=240),
+           "unpaired": dict(mosaic_paired_products=False),
+           "id_rings": dict(mosaic_backward_id_rings=True),
+           "dq_after_dkv": dict(dq_after_dkv=True)}
 
 
-def _hook_id(env):
-  return "+".join(f"{k.removeprefix('KVAX_MOSAIC_')}={v}" for k, v in env.items())
-
-
-@pytest.mark.parametrize("env", HOOK_ENVS, ids=_hook_id)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("name", ["odd_length_padding_bf16", "non_contiguous_segments",
                                   "one_token_docs_fp16_d64"])
-def test_dkv_register_hooks_against_reference(name, env, monkeypatch):
-  """The kernels' benchmarking hooks (HOOK_ENVS: launch order, forward grid, the backward's
-  step order; read while tracing) against the float32 reference on the GPU
-  before any timing of them counts."""
-  for key, value in env.items():
-    monkeypatch.setenv(key, value)
+def test_kernel_options_against_reference(name, option):
+  """The kernels with each non-default KernelOptions field (forward grid, the backward's
+  register split, unpaired products, id rings, the dq kernel's order; read while tracing)
+  against the float32 reference on the GPU, before any timing of them counts."""
   build, kwargs = CASES[name]
   seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
-
-
-@pytest.mark.parametrize("name", ["softcap_sinks", "mqa_d256", "mla_192_128", "random_positions",
-                                  "huge_segment_ids_fused"])
-def test_head_lpt_against_reference(name, monkeypatch):
-  """The backward's launch order over (head, tile) pairs (KVAX_MOSAIC_HEAD_LPT=1, set explicitly:
-  the default since session 15) on soft cap with sinks, MQA at head dim 256, MLA 192 / 128,
-  random positions and the fused backward."""
-  monkeypatch.setenv("KVAX_MOSAIC_HEAD_LPT", "1")
-  build, kwargs = CASES[name]
-  seed = sum(map(ord, name))
-  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs)
+  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs,
+       options=kvax.KernelOptions(**OPTIONS[option]))
 
 
 def test_kernel_parts_through_split_kv_attention():

@@ -27,6 +27,7 @@ from kvax_plugin.attention.api import flash_attention  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.params import FlashAttentionParamsConfig  # noqa: E402
 from kvax_plugin.attention.kernels import availability  # noqa: E402
+from kvax_plugin.attention.options import KernelOptions  # noqa: E402
 from kvax_plugin.attention.reference import reference_attention  # noqa: E402
 
 _OK, _WHY = availability("triton")
@@ -214,9 +215,9 @@ def test_64k_many_documents_chunked_reference():
   _check("64k_many_documents", mine, theirs, TOL[jnp.bfloat16])
 
 
-def test_large_grid_in_place_gqa_matches_per_head(monkeypatch):
+def test_large_grid_in_place_gqa_matches_per_head():
   """At 16k tokens and 32/8 heads the dk/dv launch sums each GQA group in place by default
-  (enough programs); the per-head launch (forced through the benchmarking hook) must agree to
+  (enough programs); the per-head launch (forced by KernelOptions.triton_tiles) must agree to
   bf16 rounding, and the 64k test above checks the in-place path against the reference."""
   from kvax_plugin.attention.kernels.triton import backend as tb
   s_len, h, kh, d = 16384, 32, 8, 128
@@ -226,12 +227,15 @@ def test_large_grid_in_place_gqa_matches_per_head(monkeypatch):
   q, k, v, cot, _ = _inputs(13, 1, s_len, s_len, h, kh, d, d, jnp.bfloat16, False)
   mask = create_attention_mask(*ints, calc_bwd_mask=True)
 
-  def ours(q, k, v, s):
-    return flash_attention(q, k, v, *ints, mask, scale=d ** -0.5, backend="triton")
+  def ours(q, k, v, s, options=None):
+    return flash_attention(q, k, v, *ints, mask, scale=d ** -0.5, backend="triton",
+                           kernel_options=options)
+
+  def per_head_ours(q, k, v, s):
+    return ours(q, k, v, s, KernelOptions(triton_tiles="gqa=perhead"))
 
   in_place = jax.jit(lambda *a: _grads(ours, *a, None, cot))(q, k, v)
-  monkeypatch.setenv("KVAX_TRITON_TILES", "gqa=perhead")
-  per_head = jax.jit(lambda *a: _grads(ours, *a, None, cot))(q, k, v)  # new trace: new key
+  per_head = jax.jit(lambda *a: _grads(per_head_ours, *a, None, cot))(q, k, v)
   errs = {n: _rel(a, b) for n, a, b in zip(["out", "dq", "dk", "dv"], in_place, per_head)}
   print(f"\n[in_place_vs_per_head] {errs}")
   assert errs["out"] == 0.0 and errs["dq"] == 0.0  # same kernels

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -40,19 +39,14 @@ def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arra
   dynamic-slice fusion then builds a fusion of "kernel custom call + that update" so the kernel
   writes straight into the stacked buffer. The custom call also feeds the rest of the layer, so
   XLA keeps it there as well and CLONES it into the fusion: the forward kernel ran twice per
-  layer (session 13, H200, llama3-8b in MaxText: 12 Mosaic forward/dq launches per step instead
+  layer (2026-11-25, H200, llama3-8b in MaxText: 12 Mosaic forward/dq launches per step instead
   of 8; XLA's optimized HLO held 4 Mosaic custom calls where the jaxpr had 3). The barrier
   stands between the kernel and the update, so the pattern no longer matches and the update is
   an ordinary copy of out: 4 Mosaic forwards per step instead of 8 in the same MaxText run
-  (benchmarks/remat_clone_check.py shows the clone on a toy decoder; tests/gpu/test_remat_gpu.py
-  checks the compiled GPU step).
+  (benchmarks/tools/remat_clone_check.py shows the clone on a toy decoder;
+  tests/gpu/test_remat_gpu.py checks the compiled GPU step).
   """
-  barrier = os.environ.get("KVAX_RESIDUAL_BARRIER", "") or "1"  # benchmarking hook: 0 drops it
-  if barrier not in ("1", "0"):
-    raise ValueError(f"environment variable KVAX_RESIDUAL_BARRIER={barrier!r}: expected 1 "
-                     "(default) or 0")
-  if barrier == "1":
-    out, lse = jax.lax.optimization_barrier((out, lse))
+  out, lse = jax.lax.optimization_barrier((out, lse))
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 
 

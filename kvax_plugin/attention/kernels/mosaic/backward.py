@@ -39,11 +39,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate,
-                                                          pair_keep,
+                                                          longest_first_over_heads, pair_keep,
                                                           produce_kv_ring, products_together,
-                                                          released_for_tma,
-                                                          longest_first,
-                                                          longest_first_over_heads, visit_order)
+                                                          released_for_tma, visit_order)
 
 TILE_Q = 64  # query rows per step of the dk/dv kernel
 TILE_KV = ROWS_PER_WG * CONSUMERS  # kv rows per dk/dv CTA
@@ -69,69 +67,51 @@ class BwdConfig:
   window: int  # 0: none
   with_dq: bool  # dk/dv kernel also reduce-adds dq (else the dq kernel runs)
   interpret: bool
-  paired: bool = True  # issue independent products together (one wgmma wait for two)
-  # With with_dq and a head dim that is a multiple of 128: the two consumers share their dS tiles
-  # and each computes HALF the columns of the tile's dq over all 128 kv rows (a 64 x Dk/2
-  # accumulator, one reduce-add per column half) instead of a whole 64 x Dk partial over its own
-  # 64 kv rows (twice the registers, two reduce-adds of the same rows). False: the whole-tile
-  # partials (benchmarking hook KVAX_MOSAIC_DQ_WHOLE=1).
-  dq_split: bool = True
+  # KernelOptions.mosaic_paired_products: issue independent products together (one wgmma wait
+  # for two); the deterministic dk/dv step's two pairs (below) need it.
+  paired: bool = True
   # Registers per thread of the two consumer warpgroups (setmaxnreg); the producer gets what is
   # left of the CTA's 168 x 384 launch registers: 504 - 2 x consumer_regs (232 -> 40, 240 -> 24,
-  # FlashAttention 3's split). Benchmarking hook KVAX_MOSAIC_BWD_REGS=240 (ptxas reports spills
-  # in the dq and fused kernels at 232).
+  # FlashAttention 3's split). KernelOptions.mosaic_backward_registers has the measurements.
   consumer_regs: int = 232
-  # kv rows per step of the deterministic dq kernel: 0 picks the largest that fits (128 at head
-  # dim 128); 64 halves the S / dP tiles in registers (benchmarking hook KVAX_MOSAIC_DQ_KV_TILE).
-  dq_kv_tile: int = 0
-  # Order the deterministic dq kernel after the dk/dv kernel (benchmarking hook
-  # KVAX_MOSAIC_DQ_AFTER_DKV=1, for context parallelism; not yet measured on GPUs).
+  # Order the deterministic dq kernel after the dk/dv kernel (KernelOptions.dq_after_dkv).
   dq_after_dkv: bool = False
-  # Benchmarking hook KVAX_MOSAIC_BWD_IDS_TMA=1 (off until measured): the producers TMA-load the
-  # positions / segment ids of each ring block with it (q blocks in the dk/dv kernel, kv blocks
-  # in the dq kernel), and masked steps read them from shared memory instead of global memory.
+  # KernelOptions.mosaic_backward_id_rings: the producers TMA-load the positions / segment ids
+  # of each ring block with it (q blocks in the dk/dv kernel, kv blocks in the dq kernel), and
+  # masked steps read them from shared memory instead of global memory.
   ids_tma: bool = False
-  # Benchmarking hook KVAX_MOSAIC_LPT=1: the dk/dv and dq kernels' CTAs take their tile from a
-  # longest-first order (forward.longest_first) instead of the tile index.
-  lpt: bool = False
-  # KVAX_MOSAIC_EXIT_AFTER_READ (on by default from the backend): the deterministic kernels' last wait on
-  # their output stores waits for the shared-memory reads only (forward.FwdConfig).
-  exit_after_read: bool = False
-  # KVAX_MOSAIC_DKV_EARLY_DP (on by default since session 12: 1.7-3% off fwd+bwd on an H200;
-  # the deterministic dk/dv kernel): the step's products in two pairs instead of 1 + 2 + 1:
-  # S^T = K Q^T and dP^T = V dO^T issued together (both only need the ring slot), then P^T and
-  # dS^T, then dV += P^T dO and dK += dS^T Q together. Two wgmma waits per step instead of
-  # three, and the element-wise work in one stretch (the other consumer's pair fills the tensor
-  # cores then).
-  dkv_early_dp: bool = True
-  # The deterministic dk/dv kernel's two-pair steps start the products' accumulators from the
-  # per-query terms instead of 0: S^T from -lse / scale and dP^T from -delta, so P^T =
-  # exp2(log2(e) scale S'^T) and dS^T = P^T o dP'^T (lse only without a soft cap, whose logit is
-  # not linear in the product). In the S^T orientation lse and delta are per-COLUMN vectors, 16
-  # registers per thread each in the wgmma layout, live beside dK, dV, S^T and dP^T at the step's
-  # peak; folded, they die before the products are issued. ptxas: the dk/dv kernel's spills
-  # 192 -> 140 bytes (session 14). On by default since session 15 (fwd+bwd, interleaved: H200
-  # 16k causal 15.92 vs 16.11 ms, 64k 252.2 vs 257.3, 16k docs 3.76 vs 3.84; H100 16k causal
-  # 15.45 vs 16.79 in one call and 15.90 vs 15.82 in the next, 16k docs 3.75 vs 3.90);
-  # KVAX_MOSAIC_DKV_FOLD=0 turns it off.
-  dkv_fold: bool = True
-  # Both backward kernels' launch order interleaves the heads, longest tile first over all
-  # (head, tile) pairs (forward.longest_first_over_heads; on by default since session 15,
-  # KVAX_MOSAIC_HEAD_LPT=0 turns it off: the backend's Static.head_lpt has the numbers). The
-  # grid's slowest axis is the head, so in the grid's own order the last head's tiles all start
-  # in the last waves; with packed documents their long tiles (the first tiles of long
-  # documents) then run alone: Nsight Compute (session 14, 16k documents) saw the dk/dv
-  # kernel's SMs idle 31% of its time (SM active 2.16 M of 3.14 M cycles), the dq kernel's 11%.
-  # The per-head order (KVAX_MOSAIC_LPT, session 9) cannot fix that tail.
-  head_lpt: bool = True
+
+  # Settled choices, no longer options (docs/tuning-history.md):
+  # - With with_dq and a head dim that is a multiple of 128 the two consumers share their dS
+  #   tiles and each computes HALF the columns of the tile's dq over all 128 kv rows (a 64 x Dk/2
+  #   accumulator, one reduce-add per column half) instead of a whole 64 x Dk partial over its own
+  #   64 kv rows (splits_dq; 64k causal fwd+bwd 267.5 vs 277.1 ms, H200, 2026-11-23).
+  # - The deterministic dk/dv step's products go in two pairs instead of 1 + 2 + 1: S^T = K Q^T
+  #   and dP^T = V dO^T issued together (both only need the ring slot), then P^T and dS^T, then
+  #   dV += P^T dO and dK += dS^T Q together. Two wgmma waits per step instead of three, and the
+  #   element-wise work in one stretch (the other consumer's pair fills the tensor cores then):
+  #   1.7-3% off fwd+bwd on an H200 (2026-11-25).
+  # - Those two-pair steps start the products' accumulators from the per-query terms instead of
+  #   0: S^T from -lse / scale and dP^T from -delta, so P^T = exp2(log2(e) scale S'^T) and
+  #   dS^T = P^T o dP'^T (lse only without a soft cap, whose logit is not linear in the
+  #   product). In the S^T orientation lse and delta are per-COLUMN vectors, 16 registers per
+  #   thread each in the wgmma layout, live beside dK, dV, S^T and dP^T at the step's peak;
+  #   folded, they die before the products are issued (ptxas: spills 192 -> 140 bytes). H200
+  #   16k causal fwd+bwd 15.92 vs 16.11 ms, 64k 252.2 vs 257.3, 16k documents 3.76 vs 3.84
+  #   (2026-11-25).
+  # - Both kernels' launch order interleaves the heads, longest tile first over all (head, tile)
+  #   pairs (forward.longest_first_over_heads). The grid's slowest axis is the head, so in the
+  #   grid's own order the last head's tiles all start in the last waves; with packed documents
+  #   their long tiles then ran alone: Nsight Compute saw the dk/dv kernel's SMs idle 31% of its
+  #   time at 16k documents. H100 16k documents fwd+bwd 3.27 vs 3.75 ms (2026-11-25).
+  # - The kernels' last wait on their output stores waits for the shared-memory reads only
+  #   (forward.py explains; the fused path waits for its dq reduce-adds).
 
   def __post_init__(self):
     producer = 504 - 2 * self.consumer_regs
     if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
       raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
                        f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
-    if self.dq_kv_tile not in (0, 64, 128):
-      raise ValueError(f"dq_kv_tile={self.dq_kv_tile}: expected 0 (automatic), 64 or 128")
 
   @property
   def producer_regs(self) -> int:
@@ -139,8 +119,9 @@ class BwdConfig:
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
-  # The column halves must be whole 64-element swizzle tiles of K in shared memory.
-  return cfg.with_dq and cfg.dq_split and dk % (64 * CONSUMERS) == 0
+  # The column halves must be whole 64-element swizzle tiles of K in shared memory; other head
+  # dims (64, 192) reduce-add whole 64 x Dk partials.
+  return cfg.with_dq and dk % (64 * CONSUMERS) == 0
 
 
 def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
@@ -159,7 +140,7 @@ def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
 def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                   ids: bool = False) -> int:
   qdo = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))  # + kv ids (hook)
+  ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))  # + kv ids (id rings)
   return qdo + ring + 1024
 
 
@@ -187,10 +168,10 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   # may run concurrently in the interpreter), summed after the kernel.
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
-  early_dp = cfg.dkv_early_dp and not cfg.with_dq and cfg.paired
-  # BwdConfig.dkv_fold: lse / delta enter the products' accumulators (two-pair steps only; lse
+  early_dp = not cfg.with_dq and cfg.paired  # the two-pair step (BwdConfig's settled choices)
+  # lse / delta enter the products' accumulators (two-pair steps only; lse
   # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
-  fold_delta = early_dp and cfg.dkv_fold
+  fold_delta = early_dp
   fold_lse = fold_delta and not cfg.soft_cap and cfg.scale != 0.0
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
@@ -198,15 +179,13 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
              qpos_smem, qseg_smem,
              k_ready, v_ready, q_ready, do_ready, q_free, do_free, ds_ready, k_done,
-             order_ref=None):
+             order_ref):
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
-    if cfg.head_lpt:  # BwdConfig.head_lpt: the CTA's launch position -> its (head, tile)
-      code = order_ref[bi, kv_head * n_tiles + tile]
-      kv_head, tile = lax.rem(code, kh), lax.div(code, kh)
-    elif order_ref is not None:  # LPT hook (BwdConfig.lpt)
-      tile = order_ref[bi, tile]
+    # The launch order over (head, tile) pairs: the CTA's launch position -> its (head, tile)
+    code = order_ref[bi, kv_head * n_tiles + tile]
+    kv_head, tile = lax.rem(code, kh), lax.div(code, kh)
     wg = lax.axis_index("wg")
     row = tile // rk
     lower = lo_ref[bi, row] * rq
@@ -373,7 +352,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_k, dk_ref.at[bi, rows, kv_head])
       plgpu.copy_smem_to_gmem(my_v, dv_ref.at[bi, rows, kv_head])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read and not cfg.with_dq)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=not cfg.with_dq)
 
     @pl.when(wg == CONSUMERS)
     def producer():
@@ -434,7 +413,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=CONSUMERS),
-        # q_ready: one arrival per TMA copy into the slot (q, lse; and the ids with the hook)
+        # q_ready: one arrival per TMA copy into the slot (q, lse; and the ids with id rings)
         plgpu.Barrier(num_arrivals=4 if cfg.ids_tma else 2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
@@ -442,9 +421,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
         plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
     )
-    order_ref = None
-    if cfg.lpt or cfg.head_lpt:  # the order is the last of `args`: out of the positional refs
-      order_ref, refs = refs[len(args) - 1], refs[:len(args) - 1] + refs[len(args):]
+    # The launch order is the last of `args`: out of the positional refs.
+    order_ref, refs = refs[len(args) - 1], refs[:len(args) - 1] + refs[len(args):]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
 
@@ -452,11 +430,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
                jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
   args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
           full_upper)
-  if cfg.head_lpt:
-    args += (longest_first_over_heads(lower, upper, rk, n_tiles, kh),)
-  elif cfg.lpt:
-    # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
-    args += (longest_first(lower, upper, rk, skv // TILE_KV),)
+  # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
+  args += (longest_first_over_heads(lower, upper, rk, n_tiles, kh),)
   launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
                 grid_names=("heads", "kv_tiles", "batch"), num_threads=CONSUMERS + 1,
                 thread_name="wg", **_interpret_params(cfg))
@@ -514,16 +489,12 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, kvpos_ref,
              kvseg_ref, lo_ref, up_ref, flo_ref, fup_ref, dq_ref,
              q_smem, do_smem, k_smem, v_smem, kvpos_smem, kvseg_smem,
-             q_ready, k_ready, v_ready, k_free, v_free, order_ref=None):
+             q_ready, k_ready, v_ready, k_free, v_free, order_ref):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
-    tile = (sq // DQ_TILE_Q) - 1 - lax.axis_index("q_tiles") if cfg.causal else lax.axis_index(
-        "q_tiles")
-    if cfg.head_lpt:  # BwdConfig.head_lpt: the CTA's launch position -> its (head, tile)
-      code = order_ref[bi, head * n_tiles + lax.axis_index("q_tiles")]
-      head, tile = lax.rem(code, h), lax.div(code, h)
-    elif order_ref is not None:  # LPT hook (BwdConfig.lpt)
-      tile = order_ref[bi, lax.axis_index("q_tiles")]
+    # The launch order over (head, tile) pairs: the CTA's launch position -> its (head, tile)
+    code = order_ref[bi, head * n_tiles + lax.axis_index("q_tiles")]
+    head, tile = lax.rem(code, h), lax.div(code, h)
     wg = lax.axis_index("wg")
     row = tile // rq
     lower = lo_ref[bi, row] * rk
@@ -601,7 +572,7 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       my_q[...] = acc.astype(dtype)  # Q is no longer read: its buffer stages dq
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == CONSUMERS)
     def producer():
@@ -624,24 +595,20 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     )
     barriers = (
         plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
-        # k_ready: one arrival per TMA copy into the slot (K; and the ids with the hook)
+        # k_ready: one arrival per TMA copy into the slot (K; and the ids with id rings)
         plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
-    order_ref = None
-    if cfg.lpt or cfg.head_lpt:  # the order is the last input: out of the positional refs
-      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
+    # The launch order is the last input: out of the positional refs.
+    order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
 
   inputs = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
             full_upper)
-  if cfg.head_lpt:
-    inputs += (longest_first_over_heads(lower, upper, rq, n_tiles, h),)
-  elif cfg.lpt:
-    inputs += (longest_first(lower, upper, rq, n_tiles),)
+  inputs += (longest_first_over_heads(lower, upper, rq, n_tiles, h),)
   n_in = len(inputs)
   return plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct((b, sq, h, dk), dtype),
@@ -689,15 +656,14 @@ def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_
   ids = cfg.ids_tma
   if cfg.dq_after_dkv:
     # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv):
-    # under context parallelism the reduce-scatter of dk / dv (2.0 ms at 128k on 2 x H200,
-    # half the gap to a 2x speed-up, not overlapped today) could then run while the dq
-    # kernel does. One GPU: nothing to overlap (one stream either way).
+    # under context parallelism the reduce-scatter of dk / dv (2.04 ms at 128k on 2 x H200,
+    # 2026-11-23: half the gap to a 2x speed-up, not overlapped today) could then run while
+    # the dq kernel does. One GPU: nothing to overlap (one stream either way).
     q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
   # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
   # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without
   # overlap); head dim 256: 64 x 1.
-  tiles = (cfg.dq_kv_tile,) if cfg.dq_kv_tile else (128, 64)
-  fits = [(bk, st) for st in (2, 1) for bk in tiles
+  fits = [(bk, st) for st in (2, 1) for bk in (128, 64)
           if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
                                                       ids=ids) <= SMEM_BUDGET]
   if not fits:

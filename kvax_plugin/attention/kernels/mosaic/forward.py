@@ -68,45 +68,18 @@ class FwdConfig:
   causal: bool
   window: int  # 0: none
   interpret: bool
-  # Benchmarking hooks (KVAX_MOSAIC_FWD_OPT_BARRIER / KVAX_MOSAIC_FWD_PREWAIT, both off by
-  # default until measured): an optimization barrier that pins the softmax's results (acc, l,
-  # m, P) before the consumer hands the tensor cores over, so the compiler cannot sink their
-  # work past the hand-over; and waiting for the NEXT kv block's K inside the P V product
-  # (behind it) instead of at the start of the next step.
-  opt_barrier: bool = False
-  prewait_k: bool = False
-  # Benchmarking hook KVAX_MOSAIC_FWD_IDS_TMA=1 (off until measured): the producer TMA-loads
-  # each kv block's positions and segment ids into the ring with its K (same barrier), and a
-  # masked step reads them from shared memory instead of from global memory (whose latency the
-  # step waits out behind one product: the documents forward is mostly masked steps).
-  ids_tma: bool = False
-  # CTAs take their query tile from a longest-first order (longest_first) instead of the tile
-  # index (reversed under causal). Set by the backend for the persistent kernel (the snake deal,
-  # with `zigzag`) and by the benchmarking hook KVAX_MOSAIC_LPT=1 (every kernel).
-  lpt: bool = False
-  # On by default from the backend (KVAX_MOSAIC_EXIT_AFTER_READ=0 turns it off; session 9,
-  # benchmarks/NOTES.md): a CTA's last wait on
-  # its output stores (TMA, shared -> global) waits until the copies have READ shared memory,
-  # not until their global writes have landed (what CUTLASS's TMA store epilogues wait for; the
-  # writes are visible at the kernel's end either way), so the SM starts its next CTA sooner:
-  # a store's global-write latency per CTA, which counts where CTAs are short (documents).
-  exit_after_read: bool = False
-  # The backend sets the SM count here by default since session 9 (KVAX_MOSAIC_FWD_PERSISTENT=0:
-  # 0). 0, one CTA per (batch, query tile, head); N > 0, a persistent kernel of N CTAs, each
-  # taking work items c, c + N, ... in launch order. Between two items of a CTA the producer
-  # loads the next item's first kv blocks and the consumers its Q (a second Q buffer) while the
-  # current one finishes, which hides the per-CTA start (table reads, Q / K / V latency) and end
-  # that a short documents tile pays in full (~5-7 us per CTA at 16k documents on an H200,
-  # estimated from causal vs documents times in session 9; measured: 16k documents forward
-  # 0.835 -> 0.778 ms, 64k 10.09 -> 9.80, causal unchanged; benchmarks/NOTES.md).
+  # 0: one CTA per (batch, query tile, head). N > 0: a persistent kernel of N CTAs (the
+  # backend's choice up to 64k kv rows: KernelOptions.mosaic_forward_grid has the numbers).
+  # Between two items of a CTA the producer loads the next item's first kv blocks and the
+  # consumers its Q (a second Q buffer) while the current one finishes, which hides the per-CTA
+  # start (table reads, Q / K / V latency) and end that a short documents tile pays in full
+  # (~5-7 us per CTA at 16k documents on an H200, 2026-11-24). The items are dealt like a snake
+  # draft: tiles in longest-first order (longest_first), CTA c taking item c of every even round
+  # of N items and item N - 1 - c of every odd one. Plain round robin gave CTA 0 the longest
+  # item of every round, so the CTAs drifted apart over a long row and a few long items ran
+  # alone at the end (16k documents forward 0.736 vs 0.789 ms with the round robin, H100,
+  # 2026-11-25).
   num_ctas: int = 0
-  # Persistent kernel only: CTA c takes item c of every even round of G items and item
-  # G - 1 - c of every odd one. Plain round robin gives CTA 0 the longest item of every round
-  # under a longest-first order, so the CTAs drift apart over a long row (at 128k, ~4 kv blocks
-  # per round for ~250 rounds) and a few long items run alone at the end. With `lpt` this is
-  # the snake deal, the backend's default since session 16 (backend.Static.fwd_snake, with the
-  # numbers); alone (session 10) it measured slower than the round robin.
-  zigzag: bool = False
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -120,12 +93,11 @@ def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                q_buffers: int = 1) -> int:
   """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer (q_buffers Q buffers: 2 in
-  the persistent kernel), the K/V ring (with room for the kv ids ring of the ids_tma hook: it
-  changes no launch of head dims 64..256), lse. O shares Q's memory where it fits there (Dv <=
+  the persistent kernel), the K/V ring, lse. O shares Q's memory where it fits there (Dv <=
   Dk, one Q buffer: o_in_q)."""
   q = q_buffers * CONSUMERS * ROWS_PER_WG * dk * itemsize
   o = 0 if o_in_q(dk, dv, q_buffers) else CONSUMERS * ROWS_PER_WG * dv * itemsize
-  ring = stages * block_kv * ((dk + dv) * itemsize + 2 * 4)
+  ring = stages * block_kv * (dk + dv) * itemsize
   return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
 
 
@@ -225,12 +197,12 @@ def visit_order(lower, full_lower, full_upper, upper):
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
-  lower of each tile's table row; ties in tile order), for the LPT hooks (KVAX_MOSAIC_LPT=1).
+  lower of each tile's table row; ties in tile order): the persistent forward's deal.
 
-  CTAs start in launch order, one grid step per free SM; a long tile started last keeps its SM
-  busy while the others have run dry (the launch tail). Under a causal mask the reversed tile
-  order is already longest-first (the kernels' default); with packed documents it is not: the
-  natural order ends with the long last tiles of the last document.
+  A long tile started last keeps its SM busy while the others have run dry (the launch tail).
+  Under a causal mask the reversed tile order is already longest-first (the per-tile grid's
+  order); with packed documents it is not: the natural order ends with the long last tiles of
+  the last document.
   """
   counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
@@ -272,7 +244,8 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
   one kv head (k_rows / v_rows: [Skv, D] views; `block` from visit_order) into a ring of
   `stages` slots; the n-th goes to slot n % stages once the consumers have released that
   slot's previous block. ids: None, or (pos_rows, seg_rows, pos_smem, seg_smem), [Skv] int32
-  views and [stages, block_kv] rings loaded with K (on k_ready). base: ring position of the
+  views and [stages, block_kv] rings loaded with K (on k_ready; the dq kernel's
+  KernelOptions.mosaic_backward_id_rings). base: ring position of the
   first block (blocks loaded before, by a persistent kernel's earlier work items); drain: also
   wait for the consumers' release of the last blocks (drain_kv_ring) at the end."""
 
@@ -334,21 +307,18 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
-             q_smem, o_smem, k_smem, v_smem, lse_smem, kvpos_smem, kvseg_smem,
+             q_smem, o_smem, k_smem, v_smem, lse_smem,
              q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
-      # Persistent (the backend's default): CTA c takes work items c, c + G, c + 2G, ... of
-      # the B x tiles x heads list (heads fastest, tiles longest-first), G = cfg.num_ctas.
+      # Persistent: the B x tiles x heads items (heads fastest, tiles longest-first) dealt to
+      # G = cfg.num_ctas CTAs as a snake draft (FwdConfig.num_ctas). This CTA takes the full
+      # rounds, plus one item of the last (partial) round if its slot there, mirrored in odd
+      # rounds, is one of its first n_work % G.
       sm = lax.axis_index("sm")
-      if cfg.zigzag:
-        # Full rounds, plus one item of the last (partial) round if this CTA's slot there,
-        # mirrored in odd rounds, is one of its first n_work % G.
-        full, part = divmod(n_work, cfg.num_ctas)
-        slot = sm if full % 2 == 0 else cfg.num_ctas - 1 - sm
-        n_items = full + (slot < part).astype(jnp.int32)
-      else:
-        n_items = lax.div(n_work - sm + cfg.num_ctas - 1, cfg.num_ctas)
+      full, part = divmod(n_work, cfg.num_ctas)
+      slot = sm if full % 2 == 0 else cfg.num_ctas - 1 - sm
+      n_items = full + (slot < part).astype(jnp.int32)
     else:
       n_items = 1
 
@@ -358,12 +328,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         head, bi, t = (lax.axis_index(n) for n in ("heads", "batch", "q_tiles"))
       else:
         sm = lax.axis_index("sm")
-        if cfg.zigzag:
-          sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)
+        sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)  # odd rounds mirrored
         w = sm + i * cfg.num_ctas
         bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
         t, head = lax.div(r, h), lax.rem(r, h)
-      if order_ref is not None:  # LPT hook: the launch order given by longest_first
+      if order_ref is not None:  # persistent: the longest-first order of longest_first
         tile = order_ref[bi, t]
       elif cfg.causal:
         # Last tiles first: under a causal mask they have the most work (shorter launch tail).
@@ -413,28 +382,24 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         # The next item's Q into the other buffer now, behind this item's work (that buffer
         # staged the previous item's output, whose store has read it: see the end).
         pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
-      if cfg.prewait_k:  # the first block's K here; every later one inside the previous P V
+      # The first block's K is awaited here, every later one behind the previous step's P V
+      # product: at the top of a step the wait sat between two products (64k causal forward,
+      # H200, 2026-11-23: 57.3 vs 62.5 ms interleaved, 57.9 vs 60.0 alone).
 
-        @pl.when(count > 0)
-        def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
+      @pl.when(count > 0)
+      def _():
+        plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
       pl.when(wg == 1)(take_turn)
 
       def step(n, ki, carry, masked: bool):
         """The n-th visited block, kv block ki."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
-        if masked and not cfg.ids_tma:
+        if masked:
           # Issued before the product, so their global-memory latency hides behind it.
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
-        if not cfg.prewait_k:
-          plgpu.barrier_wait(k_ready.at[slot])
-        if masked and cfg.ids_tma:
-          # Arrived with K; read before k_free releases the slot to the producer.
-          kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
-          kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
 
         def logits(ref):
           plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
@@ -462,12 +427,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(dtype)
-        if cfg.opt_barrier:
-          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         plgpu.barrier_arrive(turn)  # softmax done: the other consumer may use the tensor cores
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)
-        if cfg.prewait_k and not cfg.interpret:
+        if not cfg.interpret:
           def pv_then_next_k(ref):
             plgpu.wgmma(ref, p16, v_smem.at[slot])
 
@@ -477,11 +440,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
         else:
           acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
-          if cfg.prewait_k:  # interpreter: same order of waits, after the product
 
-            @pl.when(n + 1 < count)
-            def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
+          @pl.when(n + 1 < count)  # interpreter: same order of waits, after the product
+          def _():
+            plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
@@ -522,7 +484,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
       # (Persistent: the next item reuses the O / lse staging and, one item later, this Q
       # buffer; the stores must have read them, which even the read-only wait ensures.)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_after_read)
+      # Waiting until the stores have READ shared memory (not until their global writes land,
+      # which the kernel's end makes visible anyway; CUTLASS's TMA store epilogues do the same)
+      # lets the SM start its next CTA sooner: 16k documents forward 0.829 vs 0.850 ms, H200,
+      # 2026-11-24.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + count
 
     @pl.when(wg < CONSUMERS)
@@ -543,12 +509,9 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       def produce_item(i, base):
         bi, head, tile = coords(i)
         count, _, block, _ = item_table(bi, tile)
-        ids = ((kvpos_ref.at[bi], kvseg_ref.at[bi], kvpos_smem, kvseg_smem) if cfg.ids_tma
-               else None)
         produce_kv_ring(k_ref.at[bi, :, head // group], v_ref.at[bi, :, head // group],
                         k_smem, v_smem, k_ready, v_ready, k_free, v_free, count, block, bk,
-                        stages, interpret=cfg.interpret, ids=ids, base=base,
-                        drain=not cfg.num_ctas)
+                        stages, interpret=cfg.interpret, base=base, drain=not cfg.num_ctas)
         return base + count
 
       if cfg.num_ctas:
@@ -561,7 +524,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
 
   def entry(*refs):
-    ids_ring = lambda: plgpu.SMEM((stages, bk), jnp.int32) if cfg.ids_tma else None
     q_spec = _smem((q_buffers, CONSUMERS, ROWS_PER_WG, dk), dtype)
     o_spec = None if dv == dk else _smem((CONSUMERS, ROWS_PER_WG, dv), dtype)
     scratch = (
@@ -570,13 +532,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         _smem((stages, bk, dk), dtype),
         _smem((stages, bk, dv), dtype),
         plgpu.SMEM((CONSUMERS, ROWS_PER_WG), jnp.float32),
-        ids_ring(),
-        ids_ring(),
     )
     barriers = (
         plgpu.Barrier(num_barriers=q_buffers * CONSUMERS),
-        # k_ready: one arrival per TMA copy into the slot (K, and the ids with the hook)
-        plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
@@ -584,7 +543,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,  # q_dead
     )
     order_ref = None
-    if cfg.lpt:  # the order is the last input: take it out of the kernel's positional refs
+    if cfg.num_ctas:  # the order is the last input: take it out of the kernel's positional refs
       order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     def scoped(q_or_union, o_smem, *rest):
       q_smem, o_smem = q_or_union if union else (q_or_union, o_smem)
@@ -594,7 +553,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
   inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
-  if cfg.lpt:
+  if cfg.num_ctas:  # the snake deal walks the tiles longest first
     inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
   n_in = len(inputs)
   return plgpu.kernel(

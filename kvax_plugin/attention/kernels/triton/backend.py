@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,8 @@ from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.triton import compat
+from kvax_plugin.attention.options import KernelOptions, triton_tile_parts
+from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
 
@@ -225,22 +226,11 @@ def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
   return t
 
 
-def override_parts(override: str) -> dict[str, str]:
-  """KVAX_TRITON_TILES ("fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead") as a dict;
-  an unknown key is an error naming the variable."""
-  parts = dict(p.split("=", 1) for p in override.split(";") if p)
-  unknown = parts.keys() - {"fwd", "dq", "dkv", "gqa"}
-  if unknown:
-    raise ValueError(f"KVAX_TRITON_TILES={override!r}: unknown keys {sorted(unknown)} "
-                     "(expected fwd, dq, dkv, gqa)")
-  return parts
-
-
 def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
                 itemsize: int = 2) -> _Launch:
   """Tiles of the three kernels for a mask's spec, fitted to the GPU's shared memory.
 
-  An override (KVAX_TRITON_TILES) is taken exactly as given: it is a benchmarking hook.
+  An override (KernelOptions.triton_tiles) is taken exactly as given: the caller chose it.
   """
   tuned = _tuned(_gpu_family(device_kind), max(dk, dv))
   f = spec.fwd_params
@@ -263,10 +253,10 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
                  tuned.dkv.num_stages)
   else:
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
-  parts = override_parts(override)
+  parts = triton_tile_parts(override)
   if parts.keys() & {"fwd", "dq", "dkv"}:
-    # Benchmarking hook: "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide the
-    # table's blocks. Taken exactly as given.
+    # KernelOptions.triton_tiles "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide
+    # the table's blocks. Taken exactly as given.
     pick = lambda name, cur: _Tiles(*map(int, parts[name].split(","))) if name in parts else cur
     return _Launch(pick("fwd", fwd), pick("dq", dq), pick("dkv", dkv))
   if device_kind == "cpu":
@@ -321,11 +311,11 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
                    ) -> tuple[str, dict[str, float]]:
   """Opt-in autotune: time tile candidates on these inputs; return (best, {candidate: ms}).
 
-  Candidates use the KVAX_TRITON_TILES format ("fwd=BM,BN,warps,stages;dq=...;dkv=...", ""
-  meaning the built-in choice) and must divide the mask's blocks. Apply the winner for later
-  traces with `os.environ["KVAX_TRITON_TILES"] = best` (the setting is read at trace time and is
-  part of the compiled function's static key). Each candidate is compiled and timed as a fresh
-  jitted forward (+ backward when `backward`), median of `rounds` calls.
+  Candidates use the KernelOptions.triton_tiles format ("fwd=BM,BN,warps,stages;dq=...;
+  dkv=...", "" meaning the built-in choice) and must divide the mask's blocks. Apply the winner
+  with `flash_attention(..., kernel_options=KernelOptions(triton_tiles=best))`. Each candidate
+  is compiled and timed as a fresh jitted forward (+ backward when `backward`), median of
+  `rounds` calls.
   """
   import statistics
   import time
@@ -345,34 +335,29 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
           candidates.append("dq=%d,%d,%d,%d;dkv=%d,%d,%d,%d" % (dq_t + dkv_t))
   ints = (query_positions, query_segment_ids, kv_positions, kv_segment_ids)
 
-  def forward(q, k, v):
-    return flash_attention_triton(q, k, v, *ints, mask, scale=scale,
-                                  logits_soft_cap=logits_soft_cap, sinks=sinks)
-
-  def loss(q, k, v):
-    return jnp.sum(forward(q, k, v).astype(jnp.float32))
-
   timings = {}
-  saved = os.environ.get("KVAX_TRITON_TILES")
-  try:
-    for cand in candidates:
-      os.environ["KVAX_TRITON_TILES"] = cand
-      fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else forward)
-      try:
-        jax.block_until_ready(fn(query, key, value))  # compile + warm up
-        times = []
-        for _ in range(rounds):
-          t0 = time.perf_counter()
-          jax.block_until_ready(fn(query, key, value))
-          times.append((time.perf_counter() - t0) * 1e3)
-        timings[cand] = statistics.median(times)
-      except Exception:  # noqa: BLE001 - a candidate that fails to compile simply loses
-        timings[cand] = float("inf")
-  finally:
-    if saved is None:
-      os.environ.pop("KVAX_TRITON_TILES", None)
-    else:
-      os.environ["KVAX_TRITON_TILES"] = saved
+  for cand in candidates:
+    options = KernelOptions(triton_tiles=cand)
+
+    def forward(q, k, v, options=options):
+      return flash_attention_triton(q, k, v, *ints, mask, scale=scale,
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                    kernel_options=options)
+
+    def loss(q, k, v, forward=forward):
+      return jnp.sum(forward(q, k, v).astype(jnp.float32))
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else forward)
+    try:
+      jax.block_until_ready(fn(query, key, value))  # compile + warm up
+      times = []
+      for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(query, key, value))
+        times.append((time.perf_counter() - t0) * 1e3)
+      timings[cand] = statistics.median(times)
+    except Exception:  # noqa: BLE001 - a candidate that fails to compile simply loses
+      timings[cand] = float("inf")
   best = min(timings, key=timings.get)
   return best, timings
 
@@ -390,8 +375,8 @@ class _Static:
   gqa_inplace: bool
   device_kind: str
   sm_count: int  # 0 on the CPU (Triton's interpreter)
-  tiles_override: str  # KVAX_TRITON_TILES at trace time (part of the static key on purpose)
-  dq_after_dkv: bool = False  # KVAX_TRITON_DQ_AFTER_DKV=1 at trace time (see _backward)
+  tiles_override: str  # KernelOptions.triton_tiles ("": the tuned tiles)
+  dq_after_dkv: bool = False  # KernelOptions.dq_after_dkv (see _backward)
 
 
 def _pow2(n: int) -> int:
@@ -499,11 +484,9 @@ def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attentio
   g = h // kh
   t = launch.dkv
   inplace = gqa_inplace(cfg.gqa_inplace, b, kh, g, _cdiv(skv, t.block_n), cfg.sm_count)
-  # Benchmarking hook: KVAX_TRITON_TILES "gqa=inplace" / "gqa=perhead".
-  forced = override_parts(cfg.tiles_override).get("gqa")
+  # KernelOptions.triton_tiles "gqa=inplace" / "gqa=perhead" (checked when it was made).
+  forced = triton_tile_parts(cfg.tiles_override).get("gqa")
   if forced is not None:
-    if forced not in ("inplace", "perhead"):
-      raise ValueError(f"KVAX_TRITON_TILES gqa={forced!r}: expected inplace or perhead")
     inplace = forced == "inplace" or g == 1
   out_heads = kh if inplace else h
   acc_dtype = k.dtype if inplace else jnp.float32
@@ -530,8 +513,8 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   ints = (q_pos, q_seg, kv_pos, kv_seg)
   if cfg.dq_after_dkv:
     # dk / dv first, and the dq kernel's q through a barrier with them: under context
-    # parallelism the dk / dv reduce-scatter can then run behind the dq kernel (benchmarking
-    # hook KVAX_TRITON_DQ_AFTER_DKV=1; the Mosaic backend has the same one; not yet measured).
+    # parallelism the dk / dv reduce-scatter can then run behind the dq kernel
+    # (KernelOptions.dq_after_dkv, shared with the Mosaic backend; not yet measured).
     dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
     q, dk_out, dv_out = jax.lax.optimization_barrier((q, dk_out, dv_out))
     dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
@@ -566,27 +549,32 @@ def _sm_count() -> int:
 
 
 def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
-                  has_sinks: bool, memory_optimized_gqa_backward: bool = False) -> _Static:
+                  has_sinks: bool, memory_optimized_gqa_backward: bool = False,
+                  kernel_options: KernelOptions | None = None) -> _Static:
   """The launch-time constants of one attention call (also used by benchmarks/ to time the
-  backward kernels one by one). Reads KVAX_TRITON_TILES now: call it while tracing."""
+  backward kernels one by one)."""
+  kernel_options = as_kernel_options(kernel_options)
   return _Static(scale=float(scale),
                  soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                  has_sinks=has_sinks, causal=bool(mask.spec.causal),
                  window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
                  gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                 sm_count=_sm_count(), tiles_override=os.environ.get("KVAX_TRITON_TILES", ""),
-                 dq_after_dkv=os.environ.get("KVAX_TRITON_DQ_AFTER_DKV", "") == "1")
+                 sm_count=_sm_count(), tiles_override=kernel_options.triton_tiles,
+                 dq_after_dkv=kernel_options.dq_after_dkv)
 
 
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
-                           memory_optimized_gqa_backward: bool = False) -> jax.Array:
+                           memory_optimized_gqa_backward: bool = False,
+                           kernel_options: KernelOptions | None = None) -> jax.Array:
   """Attention over validated inputs with the Triton kernels.
 
   query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
   int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
+  kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the defaults); this
+  backend reads triton_tiles and dq_after_dkv.
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
   ok, why = CAPABILITIES.supports(query.dtype, query.shape[3], value.shape[3])
@@ -595,7 +583,8 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
   h = query.shape[2]
   cfg = static_config(mask, scale=scale, logits_soft_cap=logits_soft_cap,
                       has_sinks=sinks is not None,
-                      memory_optimized_gqa_backward=memory_optimized_gqa_backward)
+                      memory_optimized_gqa_backward=memory_optimized_gqa_backward,
+                      kernel_options=kernel_options)
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
