@@ -336,3 +336,20 @@ def test_backward_pads_lengths_off_the_tile(monkeypatch, causal, sq, skv, bwd_q)
     assert a.shape == b.shape, name
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4, err_msg=name)
   assert hopper.padded_lengths(mask, sq, skv) == (-(-sq // 128) * 128, -(-skv // 128) * 128)
+
+
+def test_kernel_options_reach_the_mosaic_forward(monkeypatch):
+  """kvax_plugin.KernelOptions passed to backend="hopper" (or to "auto", which picks it on
+  Hopper) reach the Mosaic forward's static configuration."""
+  from kvax_plugin.attention.options import KernelOptions
+  seen = []
+  monkeypatch.setattr(hopper, "_attention", lambda cfg, q, *a: seen.append(cfg) or q)
+  pos, seg = _ids(256)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+  k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  opts = KernelOptions(mosaic_forward_grid="per_tile")
+  hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
+                                logits_soft_cap=None, sinks=None, kernel_options=opts)
+  assert seen and seen[0].options == opts
+  assert "kernel_options" in kernels.KERNEL_BACKENDS["hopper"].options

@@ -99,7 +99,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
                     "bf16, head dim 128; built with nvcc on first use; its dq summation order "
                     "varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
-        options=("deterministic_backward",), reproducible_backward=False,
+        options=("deterministic_backward", "kernel_options"), reproducible_backward=False,
         install_hint="install kvax-plugin[gpu] (nvcc >= 13 builds its CUDA backward)"),
     "jax": KernelBackend(
         name="jax", module=f"{_PACKAGE}.jax_blockwise", function="flash_attention_jax",

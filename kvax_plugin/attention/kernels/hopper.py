@@ -139,7 +139,8 @@ _attention = kernel_attention(mosaic._forward, _backward)
 def flash_attention_hopper(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
-                           deterministic_backward: bool | None = None) -> jax.Array:
+                           deterministic_backward: bool | None = None,
+                           kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
   query [B, Sq, H, 128], key / value [B, Skv, K, 128] bfloat16 (H a multiple of K; any Sq, Skv:
@@ -151,6 +152,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   deterministic_backward: None or False run this backward, which reduce-adds dq in float32
   from many thread blocks in no fixed order (fast, not bitwise reproducible); True raises
   ValueError (backend="auto" with True takes "mosaic", whose backward is reproducible).
+  kernel_options: kvax_plugin.KernelOptions (None: the defaults); the Mosaic forward reads its
+  mosaic_forward_grid field (the backward fields are the Mosaic backward's, unused here).
   """
   if logits_soft_cap:
     raise ValueError(f"logits_soft_cap={logits_soft_cap}: not supported by the hopper backend "
@@ -171,7 +174,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   if not ok:
     raise ValueError(f"mask: {why}")
   cfg = _Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
-                causal=bool(mask.spec.causal), window=0, deterministic=True, interpret=False)
+                causal=bool(mask.spec.causal), window=0, deterministic=True, interpret=False,
+                options=mosaic.as_kernel_options(kernel_options))
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   return _attention(cfg, query, key, value, jnp.zeros((h,), jnp.float32), *ints, mask)
