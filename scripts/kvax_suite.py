@@ -26,9 +26,9 @@ the files this program writes itself (package stubs, a spec bridge, a JAX shim, 
     # `bash ../shared/gpu/wheels.sh .whl core`) and .kvax_suite; kind nvidia-h100-x4:
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
       && NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=/tmp/site:$PWD \
-      python3 scripts/kvax_suite.py run --timeout 560 --out $OUT/kvax_suite_gpu.json
+      python3 scripts/kvax_suite.py run --timeout 540 --out $OUT/kvax_suite_gpu.json
 
-    # if 560 s is not enough for all 91 cases: two calls, `-- -k "not context_parallelism"` and
+    # if 540 s is not enough for all 91 cases: two calls, `-- -k "not context_parallelism"` and
     # `-- -k context_parallelism` (different --out names), then `merge` them here.
 
 What `prepare` changes in kvax's files, and nothing else:
