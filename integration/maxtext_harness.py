@@ -136,23 +136,42 @@ def from_maxtext_batch(d: dict) -> PackedBatch:
 
 
 def loss_and_logits(model, batch: PackedBatch):
-  logits = model(batch.tokens, batch.positions, batch.segment_ids, enable_dropout=False)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
-  loss = jnp.sum(nll * batch.weights) / jnp.sum(batch.weights)
-  return loss, logits
+  """MaxText's own training objective (train.loss_fn: cross entropy over targets_segmentation
+  != 0 plus its auxiliary losses, e.g. the MoE load-balance loss, which averages over every
+  token, padding included) and the logits it was computed from."""
+  from maxtext.trainers.pre_train import train
+  # loss_fn keeps the logits to itself; record the model's output on the way. The class is
+  # patched only while this function traces (nnx calls the module through its class).
+  seen = []
+  cls = type(model)
+  call = cls.__call__
+
+  def recording_call(self, *args, **kwargs):
+    out = call(self, *args, **kwargs)
+    seen.append(out)
+    return out
+
+  cls.__call__ = recording_call
+  try:
+    loss, aux = train.loss_fn(model, model.config, to_maxtext_batch(batch), None, None,
+                              is_train=True)
+  finally:
+    cls.__call__ = call
+  return loss, (seen[0], jnp.asarray(aux["moe_lb_loss"], jnp.float32))
 
 
-def value_and_grads(model, batch: PackedBatch):
-  """(loss, logits, grads) with grads over every nnx.Param, jitted."""
+def value_and_grads(model, batch: PackedBatch, with_aux: bool = False):
+  """(loss, logits, grads) with grads over every nnx.Param, jitted; with_aux adds the MoE
+  load-balance loss (part of loss) as a fourth value."""
   from flax import nnx
 
   @nnx.jit
   def step(m, b):
-    (loss, logits), grads = nnx.value_and_grad(loss_and_logits, has_aux=True)(m, b)
-    return loss, logits, grads
+    (loss, (logits, lb_loss)), grads = nnx.value_and_grad(loss_and_logits, has_aux=True)(m, b)
+    return loss, logits, grads, lb_loss
 
-  return step(model, batch)
+  out = step(model, batch)
+  return out if with_aux else out[:3]
 
 
 def flat_params(tree) -> dict[str, np.ndarray]:

@@ -99,12 +99,29 @@ def test_kvax_config_keys(kvax_installed):
 
 
 def test_padding_segment_mapping():
+  """MaxText's padding (0) stays a segment (its attention lets padding attend earlier padding);
+  only negative ids, which MaxText's mask drops as keys, become kvax padding."""
   from kvax_plugin import PADDING_SEGMENT_ID
   from kvax_plugin.integrations.maxtext import seam
-  seg = jnp.array([[1, 1, 2, 0, 0]], jnp.int32)
-  np.testing.assert_array_equal(seam.to_kvax_segment_ids(seg, 1, 5),
-                                [[1, 1, 2, PADDING_SEGMENT_ID, PADDING_SEGMENT_ID]])
+  seg = jnp.array([[1, 1, 2, 0, 0, -1]], jnp.int32)
+  np.testing.assert_array_equal(seam.to_kvax_segment_ids(seg, 1, 6),
+                                [[1, 1, 2, 0, 0, PADDING_SEGMENT_ID]])
   np.testing.assert_array_equal(seam.to_kvax_segment_ids(None, 2, 3), np.zeros((2, 3)))
+
+
+def test_positions_follow_maxtext_causality(kvax_installed):
+  """Row indices where MaxText's attention measures causality in rows (whatever positions the
+  pipeline wrote on padding), its positions under load-balanced context parallelism."""
+  import maxtext_harness as H
+  from kvax_plugin.integrations.maxtext import seam
+  pos = jnp.array([[0, 1, 2, 0, 1, 0, 0]], jnp.int32)
+  np.testing.assert_array_equal(seam.to_kvax_positions(pos, 1, 7, False), [np.arange(7)])
+  np.testing.assert_array_equal(seam.to_kvax_positions(pos, 1, 7, True), pos)
+  np.testing.assert_array_equal(seam.to_kvax_positions(None, 2, 3, True), [np.arange(3)] * 2)
+  from maxtext.utils import maxtext_utils
+  config = H.make_config("llama3-8b", "kvax")
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  assert not seam.masks_by_positions(config, mesh)  # one device: MaxText uses row indices
 
 
 class _FakeOp:

@@ -8,6 +8,10 @@ only sizes shrunk so that a float32 forward + backward compiles in seconds on 2 
 Batches are packed rows as Levanter's packers make them: documents stored contiguously with
 segment ids 0, 1, ... and -1 on padding, loss weight 0 on padding and on each document's last
 token. Document boundaries fall anywhere (mid-block), rows end in padding of varying length.
+
+The loss is Levanter's training objective (compute_next_token_loss, as its train_lm minimises
+it): the weighted cross entropy plus the MoE router losses, which average over every token,
+padding included, so padding rows must be Levanter's too.
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ FAMILIES = {
     # OLMo 3: its layers alternate a sliding window (here 12 tokens) with full attention.
     "olmo3": dict(_SMALL, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
                   **_NO_REMAT),
-    # Mixtral: a mixture of experts (4 experts, top 2) in every layer.
+    # Mixtral: a mixture of experts (4 experts, top 2) in every layer; its router losses
+    # (load balancing 0.01, router z-loss) are part of the training loss.
     "mixtral": dict(_SMALL, intermediate_dim=64, n_routed_experts=4, num_experts_per_tok=2,
                     **_NO_REMAT),
+    # Qwen 3 MoE: query / key norm, 4 experts top 2, its load-balancing loss (0.001) in the loss.
+    "qwen3_moe": dict(_SMALL, head_dim=32, moe_intermediate_dim=64, num_experts=4,
+                      num_experts_per_tok=2, **_NO_REMAT),
 }
 
 
@@ -110,13 +118,25 @@ def named_inputs(b: Batch):
 
 
 def loss_and_logits(model, tokens, mask, weight, targets):
-  """Next-token cross entropy (weighted mean) and the logits, from one forward pass."""
-  out = model(tokens, mask)
-  logits = out[0] if isinstance(out, tuple) else out
-  logp = hax.nn.log_softmax(logits.astype(jnp.float32), axis="vocab")
-  picked = hax.take(logp, "vocab", targets)
-  loss = -hax.sum(picked * weight).scalar() / jnp.maximum(hax.sum(weight).scalar(), 1.0)
-  return loss, logits
+  """Levanter's training loss and the logits, from one forward pass.
+
+  The loss is LmHeadModel.compute_next_token_loss (what Levanter's train_lm minimises): the
+  fused, weighted next-token cross entropy plus the model's auxiliary (MoE router) losses. Its
+  body is written out here so that the compared logits come from the same activations; a second
+  forward for them would add ~15% to each compile.
+  """
+  from levanter.models.lm_model import LmHeadModel, split_activations
+  from levanter.models.loss import maybe_fused_next_token_loss
+  del targets  # the loss shifts the tokens itself
+  if type(model).compute_next_token_loss is not LmHeadModel.compute_next_token_loss:
+    raise NotImplementedError(f"{type(model).__name__} overrides compute_next_token_loss: call it "
+                              "instead of the written-out body here")
+  x, aux_loss = split_activations(model.activations(tokens, mask))
+  head = model.get_lm_head()
+  loss = maybe_fused_next_token_loss(model.Pos, model.Embed, model.Vocab, x, head, tokens,
+                                     loss_weight=weight) + aux_loss
+  logits = hax.dot(x, head, axis=model.Embed)
+  return (loss.scalar() if isinstance(loss, hax.NamedArray) else loss), logits
 
 
 def forward_backward(model, tokens, mask, weight, targets):
@@ -163,10 +183,11 @@ def rel_diff(a, b) -> float:
 
 
 def compare(reference, candidate, b: Batch) -> dict:
-  """Max relative differences: loss, logits on real tokens, and the worst gradient leaf."""
+  """Max relative differences: loss, logits on every token (padding included: Levanter's padding
+  attends earlier padding, and the seam must give those rows too), and the worst gradient leaf."""
+  del b  # every row is compared
   loss_r, logits_r, grads_r = reference
   loss_c, logits_c, grads_c = candidate
-  valid = b.valid
   worst, worst_name = 0.0, ""
   flat_r = jax.tree_util.tree_leaves_with_path(grads_r)
   flat_c = jax.tree_util.tree_leaves(grads_c)
@@ -177,6 +198,6 @@ def compare(reference, candidate, b: Batch) -> dict:
       worst, worst_name = d, jax.tree_util.keystr(path)
   return {
       "loss": rel_diff(loss_r, loss_c),
-      "logits": rel_diff(np.asarray(logits_r)[valid], np.asarray(logits_c)[valid]),
+      "logits": rel_diff(logits_r, logits_c),
       "worst_grad": worst, "worst_grad_leaf": worst_name, "num_grad_leaves": len(flat_r),
   }

@@ -2,7 +2,8 @@
 
 Each family's registered config, shrunk (levanter_harness.FAMILIES), float32 on CPU, on packed
 documents with padding (fresh random layout per run; the seed is in every failure message):
-loss, logits on real tokens and every gradient leaf must agree. Once on one device, and for two
+Levanter's training loss (cross entropy plus the MoE router losses, which average over padding
+too), the logits on every token, padding included, and every gradient leaf must agree. Once on one device, and for two
 families on 4-device meshes (data x model, heads sharded; data x context) built and mapped the
 way Levanter's Trainer does it. The seam's trace counters show where the block masks were built:
 at the decoder entry (once per decoder trace, one per causal / window combination), never
@@ -22,7 +23,7 @@ TOL = 1e-5  # float32 on CPU: observed differences are 1e-7 .. 2e-6
 SEED = int(os.environ.get("KVAX_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
 # family -> (causal, window) masks its decoder entry must build
-EXPECTED_MASKS = {"llama": 1, "qwen3": 1, "gemma2": 1, "olmo3": 2, "mixtral": 1}
+EXPECTED_MASKS = {"llama": 1, "qwen3": 1, "gemma2": 1, "olmo3": 2, "mixtral": 1, "qwen3_moe": 1}
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,17 @@ Two functions, both installed by install():
 
 Masks follow Levanter's AttentionMask: token q attends token k iff they share a segment id and
 (causal) k is not after q and (sliding window w) fewer than w tokens separate them. Levanter
-measures causality and windows in row indices; kvax in positions, derived here per document
-from the segment ids (a token's position = the number of earlier tokens of its segment). For
-documents stored contiguously, as Levanter's packers store them, the two agree exactly.
-Negative segment ids (Levanter's packers pad with -1) are padding: those rows give 0 (Levanter
-gives them an unused average; loss weights exclude them either way).
+measures causality and windows in row indices, so the kvax positions are the row indices: the
+masks are Levanter's for any layout, contiguous documents or not.
+
+Padding. Levanter's packers pad with segment id -1, and its mask is plain segment equality: a
+padding token attends every earlier padding token, like a document of its own. Those rows are
+not inert: the cross entropy weights them 0, but the MoE router losses (load balancing, router
+z-loss) average over every token, padding included, and backpropagate through the padding rows'
+attention. So the seam gives every negative id a segment of its own (a non-negative id above the
+row's largest, kvax_tokens), never kvax's PADDING_SEGMENT_ID, whose rows attend nothing: the
+loss and every gradient then equal Levanter's own attention's. The padding blocks are computed,
+as Levanter computes them.
 """
 
 from __future__ import annotations
@@ -143,8 +149,29 @@ def _layer_windows(module) -> set:
   return found
 
 
-def _kvax_ids(ids: jax.Array) -> jax.Array:
-  return jnp.where(ids < 0, kvax_plugin.PADDING_SEGMENT_ID, ids).astype(jnp.int32)
+def kvax_tokens(q_seg: jax.Array, kv_seg: jax.Array | None = None):
+  """(q_pos, q_seg, kv_pos, kv_seg) int32 [B, S] for kvax from Levanter's segment ids [B, S].
+
+  Positions are row indices (Levanter's causality and windows). Ids >= 0 are kept; each
+  negative id (Levanter's padding, -1) becomes its own ordinary segment, numbered above the
+  row's largest id in query and key/value (-1 -> top + 1, -2 -> top + 2, ...), so padding
+  attends earlier padding exactly as under Levanter's segment equality. (Exact while those
+  numbers fit in int32, i.e. for any ids Levanter's packers write.)
+  """
+  q_seg = q_seg.astype(jnp.int32)
+  same = kv_seg is None or kv_seg is q_seg
+  kv_seg = q_seg if same else kv_seg.astype(jnp.int32)
+  top = jnp.max(q_seg, axis=1) if same else jnp.maximum(jnp.max(q_seg, axis=1),
+                                                         jnp.max(kv_seg, axis=1))
+  top = jnp.maximum(top, -1)[:, None]
+
+  def own_segment(ids):
+    return jnp.where(ids < 0, top - ids, ids)
+
+  b, length = q_seg.shape
+  pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+  q_ids = own_segment(q_seg)
+  return pos, q_ids, pos, (q_ids if same else own_segment(kv_seg))
 
 
 def _token_arrays(mask, batch, length):
@@ -158,15 +185,17 @@ def _token_arrays(mask, batch, length):
   if not isinstance(seg_ids, tuple):
     seg_ids = (seg_ids, seg_ids)
   q_named, kv_named = seg_ids
-  q_seg = _kvax_ids(axes.tokens(q_named, batch, Q_POS))
-  kv_name = Q_POS if Q_POS in {a.name for a in kv_named.axes} else KV_POS
-  kv_seg = _kvax_ids(axes.tokens(kv_named, batch, kv_name))
+  q_seg = axes.tokens(q_named, batch, Q_POS)
+  if kv_named is q_named:
+    kv_seg = q_seg
+  else:
+    kv_name = Q_POS if Q_POS in {a.name for a in kv_named.axes} else KV_POS
+    kv_seg = axes.tokens(kv_named, batch, kv_name)
   for what, s in (("query", q_seg), ("key/value", kv_seg)):
     if s.shape[1] != length:
       raise axes.UnsupportedLayout(f"{what} segment ids have {s.shape[1]} tokens, the sequence "
                                    f"{length}")
-  return (kvax_plugin.positions_from_segment_ids(q_seg), q_seg,
-          kvax_plugin.positions_from_segment_ids(kv_seg), kv_seg)
+  return kvax_tokens(q_seg, kv_seg)
 
 
 def prepare(mask, keys, batch, q_pos_axis) -> Prepared:

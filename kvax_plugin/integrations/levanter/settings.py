@@ -40,7 +40,10 @@ class KvaxLevanterSettings:
   memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
   deterministic_backward: Mosaic's choice of backward (kernel="hopper" refuses True), see
     kvax_plugin.flash_attention.
-  skip_pad_tokens: skip blocks made only of padding (False visits them, masked).
+  skip_pad_tokens: skip blocks made only of kvax padding (False visits them, masked). The seam
+    never hands kvax padding over: Levanter's padding (negative segment ids) attends earlier
+    padding under Levanter's own mask, so it reaches kvax as an ordinary segment and its blocks
+    are computed (seam module docstring); this flag then changes nothing.
   """
 
   kernel: str = "auto"

@@ -49,6 +49,7 @@ def levanter_batches(seq_len: int, batch_size: int, seed: int, fwd_params=None):
   import jax.numpy as jnp
   import kvax_plugin
   from kvax_plugin.data import batch_iterator
+  from kvax_plugin.integrations.levanter import seam
   from levanter.layers.attention import AttentionMask
   from levanter.models.lm_model import LmExample
 
@@ -62,8 +63,8 @@ def levanter_batches(seq_len: int, batch_size: int, seed: int, fwd_params=None):
     example = LmExample(tokens=hax.named(jnp.asarray(packed.tokens), (batch_axis, pos)),
                         loss_weight=hax.named(jnp.asarray(weight), (batch_axis, pos)),
                         attn_mask=AttentionMask.causal().with_segment_ids(named_seg))
-    kseg = np.where(seg < 0, kvax_plugin.PADDING_SEGMENT_ID, seg)
-    kpos = kvax_plugin.positions_from_segment_ids(jnp.asarray(kseg))
+    # The tokens as the seam hands them to kvax (padding is a segment of its own there).
+    kpos, kseg, _, _ = seam.kvax_tokens(jnp.asarray(seg))
     mask = kvax_plugin.create_attention_mask(kpos, kseg, kpos, kseg, fwd_params=fwd_params)
     yield example, int((seg >= 0).sum()), kvax_plugin.mask_sparsity(mask)["skipped"]
 

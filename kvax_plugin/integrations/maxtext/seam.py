@@ -11,6 +11,21 @@ them like any other outer value, so the tables are computed once per step, outsi
 loop, never recomputed by remat, and shared by all layers. Nothing is kept past the call, so no
 tracer leaks into a later trace.
 
+Padding. MaxText's own attention (dot_product, and its flash / splash kernels) keeps the pair
+(q, kv) iff they share a segment id (and kv's id is >= 0), causally. Its padding segment 0 is
+therefore an ordinary segment: padding tokens attend earlier padding tokens, and their outputs
+feed everything computed per token, padding included (MoE routing and its load-balance loss
+average over every token). So segment id 0 stays a segment of its own here, never kvax's
+PADDING_SEGMENT_ID: the kvax rows of padding equal MaxText's and the loss and every gradient
+match MaxText's own attention; the padding blocks are computed, as MaxText computes them.
+
+Causality and windows. MaxText measures them in row indices (its packed rows hold contiguous
+documents), except under load-balanced context parallelism, where the rows arrive permuted and
+it reads segment_positions instead (AttentionOp._load_balanced_context_parallel). The kvax
+positions follow the same rule: row indices, or MaxText's positions exactly when MaxText reads
+them. (With row indices, padding attends earlier padding whatever positions the pipeline wrote
+on it.)
+
 Both install() (monkeypatching) and the patched MaxText (patches/maxtext/) call these two
 functions, so the behaviour is the same either way.
 """
@@ -22,6 +37,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +47,8 @@ from kvax_plugin.providers import LayerSettings, PreparedAttention, get_provider
 from kvax_plugin.integrations.maxtext import settings
 
 ATTENTION_NAME = "kvax"  # the value of MaxText's `attention` config key that selects us
-MAXTEXT_PADDING_SEGMENT_ID = 0  # MaxText's packing marks padding with segment id 0
+# MaxText's packing marks padding with segment id 0, an ordinary segment to its attention.
+MAXTEXT_PADDING_SEGMENT_ID = 0
 
 logger = logging.getLogger("kvax_plugin.integrations.maxtext")
 
@@ -42,6 +59,7 @@ class _Scope:
 
   prepared: PreparedAttention | None
   unsupported: str | None = None  # why this call is routed to MaxText's own path
+  by_positions: bool = False  # the prepared masks measure causality in MaxText's positions
 
 
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvax_maxtext_scope",
@@ -66,11 +84,43 @@ def uses_kvax(config) -> bool:
 
 
 def to_kvax_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
-  """MaxText segment ids (1..n, 0 = padding; None = one document) -> kvax (-1 = padding)."""
+  """MaxText segment ids (1..n, 0 = padding; None = one document) -> kvax segment ids.
+
+  Same mask as MaxText's: padding (0) stays an ordinary segment, since MaxText lets padding
+  attend padding; only negative ids, which MaxText's mask excludes as keys (seg_kv >= 0),
+  become kvax's PADDING_SEGMENT_ID. (MaxText's training never feeds them to the model: its
+  placeholder rows of -1 are cut off in loss_fn. A row attending nothing gives 0 in kvax and
+  the mean of every value in MaxText's dot_product.)
+  """
   if segment_ids is None:
     return jnp.zeros((batch, length), jnp.int32)
   seg = segment_ids.astype(jnp.int32)
-  return jnp.where(seg == MAXTEXT_PADDING_SEGMENT_ID, PADDING_SEGMENT_ID, seg)
+  return jnp.where(seg < 0, PADDING_SEGMENT_ID, seg)
+
+
+def masks_by_positions(config, mesh) -> bool:
+  """Whether MaxText's own attention reads causality / windows from segment_positions here.
+
+  MaxText's rule (AttentionOp._load_balanced_context_parallel): only under load-balanced context
+  parallelism whose reorder matches the ambient query sharding; otherwise it uses row indices.
+  Its own methods decide, on a stand-in op, so the two cannot drift apart.
+  """
+  from maxtext.layers.attention_op import AttentionOp
+  probe = types.SimpleNamespace(config=config, mesh=mesh)
+  probe._logical_to_mesh_axes = functools.partial(AttentionOp._logical_to_mesh_axes, probe)
+  probe._context_parallel_size = functools.partial(AttentionOp._context_parallel_size, probe)
+  return bool(AttentionOp._load_balanced_context_parallel(probe))
+
+
+def to_kvax_positions(positions: jax.Array | None, batch: int, length: int,
+                      by_positions: bool) -> jax.Array:
+  """kvax positions that give MaxText's causality: its positions when it reads them
+  (by_positions), else row indices."""
+  if not by_positions or positions is None:
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  if positions.ndim == 3:  # M-RoPE [B, S, 3]: the first (temporal) component orders tokens
+    positions = positions[..., 0]
+  return positions.astype(jnp.int32)
 
 
 def mask_keys_for(config) -> tuple[tuple[bool, int | None], ...]:
@@ -102,14 +152,16 @@ def _decoder_unsupported(config, model_mode, previous_chunk) -> str | None:
 
 
 def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length: int,
-                        ) -> PreparedAttention:
-  """Build the kvax state for one decoder call from MaxText's positions and segment ids."""
+                        by_positions: bool | None = None) -> PreparedAttention:
+  """Build the kvax state for one decoder call from MaxText's positions and segment ids.
+
+  by_positions: see to_kvax_positions (None: masks_by_positions(config, mesh) decides).
+  """
   from kvax_plugin.integrations.maxtext import mesh_rules
+  if by_positions is None:
+    by_positions = masks_by_positions(config, mesh)
   seg = to_kvax_segment_ids(segment_ids, batch, length)
-  if positions is None:
-    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  else:
-    pos = positions.astype(jnp.int32)
+  pos = to_kvax_positions(positions, batch, length, by_positions)
   options = settings.options_from_config(config, **mesh_rules.mesh_and_specs(config, mesh))
   return get_provider("kvax").prepare(pos, seg, mask_keys=mask_keys_for(config), options=options)
 
@@ -132,9 +184,11 @@ def decoder_entry(call):
     reason = _decoder_unsupported(config, a["model_mode"], a["previous_chunk"])
     if reason is None:
       batch, length = tokens.shape
-      prepared = prepare_for_maxtext(config, getattr(self, "mesh", None), a["decoder_positions"],
-                                     a["decoder_segment_ids"], batch, length)
-      scope = _Scope(prepared)
+      mesh = getattr(self, "mesh", None)
+      by_positions = masks_by_positions(config, mesh)
+      prepared = prepare_for_maxtext(config, mesh, a["decoder_positions"],
+                                     a["decoder_segment_ids"], batch, length, by_positions)
+      scope = _Scope(prepared, by_positions=by_positions)
     else:
       scope = _Scope(None, reason)
     token = _ACTIVE.set(scope)
@@ -229,6 +283,15 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
   batch, q_len = query.shape[0], query.shape[1]
   kv_len = key.shape[1]
   prepared = None if scope is None else scope.prepared
+  if prepared is not None and op._load_balanced_context_parallel() != scope.by_positions:
+    # The entry decided without the layer's op; a layer that disagrees would get another
+    # causality than MaxText's own attention gives it.
+    raise ValueError(
+        "attention=kvax: the decoder entry built its masks with causality by "
+        f"{'positions' if scope.by_positions else 'row index'}, but this layer's MaxText "
+        "attention measures it by "
+        f"{'row index' if scope.by_positions else 'positions'} (load-balanced context "
+        "parallelism differs between the decoder and this layer's mesh / axis rules)")
   if prepared is not None and (tuple(prepared.query_positions.shape) != (batch, q_len)
                                or tuple(prepared.kv_positions.shape) != (batch, kv_len)):
     raise ValueError(
@@ -243,7 +306,7 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
       raise ValueError(f"attention=kvax outside the decoder needs q_len == kv_len, got {q_len} "
                        f"and {kv_len}")
     prepared = prepare_for_maxtext(op.config, op.mesh, segment_positions, decoder_segment_ids,
-                                   batch, q_len)
+                                   batch, q_len, op._load_balanced_context_parallel())
   if sinks is not None:
     sinks = sinks.astype(jnp.float32)
   out = get_provider(prepared.provider).apply(query, key, value, prepared, layer_settings(op),

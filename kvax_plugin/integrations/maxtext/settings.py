@@ -27,7 +27,9 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
     "kvax_memory_optimized_gqa_backward": (bool, False,
                                            "kvax (Triton): always accumulate dk/dv over a GQA group "
                                            "in place (False: in place when the grid is large)"),
-    "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of padding tokens"),
+    "kvax_skip_pad_tokens": (bool, True, "kvax: skip blocks made only of kvax padding (negative "
+                             "segment ids); MaxText's padding segment 0 attends earlier padding "
+                             "in MaxText's own attention, so kvax computes its blocks too"),
     "kvax_context_parallel_order": (str, "auto",
                                     'kvax: token order under load-balanced context parallelism: '
                                     '"auto" (balanced when MaxText reorders batches), "natural", '
