@@ -3,11 +3,13 @@
 # Finds python3.12 / python3.13 on PATH or through pyenv; stops with a clear message if none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# dev + maxtext + gpu: the integration suite (integration/, marked maxtext) runs against MaxText
-# 0.2.5, and triton + jax-triton let the kernels run on CPU through Triton's interpreter
+# dev + maxtext + triton: the integration suite (integration/, marked maxtext) runs against
+# MaxText 0.2.5, and triton + jax-triton let the kernels run on CPU through Triton's interpreter
 # (tests/test_triton_interpret.py); without a GPU, backend="auto" still resolves to "jax".
+# Not `gpu`: its nvcc (~350 MB to download) serves only the opt-in real CUDA compile of
+# tests/test_cuda_sm90_build.py (KVAX_EXTRAS=dev,maxtext,gpu and KVAX_TEST_NVCC=1).
 # A fresh install of dev + maxtext took 3m20s on a 2-core machine without a pip cache.
-EXTRAS=${KVAX_EXTRAS:-dev,maxtext,gpu}
+EXTRAS=${KVAX_EXTRAS:-dev,maxtext,triton}
 # Another environment (scripts/bootstrap_levanter.sh: Levanter cannot share one with MaxText).
 VENV=${KVAX_VENV:-.venv}
 CONSTRAINTS=${KVAX_CONSTRAINTS:-constraints.txt}
