@@ -25,8 +25,8 @@ shared_memory.py; each point is shown by a small ring kernel below):
 
 With that, any report on the kernels is a real race, such as the fused backward's K buffer
 staged with dK while the other consumer's last dQ product could still read it (found this way
-in session 6, fixed by the `k_done` barrier); a K slot of the forward released before its
-Q K^T product is reported too (checked by hand, session 7). The kernel cases have more blocks
+on 2026-11-23, fixed by the `k_done` barrier); a K slot of the forward released before its
+Q K^T product is reported too (checked by hand, 2026-11-23). The kernel cases have more blocks
 than ring slots, so every ring wraps around.
 """
 

@@ -4,7 +4,7 @@ that saves that name (MaxText's remat_policy minimal_with_context) keeps them an
 does not rerun the forward; any other policy reruns it. Backend-agnostic (a stand-in forward);
 tests/test_mosaic_interpret.py checks the same on the Mosaic kernels' lowered step. Also: the
 optimization barrier the residuals pass before they are named (against XLA's GPU clone of the
-forward, session 13), and the same saving for the JAX backend and the context-parallel overlap
+forward, 2026-11-25), and the same saving for the JAX backend and the context-parallel overlap
 path (split_kv_attention)."""
 
 from __future__ import annotations

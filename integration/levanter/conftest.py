@@ -25,7 +25,7 @@ TEST_BLOCK = 16
 
 @pytest.fixture(scope="session")
 def kvax_levanter():
-  """The plugin, installed for the session (kernel "auto", blocks of TEST_BLOCK), then removed."""
+  """The plugin, installed for the whole test run (kernel "auto", blocks of TEST_BLOCK), then removed."""
   from kvax_plugin.integrations import levanter as kvax_levanter
   kvax_levanter.install(settings=kvax_levanter.KvaxLevanterSettings(block_size=TEST_BLOCK))
   yield kvax_levanter

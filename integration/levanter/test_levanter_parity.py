@@ -35,7 +35,7 @@ _REFERENCES: dict = {}
 
 
 def reference(family: str, batch):
-  """Vanilla attention's (loss, logits, grads) and the model, once per family per session."""
+  """Vanilla attention's (loss, logits, grads) and the model, once per family per test run."""
   if family not in _REFERENCES:
     cfg = harness.config(family, "vanilla")
     model = harness.init_model(cfg, seed=SEED % 1000)

@@ -215,7 +215,7 @@ def test_kernel_options_against_reference(name, option):
 
 
 def test_kernel_parts_through_split_kv_attention():
-  """The kernels as parts (the context-parallel overlap's path; session 8's GPU run crashed
+  """The kernels as parts (the context-parallel overlap's path; a GPU run of 2026-11-24 crashed
   there): kv in halves, merged by split_kv_attention under jit and grad, against the float32
   reference (tests/kernel_parts_case.py)."""
   import kernel_parts_case  # tests/, on the path above
