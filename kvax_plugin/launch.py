@@ -43,6 +43,11 @@ serve: the corpus stream in kvax_plugin/data/feeding.py, the MaxText key transla
 run report in kvax_plugin/integrations/maxtext/ (launch_keys.py, training_hooks.py,
 run_report.py).
 
+Several processes (one per host), one run over all their devices:
+    python -m kvax_plugin.launch --config=configs/llama3.py:8b \\
+        --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
+on every process (I = 0 .. N-1); see kvax_plugin/integrations/maxtext/distributed.py.
+
 Exit status: 0 after a finished run, 2 for a bad flag or raw key (one line naming it, also when
 MaxText's own config loader rejects a combination), 1 otherwise.
 """
@@ -78,6 +83,13 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "check the config, print the MaxText keys it becomes, and exit")
+# One run over several processes (integrations/maxtext/distributed.py has the command): MaxText
+# starts jax.distributed only from its schedulers' environment variables, so these flags do it.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0, for a run over several processes")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes of the run (one per host), "
+                                      "joined by jax.distributed")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process: 0 .. num_processes-1")
 
 FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
 ATTENTIONS = ("kvax", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "autoselected")
@@ -429,7 +441,9 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     if "dataset_type" in raw:
       print(f"data: MaxText dataset_type={raw['dataset_type']} (the shipped corpus is not used; "
             "no mask statistics)", flush=True)
-    with data, progress_hook(progress), timer.maxtext_hooks():
+    from kvax_plugin.integrations.maxtext import distributed
+    with data, progress_hook(progress), timer.maxtext_hooks(), \
+        distributed.barrier_before_first_batch():  # several processes: see there
       mt_train.record_goodput(recorder, mt_train.RECORD_JOB_START_TIME)
       train_func = mt_train.get_train_func(config, recorder, argv)
       with mt_train.maybe_monitor_goodput(config):
@@ -488,8 +502,34 @@ def _process_age(at: float) -> float | None:
   return max(0.0, age_now - (time.time() - at))
 
 
+def start_processes(cfg, raw: dict[str, str]) -> None:
+  """With --num_processes > 1: join the other processes (before anything uses a device), and
+  send this process's files to <output dir>/process_<i> when i > 0 (processes sharing a disk
+  would overwrite each other's maxtext.log, metrics and summary)."""
+  n, i, address = _NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value
+  if n == 1 and i == 0 and address is None:
+    return
+  if address is None:
+    raise FlagError(f"--num_processes={n} --process_id={i}: a run over several processes also "
+                    "needs --coordinator_address=host:port (where process 0 listens)")
+  if n < 2:
+    raise FlagError(f"--num_processes={n}: --coordinator_address / --process_id are for a run "
+                    "over several processes (num_processes >= 2)")
+  from kvax_plugin.integrations.maxtext import distributed
+  try:
+    distributed.initialize(address, n, i)
+  except ValueError as e:
+    raise FlagError(f"--{e}") from e
+  except RuntimeError as e:  # e.g. the coordinator unreachable, or process ids that clash
+    raise SetupError(f"--coordinator_address={address} --process_id={i}: joining the other "
+                     f"{n - 1} process(es) failed: {_one_line(e)}") from e
+  if i > 0 and "base_output_directory" not in raw and "run_name" not in raw:
+    cfg.output_dir = os.path.join(output_dir(cfg), f"process_{i}")
+
+
 def _main(argv: Sequence[str]) -> None:
   raw = parse_raw_overrides(argv[1:])
+  start_processes(_CONFIG.value, raw)
   run(_CONFIG.value, raw, dry_run=_DRY_RUN.value)
 
 

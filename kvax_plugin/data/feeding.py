@@ -123,11 +123,12 @@ class PackedCorpus:
 
 
 def _host_device():
-  """The first CPU device, or None (JAX's default device) when the CPU backend is not enabled
-  (e.g. JAX_PLATFORMS=cuda)."""
+  """This process's first CPU device, or None (JAX's default device) when the CPU backend is
+  not enabled (e.g. JAX_PLATFORMS=cuda). Local: with several processes (jax.distributed),
+  jax.devices("cpu")[0] is process 0's, which the others cannot compute on."""
   import jax
   try:
-    return jax.devices("cpu")[0]
+    return jax.local_devices(backend="cpu")[0]
   except RuntimeError:
     return None
 

@@ -1,0 +1,113 @@
+"""Several processes, one training run: jax.distributed for MaxText with attention=kvax.
+
+MaxText runs multi-host as one JAX process per host, joined by jax.distributed into one global
+device mesh; every process runs the same program on its own devices and feeds its share of each
+global batch. MaxText 0.2.5 starts jax.distributed itself only from environment variables its
+schedulers set (XPK, SLURM: max_utils.maybe_initialize_jax_distributed_system, which does
+nothing when jax.distributed is already up), so the launcher takes the three facts as flags and
+initializes before MaxText (or anything else) touches a device. On every host, I = 0 .. N-1,
+the same coordinator (process 0's host and a free port):
+
+    python -m kvax_plugin.launch --config=configs/llama3.py:8b --config.seq_len=8192 \\
+        --config.mesh.ici_context=2 \\
+        --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
+
+To try it on one machine with simulated CPU devices (2 processes x 4 devices, fsdp 2 x
+context 4; what integration/test_maxtext_multiprocess.py runs through MaxText's own entry):
+
+    for i in 0 1; do
+      JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
+      python -m kvax_plugin.launch --config=configs/llama3.py:tiny --config.steps=3 \\
+          --config.seq_len=256 --config.per_device_batch_size=1 \\
+          --config.mesh.ici_fsdp=2 --config.mesh.ici_context=4 \\
+          --coordinator_address=localhost:12345 --num_processes=2 --process_id=$i &
+    done; wait
+
+The mesh is MaxText's: with one slice (always on CPU; on GPUs unless the devices report
+several slices) the ici_* axes multiply to the devices of all processes together (dcn_* stay
+1), laid out in process order, with MaxText's later mesh axes innermost (fsdp, then context,
+then tensor). So a context or tensor axis that divides one process's device count stays inside
+a process, and fsdp / data span the processes; the kvax op's collectives work across processes
+either way (tests/test_multiprocess.py runs context groups that span two processes). Process 0
+writes the run's files; process I > 0 writes its own under <output dir>/process_I.
+
+On CPU the cross-process collectives go through gloo, which initialize() selects (gloo waits
+at most 30 s for a late process at a first collective: barrier_before_first_batch lines the
+processes up). On GPUs the launcher passes no local_device_ids: one process per host sees all
+of the host's GPUs (not run on GPUs here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
+               timeout_s: int = 300) -> None:
+  """Join the run's other processes; call before anything touches a JAX device.
+
+  coordinator_address: "host:port" that process 0 listens on and the others reach.
+  """
+  import jax
+  host, sep, port = coordinator_address.rpartition(":")
+  if not sep or not host or not port.isdigit():
+    raise ValueError(f"coordinator_address={coordinator_address!r}: expected host:port "
+                     "(the address process 0 listens on)")
+  if not (isinstance(num_processes, int) and num_processes >= 1):
+    raise ValueError(f"num_processes={num_processes!r}: must be a positive int")
+  if not (isinstance(process_id, int) and 0 <= process_id < num_processes):
+    raise ValueError(f"process_id={process_id!r}: must be in 0..{num_processes - 1} "
+                     f"(num_processes={num_processes})")
+  if jax.distributed.is_initialized():
+    raise RuntimeError("jax.distributed is already initialized in this process")
+  # CPU devices of different processes need a collectives implementation to talk at all (the
+  # default of older JAX releases is none); it only concerns the CPU client.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id,
+                             initialization_timeout=timeout_s)
+
+
+def barrier(name: str, *, timeout_s: int = 900) -> None:
+  """Wait until every process of the run reaches `name` (through jax.distributed's coordination
+  service, not a device collective). No-op in a single process.
+
+  Gloo, the CPU collectives, gives a process 30 s (a fixed limit, not XLA's
+  --xla_cpu_collective_timeout_seconds) to reach its first collective over a given set of
+  devices after the others have; processes that compile at different speeds on a busy machine
+  can drift further apart than that. Calling this just before the first step lines them up.
+  """
+  import jax
+  from jax._src import distributed as jax_distributed  # the client has no public accessor
+  if jax.process_count() == 1:
+    return
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise RuntimeError("barrier: several processes but no jax.distributed client")
+  client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+
+
+@contextlib.contextmanager
+def barrier_before_first_batch():
+  """Within the block, MaxText's data loader waits for every process (barrier) before its first
+  batch: MaxText has compiled the train step by then, so the processes reach its first
+  collective together. Nothing changes in a single process."""
+  import jax
+  if jax.process_count() == 1:
+    yield
+    return
+  from maxtext.common import data_loader
+  original = data_loader.DataLoader.load_next_batch
+  first = [True]
+
+  def load_next_batch(self, *args, **kwargs):
+    if first[0]:
+      first[0] = False
+      barrier("kvax_plugin_first_batch")
+    return original(self, *args, **kwargs)
+
+  data_loader.DataLoader.load_next_batch = load_next_batch
+  try:
+    yield
+  finally:
+    data_loader.DataLoader.load_next_batch = original
