@@ -20,6 +20,13 @@ import json
 import sys
 
 
+def _context_groups(mesh):
+  """The device groups along the mesh's context axis."""
+  import numpy as np
+  axis = mesh.axis_names.index("context")
+  return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.devices.shape[axis])
+
+
 def main() -> None:
   process_id, num_processes, coordinator = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
   metrics_file, argv = sys.argv[4], sys.argv[5:]
@@ -53,6 +60,9 @@ def main() -> None:
       kvax_mesh=[dict(o.mesh.shape) if o.mesh is not None else None for o in seen],
       kvax_mesh_processes=[sorted({d.process_index for d in o.mesh.devices.flat})
                            if hasattr(o.mesh, "devices") else None for o in seen],
+      context_group_processes=sorted({tuple(sorted({d.process_index for d in group}))
+                                      for o in seen if hasattr(o.mesh, "devices")
+                                      for group in _context_groups(o.mesh)}),
       query_specs=[repr(o.query_specs) for o in seen],
       token_order=[o.token_order for o in seen])), flush=True)
 

@@ -5,10 +5,12 @@
 
 Joins the others through jax.distributed (CPU collectives over gloo), builds a (data, context)
 mesh over all processes' devices whose context groups each hold devices of every process (so the
-context-parallel all-gathers and kv-gradient sums cross the process boundary), makes global
-arrays of one packed batch (jax.make_array_from_callback: each process supplies its shards), and
-runs create_attention_mask(mesh=) + flash_attention forward and backward in the balanced order
-under jit and in the Llama 3 order eagerly. The reference is the single-device op on the same batch,
+context-parallel all-gathers and kv-gradient sums cross the process boundary), and runs
+create_attention_mask(mesh=) + flash_attention forward and backward on global arrays of one
+packed batch: in the balanced order under jit, on arrays each process made from its half of the
+sequence (jax.make_array_from_process_local_data; key / value too are laid out (data, context),
+unlike kv_specs), and in the Llama 3 order eagerly, on arrays laid out as the specs say
+(jax.make_array_from_callback). The reference is the single-device op on the same batch,
 computed by every process on its own first device. Prints one JSON line with the largest
 differences.
 """
@@ -88,6 +90,16 @@ def main(process_id: int, num_processes: int, coordinator: str) -> dict:
     sharding = NamedSharding(mesh, P(*spec))
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
+  def from_process_local(x):
+    # Each process has only its part of the sequence (its devices hold context ranks
+    # 2p, 2p+1 of every data row): tokens laid out (data, context), whatever the op's specs.
+    sharding = NamedSharding(mesh, P("data", "context"))
+    cols = [i[1] for i in sharding.addressable_devices_indices_map(x.shape).values()]
+    lo, hi = min(c.start for c in cols), max(c.stop for c in cols)
+    if hi - lo != x.shape[1] // num_processes:
+      raise AssertionError(f"process {process_id} holds sequence [{lo}, {hi})")
+    return jax.make_array_from_process_local_data(sharding, x[:, lo:hi], x.shape)
+
   result = dict(process_id=jax.process_index(), process_count=jax.process_count(),
                 devices=jax.device_count(), mesh=dict(mesh.shape), context_crosses=crosses)
   # Each order once: the balanced one under jit, the Llama 3 one eagerly (the mask and the op
@@ -95,8 +107,11 @@ def main(process_id: int, num_processes: int, coordinator: str) -> dict:
   for order, how in (("balanced", "jit"), ("llama3", "eager")):
     tok = token_order.token_order(pos, seg, cp, order=order, block=fwd.query_block_size)
     arrays = [np.asarray(x) for x in token_order.apply_token_order((q, k, v, w, pos, seg), tok)]
-    specs = (qspec, kvspec, kvspec, qspec, qspec[:2], qspec[:2])
-    inputs = [global_array(x, s) for x, s in zip(arrays, specs)]
+    if how == "jit":  # process-local parts, key / value laid out unlike kv_specs
+      inputs = [from_process_local(x) for x in arrays]
+    else:
+      specs = (qspec, kvspec, kvspec, qspec, qspec[:2], qspec[:2])
+      inputs = [global_array(x, s) for x, s in zip(arrays, specs)]
     kw = dict(mesh=mesh, query_specs=qspec, kv_specs=kvspec, token_order=order)
     fn = (lambda *a: step(*a, **kw)) if how == "eager" else jax.jit(lambda *a: step(*a, **kw))
     got = fn(*inputs)

@@ -13,7 +13,7 @@ the same coordinator (process 0's host and a free port):
         --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
 
 To try it on one machine with simulated CPU devices (2 processes x 4 devices, fsdp 2 x
-context 4; what integration/test_maxtext_multiprocess.py runs through MaxText's own entry):
+context 4; the losses equal those of one process with 8 devices):
 
     for i in 0 1; do
       JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
@@ -27,9 +27,11 @@ The mesh is MaxText's: with one slice (always on CPU; on GPUs unless the devices
 several slices) the ici_* axes multiply to the devices of all processes together (dcn_* stay
 1), laid out in process order, with MaxText's later mesh axes innermost (fsdp, then context,
 then tensor). So a context or tensor axis that divides one process's device count stays inside
-a process, and fsdp / data span the processes; the kvax op's collectives work across processes
-either way (tests/test_multiprocess.py runs context groups that span two processes). Process 0
-writes the run's files; process I > 0 writes its own under <output dir>/process_I.
+a process, and fsdp / data span the processes. The kvax op's collectives work across processes
+too: integration/test_maxtext_multiprocess.py puts context before fsdp (MaxText's mesh_axes key)
+so that each context group spans two processes, and tests/test_multiprocess.py runs the op
+alone that way. Process 0 writes the run's files; process I > 0 writes its own under
+<output dir>/process_I.
 
 On CPU the cross-process collectives go through gloo, which initialize() selects (gloo waits
 at most 30 s for a late process at a first collective: barrier_before_first_batch lines the
