@@ -90,13 +90,7 @@ class _Static(mosaic.Static):
   variant: str = VARIANT
 
 
-def _pad(x, axis: int, size: int, value):
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
+_pad = mosaic._pad_axis  # one padding helper for both backends
 
 
 def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
