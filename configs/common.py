@@ -19,7 +19,8 @@ from typing import Any
 
 import ml_collections
 
-# The launcher keeps the same list (kvax_plugin.launch.FAMILIES) to name families in errors.
+# The launcher keeps the same list (kvax_plugin/integrations/maxtext/launch_checks.py FAMILIES)
+# to name families in errors.
 FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
 
 # Shrinks that every tiny variant shares (MaxText keys). The byte tokenizer has 259 ids, so a
@@ -112,7 +113,8 @@ def family_config(family: str, arg: str | None,
   # summary.json. "" = outputs/<family>-<variant>-<attention>.
   c.output_dir = ""
   c.log_every = 1  # print a progress line every this many steps
-  # Keep MaxText's INFO log off the console (it is written to <output_dir>/maxtext.log).
+  # The console shows only the launcher's lines (banner, model, steps, summary, errors); all else
+  # MaxText, JAX and XLA print goes to <output_dir>/maxtext.log.
   c.quiet = True
 
   # MaxText keys this variant sets (width/depth/experts for tiny; empty for upstream sizes).

@@ -108,7 +108,8 @@ def test_unknown_variant_names_the_flag():
 
 @needs_maxtext
 def test_translation_to_maxtext_keys():
-  from kvax_plugin import launch
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   from kvax_plugin.integrations.maxtext import launch_keys
   c = load_family("gemma2").get_config("tiny")
   with c.unlocked():
@@ -125,10 +126,10 @@ def test_translation_to_maxtext_keys():
   assert launch_keys.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
   argv = launch_keys.maxtext_argv(keys)
   assert argv[1].endswith("base.yml") and "packing=true" in argv
-  assert launch.parse_raw_overrides(["steps=3", "log_period=2"]) == {"steps": "3",
+  assert checks.parse_raw_overrides(["steps=3", "log_period=2"]) == {"steps": "3",
                                                                       "log_period": "2"}
-  with pytest.raises(launch.FlagError, match="key=value"):
-    launch.parse_raw_overrides(["--steps", "3"])
+  with pytest.raises(FlagError, match="key=value"):
+    checks.parse_raw_overrides(["--steps", "3"])
 
 
 def test_packed_corpus_feeds_maxtext_features():
@@ -206,24 +207,25 @@ def test_compile_events_counted_once_for_the_innermost():
 # ---------------------------------------------------------------------------------------------
 # Bad flags: exit status 2 and a message naming the flag
 def test_context_parallel_order_flag():
-  from kvax_plugin import launch
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   c = load_family("llama3").get_config("tiny")
-  launch.check_config(c)
+  checks.check_config(c)
   with c.unlocked():
     c.kvax.context_parallel_order = "striped"
-  with pytest.raises(launch.FlagError, match=r"--config.kvax.context_parallel_order='striped'"):
-    launch.check_config(c)
+  with pytest.raises(FlagError, match=r"--config.kvax.context_parallel_order='striped'"):
+    checks.check_config(c)
   unit = max(c.kvax.fwd_query_block_size, c.kvax.bwd_query_block_size)
   with c.unlocked():
     c.kvax.context_parallel_order = "auto"  # balanced under load-balanced context parallelism
     c.mesh.ici_context = 4
     c.seq_len = 4 * unit * 3 + 4
-  with pytest.raises(launch.FlagError, match=rf"--config.seq_len={c.seq_len}: .* multiple of "
+  with pytest.raises(FlagError, match=rf"--config.seq_len={c.seq_len}: .* multiple of "
                      rf"{4 * unit}"):
-    launch.check_config(c)
+    checks.check_config(c)
   with c.unlocked():
     c.kvax.context_parallel_order = "llama3"
-  launch.check_config(c)
+  checks.check_config(c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,14 +252,16 @@ def test_bad_flags_are_named(args, flag):
 
 
 def test_config_file_must_be_a_family_config(tmp_path):
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   from kvax_plugin import launch
-  with pytest.raises(launch.FlagError, match=r"--config=README.md: 'README.md' is not a Python "
+  with pytest.raises(FlagError, match=r"--config=README.md: 'README.md' is not a Python "
                      "config file"):
-    launch.check_config_path(["prog", "--config=README.md"])
-  with pytest.raises(launch.FlagError, match=r"--config=configs/common.py:tiny: .* is not a "
+    checks.check_config_path(["prog", "--config=README.md"])
+  with pytest.raises(FlagError, match=r"--config=configs/common.py:tiny: .* is not a "
                      r"family config \(it defines no get_config"):
-    launch.check_config_path(["prog", "--config=configs/common.py:tiny"])
-  with pytest.raises(launch.FlagError, match="the config has no family, variant"):
+    checks.check_config_path(["prog", "--config=configs/common.py:tiny"])
+  with pytest.raises(FlagError, match="the config has no family, variant"):
     import ml_collections
     launch.run(ml_collections.ConfigDict({"foo": 1}), {}, dry_run=True)
   # A family-shaped file whose get_config fails: one line naming --config, not a traceback.
@@ -270,19 +274,20 @@ def test_config_file_must_be_a_family_config(tmp_path):
 
 def test_raw_keys_get_the_launchers_checks():
   import kvax_plugin
-  from kvax_plugin import launch
   from kvax_plugin.attention.kernels import availability
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   c = load_family("llama3").get_config("tiny")
-  check = lambda **raw: launch.check_raw_overrides(c, raw, "cpu")  # noqa: E731
-  with pytest.raises(launch.FlagError, match="attention=cudnn_flash_te: MaxText runs this kernel "
+  check = lambda **raw: checks.check_raw_overrides(c, raw, "cpu")  # noqa: E731
+  with pytest.raises(FlagError, match="attention=cudnn_flash_te: MaxText runs this kernel "
                      "only on GPU/TPU"):
     check(attention="cudnn_flash_te")
-  with pytest.raises(launch.FlagError, match="attention=sdpa: choose one of"):
+  with pytest.raises(FlagError, match="attention=sdpa: choose one of"):
     check(attention="sdpa")
   for bad in ("abc", "0", "-3", "1.5"):
-    with pytest.raises(launch.FlagError, match=f"steps={bad}: must be a positive integer"):
+    with pytest.raises(FlagError, match=f"steps={bad}: must be a positive integer"):
       check(steps=bad)
-  with pytest.raises(launch.FlagError, match="kvax_backend=cuda: choose one of"):
+  with pytest.raises(FlagError, match="kvax_backend=cuda: choose one of"):
     check(kvax_backend="cuda")
   if not availability("triton")[0]:
     with pytest.raises(kvax_plugin.BackendUnavailableError, match="kvax_backend=triton: "):
@@ -292,21 +297,22 @@ def test_raw_keys_get_the_launchers_checks():
 
 @needs_maxtext
 def test_raw_keys_must_be_maxtext_keys_of_the_right_type():
-  from kvax_plugin import launch
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   from kvax_plugin.integrations.maxtext import settings
   cls = settings.kvax_config_class()
-  with pytest.raises(launch.FlagError, match="foo_bar=3: not a MaxText config key$"):
-    launch.check_raw_keys({"foo_bar": "3"}, cls)
-  with pytest.raises(launch.FlagError, match=r"stesp=3: not a MaxText config key \(did you mean "
+  with pytest.raises(FlagError, match="foo_bar=3: not a MaxText config key$"):
+    checks.check_raw_keys({"foo_bar": "3"}, cls)
+  with pytest.raises(FlagError, match=r"stesp=3: not a MaxText config key \(did you mean "
                      "steps"):
-    launch.check_raw_keys({"stesp": "3"}, cls)
-  with pytest.raises(launch.FlagError, match="hardware=tpux: Input should be 'tpu'"):
-    launch.check_raw_keys({"hardware": "tpux"}, cls)
-  with pytest.raises(launch.FlagError, match="per_device_batch_size=x: Input should be"):
-    launch.check_raw_keys({"per_device_batch_size": "x"}, cls)
-  with pytest.raises(launch.FlagError, match="kvax_memory_optimized_gqa_backward=maybe: "):
-    launch.check_raw_keys({"kvax_memory_optimized_gqa_backward": "maybe"}, cls)
-  launch.check_raw_keys({"steps": "3", "log_period": "2", "kvax_backend": "jax", "dtype":
+    checks.check_raw_keys({"stesp": "3"}, cls)
+  with pytest.raises(FlagError, match="hardware=tpux: Input should be 'tpu'"):
+    checks.check_raw_keys({"hardware": "tpux"}, cls)
+  with pytest.raises(FlagError, match="per_device_batch_size=x: Input should be"):
+    checks.check_raw_keys({"per_device_batch_size": "x"}, cls)
+  with pytest.raises(FlagError, match="kvax_memory_optimized_gqa_backward=maybe: "):
+    checks.check_raw_keys({"kvax_memory_optimized_gqa_backward": "maybe"}, cls)
+  checks.check_raw_keys({"steps": "3", "log_period": "2", "kvax_backend": "jax", "dtype":
                          "bfloat16", "per_device_batch_size": "0.5", "dataset_type": "hf",
                          "jax_cache_dir": "/tmp/x", "sliding_window_size": "4096",
                          "logical_axis_rules": "[['x', 'y']]"}, cls)
@@ -403,16 +409,17 @@ def test_run_reports_what_maxtext_config_says():
   # config back (the end-to-end test checks the banner of a real run).
   from types import SimpleNamespace
 
-  from kvax_plugin import launch
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
   c = load_family("llama3").get_config("tiny")
   final = lambda **kw: SimpleNamespace(**{"attention": "kvax", "kvax_backend": "auto", **kw})
-  assert launch.what_maxtext_runs(final(attention="dot_product"), c,
+  assert checks.what_maxtext_runs(final(attention="dot_product"), c,
                                   {"attention": "dot_product"}, "cpu") == ("dot_product", None)
-  assert launch.what_maxtext_runs(final(kvax_backend="jax"), c, {}, "cpu") == ("kvax", "jax")
-  assert launch.what_maxtext_runs(final(), c, {}, "cpu") == ("kvax", launch.resolve_kvax_backend(
+  assert checks.what_maxtext_runs(final(kvax_backend="jax"), c, {}, "cpu") == ("kvax", "jax")
+  assert checks.what_maxtext_runs(final(), c, {}, "cpu") == ("kvax", checks.resolve_kvax_backend(
       "auto", "x"))
-  with pytest.raises(launch.FlagError, match="attention=cudnn_flash_te: MaxText runs this"):
-    launch.what_maxtext_runs(final(attention="cudnn_flash_te"), c,
+  with pytest.raises(FlagError, match="attention=cudnn_flash_te: MaxText runs this"):
+    checks.what_maxtext_runs(final(attention="cudnn_flash_te"), c,
                              {"attention": "cudnn_flash_te"}, "cpu")
 
 
@@ -443,7 +450,7 @@ def test_mesh_checks_name_the_flag(monkeypatch):
 
   import jax
 
-  from kvax_plugin import launch
+  from kvax_plugin.errors import FlagError
   from kvax_plugin.integrations.maxtext.launch_keys import check_maxtext_config
   monkeypatch.setattr(jax, "device_count", lambda: 8)
   c = load_family("llama3").get_config("tiny")
@@ -456,15 +463,15 @@ def test_mesh_checks_name_the_flag(monkeypatch):
     fields.update(kw)
     return SimpleNamespace(**fields)
 
-  with pytest.raises(launch.FlagError, match=r"--config.mesh.ici_tensor: .*\(3\).*8 query heads"):
+  with pytest.raises(FlagError, match=r"--config.mesh.ici_tensor: .*\(3\).*8 query heads"):
     check_maxtext_config(maxtext_config(3), c, {})
   check_maxtext_config(maxtext_config(4), c, {})  # 2 kv heads < 4 are replicated: fine
-  with pytest.raises(launch.FlagError, match="ici_tensor_parallelism=4: .*6 kv heads"):
+  with pytest.raises(FlagError, match="ici_tensor_parallelism=4: .*6 kv heads"):
     check_maxtext_config(maxtext_config(4, num_query_heads=12, num_kv_heads=6), c,
                          {"ici_tensor_parallelism": "4"})
-  with pytest.raises(launch.FlagError, match=r"--config.mesh \(.*multiply to 2.*8 devices"):
+  with pytest.raises(FlagError, match=r"--config.mesh \(.*multiply to 2.*8 devices"):
     check_maxtext_config(maxtext_config(2, ici=[1, 1, 2, 1]), c, {})
-  with pytest.raises(launch.FlagError, match="--config.seq_len=1004: context parallelism 4"):
+  with pytest.raises(FlagError, match="--config.seq_len=1004: context parallelism 4"):
     check_maxtext_config(maxtext_config(1, ici_context_parallelism=4,
                                                max_target_length=1004), c, {})
 
@@ -513,6 +520,17 @@ def test_tiny_launch_end_to_end(tmp_path):
   lines = [l for l in r.stdout.splitlines() if l.startswith("step ")]
   assert len(lines) == 5 and "tok/s" in lines[0] and "blocks skipped" in lines[0]
   assert "log_period=2 (config:" not in r.stdout  # not a config-derived key: nothing replaced
+  # A quiet console (cfg.quiet): the banner, the model line, a line per step and the summary;
+  # MaxText's notices, absl / JAX logging and its print()s are in maxtext.log instead.
+  console = r.stdout.splitlines()
+  assert console[0].startswith("kvax_plugin.launch: llama3:tiny (") and console[1].startswith(
+      "model: "), r.stdout
+  assert lines == console[2:7] and console[7] == "", r.stdout
+  assert console[8].startswith("== llama3:tiny") and all(
+      l.startswith("   ") for l in console[9:]), r.stdout
+  assert all(l.startswith("warning: ") for l in r.stderr.splitlines()), r.stderr[-3000:]
+  maxtext_log = (out / "maxtext.log").read_text()
+  assert "Num_devices" in maxtext_log and "Per train step" in maxtext_log  # absl, print()
   summary = json.loads((out / "summary.json").read_text())
   losses = summary["losses"]
   assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
@@ -543,7 +561,46 @@ def test_tiny_launch_end_to_end(tmp_path):
   for tag in ("learning/loss", "perf/step_time_seconds", "kvax/blocks_skipped_global",
               "perf/real_tokens_per_sec", "data/real_token_share"):
     assert tags.get(tag) == 5, (tag, tags.get(tag))
-  assert "completed step" in (out / "maxtext.log").read_text()  # MaxText's own log, kept
+  assert "completed step" in maxtext_log  # MaxText's own log, kept
+
+
+def test_quiet_console_sends_all_else_to_the_log(tmp_path):
+  """console.Console (cfg.quiet): the launcher's lines reach the console; print()s, logging
+  records, Python warnings and raw writes to descriptor 2 (as XLA's C++ makes) go to the log,
+  those from before the log opened too. An exception after the log opened leaves its traceback
+  there and names the log; one before it gets what was printed replayed on the console."""
+  log = tmp_path / "run" / "maxtext.log"
+  script = f"""
+import logging, os, warnings
+from kvax_plugin.integrations.maxtext import console
+try:
+  with console.Console(True) as con:
+    print("early print"); os.write(2, b"early fd 2\\n")
+    con.open_log({str(log)!r})
+    print("maxtext print"); os.write(2, b"c++ fd 2\\n")
+    logging.getLogger("maxtext").warning("a logging record")
+    warnings.warn("a python warning")
+    print("step line", file=con.out); print("our warning", file=con.err)
+    raise RuntimeError("boom")
+except RuntimeError as e:
+  print("log:", getattr(e, console.log_path_attr))
+try:
+  with console.Console(True):
+    print("before any log")
+    raise ValueError("a bad flag")
+except ValueError as e:
+  print("no log:", getattr(e, console.log_path_attr, None))
+"""
+  r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.splitlines() == ["step line", f"log: {log}", "no log: None"], r.stdout
+  assert r.stderr.splitlines() == ["our warning", "before any log"], r.stderr
+  text = log.read_text()
+  for line in ("early print", "early fd 2", "maxtext print", "c++ fd 2", "a logging record",
+               "a python warning", "Traceback", "RuntimeError: boom"):
+    assert line in text, (line, text)
+  assert text.count("a logging record") == 1, text  # absl's handler adds no second copy
 
 
 def test_feeder_mask_statistics_switch(monkeypatch):

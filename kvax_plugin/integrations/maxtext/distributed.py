@@ -42,6 +42,7 @@ of the host's GPUs (not run on GPUs here).
 from __future__ import annotations
 
 import contextlib
+import os
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
@@ -69,6 +70,32 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                              num_processes=num_processes, process_id=process_id,
                              initialization_timeout=timeout_s)
 
+
+def join_processes(n: int, i: int, address: str | None, cfg, raw: dict[str, str]) -> None:
+  """The launcher's --num_processes=n / --process_id=i / --coordinator_address=address: join
+  the other processes (before anything uses a device), and send this process's files to
+  <output dir>/process_<i> when i > 0 (processes sharing a disk would overwrite each other's
+  maxtext.log, metrics and summary). Nothing happens for one process."""
+  from kvax_plugin.errors import FlagError, SetupError
+  from kvax_plugin.integrations.maxtext.launch_checks import one_line
+  from kvax_plugin.integrations.maxtext.launch_keys import output_dir
+  if n == 1 and i == 0 and address is None:
+    return
+  if address is None:
+    raise FlagError(f"--num_processes={n} --process_id={i}: a run over several processes also "
+                    "needs --coordinator_address=host:port (where process 0 listens)")
+  if n < 2:
+    raise FlagError(f"--num_processes={n}: --coordinator_address / --process_id are for a run "
+                    "over several processes (num_processes >= 2)")
+  try:
+    initialize(address, n, i)
+  except ValueError as e:
+    raise FlagError(f"--{e}") from e
+  except RuntimeError as e:  # e.g. the coordinator unreachable, or process ids that clash
+    raise SetupError(f"--coordinator_address={address} --process_id={i}: joining the other "
+                     f"{n - 1} process(es) failed: {one_line(e)}") from e
+  if i > 0 and "base_output_directory" not in raw and "run_name" not in raw:
+    cfg.output_dir = os.path.join(output_dir(cfg), f"process_{i}")
 
 def barrier(name: str, *, timeout_s: int = 900) -> None:
   """Wait until every process of the run reaches `name` (through jax.distributed's coordination

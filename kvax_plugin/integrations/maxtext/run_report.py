@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +54,57 @@ def tensorboard_files(config) -> list[str]:
   for root, _, files in os.walk(config.tensorboard_dir or ""):
     found += [os.path.join(root, f) for f in files if f.startswith("events.out.tfevents")]
   return sorted(found)
+
+def write_report(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
+                 backend: str | None, *, out: str, log_path: str, can_draw: bool, timer,
+                 t0: float, t_end: float, stream=None) -> dict[str, Any]:
+  """The end of a launcher run: pictures, the summary with its wall times, summary.json, and
+  the printed summary (to `stream`). `timer`: the run's setup_timing.SetupTimer; `t0` / `t_end`:
+  time.time() at the start of launch.run and after MaxText's train loop."""
+  step_seconds = sum(r.step_seconds for r in progress.records)
+  files = {
+      "loss_png": plot_losses(progress.records, os.path.join(out, "loss.png"),
+                              f"{cfg.family}:{cfg.variant} ({cfg.model}), attention="
+                              f"{attention}, packed corpus") if can_draw else None,
+      "mask_png": draw_first_mask(corpus, out) if corpus is not None and can_draw else [],
+      "tensorboard_dir": config.tensorboard_dir,
+      "tensorboard_files": tensorboard_files(config),
+      "maxtext_log": log_path,
+      "summary_json": os.path.join(out, "summary.json"),
+  }
+  t_reported = time.time()
+  breakdown = timer.breakdown(t0, t_end)
+  # setup_and_compile: run() up to the first step (setup_timing's docstring says what it holds
+  # and why it no longer is total minus the step clocks). Outside it: the process before run()
+  # (interpreter, jax and kvax_plugin imports; the same for every attention), the steps, and
+  # the pictures drawn after training ("reporting").
+  first = progress.records[0]
+  wall = {"total": t_end - t0, "training": step_seconds,
+          "setup_and_compile": breakdown["setup_and_compile"],
+          "first_step": first.step_seconds,
+          "first_step_result": (first.received - timer.first_step_start
+                                if timer.first_step_start else None),
+          "run_less_step_clocks": max(0.0, (t_end - t0) - step_seconds),
+          "before_run": process_age(t0), "reporting": t_reported - t_end}
+  summary = summarize(cfg, config, progress, corpus, attention, backend, wall, files,
+                      compile_breakdown=breakdown)
+  with open(files["summary_json"], "w") as f:
+    json.dump(summary, f, indent=2)
+  print_summary(summary, stream)
+  return summary
+
+
+def process_age(at: float) -> float | None:
+  """Seconds from this process's start to time.time() `at` (Linux /proc; None elsewhere)."""
+  try:
+    with open("/proc/self/stat") as f:
+      start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+      uptime = float(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    return None
+  age_now = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+  return max(0.0, age_now - (time.time() - at))
 
 
 # Printed (and kept in summary.json) when a GPU run uses kvax under MaxText's default remat

@@ -7,7 +7,8 @@
                              diagnostic, 2026-11-25)
     progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
                              which prints one line per step and adds TensorBoard scalars
-    quiet_maxtext            absl / MaxText INFO logs go to a file only
+
+(What MaxText prints itself is sent to maxtext.log by console.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import sys
 import time
@@ -158,24 +158,3 @@ def progress_hook(progress: Progress):
   finally:
     metric_logger.MetricLogger.write_metrics = original
 
-
-@contextlib.contextmanager
-def quiet_maxtext(log_path: str, enabled: bool):
-  """Send absl/MaxText INFO logs to `log_path` only (warnings still reach the console)."""
-  from absl import logging as absl_logging
-  os.makedirs(os.path.dirname(log_path), exist_ok=True)
-  file_handler = logging.FileHandler(log_path, mode="w")
-  file_handler.setLevel(logging.INFO)
-  file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-  root = logging.getLogger()
-  root.addHandler(file_handler)
-  absl_handler = absl_logging.get_absl_handler()
-  previous = absl_handler.level
-  if enabled:
-    absl_handler.setLevel(logging.WARNING)
-  try:
-    yield
-  finally:
-    absl_handler.setLevel(previous)
-    root.removeHandler(file_handler)
-    file_handler.close()

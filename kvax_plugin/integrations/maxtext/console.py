@@ -1,0 +1,146 @@
+"""The launcher's console: its own lines on the terminal, everything else in maxtext.log.
+
+With cfg.quiet (the default) the console shows the banner, the model line, one line per step,
+the summary and errors. Everything else printed while the launcher drives MaxText goes to
+<output dir>/maxtext.log: MaxText's stub notices and print()s, absl / JAX / transformers
+logging, Python warnings, and the C++ runtime's (XLA's) writes to file descriptor 2. The last
+cannot be caught in Python, so file descriptors 1 and 2 themselves point at the log for the
+run, and the launcher writes its own lines to duplicates of the original descriptors
+(Console.out / Console.err).
+
+The log's place is known only after the launcher's checks (raw keys may move the output
+directory), and a rejected flag should leave no directory behind; until open_log() the output
+is held in an anonymous temporary file, copied to the head of maxtext.log when it opens, or
+replayed on the console if the run fails before that (nothing is lost).
+
+An exception leaving a quiet run after the log opened has its traceback written to the log and
+carries the log's path in `log_path_attr`, so the launcher prints one line and says where the
+traceback is. Without cfg.quiet nothing is redirected: the log gets Python logging's records
+(INFO and up) and the console shows everything, as MaxText would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+
+# The attribute naming the log that holds an exception's traceback (set on quiet runs).
+log_path_attr = "kvax_log_path"
+
+
+class Console:
+  """Context manager; see the module docstring."""
+
+  def __init__(self, quiet: bool):
+    self.quiet = quiet
+    self.out, self.err = sys.stdout, sys.stderr
+    self.log_path: str | None = None
+    self._saved: tuple[int, int] | None = None  # the original descriptors 1 and 2
+    self._sink = None  # the file descriptors 1 and 2 point at while quiet
+    self._handler: logging.Handler | None = None
+    self._absl_level: int | None = None
+    self._line_buffering: bool | None = None
+
+  def __enter__(self) -> Console:
+    if not self.quiet:
+      return self
+    _flush()
+    self._saved = (os.dup(1), os.dup(2))
+    self.out = _text(self._saved[0], sys.stdout)
+    self.err = _text(self._saved[1], sys.stderr)
+    self._point_at(tempfile.TemporaryFile())
+    if hasattr(sys.stdout, "reconfigure"):
+      # A pipe makes sys.stdout block-buffered: MaxText's print()s would reach the log late,
+      # out of order with the logging records around them.
+      self._line_buffering = sys.stdout.line_buffering
+      sys.stdout.reconfigure(line_buffering=True)
+    return self
+
+  def open_log(self, log_path: str) -> None:
+    """From here on the output goes to `log_path` (written anew), after what came before."""
+    from absl import logging as absl_logging
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    self.log_path = log_path
+    if self.quiet:
+      open(log_path, "wb").close()
+      # Appending: descriptors 1 / 2 and the logging handler below write to the same file
+      # through separate offsets.
+      sink = open(log_path, "ab")
+      _flush()
+      self._sink.seek(0)
+      shutil.copyfileobj(self._sink, sink)
+      sink.flush()
+      self._point_at(sink)
+    self._handler = logging.FileHandler(log_path, mode="a" if self.quiet else "w")
+    self._handler.setLevel(logging.INFO)
+    self._handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(self._handler)
+    if self.quiet:
+      # absl's handler writes to descriptor 2, i.e. into the log too: a second copy of every
+      # record the file handler already wrote.
+      absl_handler = absl_logging.get_absl_handler()
+      self._absl_level = absl_handler.level
+      absl_handler.setLevel(logging.CRITICAL + 1)
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    from absl import logging as absl_logging
+    if self.quiet and isinstance(exc, Exception) and self.log_path is not None:
+      _flush()
+      with open(self.log_path, "a") as f:
+        f.write("kvax_plugin.launch: the run failed:\n")
+        traceback.print_exception(exc, file=f)
+      setattr(exc, log_path_attr, self.log_path)
+    if self._absl_level is not None:
+      absl_logging.get_absl_handler().setLevel(self._absl_level)
+    if self._handler is not None:
+      logging.getLogger().removeHandler(self._handler)
+      self._handler.close()
+    if not self.quiet:
+      return
+    if self._line_buffering is not None:
+      sys.stdout.reconfigure(line_buffering=self._line_buffering)
+    _flush()
+    self.out.flush()
+    self.err.flush()
+    os.dup2(self._saved[0], 1)
+    os.dup2(self._saved[1], 2)
+    for fd in self._saved:
+      os.close(fd)
+    if self.log_path is None:
+      # Left before its log existed (a failed check): show what it printed, as without quiet.
+      self._sink.seek(0)
+      sys.stderr.write(self._sink.read().decode(errors="replace"))
+      sys.stderr.flush()
+    self._sink.close()
+    self.out.close()
+    self.err.close()
+    self.out, self.err = sys.stdout, sys.stderr
+
+  def _point_at(self, sink) -> None:
+    _flush()
+    os.dup2(sink.fileno(), 1)
+    os.dup2(sink.fileno(), 2)
+    if self._sink is not None:
+      self._sink.close()
+    self._sink = sink
+
+
+def _flush() -> None:
+  # Python's buffers drain into whatever descriptor 1 / 2 is at the time: empty them before
+  # it changes.
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (AttributeError, OSError, ValueError):
+      pass
+
+
+def _text(fd: int, like):
+  """A line-buffered text stream on a duplicate of `fd`, with `like`'s encoding."""
+  return os.fdopen(os.dup(fd), "w", buffering=1, encoding=getattr(like, "encoding", None),
+                   errors=getattr(like, "errors", None) or "strict")
