@@ -111,13 +111,9 @@ def start(run: dict, args, out_dir: Path, gpu_ids: list[int]) -> list[tuple]:
     cmd = launcher_cmd(run, args, run_dir, caches)
     env = dict(os.environ, TRITON_CACHE_DIR=caches["TRITON_CACHE_DIR"],
                CUDA_CACHE_PATH=caches["CUDA_CACHE_PATH"])
-    if n == 1:
-      env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    else:
-      # Every process sees all of the run's GPUs (NCCL's peer paths need them visible) and JAX
-      # takes its own share, as jax.distributed.initialize(local_device_ids=...) would.
-      env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-      env["JAX_CUDA_VISIBLE_DEVICES"] = ",".join(str(j) for j in range(i * per, (i + 1) * per))
+    # Each process sees its own share of the GPUs, as on separate hosts.
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids[i * per:(i + 1) * per]))
+    if n > 1:
       cmd += [f"--coordinator_address=localhost:{port}", f"--num_processes={n}",
               f"--process_id={i}"]
     run_dir.mkdir(parents=True, exist_ok=True)

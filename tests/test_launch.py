@@ -167,6 +167,27 @@ def test_packed_corpus_feeds_maxtext_features():
                  sliding_window=None)
 
 
+def test_packed_corpus_counts_only_the_rows_maxtext_trains_on():
+  # per_device_batch_size < 1 (one row over a context mesh of 4): MaxText loads 4 rows and
+  # trains on the first, so the statistics (tokens/s) hold that row alone.
+  from kvax_plugin.data.feeding import PackedCorpus
+  c = load_family("llama3").get_config("tiny")
+  full = PackedCorpus(c, seq_len=256, global_rows=4, host_index=0, host_count=1,
+                      sliding_window=None)
+  one = PackedCorpus(c, seq_len=256, global_rows=4, host_index=0, host_count=1,
+                     sliding_window=None, train_rows=1)
+  b_full, b_one = next(iter(full)), next(iter(one))
+  np.testing.assert_array_equal(b_full["inputs"], b_one["inputs"])  # the same 4 rows are fed
+  assert one.stats[0].rows == 1 and full.stats[0].rows == 4
+  assert one.stats[0].real_tokens == int((b_one["inputs_segmentation"][0] > 0).sum())
+  assert 0 < one.stats[0].real_tokens < full.stats[0].real_tokens
+  # A second host holding rows 2..3 of the 4 trains on none of them.
+  other = PackedCorpus(c, seq_len=256, global_rows=4, host_index=1, host_count=2,
+                       sliding_window=None, train_rows=1)
+  next(iter(other))
+  assert other.stats[0].rows == 0 and other.stats[0].real_tokens == 0
+
+
 @needs_maxtext
 def test_hooks_restore_maxtext():
   from maxtext.common import metric_logger
@@ -327,7 +348,7 @@ def test_summary_and_progress_report_what_maxtext_ran():
                            kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
   stats = SimpleNamespace(skipped={"global": 0.4}, real_tokens=100, rows=2, seq_len=64,
                           documents=6)
-  corpus = SimpleNamespace(stats=[stats], global_rows=2)
+  corpus = SimpleNamespace(stats=[stats], global_rows=2, train_rows=2)
   for attention, backend in (("dot_product", None), ("kvax", "jax")):
     progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=1,
                                        block_skipping=attention == "kvax")
@@ -355,7 +376,7 @@ def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
   c = load_family("llama3").get_config("tiny")
   stats = SimpleNamespace(skipped={"global": 0.4}, real_tokens=100, rows=2, seq_len=64,
                           documents=2)
-  corpus = SimpleNamespace(stats=[stats], global_rows=2)
+  corpus = SimpleNamespace(stats=[stats], global_rows=2, train_rows=2)
   progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=1, block_skipping=True)
   progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
                                         "perf/step_time_seconds": 0.5}}, 0)
@@ -393,7 +414,7 @@ def test_summary_tokens_per_second_is_total_tokens_over_total_time():
   config = SimpleNamespace(hardware="cpu", max_target_length=64, global_batch_size_to_train_on=2,
                            kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
   stats = SimpleNamespace(skipped={}, real_tokens=100, rows=2, seq_len=64, documents=2)
-  corpus = SimpleNamespace(stats=[stats] * 4, global_rows=2)
+  corpus = SimpleNamespace(stats=[stats] * 4, global_rows=2, train_rows=2)
   progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=4, block_skipping=False)
   for step, seconds in enumerate((5.0, 0.1, 1.0, 1.0)):
     progress.on_train_metrics({"scalar": {"learning/loss": 2.0,

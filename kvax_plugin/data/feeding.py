@@ -46,7 +46,8 @@ class PackedCorpus:
   """
 
   def __init__(self, cfg, *, seq_len: int, global_rows: int, host_index: int, host_count: int,
-               sliding_window: int | None, mask_stats: bool = True):
+               sliding_window: int | None, mask_stats: bool = True,
+               train_rows: int | None = None):
     if global_rows % host_count:
       raise FlagError(f"--config.per_device_batch_size: {global_rows} rows do not split over "
                       f"{host_count} loading hosts")
@@ -54,14 +55,20 @@ class PackedCorpus:
     self.seq_len = seq_len
     self.global_rows = global_rows
     self.rows = global_rows // host_count
+    # MaxText trains on the first global_batch_size_to_train_on rows of what it loads (fewer
+    # with per_device_batch_size < 1, e.g. one row split over a context mesh): statistics
+    # count those rows only.
+    self.train_rows = global_rows if train_rows is None else min(train_rows, global_rows)
     self.host_index = host_index
     self.sliding_window = sliding_window
     self.mask_stats = mask_stats
     self.stats: list[BatchStats] = []
     self.first = None  # the first PackedBatch (host rows)
     self._compiling = None
-    if mask_stats:
-      shape = (self.rows, seq_len)
+    lo = host_index * self.rows
+    self.trained_host_rows = max(0, min(lo + self.rows, self.train_rows) - lo)
+    if mask_stats and self.trained_host_rows:
+      shape = (self.trained_host_rows, seq_len)
       self._compiling = threading.Thread(
           target=self._compile_masks, args=(shape,), name="kvax-mask-stats-compile", daemon=True)
       self._compiling.start()
@@ -114,11 +121,15 @@ class PackedCorpus:
         self.first = batch
         if self._compiling is not None:
           self._compiling.join()
+      n = max(0, min(hi, self.train_rows) - lo)  # this host's rows that are trained on
+      trained = PackedBatch(batch.tokens[:n], batch.segment_ids[:n], batch.positions[:n],
+                            batch.pieces[:n])
       skipped = ({name: kvax_plugin.mask_sparsity(m)["skipped"]
-                  for name, m in self.masks(batch).items()} if self.mask_stats else {})
-      self.stats.append(BatchStats(real_tokens=batch.num_real_tokens, rows=batch.num_seqs,
+                  for name, m in self.masks(trained).items()} if self.mask_stats and n else {})
+      self.stats.append(BatchStats(real_tokens=trained.num_real_tokens, rows=n,
                                    seq_len=batch.seq_len,
-                                   documents=int(sum(batch.segments_per_row())), skipped=skipped))
+                                   documents=int(sum(trained.segments_per_row())),
+                                   skipped=skipped))
       yield {k: np.asarray(v) for k, v in maxtext_features(batch).items()}
 
 

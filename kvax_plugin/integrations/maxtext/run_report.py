@@ -55,6 +55,7 @@ def tensorboard_files(config) -> list[str]:
     found += [os.path.join(root, f) for f in files if f.startswith("events.out.tfevents")]
   return sorted(found)
 
+
 def write_report(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
                  backend: str | None, *, out: str, log_path: str, can_draw: bool, timer,
                  t0: float, t_end: float, stream=None) -> dict[str, Any]:
@@ -144,6 +145,7 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "attention": attention,
       "kvax_backend": backend if attention == "kvax" else None,
       "hardware": config.hardware, "devices": _device_count(),
+      "peak_device_memory_gib": _peak_device_memory_gib(),
       "seq_len": config.max_target_length, "global_batch": config.global_batch_size_to_train_on,
       "steps": len(recs),
       "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
@@ -153,7 +155,7 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       # Real tokens of the timed steps over their summed seconds (a ratio of sums: the mean of
       # per-step ratios is pulled up by any short-clocked step, ~1.7x on 7 GPU steps).
       "mean_tokens_per_s": _tokens_per_second(timed),
-      "real_token_share": (mean([s.real_tokens / (s.rows * s.seq_len) for s in corpus.stats])
+      "real_token_share": (mean([s.real_tokens / max(1, s.rows * s.seq_len) for s in corpus.stats])
                            if corpus is not None and corpus.stats else None),
       "documents_per_row": (mean([s.documents / s.rows for s in corpus.stats])
                             if corpus is not None and corpus.stats else None),
@@ -174,6 +176,15 @@ def _tokens_per_second(records) -> float:
            if r.step_seconds > 0 and r.tokens_per_s == r.tokens_per_s]
   seconds = sum(sec for _, sec in pairs)
   return sum(tok for tok, _ in pairs) / seconds if seconds > 0 else float("nan")
+
+
+def _peak_device_memory_gib() -> float | None:
+  """The largest peak of bytes in use over this process's devices (GiB), as the allocator
+  reports it (GPU); None where devices keep no such statistic (CPU)."""
+  import jax
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p]
+  return round(max(peaks) / 2**30, 2) if peaks else None
 
 
 def _device_count() -> int:

@@ -61,7 +61,7 @@ def packed_corpus_pipeline(cfg, holder: dict):
     corpus = PackedCorpus(cfg, seq_len=config.max_target_length,
                           global_rows=config.global_batch_size_to_load,
                           host_index=loading.index(jax.process_index()), host_count=len(loading),
-                          sliding_window=window,
+                          sliding_window=window, train_rows=config.global_batch_size_to_train_on,
                           # Masks only for a kvax run: another kernel's run reports no skipping.
                           mask_stats=str(config.attention) == "kvax" and _mask_stats_on())
     holder["corpus"] = corpus
@@ -116,7 +116,7 @@ class Progress:
       skipped = dict(stats.skipped) if self.block_skipping else {}
       # MaxText writes these scalars to TensorBoard with its own.
       scalars["perf/real_tokens_per_sec"] = tokens_per_s
-      scalars["data/real_token_share"] = stats.real_tokens / (stats.rows * stats.seq_len)
+      scalars["data/real_token_share"] = stats.real_tokens / max(1, stats.rows * stats.seq_len)
       for name, share in skipped.items():
         scalars[f"kvax/blocks_skipped_{name}"] = share
     else:
@@ -128,7 +128,7 @@ class Progress:
 
   def _host_scale(self, stats: BatchStats) -> float:
     corpus = self.holder["corpus"]
-    return corpus.global_rows / max(1, stats.rows)
+    return corpus.train_rows / max(1, stats.rows)
 
   def format(self, r: StepRecord) -> str:
     width = len(str(self.total_steps))
