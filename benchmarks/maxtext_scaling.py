@@ -181,7 +181,8 @@ def plot(result: dict, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  rows = [r for r in result["rows"] if "error" not in r]
+  ran = [r for r in result["rows"] if "error" not in r]
+  rows = [r for r in ran if r.get("tokens_per_s")]
   fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
   names = [f"{r['label']}\n{r['attention']} {r['spec'].split(':')[2]}"
            + (f" rows {r['rows']}" if r["rows"] != r["gpus"] else "") for r in rows]
@@ -194,10 +195,10 @@ def plot(result: dict, path: Path) -> None:
   ax.set_ylabel("real tokens/s (thousands)")
   ax.set_title(f"MaxText llama3-8b ({result['layers']} layers), attention=kvax\n"
                f"{result['device']}; gray: one GPU, blue: several", fontsize=9)
-  for r in rows:
+  for r in ran:
     if r["rows"] != r["gpus"] or r["gpus"] == 1:
       lx.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", ms=3,
-              label=f"{r['label']} {r['spec'].split(':')[2]} rows {r['rows']}")
+              label=f"{r['label']} {r['attention']} {r['spec'].split(':')[2]}, {r['rows']} row(s)")
   lx.set_xlabel("step")
   lx.set_ylabel("loss")
   lx.set_title("loss per step (same batches where rows agree)", fontsize=9)
