@@ -1,0 +1,45 @@
+"""benchmarks/maxtext_scaling.py without GPUs: its run specs, the launcher command each becomes,
+and the speed-up / loss comparison it reports (the GPU runs: benchmarks/results/*/maxtext_scaling)."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from benchmarks import maxtext_scaling as ms
+
+
+def test_specs_name_mesh_processes_and_rows():
+  r = ms.parse_spec("256k-short:kvax:c2f2p2")
+  assert (r["seq_len"], r["layout"], r["attention"]) == (262144, "short", "kvax")
+  assert r["mesh"] == {"ici_context": 2, "ici_fsdp": 2}
+  assert (r["gpus"], r["processes"], r["rows"]) == (4, 2, 4)  # one row per GPU by default
+  one = ms.parse_spec("1m-long:cudnn_flash_jax:1")
+  assert (one["seq_len"], one["gpus"], one["rows"], one["mesh"]) == (1 << 20, 1, 1, {})
+  assert ms.parse_spec("128k-short:kvax:c4:1")["rows"] == 1  # one row split over 4 GPUs
+  for bad in ("128k:kvax:1", "128k-medium:kvax:1", "12x-short:kvax:1", "128k-short:kvax:c4q2"):
+    with pytest.raises(SystemExit, match="--runs"):
+      ms.parse_spec(bad)
+
+
+def test_launcher_command_carries_mesh_rows_and_layout():
+  args = argparse.Namespace(variant="8b", steps=10, kvax_backend="auto", layers=4, vocab=512)
+  run = ms.parse_spec("128k-long:kvax:c4:1")
+  cmd = ms.launcher_cmd(run, args, Path("/tmp/x"), {"jax_cache_dir": "/tmp/j"})
+  assert "--config.mesh.ici_context=4" in cmd and "--config.mesh.ici_fsdp=1" in cmd
+  assert "per_device_batch_size=0.25" in cmd and "--config.kvax.backend=auto" in cmd
+  assert f"--config.data.min_doc_chars={4 * 131072}" in cmd  # long: one document per row
+  assert "base_num_decoder_layers=4" in cmd and "vocab_size=512" in cmd
+
+
+def test_compare_gives_speedup_efficiency_and_loss_gap():
+  rows = [dict(ms.parse_spec("128k-short:kvax:1"), tokens_per_s=100.0, losses=[5.0, 4.0]),
+          dict(ms.parse_spec("128k-short:kvax:c4"), tokens_per_s=340.0, losses=[5.1, 4.2]),
+          dict(ms.parse_spec("128k-short:kvax:c4:1"), tokens_per_s=250.0, losses=[5.0, 4.05]),
+          dict(ms.parse_spec("256k-short:kvax:c4"), error="exit [1]: RESOURCE_EXHAUSTED")]
+  out = {c["run"]: c for c in ms.compare(rows)}
+  assert out["128k-short:kvax:c4"]["speedup"] == 3.4
+  assert out["128k-short:kvax:c4"]["efficiency"] == 0.85
+  assert "max_loss_gap" not in out["128k-short:kvax:c4"]  # 4 rows against 1: other batches
+  assert out["128k-short:kvax:c4:1"]["max_loss_gap"] == pytest.approx(0.05)
+  assert "256k-short:kvax:c4" not in out  # a failed run has nothing to compare
