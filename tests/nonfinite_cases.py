@@ -29,8 +29,7 @@ from kvax_plugin.attention.block_mask import create_attention_mask, dense_mask
 from kvax_plugin.attention.params import FlashAttentionParamsConfig as P
 from kvax_plugin.attention.reference import reference_attention
 
-S, H, K = 48, 4, 2
-G = H // K
+S, H, K = 48, 4, 2  # the default heads (run_cases(heads=...) takes fewer)
 PARAMS = P(16, 16, 4, 1)
 NAN, INF = math.nan, math.inf
 
@@ -40,7 +39,8 @@ _SEG = np.array([0] * 20 + [1] * 20 + [-1] * 8, np.int32)
 _POS = np.array(list(range(20)) * 2 + list(range(8)), np.int32)
 
 # Cases with NaN / inf in one entry of q, k or v: (array, [S, heads, D] index, value, exact?).
-# They share one call: case i is batch row i.
+# They share one call: case i is batch row i. With fewer heads (run_cases(heads=...)) the head
+# index is taken modulo the heads.
 POISON_CASES = {
     "q_nan_row": ("q", (25, 1, 3), NAN, True),
     "q_nan_padding_row": ("q", (44, 2, 0), NAN, True),
@@ -58,14 +58,20 @@ OPTION_CASES = {
 }
 
 
-def _inputs(batch: int, seed: int, dtype, d: int):
+def _inputs(batch: int, seed: int, dtype, d: int, h: int = H, kh: int = K):
   ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (batch, S, H, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (batch, S, K, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (batch, S, K, d), jnp.float32).astype(dtype)
-  sinks = jax.random.normal(ks[3], (H,), jnp.float32)
-  cot = jax.random.normal(ks[4], (batch, S, H, d), jnp.float32).astype(dtype)
+  q = jax.random.normal(ks[0], (batch, S, h, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (batch, S, kh, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, S, kh, d), jnp.float32).astype(dtype)
+  sinks = jax.random.normal(ks[3], (h,), jnp.float32)
+  cot = jax.random.normal(ks[4], (batch, S, h, d), jnp.float32).astype(dtype)
   return {"q": q, "k": k, "v": v}, sinks, cot
+
+
+def _poison(arrays: dict, which: str, row: int, idx: tuple, value) -> None:
+  """arrays[which][row, t, head, d] = value, the head modulo the array's heads."""
+  t, head, d = idx
+  arrays[which] = arrays[which].at[row, t, head % arrays[which].shape[2], d].set(value)
 
 
 def _results(fn, arrays, cot):
@@ -97,6 +103,7 @@ def _compare(name, what, mine, ref, *, mode: str, tol: float, failures: list):
 def _check_row(name, exact, got, want, keep, grad_propagation, tol, failures):
   """All checks on one batch row: got / want are (out, dq, dk, dv) of shapes [S, ...]."""
   out, dq, dk, _ = got
+  group = out.shape[1] // dk.shape[1]  # query heads per kv head
   padding_rows = _SEG == -1
   _compare(name, "out", out, want[0], mode="exact" if exact else "superset", tol=tol,
            failures=failures)
@@ -110,7 +117,7 @@ def _check_row(name, exact, got, want, keep, grad_propagation, tol, failures):
       if np.isfinite(dq[t, h]).any():
         failures.append(f"{name}/dq: row {t} head {h} has a non-finite output but finite dq")
         break
-      if np.isfinite(dk[keep[t], h // G]).all(axis=-1).any():
+      if np.isfinite(dk[keep[t], h // group]).all(axis=-1).any():
         failures.append(f"{name}/dk: a token attended by non-finite row {t} (head {h}) has a "
                         "finite dk")
         break
@@ -121,14 +128,17 @@ def _check_row(name, exact, got, want, keep, grad_propagation, tol, failures):
 
 def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
               tol: float = 2e-5, seed: int = 0, dtype=jnp.float32, head_dim: int = 16,
-              params: P = PARAMS) -> list[str]:
+              params: P = PARAMS, heads: tuple[int, int] = (H, K)) -> list[str]:
   """Runs every poison case (one call) and the named option cases (default all).
 
   grad_propagation: check that non-finite rows reach dq / dk (the block backends do it through
   delta = rowsum(dO * O); the reference's autodiff does not for non-finite v).
   dtype / head_dim / params: inputs and mask blocks, for backends with narrower support (the
   reference always computes on the same inputs upcast to float32).
+  heads: (query heads, kv heads), fewer for backends whose every head costs (an interpreter);
+  GQA either way.
   """
+  h, kh = heads
   d = head_dim
   keep = np.asarray(dense_mask(_POS[None], _SEG[None], _POS[None], _SEG[None]))[0]
   failures: list[str] = []
@@ -139,23 +149,24 @@ def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
     ints = (pos, seg, pos, seg)
     mask = create_attention_mask(*ints, fwd_params=params, bwd_params=params,
                                  calc_bwd_mask=True)
-    n_scale, n_cap = validation.check_options(scale, cap, sinks, H)
+    n_scale, n_cap = validation.check_options(scale, cap, sinks, h)
     mine = lambda q, k, v: backend_fn(q, k, v, *ints, mask, scale=n_scale, logits_soft_cap=n_cap,
                                       sinks=sinks)
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(f32(q), f32(k), f32(v), *ints, scale=scale,
                                               logits_soft_cap=cap, sinks=sinks)
     # The reference in exact float32 products: on a GPU, XLA's default precision may use TF32
-    # (~5e-4 relative error), which would fail a float32 kernel that is exact.
+    # (~5e-4 relative error), which would fail a float32 kernel that is exact. Jitted: one
+    # compile instead of one per operation.
     with jax.default_matmul_precision("highest"):
-      want = _results(ref, arrays, cot)
+      want = _results(jax.jit(ref), arrays, cot)
     return _results(jax.jit(mine), arrays, cot), want
 
   names = list(POISON_CASES)
-  arrays, _, cot = _inputs(len(names), seed, dtype, d)
+  arrays, _, cot = _inputs(len(names), seed, dtype, d, h, kh)
   for i, name in enumerate(names):
     which, idx, value, _ = POISON_CASES[name]
-    arrays[which] = arrays[which].at[(i,) + idx].set(value)
+    _poison(arrays, which, i, idx, value)
   got, want = run(len(names), arrays, cot, d ** -0.5, None, None)
   for i, name in enumerate(names):
     _check_row(name, POISON_CASES[name][3], [x[i] for x in got], [x[i] for x in want], keep,
@@ -163,10 +174,10 @@ def run_cases(backend_fn, *, option_cases=None, grad_propagation: bool = True,
 
   for name in (OPTION_CASES if option_cases is None else option_cases):
     opts = OPTION_CASES[name]
-    arrays, sinks, cot = _inputs(1, seed, dtype, d)
+    arrays, sinks, cot = _inputs(1, seed, dtype, d, h, kh)
     if "poison" in opts:
       which, idx, value = opts["poison"]
-      arrays[which] = arrays[which].at[(0,) + idx].set(value)
+      _poison(arrays, which, 0, idx, value)
     if "sinks" in opts:
       sinks = sinks.at[opts["sinks"][0]].set(opts["sinks"][1])
     else:

@@ -4,18 +4,33 @@ phase is observed), so their logic - table walking, masking, online softmax, the
 consumer ring, both backward modes - is tested here against the float32 reference. A second
 test lowers them for CUDA (no GPU needed), which catches what Mosaic GPU cannot compile.
 The GPU runs of the same kernels are tests/gpu/test_mosaic_gpu.py.
+
+An interpreter run costs ~10 s of CPU (a few thousand Python callbacks), so each (case, backward
+mode, options) runs once per process (`case_run`, memoised) and every test about that run reads
+it: the reference match, the launch configuration the kernels got, the fold comparison, and the
+race detector (on for every run: tests/test_mosaic_races.py explains its model and checks it on
+small ring kernels; its kernel tests read these runs).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import io
+
 import jax
 import jax.numpy as jnp
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 import pytest
 
 from kvax_plugin.attention.block_mask import create_attention_mask
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+from kvax_plugin.attention.kernels.mosaic import backward as bk
+from kvax_plugin.attention.kernels.mosaic import forward as fw
 from kvax_plugin.attention.options import KernelOptions
+from kvax_plugin.attention.params import FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
 
 import layouts
@@ -36,83 +51,209 @@ def _segments(segs):
 
 
 CASES = {
-    # documents (one of one token), padding, GQA 4/2, fused-dq backward with the column-split
+    # documents (one of one token), padding, GQA 4/2 (two kv heads: the dk/dv kernel's launch
+    # order maps kv heads, the dq kernel's query heads), fused-dq backward with the column-split
     # dq partials (head dim 128; the whole-partial path runs in prefill_mla, head dim 192)
     "docs_padding_gqa": dict(segs=[3] * 100 + [0] + [9] * 100 + [2] * 50 + [-1] * 5, h=4, kh=2,
                              dk=128),
     # window + soft cap + sinks, MQA, non-contiguous documents with huge ids, deterministic dq
-    "window_cap_sinks_det": dict(segs=([5] * 64 + [2**30] * 64) * 2, h=4, kh=1, window=40,
+    "window_cap_sinks_det": dict(segs=([5] * 64 + [2**30] * 64) * 2, h=2, kh=1, window=40,
                                  cap=20.0, sinks=True, det=True),
     # a sliding window over one long document: query tiles whose row has a masked run BEFORE its
     # full blocks (the window's edge) and one after (the diagonal), walked in the kernels'
     # visit order (masked runs first, then full); deterministic and fused backward. 384 tokens
     # (3 tiles; 640 before, the interpreter's time grows with the tiles) are the fewest where
-    # window 300 gives such a row in the forward, dq and dk/dv tables (the test asserts it)
-    "window_masked_full_masked_det": dict(segs=[7] * 384, h=2, kh=1, window=300, det=True),
-    "window_masked_full_masked_fused": dict(segs=[7] * 384, h=2, kh=1, window=300),
-    # Sq != Skv (queries are the last tokens), MLA-style head dims 192 / 128
+    # window 300 gives such a row in the forward, dq and dk/dv tables (the test asserts it).
+    # One head: the case is about the tables (heads: the other cases)
+    "window_masked_full_masked_det": dict(segs=[7] * 384, h=1, kh=1, window=300, det=True),
+    "window_masked_full_masked_fused": dict(segs=[7] * 384, h=1, kh=1, window=300),
+    # Sq != Skv (queries are the last tokens), MLA-style head dims 192 / 128, two heads (MHA)
     "prefill_mla": dict(segs=[0] * 384, sq=128, h=2, kh=2, dk=192, dv=128),
     # backward tables of 64-query blocks (kvax 0.1.0's Hopper default, bwd 64 x 128): the dq
     # kernel's 128-row tiles walk the union of two table rows (zero / NaN dq before 2026-11-26)
     "bwd_q64_docs_det": dict(segs=[4] * 70 + [8] * 1 + [6] * 120 + [-1] * 65, h=2, kh=1,
                              det=True, bwd=(64, 128)),
-    "bwd_q64_causal_fused": dict(segs=[1] * 256, h=2, kh=2, bwd=(64, 128)),
+    "bwd_q64_causal_fused": dict(segs=[1] * 256, h=1, kh=1, bwd=(64, 128)),
 }
+# Cases run by one test each (below), not by test_kernels_in_interpreter_match_reference.
+OTHER_CASES = {
+    # 2 query tiles x 2 heads = 4 items over 3 CTAs: one full round and a partial one, whose
+    # only item belongs to the last CTA (the second round is mirrored)
+    "odd_rounds_mqa": dict(segs=[1] * 130 + [2] * 100 + [-1] * 26, h=2, kh=1, det=True),
+    # two query tiles, documents, GQA, MLA head dims in the per-tile forward
+    "mla_docs": dict(segs=[4] * 100 + [7] * 130 + [-1] * 26, h=2, kh=1, dk=192, dv=128,
+                     options=KernelOptions(mosaic_forward_grid="per_tile")),
+}
+
+_WGMMA = plgpu.wgmma
+
+
+def _wgmma_with_visible_reads(acc, a, b, **kwargs):
+  """plgpu.wgmma whose shared-memory operands (refs; `a` may be registers) are also read, as
+  plain loads, where the product is issued, so the race detector sees them (the detector does
+  not check wgmma's operand reads: tests/test_mosaic_races.py, point 3)."""
+  for operand in (a, b):
+    if not isinstance(operand, jax.Array):
+      operand[...]  # noqa: B018  (the read is the point; its value is not needed)
+  return _WGMMA(acc, a, b, **kwargs)
+
+
+@contextlib.contextmanager
+def race_detection():
+  """Kernels traced inside run under the interpreter's race detector, wgmma reads visible."""
+  real_params, real_wgmma = plgpu.InterpretGPUParams, plgpu.wgmma
+  plgpu.InterpretGPUParams = functools.partial(real_params, detect_races=True)
+  plgpu.wgmma = _wgmma_with_visible_reads
+  try:
+    yield
+  finally:
+    plgpu.InterpretGPUParams, plgpu.wgmma = real_params, real_wgmma
+
+
+@dataclasses.dataclass
+class Run:
+  """One interpreter run of a case: (out, dq, dk, dv[, dsinks]) of ours and of the float32
+  reference, what the race detector printed, and the launch configurations the kernels got."""
+  case: dict
+  mine: tuple
+  theirs: tuple
+  q_seg: np.ndarray
+  printed: str
+  forward: list  # FwdConfig of each forward kernel call
+  backward: list  # ("dkv" | "dq", BwdConfig) of each backward kernel call
+
+
+def _case(name: str, changes: dict) -> dict:
+  c = dict(CASES[name] if name in CASES else OTHER_CASES[name], **changes)
+  # None and the defaults, det absent and False: one run each
+  c["options"] = c.get("options") or KernelOptions()
+  c["det"] = bool(c.get("det", False))
+  return c
+
+
+def _key(c: dict) -> str:
+  return repr(sorted(c.items()))
+
+
+_INPUTS: dict = {}
+_REFERENCES: dict = {}
+_RUNS: dict = {}
+# The fields inputs, mask and reference depend on (the rest is the backward mode / options).
+_GEOMETRY = ("segs", "sq", "h", "kh", "dk", "dv", "sinks", "window", "cap", "bwd")
+
+
+def _geometry(c: dict) -> str:
+  return _key({f: c[f] for f in _GEOMETRY if f in c})
+
+
+def _inputs(c: dict, seed: int):
+  """(q, k, v, sinks, cotangent), (positions, segment ids) and mask of a case; memoised."""
+  key = (_geometry(c), seed)
+  if key not in _INPUTS:
+    kv_pos, kv_seg = _segments(c["segs"])
+    skv = kv_seg.shape[1]
+    sq = c.get("sq", skv)
+    q_pos, q_seg = kv_pos[:, skv - sq:], kv_seg[:, skv - sq:]
+    h, kh, dk, dv = c["h"], c["kh"], c.get("dk", 64), c.get("dv", c.get("dk", 64))
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(keys[0], (1, sq, h, dk), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, skv, kh, dk), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, skv, kh, dv), jnp.bfloat16)
+    cot = jax.random.normal(keys[3], (1, sq, h, dv), jnp.float32)
+    sinks = jax.random.normal(keys[4], (h,), jnp.float32) if c.get("sinks") else None
+    bwd = FlashAttentionParamsConfig(*c["bwd"]) if "bwd" in c else None
+    mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=True,
+                                 sliding_window=c.get("window"), bwd_params=bwd)
+    _INPUTS[key] = (q, k, v, sinks, cot), (q_pos, q_seg, kv_pos, kv_seg), mask
+  return _INPUTS[key]
+
+
+def _outputs_and_grads(fn, q, k, v, sinks, cot, ints, mask):
+  """(out, dq, dk, dv[, dsinks]) in one forward (the interpreter is slow), jitted with every
+  array an argument (closed-over constants would be folded by XLA)."""
+  @jax.jit
+  def run(q, k, v, sinks, cot, ints, mask):
+    if sinks is None:
+      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, ints, mask), q, k, v)
+    else:
+      out, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, s, ints, mask), q, k, v, sinks)
+    return (out,) + vjp(cot.astype(out.dtype))
+  return run(q, k, v, sinks, cot, ints, mask)
+
+
+def _reference(c: dict, seed: int):
+  """The float32 reference's (out, dq, dk, dv[, dsinks]) of a case; memoised (the backward
+  modes and options of one case share it)."""
+  key = (_geometry(c), seed)
+  if key not in _REFERENCES:
+    (q, k, v, sinks, cot), ints, mask = _inputs(c, seed)
+    dk = q.shape[-1]
+
+    def ref(q, k, v, s, ints, mask):
+      f32 = lambda x: x.astype(jnp.float32)
+      return reference_attention(f32(q), f32(k), f32(v), *ints, sliding_window=c.get("window"),
+                                 scale=dk ** -0.5, logits_soft_cap=c.get("cap"), sinks=s)
+    _REFERENCES[key] = _outputs_and_grads(ref, q, k, v, sinks, cot, ints, mask)
+  return _REFERENCES[key]
+
+
+def case_run(name: str, **changes) -> Run:
+  """CASES[name] (or OTHER_CASES[name]) with `changes` (det, options), run once per process in
+  the interpreter with the race detector on; memoised."""
+  c = _case(name, changes)
+  key = _key(c)
+  if key not in _RUNS:
+    seed = sum(map(ord, name))
+    (q, k, v, sinks, cot), ints, mask = _inputs(c, seed)
+    dk = q.shape[-1]
+    forward, backward = [], []
+
+    def ours(q, k, v, s, ints, mask):
+      return mosaic.flash_attention_mosaic(q, k, v, *ints, mask, scale=dk ** -0.5,
+                                           logits_soft_cap=c.get("cap"), sinks=s,
+                                           deterministic_backward=c["det"],
+                                           kernel_options=c["options"], interpret=True)
+
+    real = fw.forward_call, bk.dkv_call, bk.dq_call
+    fw.forward_call = lambda cfg, *a: (forward.append(cfg), real[0](cfg, *a))[1]
+    bk.dkv_call = lambda cfg, *a: (backward.append(("dkv", cfg)), real[1](cfg, *a))[1]
+    bk.dq_call = lambda cfg, *a: (backward.append(("dq", cfg)), real[2](cfg, *a))[1]
+    printed = io.StringIO()
+    try:
+      with race_detection(), contextlib.redirect_stdout(printed):
+        mine = jax.block_until_ready(_outputs_and_grads(ours, q, k, v, sinks, cot, ints, mask))
+    finally:
+      fw.forward_call, bk.dkv_call, bk.dq_call = real
+    _RUNS[key] = Run(c, mine, _reference(c, seed), np.asarray(ints[1]),
+                     printed.getvalue(), forward, backward)
+  return _RUNS[key]
+
+
+def check_case(name: str, **changes) -> Run:
+  """case_run(name, **changes) matches the float32 reference, pads with exact zeros and has
+  no race reported."""
+  run = case_run(name, **changes)
+  errs = [_rel(a, b) for a, b in zip(run.mine, run.theirs)]
+  assert all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in run.mine)
+  assert max(errs) < 1.5e-2, errs  # bf16 inputs; P and dS rounded to bf16 (~3e-3 seen)
+  pad = run.q_seg == -1
+  if pad.any():
+    assert float(jnp.max(jnp.abs(run.mine[0].astype(jnp.float32)[pad]))) == 0.0
+    assert float(jnp.max(jnp.abs(run.mine[1].astype(jnp.float32)[pad]))) == 0.0
+  assert "RACE DETECTED" not in run.printed, run.printed[:4000]
+  return run
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernels_in_interpreter_match_reference(name):
-  c = dict(CASES[name])
-  kv_pos, kv_seg = _segments(c["segs"])
-  skv = kv_seg.shape[1]
-  sq = c.get("sq", skv)
-  q_pos, q_seg = kv_pos[:, skv - sq:], kv_seg[:, skv - sq:]
-  h, kh, dk, dv = c["h"], c["kh"], c.get("dk", 64), c.get("dv", c.get("dk", 64))
-  keys = jax.random.split(jax.random.PRNGKey(sum(map(ord, name))), 5)
-  q = jax.random.normal(keys[0], (1, sq, h, dk), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, skv, kh, dk), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, skv, kh, dv), jnp.bfloat16)
-  cot = jax.random.normal(keys[3], (1, sq, h, dv), jnp.float32)
-  sinks = jax.random.normal(keys[4], (h,), jnp.float32) if c.get("sinks") else None
-  window, cap = c.get("window"), c.get("cap")
-  from kvax_plugin.attention.params import FlashAttentionParamsConfig
-  bwd = FlashAttentionParamsConfig(*c["bwd"]) if "bwd" in c else None
-  mask = create_attention_mask(q_pos, q_seg, kv_pos, kv_seg, calc_bwd_mask=True,
-                               sliding_window=window, bwd_params=bwd)
+  c = _case(name, {})
   if "masked_full_masked" in name:  # the case is about rows with both masked runs
+    _, _, mask = _inputs(c, sum(map(ord, name)))
     for table in (mask.fwd, mask.dq, mask.dkv):
       lo, up, flo, fup = (np.asarray(x) for x in (table.lower, table.upper, table.full_lower,
                                                   table.full_upper))
       assert ((lo < flo) & (flo < fup) & (fup < up)).any(), table
-
-  def ours(q, k, v, s):
-    return mosaic.flash_attention_mosaic(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask,
-                                         scale=dk ** -0.5, logits_soft_cap=cap, sinks=s,
-                                         deterministic_backward=c.get("det", False),
-                                         kernel_options=c.get("options"), interpret=True)
-
-  def ref(q, k, v, s):
-    f32 = lambda x: x.astype(jnp.float32)
-    return reference_attention(f32(q), f32(k), f32(v), q_pos, q_seg, kv_pos, kv_seg,
-                               sliding_window=window, scale=dk ** -0.5, logits_soft_cap=cap,
-                               sinks=s)
-
-  def all_grads(fn):
-    # One forward (the interpreter is slow): output and the vjp of every input at once.
-    if sinks is None:
-      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None), q, k, v)
-    else:
-      out, vjp = jax.vjp(fn, q, k, v, sinks)
-    return (out,) + vjp(cot.astype(out.dtype))
-
-  mine, theirs = all_grads(ours), all_grads(ref)
-  errs = [_rel(a, b) for a, b in zip(mine, theirs)]
-  assert all(bool(jnp.all(jnp.isfinite(jnp.asarray(a, jnp.float32)))) for a in mine)
-  assert max(errs) < 1.5e-2, errs  # bf16 inputs; P and dS rounded to bf16 (~3e-3 seen)
-  pad = np.asarray(q_seg) == -1
-  if pad.any():
-    assert float(jnp.max(jnp.abs(mine[0].astype(jnp.float32)[pad]))) == 0.0
-    assert float(jnp.max(jnp.abs(mine[1].astype(jnp.float32)[pad]))) == 0.0
+  check_case(name)
 
 
 @pytest.mark.parametrize("dims,det", [((128, 128), False), ((128, 128), True), ((256, 256), False),
@@ -140,24 +281,17 @@ def test_kernels_lower_for_cuda(dims, det, cap=30.0, options=None):
   assert "mosaic_gpu" in text
 
 
-def _with_options(monkeypatch, case, **fields):
-  """CASES[case] run with KernelOptions(**fields) (and det=True where given in fields)."""
-  det = fields.pop("det", None)
-  entry = dict(CASES[case], options=KernelOptions(**fields))
-  if det is not None:
-    entry["det"] = det
-  monkeypatch.setitem(CASES, case, entry)
-
-
 @pytest.mark.parametrize("fields", [dict(dq_after_dkv=True), dict(mosaic_backward_id_rings=True)],
                          ids=["dq_after_dkv", "id_rings"])
-def test_kernel_options_match_reference_in_interpreter(fields, monkeypatch):
+def test_kernel_options_match_reference_in_interpreter(fields):
   """The backward's options (the dq kernel ordered after the dk/dv kernel; positions / segment
   ids TMA-loaded into the rings with q and K) compute the same attention: interpreter against
   the float32 reference (window, soft cap, sinks, MQA, non-contiguous documents, deterministic
   backward: both backward kernels), and lowered for CUDA."""
-  _with_options(monkeypatch, "window_cap_sinks_det", **fields)
-  test_kernels_in_interpreter_match_reference("window_cap_sinks_det")
+  run = check_case("window_cap_sinks_det", options=KernelOptions(**fields))
+  assert [(name, cfg.dq_after_dkv, cfg.ids_tma) for name, cfg in run.backward] == [
+      (name, fields.get("dq_after_dkv", False), fields.get("mosaic_backward_id_rings", False))
+      for name in ("dkv", "dq")], run.backward
   test_kernels_lower_for_cuda((128, 128), True, options=KernelOptions(**fields))
 
 
@@ -178,13 +312,13 @@ def test_longest_first_orders():
   assert sorted(order[0].tolist()) == list(range(27))  # every (head, tile) once
 
 
-def test_launch_order_over_heads_with_gqa_documents(monkeypatch):
+def test_launch_order_over_heads_with_gqa_documents():
   """Both backward kernels map their launch position (head * n_tiles + tile) to the (head,
   tile) of forward.longest_first_over_heads (the dk/dv kernel's heads are kv heads, the dq
   kernel's query heads): documents, padding and GQA with the deterministic dq kernel against
   the float32 reference (the case's default backward is the fused one)."""
-  _with_options(monkeypatch, "docs_padding_gqa", det=True)
-  test_kernels_in_interpreter_match_reference("docs_padding_gqa")
+  run = check_case("docs_padding_gqa", det=True)
+  assert [name for name, _ in run.backward] == ["dkv", "dq"], run.backward
 
 
 def test_fold_changes_dkv_rounding_only():
@@ -195,26 +329,15 @@ def test_fold_changes_dkv_rounding_only():
   the interpreter's fused path also sums dS K in another order. Whether dv's last bits move
   depends on how XLA's CPU compiler rounds exp2's argument (seen both ways on 2026-11-26), so
   only the size is checked. The GPU test
-  test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible relies on this."""
-  c = CASES["docs_padding_gqa"]
-  kv_pos, kv_seg = _segments(c["segs"])
-  h, kh, d = c["h"], c["kh"], c["dk"]
-  s_len = kv_seg.shape[1]
-  keys = jax.random.split(jax.random.PRNGKey(3), 4)
-  q = jax.random.normal(keys[0], (1, s_len, h, d), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, s_len, kh, d), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, s_len, kh, d), jnp.bfloat16)
-  cot = jax.random.normal(keys[3], (1, s_len, h, d), jnp.bfloat16)
-  mask = create_attention_mask(kv_pos, kv_seg, kv_pos, kv_seg, calc_bwd_mask=True)
-
-  def grads(det, paired):
-    options = KernelOptions(mosaic_paired_products=paired)
-    out, vjp = jax.vjp(lambda q, k, v: mosaic.flash_attention_mosaic(
-        q, k, v, kv_pos, kv_seg, kv_pos, kv_seg, mask, scale=d ** -0.5, logits_soft_cap=None,
-        sinks=None, deterministic_backward=det, kernel_options=options, interpret=True), q, k, v)
-    return (out,) + vjp(cot)
-
-  fused, folded, unfolded = grads(False, True), grads(True, True), grads(True, False)
+  test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible relies on this.
+  The three runs are those of test_kernels_in_interpreter_match_reference[docs_padding_gqa],
+  test_launch_order_over_heads_with_gqa_documents and
+  test_unpaired_products_match_reference[docs_padding_gqa] (each checked against the reference
+  there)."""
+  fused = case_run("docs_padding_gqa").mine
+  folded = case_run("docs_padding_gqa", det=True).mine
+  unfolded = case_run("docs_padding_gqa", det=True,
+                      options=KernelOptions(mosaic_paired_products=False)).mine
   names = ["out", "dq", "dk", "dv"]
   with_fold = dict(zip(names, (_rel(a, b) for a, b in zip(folded, fused))))
   without = dict(zip(names, (_rel(a, b) for a, b in zip(unfolded, fused))))
@@ -235,18 +358,12 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
   them and Q loaded one item ahead; Dv != Dk with Sq != Skv (the separate O staging); odd
   rounds with MQA and padding; against the float32 reference, and lowered for CUDA (one CTA per
   SM there). The kernel must really run persistent; "per_tile" must really not."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  # 2 query tiles x 2 heads = 4 items over 3 CTAs: one full round and a partial one, whose only
-  # item belongs to the last CTA (the second round is mirrored)
-  monkeypatch.setitem(CASES, "odd_rounds_mqa", dict(segs=[1] * 130 + [2] * 100 + [-1] * 26,
-                                                    h=2, kh=1, det=True))
-  _with_options(monkeypatch, case, mosaic_forward_grid="persistent")
+  run = check_case(case, options=KernelOptions(mosaic_forward_grid="persistent"))
+  assert [cfg.num_ctas for cfg in run.forward] == [3], run.forward
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
                                                            real(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [3], seen
   test_kernels_lower_for_cuda((128, 128), True,
                               options=KernelOptions(mosaic_forward_grid="persistent"))
   assert seen[-1] > 3, seen  # one CTA per SM when lowered for the GPU
@@ -256,8 +373,7 @@ def test_persistent_forward_matches_reference(case, monkeypatch):
 
 
 # prefill_mla here was the same run as test_kernels_in_interpreter_match_reference[prefill_mla]
-# ("auto" runs MLA per-tile with 128-row kv blocks) and tests/test_mosaic_races.py's
-# test_mla_forward_output_in_q_memory_has_no_race; mla_docs (two query tiles, documents, GQA)
+# ("auto" runs MLA per-tile with 128-row kv blocks); mla_docs (two query tiles, documents, GQA)
 # checks the 128 block reaches the kernel.
 @pytest.mark.parametrize("case", ["mla_docs"])
 def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
@@ -265,18 +381,14 @@ def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
   with Q (forward.o_in_q), both consumers meeting at a barrier after their last Q K^T product,
   which lets MLA (192 / 128) use 128-row kv blocks. Interpreter against the float32 reference
   (two query tiles, documents, GQA) and lowered for CUDA; the kernel must get the 128 block."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
-  per_tile = KernelOptions(mosaic_forward_grid="per_tile")
-  monkeypatch.setitem(CASES, "mla_docs", dict(segs=[4] * 100 + [7] * 130 + [-1] * 26, h=4, kh=2,
-                                              dk=192, dv=128, options=per_tile))
+  run = check_case(case)
+  assert [(cfg.num_ctas, cfg.block_kv) for cfg in run.forward] == [(0, 128)], run.forward
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append((cfg.num_ctas,
                                                                         cfg.block_kv)),
                                                            real(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [(0, 128)], seen
-  test_kernels_lower_for_cuda((192, 128), True, options=per_tile)
+  test_kernels_lower_for_cuda((192, 128), True, options=OTHER_CASES[case]["options"])
   assert seen[-1] == (0, 128), seen
   assert fw.smem_bytes(128, 2, 192, 128, 2) <= mosaic.SMEM_BUDGET < fw.smem_bytes(
       128, 2, 192, 128, 2, q_buffers=2)
@@ -330,19 +442,11 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
 # products, no fold) and the dq kernel's products one by one: here on both feature sets
 # (documents, a one-token document, padding, GQA; soft cap, sinks, window, MQA).
 @pytest.mark.parametrize("case", ["docs_padding_gqa", "window_cap_sinks_det"])
-def test_unpaired_products_match_reference(case, monkeypatch):
+def test_unpaired_products_match_reference(case):
   """mosaic_paired_products=False in the deterministic backward: interpreter against the float32
   reference and lowered for CUDA; the kernels must really get the setting."""
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
-  _with_options(monkeypatch, case, mosaic_paired_products=False, det=True)
-  seen = []
-  real_dkv, real_dq = bk.dkv_call, bk.dq_call
-  monkeypatch.setattr(bk, "dkv_call", lambda cfg, *a: (seen.append(cfg.paired),
-                                                       real_dkv(cfg, *a))[1])
-  monkeypatch.setattr(bk, "dq_call", lambda cfg, *a: (seen.append(cfg.paired),
-                                                      real_dq(cfg, *a))[1])
-  test_kernels_in_interpreter_match_reference(case)
-  assert seen == [False, False], seen
+  run = check_case(case, det=True, options=KernelOptions(mosaic_paired_products=False))
+  assert [cfg.paired for _, cfg in run.backward] == [False, False], run.backward
 
 
 @pytest.mark.parametrize("fields,det", [(dict(mosaic_backward_registers=240), True),
@@ -424,9 +528,9 @@ def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   on the Mosaic kernels: bf16 inputs, 128-token blocks (the Mosaic tiles), deterministic dq,
   with the default lse / delta folded into the dk/dv kernel's accumulators (-inf and NaN then
   enter through the accumulator instead of a subtraction; the unfolded step passed it too
-  before the fold became the default)."""
+  before the fold became the default). Two query heads over one kv head (GQA): each head is
+  more interpreter work, and no case needs more."""
   import nonfinite_cases
-  from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
   def mosaic_fn(*args, **kwargs):
     return mosaic.flash_attention_mosaic(*args, **kwargs, interpret=True)
@@ -434,7 +538,7 @@ def test_nonfinite_inputs_follow_the_reference_in_the_interpreter():
   failures = nonfinite_cases.run_cases(
       mosaic_fn, option_cases=("scale_nan", "soft_cap_with_q_inf", "sink_nan"),
       dtype=jnp.bfloat16, head_dim=64, tol=3e-2,
-      params=FlashAttentionParamsConfig(128, 128, 8, 2))
+      params=FlashAttentionParamsConfig(128, 128, 8, 2), heads=(2, 1))
   assert not failures, "\n".join(failures)
 
 

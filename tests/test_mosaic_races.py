@@ -49,16 +49,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
 import test_mosaic_interpret as kernels_in_interpreter  # noqa: E402
 
-_WGMMA = plgpu.wgmma
-
-
-def _wgmma_with_visible_reads(acc, a, b, **kwargs):
-  """plgpu.wgmma whose shared-memory operands (refs; `a` may be registers) are also read, as
-  plain loads, where the product is issued, so the race detector sees them (point 3)."""
-  for operand in (a, b):
-    if not isinstance(operand, jax.Array):
-      operand[...]  # noqa: B018  (the read is the point; its value is not needed)
-  return _WGMMA(acc, a, b, **kwargs)
+_WGMMA = kernels_in_interpreter._WGMMA  # plgpu.wgmma itself
+_wgmma_with_visible_reads = kernels_in_interpreter._wgmma_with_visible_reads  # point 3
 
 
 @pytest.fixture
@@ -203,42 +195,34 @@ def test_ring_wgmma_reads(race_detector, monkeypatch):
   assert _ring_reports(read="wgmma", commit=True, early_release=True) == 0
 
 
+# The kernels' runs: every interpreter run of tests/test_mosaic_interpret.py has the race
+# detector on (test_mosaic_interpret.race_detection: this fixture's setting) and is memoised, so
+# the tests below read the run their case names (made here if this file runs alone).
+
 @pytest.mark.parametrize("name", ["window_masked_full_masked_det", "docs_padding_gqa"])
-def test_kernels_have_no_race_in_the_interpreter(name, race_detector, capfd):
+def test_kernels_have_no_race_in_the_interpreter(name):
   """The forward and the deterministic backward (dk/dv and dq kernels; K/V and q/dO rings
   wrap), and the forward and the fused backward (column-split dq, shared dS, the K buffer
   reused for dK): no race reported, and the results still match the float32 reference."""
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference(name)
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
+  kernels_in_interpreter.check_case(name)  # asserts no "RACE DETECTED" in the run's output
 
 
-def _with_grid(monkeypatch, case, grid):
-  """CASES[case] of the interpreter tests run with KernelOptions(mosaic_forward_grid=grid)."""
-  from kvax_plugin.attention.options import KernelOptions
-  cases = kernels_in_interpreter.CASES
-  monkeypatch.setitem(cases, case, dict(cases[case],
-                                        options=KernelOptions(mosaic_forward_grid=grid)))
-
-
-def test_persistent_forward_has_no_race_in_the_interpreter(race_detector, capfd, monkeypatch):
+def test_persistent_forward_has_no_race_in_the_interpreter():
   """The persistent forward (mosaic_forward_grid="persistent"; 3 CTAs in the interpreter, so each
   runs several work items): one kv ring across a CTA's items, Q double-buffered and loaded one
   item ahead into the buffer that staged the item before's output. No race reported; matches
-  the reference."""
-  _with_grid(monkeypatch, "docs_padding_gqa", "persistent")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("docs_padding_gqa")
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
+  the reference. docs_padding_gqa (2 query tiles x 4 heads: 8 items over 3 CTAs) at head dim
+  128 runs it by default ("auto"; asserted), the same kernel as "persistent" asks for."""
+  run = kernels_in_interpreter.check_case("docs_padding_gqa")
+  assert [cfg.num_ctas for cfg in run.forward] == [3], run.forward
 
 
-def test_mla_forward_output_in_q_memory_has_no_race(race_detector, capfd, monkeypatch):
+def test_mla_forward_output_in_q_memory_has_no_race():
   """The per-tile forward at MLA head dims stages O in a RefUnion with Q (forward.o_in_q): no
   race between one consumer's O store and the other's Q reads (the detector checks accesses of a
   union's different members); matches the reference. (The consumers' ping-pong barrier already
   orders them here: without the explicit q_dead barrier the detector reports nothing either; the
-  barrier keeps the union safe independently of the ping-pong protocol.)"""
-  _with_grid(monkeypatch, "prefill_mla", "per_tile")
-  kernels_in_interpreter.test_kernels_in_interpreter_match_reference("prefill_mla")
-  out, err = capfd.readouterr()
-  assert "RACE DETECTED" not in out + err, (out + err)[:4000]
+  barrier keeps the union safe independently of the ping-pong protocol.) prefill_mla runs the
+  per-tile forward by default ("auto" at MLA head dims; asserted)."""
+  run = kernels_in_interpreter.check_case("prefill_mla")
+  assert [(cfg.num_ctas, cfg.block_kv) for cfg in run.forward] == [(0, 128)], run.forward
