@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT_RUNS = ("16k-long:kvax,16k-long:cudnn_flash_jax,16k-short:kvax,16k-short:flash,"
                 "16k-short:cudnn_flash_jax,64k-short:kvax,64k-short:flash")
-SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048, "1k": 1024}  # 1k: CPU tests
+# 1k and 0.5k: CPU runs (tests/test_benchmark_programs.py profiles a 0.5k one)
+SEQ = {"16k": 16384, "64k": 65536, "8k": 8192, "2k": 2048, "1k": 1024, "0.5k": 512}
 
 
 # Columns of the printed table: compile_breakdown parts, shortened ("other": the rest).
