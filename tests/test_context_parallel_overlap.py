@@ -93,12 +93,16 @@ def _reference(d, causal, window, soft_cap):
 
 
 def _reference_uncached(d, causal, window, soft_cap):
-  ints = tuple(d[n] for n in ("q_pos", "q_seg", "kv_pos", "kv_seg"))
-  fn = lambda q, k, v, s: reference_attention(q, k, v, *ints, causal=causal,
-                                              sliding_window=window, scale=D ** -0.5,
-                                              logits_soft_cap=soft_cap, sinks=s)
+  # The arrays enter as arguments: closed over, XLA would constant-fold the whole reference
+  # at compile time (seconds of its slow evaluator).
+  def run(d):
+    ints = tuple(d[n] for n in ("q_pos", "q_seg", "kv_pos", "kv_seg"))
+    fn = lambda q, k, v, s: reference_attention(q, k, v, *ints, causal=causal,
+                                                sliding_window=window, scale=D ** -0.5,
+                                                logits_soft_cap=soft_cap, sinks=s)
+    return _grads(fn, d)
   with jax.default_device(CPUS[0]):
-    return [np.asarray(x) for x in jax.jit(lambda: _grads(fn, d))()]
+    return [np.asarray(x) for x in jax.jit(run)(d)]
 
 
 def _sharded(d, mesh, order, *, overlap, causal, window, soft_cap, backend="jax"):
