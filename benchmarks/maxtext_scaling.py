@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.maxtext_e2e import fresh_caches, warm_imports  # noqa: E402
+from benchmarks.maxtext_e2e import (fresh_caches, profile_of, profiler_overrides,  # noqa: E402
+                                    warm_imports)
 
 DEFAULT_RUNS = ",".join([
     "128k-short:kvax:1", "256k-short:kvax:1", "128k-long:kvax:1", "512k-short:kvax:1",
@@ -95,6 +96,8 @@ def launcher_cmd(run: dict, args, run_dir: Path, caches: dict) -> list[str]:
     cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
   cmd += [f"per_device_batch_size={run['rows'] / run['gpus']:g}",
           f"jax_cache_dir={caches['jax_cache_dir']}"]
+  if args.profile:
+    cmd += profiler_overrides(args)
   return cmd
 
 
@@ -123,7 +126,7 @@ def start(run: dict, args, out_dir: Path, gpu_ids: list[int]) -> list[tuple]:
   return procs
 
 
-def finish(run: dict, procs: list[tuple], t0: float, timeout: float) -> dict:
+def finish(run: dict, procs: list[tuple], t0: float, timeout: float, args) -> dict:
   """Waits for the run's processes; the row from process 0's summary.json."""
   row = dict(run, wall_s=None)
   codes = []
@@ -148,6 +151,8 @@ def finish(run: dict, procs: list[tuple], t0: float, timeout: float) -> dict:
              documents_per_row=s.get("documents_per_row"),
              blocks_skipped=s.get("blocks_skipped"), backend_ran=s.get("kvax_backend"),
              setup_and_compile_s=s["wall_seconds"]["setup_and_compile"])
+  if args.profile:
+    row["profile"] = profile_of(procs[0][2], args.profile_steps, host_fallback=False)
   return row
 
 
@@ -217,6 +222,11 @@ def main():
   ap.add_argument("--kvax_backend", default="auto")
   ap.add_argument("--variant", default="8b", help="configs/llama3.py variant (tiny: CPU smoke)")
   ap.add_argument("--timeout", type=int, default=400, help="seconds per run")
+  ap.add_argument("--profile", action="store_true",
+                  help="MaxText's profiler on --profile_steps steps after --profile_skip; each row "
+                  "gets benchmarks/tools/profile_e2e.py's GPU time per step by kernel category")
+  ap.add_argument("--profile_skip", type=int, default=3)
+  ap.add_argument("--profile_steps", type=int, default=2)
   ap.add_argument("--serial_single", action="store_true",
                   help="one-GPU runs one after another instead of side by side")
   args = ap.parse_args()
@@ -234,14 +244,24 @@ def main():
                 model=f"configs/llama3.py:{args.variant}", layers=args.layers, vocab=args.vocab,
                 steps=args.steps, kvax_backend=args.kvax_backend,
                 single_gpu_runs="one after another" if args.serial_single
-                else "side by side, one per GPU of the host", rows=[])
+                else "side by side, one per GPU of the host",
+                # Conditions that change the runs: XLA's flags and the launcher's mask statistics.
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
+                kvax_feed_mask_stats=os.environ.get("KVAX_FEED_MASK_STATS", "1"), rows=[])
   del jax
   result["import_warmup_s"] = warm_imports()
 
   def save(row):
     result["rows"].append(row)
     result["comparisons"] = compare(result["rows"])
-    print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error")}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error", "profile")}),
+          flush=True)
+    if "profile" in row:
+      p = row["profile"]
+      print("  profile (ms per step, mean over GPUs): " + json.dumps(
+          {k: p.get(k) for k in ("per_step_ms", "busy_ms_per_step", "idle_ms_per_step",
+                                 "collectives_exposed_ms_per_step", "span_ms_per_step", "error")}),
+            flush=True)
     if "error" in row:
       print(f"  error: {row['error'][-600:]}", flush=True)
     (out_dir / "scaling.json").write_text(json.dumps(result, indent=1))
@@ -253,11 +273,12 @@ def main():
     t0 = time.time()
     started = [(r, start(r, args, out_dir, [j])) for j, r in enumerate(batch)]
     for r, procs in started:
-      save(finish(r, procs, t0, args.timeout))
+      save(finish(r, procs, t0, args.timeout, args))
   for r in runs:
     if r["gpus"] > 1:
       t0 = time.time()
-      save(finish(r, start(r, args, out_dir, list(range(r["gpus"]))), t0, args.timeout))
+      save(finish(r, start(r, args, out_dir, list(range(r["gpus"]))), t0, args.timeout,
+                  args))
   for c in result.get("comparisons", []):
     print(json.dumps(c), flush=True)
   plot(result, out_dir / "scaling.png")

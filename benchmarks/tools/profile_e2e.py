@@ -156,6 +156,9 @@ def _summarize_events(events, steps: int) -> dict:
     if stats.get("hlo_module"):
       modules[str(stats["hlo_module"])] += self_ns
   busy = union_length((s, t) for _, s, t, _, _ in events)
+  # Busy time without the collectives: busy minus this is the collectives' exposed time (the
+  # part no other kernel overlaps).
+  busy_compute = union_length((s, t) for n, s, t, _, _ in events if categorize(n) != COLLECTIVES)
   span = (max(e[2] for e in events) - min(e[1] for e in events)) if events else 0.0
   ms = lambda ns: round(ns / 1e6 / steps, 4)  # noqa: E731
   top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
@@ -163,6 +166,7 @@ def _summarize_events(events, steps: int) -> dict:
       "per_step_ms": {c: ms(v) for c, v in per_cat.items()},
       "kernel_sum_ms_per_step": ms(sum(per_cat.values())),
       "busy_ms_per_step": ms(busy), "span_ms_per_step": ms(span),
+      "collectives_exposed_ms_per_step": ms(busy - busy_compute),
       "idle_ms_per_step": ms(span - busy), "events": len(events),
       "top_kernels": [{"name": n, "category": categorize(n), "ms_per_step": ms(v),
                        "calls_per_step": round(calls[n] / steps, 2)} for n, v in top],
@@ -279,7 +283,7 @@ def _mean(summaries: list[dict]) -> dict:
     return first
   k = len(summaries)
   for key in ("kernel_sum_ms_per_step", "busy_ms_per_step", "span_ms_per_step",
-              "idle_ms_per_step"):
+              "idle_ms_per_step", "collectives_exposed_ms_per_step"):
     first[key] = round(sum(s[key] for s in summaries) / k, 4)
   first["per_step_ms"] = {c: round(sum(s["per_step_ms"][c] for s in summaries) / k, 4)
                           for c in CATEGORIES}
