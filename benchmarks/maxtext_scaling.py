@@ -146,7 +146,8 @@ def finish(run: dict, procs: list[tuple], t0: float, timeout: float, args) -> di
     return row
   s = json.loads(summary.read_text())
   row.update(tokens_per_s=s["mean_tokens_per_s"], step_s=s["mean_step_seconds"],
-             losses=s["losses"], peak_memory_gib=s.get("peak_device_memory_gib"),
+             losses=s["losses"], step_seconds=s.get("step_seconds"),
+             peak_memory_gib=s.get("peak_device_memory_gib"),
              devices=s["devices"], global_batch=s["global_batch"],
              documents_per_row=s.get("documents_per_row"),
              blocks_skipped=s.get("blocks_skipped"), backend_ran=s.get("kvax_backend"),

@@ -151,6 +151,7 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
       "min_loss": min(r.loss for r in recs) if recs else None,
       "losses": [r.loss for r in recs],
+      "step_seconds": [r.step_seconds for r in recs],
       "mean_step_seconds": mean([r.step_seconds for r in timed]),
       # Real tokens of the timed steps over their summed seconds (a ratio of sums: the mean of
       # per-step ratios is pulled up by any short-clocked step, ~1.7x on 7 GPU steps).
