@@ -190,7 +190,8 @@ def test_profile_e2e_categorizes_kernel_names():
   p = _profile_e2e()
   expected = {
       p.ATTN_KVAX: ["entry_mosaic_gpu_kernel", "entry_no_dq_mosaic_gpu_kernel", "attn_fwd_kernel",
-                    "attn_bwd_dkv_kernel", "attn_bwd_delta_kernel"],
+                    "attn_bwd_dkv_kernel", "attn_bwd_delta_kernel",
+                    "void kvax_sm90::fused_backward_kernel<54>(kvax_sm90::Params)"],
       p.ATTN_CUDNN: ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128",
                      "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)",
                      "fmha_reduce_head", "my_flash_fwd_kernel"],

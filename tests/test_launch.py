@@ -404,9 +404,11 @@ def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
     assert "note:" not in out.getvalue()
 
 
-def test_summary_tokens_per_second_is_total_tokens_over_total_time():
-  # Steps of 100 real tokens: one clocked at 0.1 s (a short clock), two at 1.0 s, after the
-  # first (untimed) step. Total: 300 tokens / 2.1 s, not the mean of 1000, 100, 100 tok/s.
+def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
+  # Steps of 100 real tokens. MaxText's clock times dispatches: with the host a step ahead it
+  # reads 0.03 s, then 3 s (as on one H200, 2026-11-26). The launcher times the steps by when
+  # their results arrive (5.0, 6.0, 7.5, 8.5 s): after the first (compiling) step, 300 tokens
+  # in 3.5 s. Tokens/s is total tokens over total time, not a mean of per-step ratios.
   from types import SimpleNamespace
 
   from kvax_plugin.integrations.maxtext import run_report, training_hooks
@@ -416,13 +418,16 @@ def test_summary_tokens_per_second_is_total_tokens_over_total_time():
   stats = SimpleNamespace(skipped={}, real_tokens=100, rows=2, seq_len=64, documents=2)
   corpus = SimpleNamespace(stats=[stats] * 4, global_rows=2, train_rows=2)
   progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=4, block_skipping=False)
-  for step, seconds in enumerate((5.0, 0.1, 1.0, 1.0)):
+  for step, (clock, now) in enumerate(((5.0, 5.0), (0.03, 6.0), (3.0, 7.5), (0.03, 8.5))):
     progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
-                                          "perf/step_time_seconds": seconds}}, step)
+                                          "perf/step_time_seconds": clock}}, step, now=now)
+  assert [r.step_seconds for r in progress.records] == pytest.approx([5.0, 1.0, 1.5, 1.0])
+  assert [r.tokens_per_s for r in progress.records] == pytest.approx([20, 100, 200 / 3, 100])
   summary = run_report.summarize(c, config, progress, corpus, "dot_product", None,
-                                 {"total": 8.0, "training": 7.1, "setup_and_compile": 0.9}, {})
-  assert summary["mean_tokens_per_s"] == pytest.approx(300 / 2.1)
-  assert summary["mean_step_seconds"] == pytest.approx(2.1 / 3)
+                                 {"total": 9.0, "training": 8.5, "setup_and_compile": 0.5}, {})
+  assert summary["mean_tokens_per_s"] == pytest.approx(300 / 3.5)
+  assert summary["mean_step_seconds"] == pytest.approx(3.5 / 3)
+  assert summary["maxtext_step_seconds"] == pytest.approx([5.0, 0.03, 3.0, 0.03])
 
 
 def test_run_reports_what_maxtext_config_says():

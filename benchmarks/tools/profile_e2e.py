@@ -48,9 +48,10 @@ CATEGORIES = (ATTN_KVAX, ATTN_CUDNN, ATTN_PALLAS, MATMUL, COLLECTIVES, MEMCPY, O
 # kernel" (a 64k profile of 2026-11-24: entry_mosaic_gpu_kernel,
 # entry_no_dq_mosaic_gpu_kernel); the Triton backend's are its @triton.jit functions
 # (kvax_plugin/attention/kernels/triton: attn_fwd_kernel, attn_bwd_{dq,dkv,delta}_kernel).
+# The "hopper" backward is CUDA: kvax_sm90::fused_backward_kernel<N> (kernels/cuda_sm90).
 # Note: tokamax's Mosaic GPU attention would also match "mosaic_gpu"; MaxText's GPU `flash` is
 # tokamax's Pallas-Triton kernel (pallas_flash_attention*), which has its own category.
-_KVAX = re.compile(r"mosaic_gpu|\battn_(fwd|bwd_dq|bwd_dkv|bwd_delta)_kernel")
+_KVAX = re.compile(r"mosaic_gpu|kvax_sm90|\battn_(fwd|bwd_dq|bwd_dkv|bwd_delta)_kernel")
 _PALLAS = re.compile(r"pallas")
 # cuDNN's SDPA: cudnn_generated_fort_native_sdpa_sm90_flash_{fprop,bprop}_..., and its helpers
 # cudnn::fusion::{compute_dot_do_o_specialized, convert_dq_to_16bits, fmha_reduce_head}.

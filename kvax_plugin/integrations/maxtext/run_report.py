@@ -151,7 +151,9 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
       "min_loss": min(r.loss for r in recs) if recs else None,
       "losses": [r.loss for r in recs],
+      # Between step results (StepRecord says why); MaxText's dispatch clocks beside them.
       "step_seconds": [r.step_seconds for r in recs],
+      "maxtext_step_seconds": [r.maxtext_step_seconds for r in recs],
       "mean_step_seconds": mean([r.step_seconds for r in timed]),
       # Real tokens of the timed steps over their summed seconds (a ratio of sums: the mean of
       # per-step ratios is pulled up by any short-clocked step, ~1.7x on 7 GPU steps).
@@ -173,8 +175,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
 
 def _tokens_per_second(records) -> float:
   """sum(real tokens) / sum(step seconds) over records with both (nan when none)."""
-  pairs = [(r.tokens_per_s * r.step_seconds, r.step_seconds) for r in records
-           if r.step_seconds > 0 and r.tokens_per_s == r.tokens_per_s]
+  pairs = [(r.real_tokens, r.step_seconds) for r in records
+           if r.step_seconds > 0 and r.real_tokens == r.real_tokens]
   seconds = sum(sec for _, sec in pairs)
   return sum(tok for tok, _ in pairs) / seconds if seconds > 0 else float("nan")
 

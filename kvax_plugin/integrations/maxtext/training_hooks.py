@@ -76,12 +76,23 @@ def packed_corpus_pipeline(cfg, holder: dict):
 
 @dataclasses.dataclass
 class StepRecord:
+  """One training step as the launcher reports it.
+
+  step_seconds: the time between this step's result and the previous step's (`received`), so
+  the device's throughput; the first step (no previous result) has MaxText's clock, which holds
+  its compilation. MaxText's own clock (maxtext_step_seconds) is the time between two step
+  dispatches: the host runs up to a step ahead of the device, so single clocks swing (0.03 s,
+  then 3 s, measured on one H200 2026-11-26) and their mean over a short run leaves out the
+  device time of the steps still queued at the end (~15% at 8 steps of 1.5 s).
+  """
   step: int
   loss: float
   step_seconds: float
   tokens_per_s: float  # real (non-padding) tokens per second, all devices
   skipped: dict[str, float]
   received: float = 0.0  # time.time() when MaxText handed the metrics over (loss read by then)
+  maxtext_step_seconds: float = float("nan")  # MaxText's perf/step_time_seconds
+  real_tokens: float = float("nan")  # real tokens of the step's global batch
 
 
 class Progress:
@@ -99,10 +110,15 @@ class Progress:
     self.stream = stream or sys.stdout
     self.start_step = None
 
-  def on_train_metrics(self, metrics: dict, step: int) -> None:
+  def on_train_metrics(self, metrics: dict, step: int, now: float | None = None) -> None:
+    """MaxText's metrics of `step`, handed over one step late (after the next step is
+    dispatched); reading the loss waits for the step's result. `now`: time.time() then (tests
+    pass their own)."""
     scalars = metrics["scalar"]
     loss = float(scalars["learning/loss"])
-    seconds = float(scalars.get("perf/step_time_seconds", float("nan")))
+    received = time.time() if now is None else now
+    maxtext_seconds = float(scalars.get("perf/step_time_seconds", float("nan")))
+    seconds = received - self.records[-1].received if self.records else maxtext_seconds
     corpus = self.holder.get("corpus")
     if self.start_step is None:
       self.start_step = step
@@ -113,6 +129,8 @@ class Progress:
       # host's count to the global batch.
       real = stats.real_tokens * self._host_scale(stats)
       tokens_per_s = real / seconds if seconds > 0 else float("nan")
+      # MaxText's TensorBoard throughput scalars use its dispatch clock; this one is the step's.
+      scalars["perf/step_result_seconds"] = seconds
       skipped = dict(stats.skipped) if self.block_skipping else {}
       # MaxText writes these scalars to TensorBoard with its own.
       scalars["perf/real_tokens_per_sec"] = tokens_per_s
@@ -120,8 +138,9 @@ class Progress:
       for name, share in skipped.items():
         scalars[f"kvax/blocks_skipped_{name}"] = share
     else:
-      tokens_per_s, skipped = float("nan"), {}
-    record = StepRecord(step, loss, seconds, tokens_per_s, skipped, received=time.time())
+      real, tokens_per_s, skipped = float("nan"), float("nan"), {}
+    record = StepRecord(step, loss, seconds, tokens_per_s, skipped, received=received,
+                        maxtext_step_seconds=maxtext_seconds, real_tokens=real)
     self.records.append(record)
     if (step + 1) % self.cfg.log_every == 0 or step == 0 or step + 1 == self.total_steps:
       print(self.format(record), file=self.stream, flush=True)
