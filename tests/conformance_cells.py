@@ -540,15 +540,26 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def _row_err(a, b, axis_rows: int) -> float:
+def _row_err(a, b, axis_rows: int, scale_rows=None) -> float:
   """max over rows of ||a_r - b_r||, over the RMS row norm of b (rows: the leading axes up to
-  `axis_rows`, the rest flattened)."""
+  `axis_rows`, the rest flattened).
+
+  scale_rows: a boolean mask over the leading two axes ([B, S]) of the rows that count in the
+  RMS; None: all. Rows the mask forces to zero (tokens with nothing to attend, checked to be
+  exactly zero apart from this) are left out of the scale: counted, they shrink it by the square
+  root of their share. With one query against 384 one-token documents (Sq = 1), 383 of 384 dk
+  rows are such zeros, and a bf16 rounding of 1% on the one real row read as 0.22 of the
+  diluted scale (mosaic, H200, 2026-11-26).
+  """
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   a = a.reshape(a.shape[:axis_rows + 1] + (-1,))
   b = b.reshape(b.shape[:axis_rows + 1] + (-1,))
   err = np.linalg.norm(a - b, axis=-1)
-  rms = np.sqrt(np.mean(np.sum(b * b, axis=-1))) + 1e-30
+  norms2 = np.sum(b * b, axis=-1)
+  if scale_rows is not None and np.any(scale_rows):
+    norms2 = norms2[np.asarray(scale_rows, bool)]
+  rms = np.sqrt(np.mean(norms2)) + 1e-30
   return float(err.max() / rms)
 
 
@@ -792,9 +803,13 @@ def check_results(cell: Cell, mine, theirs, q_pos, q_seg, kv_pos, kv_seg):
       b[zero_by_cancel] = 0.0
     rel = _rel(a, b)
     errors[name] = float(f"{rel:.3e}")
+    zero_rows = {"out": q_empty, "dq": q_empty, "dk": kv_unseen, "dv": kv_unseen}.get(name)
     row = 0.0
     if a.ndim == 4:  # per (token, head) row
-      row = _row_err(a, b, 2)
+      forced_zero = np.zeros(a.shape[:2], bool) if zero_rows is None else zero_rows.copy()
+      if zero_by_cancel is not None:
+        forced_zero |= zero_by_cancel
+      row = _row_err(a, b, 2, scale_rows=~forced_zero)
       errors[name + "_row"] = float(f"{row:.3e}")
     if np.any(b != 0) and not np.any(a != 0):
       problems.append(f"{name} is all zero (the reference is not)")
@@ -802,7 +817,6 @@ def check_results(cell: Cell, mine, theirs, q_pos, q_seg, kv_pos, kv_seg):
       problems.append(f"{name} relative L2 {rel:.3e} >= {tol:g}")
     elif row >= ROW_FACTOR * tol:
       problems.append(f"{name} worst row {row:.3e} of the RMS row norm >= {ROW_FACTOR * tol:g}")
-    zero_rows = {"out": q_empty, "dq": q_empty, "dk": kv_unseen, "dv": kv_unseen}.get(name)
     if zero_rows is not None and zero_rows.any():
       bad = np.abs(a[zero_rows]).max()
       if bad != 0:

@@ -225,3 +225,39 @@ def test_rows_that_vanish_by_cancellation_are_checked_absolutely():
   wrong[0, 2, 1, 3] = 0.5
   problems, _ = cc.check_results(cell, (out, wrong, noise, out), theirs, pos, seg, pos, seg)
   assert problems and "vanish by cancellation" in problems[0], problems
+
+
+def test_row_errors_are_scaled_by_the_rows_that_can_be_nonzero():
+  """One query against one-token documents (Sq = 1): one key of many is attended, the others'
+  dk rows are exactly zero. The row check's scale is the RMS of the attended rows: a 1.5%
+  rounding of the one real row passes (over all rows it read as 0.22 of the scale on an H200,
+  2026-11-26), a 50% error there fails, and a nonzero unattended row still fails."""
+  cell = cc.Cell(backend="jax", dtype="bfloat16", dims=(8, 8), heads=(2, 2), batch=1, length=384,
+                 qmode="self", mask="causal", logits="sinks", blocks="16x16", skip_pad=True,
+                 options=(), layout="one_token_docs")
+  # With sinks (as in the H200 cell) the sink's logit joins the softmax: no cancellation.
+  q_pos, q_seg = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32)
+  kv_pos = np.zeros((1, 384), np.int32)
+  kv_seg = np.arange(384, dtype=np.int32)[None]  # the query's document is key 0 alone
+  rng = np.random.default_rng(0)
+  out = rng.normal(size=(1, 1, 2, 8)).astype(np.float32)
+  dk = np.zeros((1, 384, 2, 8), np.float32)
+  dk[0, 0] = rng.normal(size=(2, 8))
+  dsinks = rng.normal(size=(2,)).astype(np.float32)
+  theirs = (out, out, dk, dk, dsinks)
+
+  def check(dk_mine):
+    return cc.check_results(cell, (out, out, dk_mine, dk, dsinks), theirs, q_pos, q_seg, kv_pos,
+                            kv_seg)
+
+  rounded = dk.copy()
+  rounded[0, 0] *= 1.015
+  problems, errors = check(rounded)
+  assert not problems and errors["dk_row"] < 0.03, (problems, errors)
+  assert cc._row_err(rounded, dk, 2) > cc.ROW_FACTOR * cc.TOLERANCE["bfloat16"]  # unscaled
+  wrong = dk.copy()
+  wrong[0, 0, 1] *= 1.5
+  assert check(wrong)[0]
+  leaked = rounded.copy()
+  leaked[0, 5, 0, 0] = 1e-3
+  assert any("no-pair" in p or "dk" in p for p in check(leaked)[0]), check(leaked)
