@@ -45,6 +45,8 @@ COMMON = dict(
     kvax_bwd_kv_block_size=32,
     # KVAX_IT_BACKEND=triton runs the same parity on a GPU with the Triton kernels.
     kvax_backend=os.environ.get("KVAX_IT_BACKEND", "jax"),
+    # The test run's compilation cache (conftest.py), not MaxText's default ~/jax_cache.
+    jax_cache_dir=os.environ.get("KVAX_TEST_JAX_CACHE") or "~/jax_cache",
 )
 
 

@@ -1,10 +1,12 @@
-"""Parity of attention=kvax vs dot_product for one shrunken model on a simulated CPU mesh.
+"""Parity of attention=kvax vs dot_product for shrunken models on a simulated CPU mesh.
 
 Run as a subprocess (the device count is fixed when JAX starts):
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python integration/maxtext_mesh_worker.py \
-        MODEL '{"ici_fsdp_parallelism": 2, ...}'
-Prints one JSON line: losses, the largest logit / gradient differences, and how the kvax op
-was sharded and which token order it was told. When MaxText reorders batches (load-balanced
+        '[["MODEL", {"ici_fsdp_parallelism": 2, ...}], ...]'
+The cases run one after the other in this process (one MaxText import, ~10 s of CPU, for all
+the cases of one device count). Prints one JSON line per case, in order: losses, the largest
+logit / gradient differences, and how the kvax op was sharded and which token order it was
+told; or the case's error (a traceback), so that a failing case fails only its own test. When MaxText reorders batches (load-balanced
 context parallelism), the batch goes through the reorder callable MaxText's setup_train_loop
 builds with attention=kvax (kvax_context_parallel_order: the balanced order by default), and
 both kernels see that same reordered batch.
@@ -103,4 +105,10 @@ def main(model: str, mesh_overrides: dict) -> dict:
 
 
 if __name__ == "__main__":
-  print("KVAX_RESULT " + json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
+  import traceback
+  for model, mesh_overrides in json.loads(sys.argv[1]):
+    try:
+      result = main(model, mesh_overrides)
+    except Exception:  # noqa: BLE001 - reported to the case's own test
+      result = dict(model=model, error=traceback.format_exc())
+    print("KVAX_RESULT " + json.dumps(result), flush=True)

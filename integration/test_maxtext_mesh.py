@@ -1,6 +1,7 @@
 """attention=kvax vs dot_product on simulated 4- and 8-device CPU meshes (fsdp, tensor, context).
 
-Each case runs in a subprocess (the host device count is fixed when JAX starts). The kvax op
+The cases run in a subprocess per device count (the host device count is fixed when JAX
+starts): one for the three 4-device cases, one for the 8-device case. The kvax op
 must actually be sharded there: a mesh, the specs MaxText's logical axis rules give, and the
 token order MaxText's pipeline applied (the reorder callable its setup_train_loop builds with
 attention=kvax): the per-batch balanced order by default (kvax_context_parallel_order=auto), the
@@ -12,6 +13,7 @@ per (causal, window) kind of layer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -40,18 +42,33 @@ CASES = [  # model, devices, MaxText keys, expected query specs, token order, ma
 ]
 
 
-@pytest.mark.parametrize("model,devices,mesh,spec,order,masks", CASES,
-                         ids=[f"{m}-{d}dev-{o}" for m, d, _, _, o, _ in CASES])
-def test_mesh_parity(model, devices, mesh, spec, order, masks):
+@functools.cache
+def _worker_results(devices: int) -> tuple[list[dict], str]:
+  """Every case on `devices` devices, in one worker process (one MaxText import for all of
+  them): (a result per case, in CASES order, or None when the worker failed; its output tail).
+  A failed worker is remembered too: its other cases fail at once instead of running it again."""
+  cases = [(model, mesh) for model, d, mesh, *_ in CASES if d == devices]
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                        f" --xla_force_host_platform_device_count={devices}").strip()}
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "maxtext_mesh_worker.py"), model,
-                         json.dumps(mesh)], capture_output=True, text=True, timeout=900, env=env)
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "maxtext_mesh_worker.py"),
+                         json.dumps(cases)], capture_output=True, text=True,
+                        timeout=900 * len(cases), env=env)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("KVAX_RESULT ")]
-  assert proc.returncode == 0 and lines, (f"worker failed, rc={proc.returncode}:\n"
-                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-  r = json.loads(lines[-1][len("KVAX_RESULT "):])
+  tail = f"rc={proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+  if proc.returncode != 0 or len(lines) != len(cases):
+    return None, tail
+  return [json.loads(l[len("KVAX_RESULT "):]) for l in lines], tail
+
+
+@pytest.mark.parametrize("model,devices,mesh,spec,order,masks", CASES,
+                         ids=[f"{m}-{d}dev-{o}" for m, d, _, _, o, _ in CASES])
+def test_mesh_parity(model, devices, mesh, spec, order, masks):
+  results, tail = _worker_results(devices)
+  assert results is not None, f"worker failed, {tail}"
+  index = [c[2] for c in CASES if c[1] == devices].index(mesh)
+  r = results[index]
+  assert r["model"] == model and "error" not in r, r.get("error") or tail
   report(f"[maxtext mesh] {model} on {r['devices']} devices "
          f"{ {k: v for k, v in r['mesh'].items() if v > 1} }: loss dot_product="
          f"{r['loss_dot_product']:.6f} kvax={r['loss_kvax']:.6f} | logits {r['logit_rel_diff']:.2e}"

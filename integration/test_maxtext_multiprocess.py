@@ -63,7 +63,8 @@ def _maxtext_argv(out: str) -> list[str]:
               base_output_directory=out, run_name="kvax_multiprocess", log_config="false",
               learning_rate=1e-3, kvax_backend=H.COMMON["kvax_backend"],
               kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=64,
-              kvax_bwd_query_block_size=64, kvax_bwd_kv_block_size=64, **MESH)
+              kvax_bwd_query_block_size=64, kvax_bwd_kv_block_size=64,
+              jax_cache_dir=H.COMMON["jax_cache_dir"], **MESH)
   return [os.path.join(H.maxtext_dir(), "configs", "base.yml")] + [f"{k}={v}"
                                                                    for k, v in keys.items()]
 
@@ -82,8 +83,8 @@ def _run_all(runs: list[tuple[str, int, int, int]], out: str, timeout: float = 9
   argv = _maxtext_argv(out)
   procs = {}
   for name, pid, count, devices in runs:
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                   os.environ.get("XLA_FLAGS", ""))
+    flags = re.sub(r"--xla_(force_host_platform_device_count|backend_optimization_level)=\S+",
+                   "", os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
         f"{flags} --xla_force_host_platform_device_count={devices}"
         " --xla_backend_optimization_level=0").strip()}

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 4
 
 
-def _train(tmp_path, attention: str, model: str, extra: dict) -> dict:
+def _argv(tmp_path, attention: str, model: str, extra: dict) -> list[str]:
   import maxtext_harness as H
   args = dict(model_name=model, override_model_config="true", hardware="cpu",
               skip_jax_distributed_system="true", **{k: v for k, v in H.SHRINK[model].items()},
@@ -32,27 +32,33 @@ def _train(tmp_path, attention: str, model: str, extra: dict) -> dict:
               base_output_directory=str(tmp_path), run_name=f"kvax_train_{attention}",
               log_config="false", learning_rate=1e-3, kvax_backend=H.COMMON["kvax_backend"],
               kvax_fwd_query_block_size=32, kvax_fwd_kv_block_size=32,
-              kvax_bwd_query_block_size=32, kvax_bwd_kv_block_size=32)
+              kvax_bwd_query_block_size=32, kvax_bwd_kv_block_size=32,
+              jax_cache_dir=H.COMMON["jax_cache_dir"])
   args.update(extra)
   argv = [os.path.join(H.maxtext_dir(), "configs", "base.yml")]
-  argv += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.items()]
-  metrics = tmp_path / f"{attention}.jsonl"
+  return argv + [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.items()]
+
+
+def _train(tmp_path, attentions: tuple[str, ...], model: str, extra: dict) -> dict:
+  """attention -> KVAX_RESULT of its run; the runs one after the other in one worker process
+  (one MaxText import for both)."""
+  runs = [(str(tmp_path / f"{a}.jsonl"), _argv(tmp_path, a, model, extra)) for a in attentions]
   proc = subprocess.run([sys.executable, os.path.join(HERE, "maxtext_train_worker.py"),
-                         str(metrics)] + argv, capture_output=True, text=True, timeout=900,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                         json.dumps(runs)], capture_output=True, text=True,
+                        timeout=900 * len(runs), env={**os.environ, "JAX_PLATFORMS": "cpu"})
   lines = [l for l in proc.stdout.splitlines() if l.startswith("KVAX_RESULT ")]
-  assert proc.returncode == 0 and lines, (
-      f"MaxText training ({attention}) failed, rc={proc.returncode}:\n{proc.stdout[-3000:]}\n"
-      f"{proc.stderr[-6000:]}")
-  return json.loads(lines[-1][len("KVAX_RESULT "):])
+  assert proc.returncode == 0 and len(lines) == len(runs), (
+      f"MaxText training ({', '.join(attentions[len(lines):])}) failed, rc={proc.returncode}:"
+      f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+  return {a: json.loads(l[len("KVAX_RESULT "):]) for a, l in zip(attentions, lines)}
 
 
 @pytest.mark.parametrize("model,extra", [("llama3-8b", {}),
                                          ("gemma2-2b", {"sliding_window_size": 48})],
                          ids=["llama3-8b", "gemma2-2b-window48"])
 def test_training_steps_match(tmp_path, model, extra):
-  ref = _train(tmp_path, "dot_product", model, extra)
-  got = _train(tmp_path, "kvax", model, extra)
+  runs = _train(tmp_path, ("dot_product", "kvax"), model, extra)
+  ref, got = runs["dot_product"], runs["kvax"]
   side = "  ".join(f"step {i}: {a:.6f} | {b:.6f}" for i, (a, b) in
                    enumerate(zip(ref["losses"], got["losses"])))
   report(f"[maxtext train] {model} {extra or ''} losses dot_product | kvax: {side}")
