@@ -23,9 +23,16 @@ def test_specs_name_mesh_processes_and_rows():
 
 
 def test_launcher_command_carries_mesh_rows_and_layout():
-  args = argparse.Namespace(variant="8b", steps=10, kvax_backend="auto", layers=4, vocab=512)
+  args = argparse.Namespace(variant="8b", steps=10, kvax_backend="auto", layers=4, vocab=512,
+                            profile=False)
   run = ms.parse_spec("128k-long:kvax:c4:1")
   cmd = ms.launcher_cmd(run, args, Path("/tmp/x"), {"jax_cache_dir": "/tmp/j"})
+  assert not any(c.startswith("profiler=") for c in cmd)
+  profiled = argparse.Namespace(**vars(args), profile_skip=3, profile_steps=2)
+  profiled.profile = True
+  cmd_p = ms.launcher_cmd(run, profiled, Path("/tmp/x"), {"jax_cache_dir": "/tmp/j"})
+  assert cmd_p[:len(cmd)] == cmd and cmd_p[len(cmd):] == [
+      "profiler=xplane", "skip_first_n_steps_for_profiler=3", "profiler_steps=2"]
   assert "--config.mesh.ici_context=4" in cmd and "--config.mesh.ici_fsdp=1" in cmd
   assert "per_device_batch_size=0.25" in cmd and "--config.kvax.backend=auto" in cmd
   assert f"--config.data.min_doc_chars={4 * 131072}" in cmd  # long: one document per row
