@@ -258,6 +258,8 @@ def test_profile_e2e_sums_gpu_stream_lines_per_step(tmp_path):
   # busy: [0, 4] and [5, 6] ms (the all-gather overlaps the matmul); span 6 ms; over 2 steps
   assert s["busy_ms_per_step"] == pytest.approx(2.5) and s["span_ms_per_step"] == pytest.approx(3)
   assert s["idle_ms_per_step"] == pytest.approx(0.5)
+  # the all-gather [2.5, 4] ms overlaps the matmul [2, 3]: [3, 4] is exposed, 0.5 ms per step
+  assert s["collectives_exposed_ms_per_step"] == pytest.approx(0.5)
   assert [k["name"] for k in s["top_kernels"]][:2] == ["entry_mosaic_gpu_kernel",
                                                        "ncclDevKernel_AllGather"]
   assert p.summarize_xplane(trace, steps=1)["per_step_ms"][p.ATTN_KVAX] == pytest.approx(2.0)

@@ -150,8 +150,12 @@ def _summarize_events(events, steps: int) -> dict:
   by_name = collections.defaultdict(float)
   calls = collections.Counter()
   modules = collections.defaultdict(float)
-  for name, _, _, self_ns, stats in events:
-    per_cat[categorize(name)] += self_ns
+  compute = []  # (start, end) of every kernel that is not a collective
+  for name, start, end, self_ns, stats in events:
+    category = categorize(name)
+    per_cat[category] += self_ns
+    if category != COLLECTIVES:
+      compute.append((start, end))
     by_name[name] += self_ns
     calls[name] += 1
     if stats.get("hlo_module"):
@@ -159,7 +163,7 @@ def _summarize_events(events, steps: int) -> dict:
   busy = union_length((s, t) for _, s, t, _, _ in events)
   # Busy time without the collectives: busy minus this is the collectives' exposed time (the
   # part no other kernel overlaps).
-  busy_compute = union_length((s, t) for n, s, t, _, _ in events if categorize(n) != COLLECTIVES)
+  busy_compute = union_length(compute)
   span = (max(e[2] for e in events) - min(e[1] for e in events)) if events else 0.0
   ms = lambda ns: round(ns / 1e6 / steps, 4)  # noqa: E731
   top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
