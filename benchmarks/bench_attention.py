@@ -83,9 +83,19 @@ def layout(case: str, seq: int, seed: int, num_docs: int = 12, pad: int = 1000):
   raise ValueError(f"case must be causal or docs, got {case!r}")
 
 
-def kept_pairs(lengths) -> int:
+def kept_pairs(lengths, window: int | None = None) -> int:
+  """Causal (q, kv) pairs kept in documents of these lengths; with a sliding window w, each
+  query keeps min(its position + 1, w) of them."""
   lengths = np.asarray(lengths, np.int64)
-  return int(np.sum(lengths * (lengths + 1) // 2))
+  if window is None:
+    return int(np.sum(lengths * (lengths + 1) // 2))
+  w = np.minimum(lengths, window)
+  return int(np.sum(w * (w + 1) // 2 + (lengths - w) * window))
+
+
+# Attention features beyond the mask's causal / documents (--window, --soft-cap, --sinks): only
+# our backends run them (the peers' rows say so), so the rows compare our backends.
+NO_FEATURES = dict(window=None, soft_cap=None, sinks=False)
 
 
 def time_fn(fn, args, rounds: int, inner: int) -> float:
@@ -132,11 +142,14 @@ def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
             f"alone {row['ms_sequential']:.3f})", flush=True)
 
 
-def auto_choice(mask, dtype, dk: int, dv: int) -> str | None:
+def auto_choice(mask, dtype, dk: int, dv: int, features=NO_FEATURES) -> str | None:
   """What backend="auto" runs for these inputs here (None if it cannot say)."""
+  needed = [name for name, on in (("sliding_window", features["window"]),
+                                  ("logits_soft_cap", features["soft_cap"]),
+                                  ("sinks", features["sinks"])) if on]
   try:
     from kvax_plugin.attention.kernels import resolve_backend_for
-    return resolve_backend_for("auto", dtype, dk, dv, (), mask)
+    return resolve_backend_for("auto", dtype, dk, dv, tuple(needed), mask)
   except Exception:  # noqa: BLE001 - only a label for the table
     return None
 
@@ -161,18 +174,23 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
   return label, backend, options
 
 
-def make_impls(case, pos, seg, scale, names=IMPLS, variants=()):
+def make_impls(case, pos, seg, scale, names=IMPLS, variants=(), features=NO_FEATURES,
+               heads: int = 32):
   """name -> forward function of (q, k, v), or a string saying why it cannot run here; and the
   block mask ours use (built once, as a training step does). variants: parse_variant's
-  (label, backend, KernelOptions fields), each an implementation named by its label."""
+  (label, backend, KernelOptions fields), each an implementation named by its label.
+  features: window / soft_cap / sinks (NO_FEATURES: none); with any, the peers do not run."""
   jpos, jseg = jnp.asarray(pos), jnp.asarray(seg)
-  mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
+  mask = create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True,
+                               sliding_window=features["window"])
   impls = {}
+  sinks = (jnp.linspace(-1.0, 1.0, heads, dtype=jnp.float32) if features["sinks"] else None)
 
   def ours(backend, **kw):
     def fn(q, k, v):
       return flash_attention(q, k, v, jpos, jseg, jpos, jseg, mask, scale=scale,
-                             backend=backend, **kw)
+                             backend=backend, logits_soft_cap=features["soft_cap"],
+                             sinks=sinks, **kw)
     fn.mask = mask
     return fn
 
@@ -188,6 +206,11 @@ def make_impls(case, pos, seg, scale, names=IMPLS, variants=()):
                         **({"deterministic_backward": False} if backend == "mosaic_fused" else {}))
     impls[label].kernel_options = fields
   on_gpu = jax.devices()[0].platform == "gpu"
+  if features != NO_FEATURES:
+    for name in ("cudnn", "tokamax_mosaic", "tokamax_triton"):
+      if name in names:
+        impls[name] = f"not run with {features} (our backends' comparison)"
+    return impls, mask
   if "cudnn" in names:
     if not on_gpu:
       impls["cudnn"] = f"cuDNN needs a CUDA GPU (JAX platform: {jax.devices()[0].platform})"
@@ -251,15 +274,16 @@ def versions():
 def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 128),),
             heads=32, kv_heads=8, dtype=jnp.bfloat16, rounds=15, min_round_ms=20.0,
             interleaved=True, max_dense_mask_seq=32768, num_docs=12, pad=1000, split=False,
-            check=False, variants=()):
+            check=False, variants=(), features=NO_FEATURES):
   """Time every implementation on every (head dims, length, case, pass); the rows as dicts
-  (impl, seq, case, head_dim, head_dim_v, pass, ms, tflops, pairs, ...; error where one failed)."""
+  (impl, seq, case, head_dim, head_dim_v, pass, ms, tflops, pairs, ...; error where one failed).
+  features: window / soft_cap / sinks for our backends (NO_FEATURES: none)."""
   results = []
   for d, dv in head_dims:
     for seq in seqs:
       for case in cases:
         pos, seg, lengths = layout(case, seq, seed=seq, num_docs=num_docs, pad=pad)
-        pairs = kept_pairs(lengths)
+        pairs = kept_pairs(lengths, features["window"])
         flops_fwd = 2.0 * heads * (d + dv) * pairs  # Q K^T (2 d) and P V (2 dv) per pair
         scale = d ** -0.5
         keys = jax.random.split(jax.random.PRNGKey(seq + d), 4)
@@ -267,14 +291,16 @@ def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 1
         k = jax.random.normal(keys[1], (1, seq, kv_heads, d), dtype)
         v = jax.random.normal(keys[2], (1, seq, kv_heads, dv), dtype)
         cot = jax.random.normal(keys[3], (1, seq, heads, dv), dtype)
-        base = dict(seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs)
+        base = dict(seq=seq, case=case, head_dim=d, head_dim_v=dv, pairs=pairs,
+                    dtype=jnp.dtype(dtype).name,
+                    **({"features": features} if features != NO_FEATURES else {}))
         mask_ms = bench_mask_build(pos, seg, rounds)
         results.append(dict(impl="mask_build", **base, **{"pass": "mask"}, ms=mask_ms,
                             tflops=None))
         print(f"S={seq} {case} D={d}/{dv}: mask build {mask_ms:.3f} ms; kept pairs {pairs:.3e}",
               flush=True)
-        fns, mask = make_impls(case, pos, seg, scale, impls, variants)
-        picked = auto_choice(mask, dtype, d, dv)
+        fns, mask = make_impls(case, pos, seg, scale, impls, variants, features, heads)
+        picked = auto_choice(mask, dtype, d, dv, features)
         outs = {}
         timed = {p: [] for p in passes}  # pass -> [(name, compiled fn, inner, row)]
         for name in list(impls) + [v[0] for v in variants]:
@@ -417,6 +443,13 @@ def main():
                   help="an extra run of one of our backends with kvax_plugin.KernelOptions "
                        "fields set, e.g. 'pertile=mosaic:mosaic_forward_grid=per_tile' "
                        "(repeatable; docs/kernels.md lists the fields)")
+  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  ap.add_argument("--window", type=int, default=None,
+                  help="sliding window for our backends (the peers are then not run)")
+  ap.add_argument("--soft-cap", type=float, default=None,
+                  help="logits soft cap for our backends (the peers are then not run)")
+  ap.add_argument("--sinks", action="store_true",
+                  help="one sink logit per head for our backends (the peers are then not run)")
   ap.add_argument("--split", action="store_true",
                   help="also time each kernel of mosaic / triton alone "
                        "(benchmarks/tools/kernel_parts.py)")
@@ -425,7 +458,8 @@ def main():
     variants = [parse_variant(v) for v in args.variant]
   except ValueError as e:
     ap.error(str(e))
-  heads, kv_heads, dtype = 32, 8, jnp.bfloat16
+  heads, kv_heads, dtype = 32, 8, jnp.dtype(args.dtype)
+  features = dict(window=args.window, soft_cap=args.soft_cap, sinks=args.sinks)
   print(f"device: {jax.devices()[0].device_kind}; versions: {versions()}", flush=True)
   results = measure(seqs=[int(s) for s in args.seq.split(",")], cases=args.cases.split(","),
                     impls=args.impls.split(","), passes=args.passes.split(","),
@@ -433,11 +467,13 @@ def main():
                     heads=heads, kv_heads=kv_heads, dtype=dtype, rounds=args.rounds,
                     min_round_ms=args.min_round_ms, interleaved=args.interleave,
                     max_dense_mask_seq=args.max_dense_mask_seq, split=args.split,
-                    check=args.check, variants=variants)
+                    check=args.check, variants=variants, features=features)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   meta = conditions(heads=heads, kv_heads=kv_heads, dtype=dtype, num_docs=12, pad=1000,
                     rounds=args.rounds, interleaved=args.interleave)
+  if features != NO_FEATURES:
+    meta["features"] = features
   out.with_suffix(".json").write_text(json.dumps(dict(conditions=meta, results=results),
                                                  indent=1))
   plot(results, out.with_suffix(".png"))

@@ -261,3 +261,40 @@ def test_row_errors_are_scaled_by_the_rows_that_can_be_nonzero():
   leaked = rounded.copy()
   leaked[0, 5, 0, 0] = 1e-3
   assert any("no-pair" in p or "dk" in p for p in check(leaked)[0]), check(leaked)
+
+
+def test_dsinks_is_checked_against_the_magnitude_of_its_terms():
+  """dsinks = -sum over rows of p_sink delta: with one query row and one head its terms cancel,
+  and the plain relative error measures that cancellation (an H200 run on 2026-11-26: 1.1e-2
+  for hopper, 6.4e-2 for the jax backend on fp16 cells whose out / dq / dk / dv were within
+  7e-4). The check divides by the terms' magnitude instead (the reference's dsinks_scale); a
+  wrong dsinks still fails, and the reference's scale is sum |p_sink delta| computed directly."""
+  import jax.numpy as jnp
+  cell = cc.Cell(backend="jax", dtype="float16", dims=(4, 4), heads=(1, 1), batch=1, length=5,
+                 qmode="self", mask="causal", logits="sinks", blocks="16x16", skip_pad=True,
+                 options=(), layout="one_doc")
+  pos = np.arange(5, dtype=np.int32)[None]
+  seg = np.zeros((1, 5), np.int32)
+  out = np.ones((1, 5, 1, 4), np.float32)
+  theirs = (out, out, out, out, np.array([1e-3], np.float32))
+  check = lambda dsinks: cc.check_results(cell, (out, out, out, out, dsinks), theirs, pos, seg,
+                                          pos, seg, dsinks_scale=np.array([1.0], np.float32))
+  problems, errors = check(np.array([6e-3], np.float32))  # 5x off itself, 0.5% of its terms
+  assert not problems and errors["dsinks"] == 5e-3 and errors["dsinks_plain"] > 4, errors
+  assert any("dsinks" in p for p in check(np.array([0.5], np.float32))[0])
+  # The reference's scale against a direct computation (p_sink = exp(sink - lse)).
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.standard_normal((1, 5, 2, 4)).astype(np.float32) for _ in range(3))
+  cot = rng.standard_normal((1, 5, 2, 4)).astype(np.float32)
+  sinks = np.array([0.3, -0.7], np.float32)
+  _, reference = cc._programs()
+  ints = tuple(jnp.asarray(x) for x in (pos, seg, pos, seg))
+  *results, scale = reference(*map(jnp.asarray, (q, k, v, sinks, cot)), ints, causal=True,
+                              window=None, scale=0.5, cap=None)
+  logits = 0.5 * np.einsum("bqhd,bkhd->bhqk", q, k)
+  logits = np.where(np.tril(np.ones((5, 5), bool)), logits, -np.inf)
+  lse = np.logaddexp(np.logaddexp.reduce(logits, axis=-1), sinks[None, :, None])  # [B, H, Sq]
+  p_sink = np.exp(sinks[None, :, None] - lse)
+  delta = np.einsum("bqhd,bqhd->bhq", cot, np.asarray(results[0]))
+  np.testing.assert_allclose(np.asarray(scale), np.abs(p_sink * delta).sum(axis=(0, 2)),
+                             rtol=1e-4)

@@ -365,14 +365,20 @@ def test_the_kernel_source_and_the_jax_side_agree():
   import re
   from kvax_plugin.attention.kernels.cuda_sm90 import build
   src = build.SOURCE.read_text()
-  bits = dict(re.findall(r"\b(STM|FRAG|EXP|DECOUPLE_BIT) = (\d+)", src))
+  bits = {k: int(v) for k, v in re.findall(
+      r"\b(STM|FRAG|EXP|DECOUPLE_BIT|SOFTCAP|WINDOW) = (\d+)", src)}
   py = {"STM": cuda_bwd.STM, "FRAG": cuda_bwd.FRAG, "EXP": cuda_bwd.EXP,
-        "DECOUPLE_BIT": cuda_bwd.DECOUPLE}
-  assert {k: int(v) for k, v in bits.items()} == py
-  built_text = re.search(r"#define KVAX_SM90_VARIANTS (.*?)\n\n", src, re.S).group(1)
-  built = {eval(term.replace("\\", "").strip(), {}, {k: int(v) for k, v in bits.items()})
-           for term in built_text.split(",")}
-  assert built == set(cuda_bwd.VARIANTS.values()) == {
-      cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]}  # the default alone
+        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "SOFTCAP": cuda_bwd.SOFTCAP,
+        "WINDOW": cuda_bwd.WINDOW}
+  assert bits == py
+  bits["KVAX_SM90_V7"] = eval(re.search(r"#define KVAX_SM90_V7 (\(.*?\))\n", src).group(1), {},
+                              bits)
+  built_text = re.search(r"#define KVAX_SM90_VARIANTS\s*\\\n(.*?)\n\n", src, re.S).group(1)
+  built = {eval(term.replace("\\", "").strip(), {}, bits) for term in built_text.split(",")}
+  # the default variant alone, with each combination of the attention features
+  default = cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]
+  assert set(cuda_bwd.VARIANTS.values()) == {default}
+  assert built == {default | extra for extra in (0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW,
+                                                 cuda_bwd.SOFTCAP | cuda_bwd.WINDOW)}
   version = re.search(r"KvaxSm90AbiVersion\(\) \{ return (\d+); \}", src).group(1)
   assert int(version) == cuda_bwd.ABI_VERSION

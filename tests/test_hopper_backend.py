@@ -71,15 +71,20 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   kvax_bwd = _with_spec(mask, bwd_params=FlashAttentionParamsConfig(query_block_size=64,
                                                                      kv_block_size=128))
   assert pick(m=kvax_bwd) == "hopper"
-  # what it does not cover goes to mosaic (and above head dim 128, mosaic's auto_check: triton)
+  # fp16, sliding window, soft cap and sinks: hopper runs them (fused_backward.cu's SOFTCAP /
+  # WINDOW, 2026-11-26), but the Mosaic backward was measured faster there (auto_check)
   assert pick(dtype=jnp.float16) == "mosaic"
+  for feature in ("sliding_window", "logits_soft_cap", "sinks"):
+    assert pick(features=("causal", feature)) == "mosaic", feature
+    ok, why = kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", feature))
+    assert not ok and feature in why and 'backend="hopper"' in why
+  assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
+  assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
+  # what it does not cover goes to mosaic (and above head dim 128, mosaic's auto_check: triton)
   assert pick(dims=(64, 64)) == "mosaic"
   assert pick(dims=(192, 128)) == "mosaic"
   assert pick(dims=(256, 256)) == "triton"
   assert pick(dtype=jnp.float32) == "triton"
-  for feature in ("sliding_window", "logits_soft_cap", "sinks"):
-    assert pick(features=("causal", feature)) == "mosaic", feature
-  assert pick(m=_with_spec(mask, sliding_window=128)) == "mosaic"
   wide = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=256)
   assert pick(m=_with_spec(mask, bwd_params=wide)) == "mosaic"
   narrow = FlashAttentionParamsConfig(query_block_size=32, kv_block_size=128)
@@ -89,14 +94,16 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
 
 def test_deterministic_backward_routes_auto_to_mosaic(fake_hopper_gpu):
   """deterministic_backward=True is how to get bitwise-reproducible gradients: "auto" passes
-  over hopper (its dq summation order varies) to mosaic; an explicit "hopper" is still hopper
-  (its function then refuses True by name: test_a_deterministic_backward_is_refused...)."""
+  over hopper (its dq summation order varies) to mosaic; an explicit "hopper" with True is
+  refused by the registry, naming why (test_a_deterministic_backward_is_refused...)."""
   pos, seg = _ids(512)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   args = (jnp.bfloat16, 128, 128, ("causal", "backward"), mask)
   assert kernels.resolve_backend_for("auto", *args, deterministic_backward=True) == "mosaic"
   assert kernels.resolve_backend_for("auto", *args, deterministic_backward=None) == "hopper"
-  assert kernels.resolve_backend_for("hopper", *args, deterministic_backward=True) == "hopper"
+  assert kernels.resolve_backend_for("hopper", *args, deterministic_backward=None) == "hopper"
+  with pytest.raises(BackendUnavailableError, match="not bitwise reproducible"):
+    kernels.resolve_backend_for("hopper", *args, deterministic_backward=True)
 
 
 def test_the_public_op_routes_deterministic_auto_to_mosaic(fake_hopper_gpu, monkeypatch):
@@ -131,12 +138,10 @@ def test_without_a_toolchain_auto_takes_mosaic(monkeypatch):
 
 @pytest.mark.parametrize("dtype, dims, features, message", [
     (jnp.bfloat16, (128, 128), ("causal", "gqa", "backward"), None),
-    (jnp.float16, (128, 128), (), "float16 inputs are not supported"),
+    (jnp.float16, (128, 128), ("sliding_window", "logits_soft_cap", "sinks", "backward"), None),
+    (jnp.float32, (128, 128), (), "float32 inputs are not supported"),
     (jnp.bfloat16, (64, 64), (), r"head dims \(64, 64\) are not supported"),
     (jnp.bfloat16, (192, 128), (), r"head dims \(192, 128\) are not supported"),
-    (jnp.bfloat16, (128, 128), ("logits_soft_cap",), "logits_soft_cap not supported"),
-    (jnp.bfloat16, (128, 128), ("sinks",), "sinks not supported"),
-    (jnp.bfloat16, (128, 128), ("sliding_window",), "sliding_window not supported"),
 ])
 def test_capabilities(dtype, dims, features, message):
   ok, why = supports_inputs("hopper", dtype, *dims, features)
@@ -150,8 +155,7 @@ def test_capabilities(dtype, dims, features, message):
 def test_mask_rule():
   pos, seg = _ids(512)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
-  ok, why = hopper.supports_mask(_with_spec(mask, sliding_window=128))
-  assert not ok and "sliding-window" in why
+  assert hopper.supports_mask(_with_spec(mask, sliding_window=128))[0]
   large = _with_spec(mask, bwd_params=FlashAttentionParamsConfig(query_block_size=128,
                                                                  kv_block_size=256))
   ok, why = hopper.supports_mask(large)  # the Mosaic kernels take it; the fused tile does not
@@ -210,17 +214,16 @@ def test_direct_call_names_what_it_does_not_cover():
   k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
   call = lambda q, k, v, m=mask, **kw: hopper.flash_attention_hopper(
       q, k, v, pos, seg, pos, seg, m, scale=0.1, **{"logits_soft_cap": None, "sinks": None, **kw})
-  with pytest.raises(ValueError, match="logits_soft_cap=30.0: not supported"):
-    call(q, k, k, logits_soft_cap=30.0)
-  with pytest.raises(ValueError, match="sinks: not supported"):
-    call(q, k, k, sinks=jnp.zeros((4,), jnp.float32))
-  with pytest.raises(ValueError, match="query: float16 with head dim 128"):
+  with pytest.raises(ValueError, match="query: float32 with head dim 128"):
+    call(q.astype(jnp.float32), k, k)
+  with pytest.raises(ValueError, match="key: bfloat16 with head dim 128.*one type"):
     call(q.astype(jnp.float16), k, k)
   with pytest.raises(ValueError, match="value: bfloat16 with head dim 64"):
     call(q, k, k[..., :64])
-  window = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, sliding_window=64)
-  with pytest.raises(ValueError, match="mask: a sliding-window mask"):
-    call(q, k, k, m=window)
+  wide = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, bwd_params=(
+      FlashAttentionParamsConfig(query_block_size=128, kv_block_size=256)))
+  with pytest.raises(ValueError, match="mask: the mask's backward blocks 128x256"):
+    call(q, k, k, m=wide)
 
 
 def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
@@ -234,6 +237,7 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
   q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
   k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
   message = r"deterministic_backward=True: the hopper backend's backward .*backend=\"mosaic\""
+  registry = r'backend="hopper" was requested but cannot run: deterministic_backward=True'
   with pytest.raises(ValueError, match=message):
     hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
                                   logits_soft_cap=None, sinks=None, deterministic_backward=True)
@@ -243,7 +247,7 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
   real = kernels.availability
   monkeypatch.setattr(kernels, "availability", lambda name: (
       (True, "pretend Hopper") if name == "hopper" else real(name)))
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(BackendUnavailableError, match=registry):
     kp.flash_attention(q, k, k, pos, seg, pos, seg, mask, scale=0.1, backend="hopper",
                        deterministic_backward=True)
   import inspect
@@ -251,12 +255,24 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
 
 
 # --- the backward's padding, with the kernel replaced by a dense model of it -------------------
+def _keep(q_pos, q_seg, kv_pos, kv_seg, causal, window):
+  """[B, Sq, Skv] the kernels' pair rule: same segment, not the padding id, causal order, and
+  the window's distance (both ways without causal)."""
+  keep = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg != -1)[:, :, None]
+  dist = q_pos[:, :, None] - kv_pos[:, None, :]
+  if causal:
+    keep &= dist >= 0
+  if window:
+    keep &= (dist < window) & (causal | (-dist < window))
+  return keep
+
+
 def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *, scale,
-                  causal, variant):
+                  causal, variant, soft_cap=0.0, window=0):
   """What fused_backward computes, densely in float32, with the kernel's own rules: whole
-  128-row tiles only (checked), a pair kept iff same segment, the query's not the padding id,
-  and causal order; only the 64-row query blocks its tile's bounds list are visited;
-  P = exp(scale s - lse) (lse +inf: 0)."""
+  128-row tiles only (checked), a pair kept by _keep; only the 64-row query blocks its tile's
+  bounds list are visited; P = exp(z - lse) (lse +inf: 0) with z = scale s, or cap tanh(scale s
+  / cap) whose derivative 1 - tanh^2 multiplies dS."""
   assert variant == hopper.VARIANT
   b, sq, h, _ = q.shape
   skv, kh = k.shape[1], k.shape[2]
@@ -266,15 +282,17 @@ def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, boun
   group = h // kh
   kk, vv = (jnp.repeat(f32(x), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), kk)
-  keep = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg != -1)[:, :, None]
-  if causal:
-    keep &= kv_pos[:, None, :] <= q_pos[:, :, None]
+  keep = _keep(q_pos, q_seg, kv_pos, kv_seg, causal, window)
   lo, hi = (jnp.repeat(x, 128, axis=1) for x in bounds)  # per kv row
   q_block = jnp.arange(sq)[None, :, None] // 64
   keep &= (lo[:, None, :] <= q_block) & (q_block < hi[:, None, :])
-  p = jnp.where(keep[:, None], jnp.exp(scale * s - lse[..., None]), 0.0)
+  z, dz = scale * s, 1.0
+  if soft_cap:
+    t = jnp.tanh(z / soft_cap)
+    z, dz = soft_cap * t, 1.0 - t * t
+  p = jnp.where(keep[:, None], jnp.exp(z - lse[..., None]), 0.0)
   dp = jnp.einsum("bqhd,bkhd->bhqk", f32(d_out), vv)
-  ds = p * (dp - delta[..., None])
+  ds = p * (dp - delta[..., None]) * dz
   dq = scale * jnp.einsum("bhqk,bkhd->bqhd", ds, kk)
   dk = scale * jnp.einsum("bhqk,bqhd->bkhd", ds, f32(q))
   dv = jnp.einsum("bhqk,bqhd->bkhd", p, f32(d_out))
@@ -283,29 +301,37 @@ def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, boun
 
 
 def _dense_forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
-  """out and lse (natural log, +inf where nothing is attended) as the Mosaic forward gives them."""
+  """out and lse (natural log, sinks in its sum, +inf where nothing is attended and no sink) as
+  the Mosaic forward gives them."""
   group = q.shape[2] // k.shape[2]
   kk, vv = (jnp.repeat(x, group, axis=2) for x in (k, v))
   s = cfg.scale * jnp.einsum("bqhd,bkhd->bhqk", q, kk)
-  keep = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg != -1)[:, :, None]
-  if cfg.causal:
-    keep &= kv_pos[:, None, :] <= q_pos[:, :, None]
+  if cfg.soft_cap:
+    s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+  keep = _keep(q_pos, q_seg, kv_pos, kv_seg, cfg.causal, cfg.window)
   s = jnp.where(keep[:, None], s, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=-1)
+  if cfg.has_sinks:
+    lse = jnp.logaddexp(lse, sinks[None, :, None])
   out = jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep[:, None], jnp.exp(s - lse[..., None]), 0),
                    vv)
   return out, jnp.where(jnp.isfinite(lse), lse, jnp.inf)
 
 
-@pytest.mark.parametrize("causal, sq, skv, bwd_q", [
-    (True, 200, 200, 128),   # one length, off the tile
-    (True, 136, 392, 64),    # the query the last 136 tokens of 392; kvax's (64, 128) blocks
-    (False, 256, 130, 128),  # kv one token past a tile, not causal
+@pytest.mark.parametrize("causal, sq, skv, bwd_q, window, cap, with_sinks", [
+    (True, 200, 200, 128, None, None, False),   # one length, off the tile
+    # the query the last 136 tokens of 392; kvax's (64, 128) blocks
+    (True, 136, 392, 64, None, None, False),
+    (False, 256, 130, 128, None, None, False),  # kv one token past a tile, not causal
+    # window both ways, soft cap and sinks: the JAX side passes them on (dsinks its own)
+    (False, 200, 200, 128, 40, 3.0, True),
 ])
-def test_backward_pads_lengths_off_the_tile(monkeypatch, causal, sq, skv, bwd_q):
+def test_backward_pads_lengths_off_the_tile(monkeypatch, causal, sq, skv, bwd_q, window, cap,
+                                            with_sinks):
   """Any Sq, Skv: the backward pads both to the kernel's 128-row tiles (padded kv rows the
   padding id, padded query rows lse +inf) and slices the gradients back; batch 2, GQA, packed
-  documents with a padding tail. Against the float32 reference's gradients."""
+  documents with a padding tail; window, soft cap and sinks reach the kernel (and the sinks'
+  gradient). Against the float32 reference's gradients."""
   monkeypatch.setattr(cuda_bwd, "fused_backward", _dense_kernel)
   rng = np.random.default_rng(sq + skv)
   kv_pos, kv_seg = layouts.packed_documents(rng, 2, skv, num_docs=3, pad_tail=skv // 10)
@@ -316,23 +342,30 @@ def test_backward_pads_lengths_off_the_tile(monkeypatch, causal, sq, skv, bwd_q)
   q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in (
       (2, sq, 4, 128), (2, skv, 2, 128), (2, skv, 2, 128), (2, sq, 4, 128)))
   scale = 128 ** -0.5
-  cfg = hopper._Static(scale=scale, soft_cap=0.0, has_sinks=False, causal=causal, window=0,
-                       deterministic=True, interpret=False)
+  cfg = hopper._Static(scale=scale, soft_cap=cap or 0.0, has_sinks=with_sinks, causal=causal,
+                       window=window or 0, deterministic=True, interpret=False)
   attention = kernel_attention(_dense_forward, hopper._backward)
-  sinks = jnp.zeros((4,), jnp.float32)
+  sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
   bwd = FlashAttentionParamsConfig(query_block_size=bwd_q, kv_block_size=128)
+  ref_sinks = sinks if with_sinks else None
 
   @jax.jit  # one compile per case (eagerly, each small op is dispatched on its own)
-  def grads(q, k, v, d_out, ids):
-    mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd)
-    _, vjp = jax.vjp(lambda q, k, v: attention(cfg, q, k, v, sinks, *ids, mask), q, k, v)
-    _, ref_vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, *ids, causal=causal,
-                                                             scale=scale), q, k, v)
+  def grads(q, k, v, sinks, d_out, ids):
+    mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd,
+                                 sliding_window=window)
+    _, vjp = jax.vjp(lambda q, k, v, s: attention(cfg, q, k, v, s, *ids, mask), q, k, v, sinks)
+    _, ref_vjp = jax.vjp(lambda q, k, v, s: reference_attention(
+        q, k, v, *ids, causal=causal, scale=scale, sliding_window=window,
+        logits_soft_cap=cap, sinks=s if with_sinks else None), q, k, v, sinks)
     return vjp(d_out), ref_vjp(d_out), mask
 
-  got, want, mask = grads(q, k, v, d_out, ids)
+  got, want, mask = grads(q, k, v, sinks, d_out, ids)
   assert hopper.supports_mask(mask)[0]
-  for name, a, b in zip(("dq", "dk", "dv"), got, want):
+  if with_sinks:
+    assert float(jnp.max(jnp.abs(want[3]))) > 0  # the sinks' gradient is there to check
+  else:
+    assert float(jnp.max(jnp.abs(got[3]))) == 0
+  for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
     assert a.shape == b.shape, name
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4, err_msg=name)
   assert hopper.padded_lengths(mask, sq, skv) == (-(-sq // 128) * 128, -(-skv // 128) * 128)

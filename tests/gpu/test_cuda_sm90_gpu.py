@@ -36,10 +36,13 @@ def test_fused_backward_against_reference(name, variant):
 
 
 def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hopper",
-            deterministic_backward=None):
-  """Largest relative L2 error of out, dq, dk, dv (bf16 against the float32 reference) of
-  kvax_plugin.flash_attention on packed documents with a padding tail; the queries are the
-  last sq tokens of the skv keys (or their own layout when longer)."""
+            deterministic_backward=None, dtype="bfloat16", window=None, cap=None,
+            with_sinks=False):
+  """Largest relative L2 error of out, dq, dk, dv (and dsinks with_sinks; dtype inputs against
+  the float32 reference) of kvax_plugin.flash_attention on packed documents with a padding
+  tail; the queries are the sq tokens before the keys' padding tail, or the whole row when sq
+  == skv (or their own layout when longer).
+  Every result must be finite and every gradient not all zero."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -52,32 +55,51 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
   rng = np.random.default_rng(sq * 7 + skv)
   kv_pos, kv_seg = layouts.packed_documents(rng, batch, skv, num_docs=3, pad_tail=skv // 9,
                                             one_token_docs=1)
-  q_pos, q_seg = kv_pos[:, skv - sq:], kv_seg[:, skv - sq:]
+  # a shorter query ends where the padding tail starts (else a one-token query is padding and
+  # every result is 0: nothing checked)
+  end = skv if sq >= skv else skv - skv // 9
+  q_pos, q_seg = kv_pos[:, end - sq:end], kv_seg[:, end - sq:end]
   if sq > skv:
     q_pos, q_seg = layouts.packed_documents(rng, batch, sq, num_docs=2, pad_tail=5)
   ids = tuple(jnp.asarray(x) for x in (q_pos, q_seg, kv_pos, kv_seg))
   bwd = FlashAttentionParamsConfig(query_block_size=bwd_q, kv_block_size=128)
-  mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd)
-  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in (
+  mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd,
+                               sliding_window=window)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
       (batch, sq, heads, 128), (batch, skv, kv_heads, 128), (batch, skv, kv_heads, 128),
       (batch, sq, heads, 128)))
-  scale = 128 ** -0.5
+  sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+  scale = scale_qk = 128 ** -0.5
   f32 = lambda x: x.astype(jnp.float32)
 
   def grads(fn, *args):
     out, vjp = jax.vjp(fn, *args)
     return (out,) + vjp(cot.astype(out.dtype))
 
-  ours = jax.jit(lambda *a: grads(lambda q, k, v: kp.flash_attention(
+  s_arg = lambda s: s if with_sinks else None
+  ours = jax.jit(lambda *a: grads(lambda q, k, v, s: kp.flash_attention(
       q, k, v, *ids, mask, scale=scale, backend=backend, bwd_params=bwd,
-      deterministic_backward=deterministic_backward), *a))(q, k, v)
-  want = jax.jit(lambda *a: grads(lambda q, k, v: reference_attention(
-      q, k, v, *ids, causal=causal, scale=scale), *a))(f32(q), f32(k), f32(v))
+      deterministic_backward=deterministic_backward, logits_soft_cap=cap, sinks=s_arg(s)),
+      *a))(q, k, v, sinks)
+  want = jax.jit(lambda *a: grads(lambda q, k, v, s: reference_attention(
+      q, k, v, *ids, causal=causal, scale=scale, sliding_window=window, logits_soft_cap=cap,
+      sinks=s_arg(s)), *a))(f32(q), f32(k), f32(v), sinks)
   errors = []
-  for a, b in zip(ours, want):
+  names = ("out", "dq", "dk", "dv", "dsinks")[:5 if with_sinks else 4]
+  for name, a, b in zip(names, ours, want):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all()
-    errors.append(float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30)))
+    assert np.isfinite(a).all(), name
+    assert np.abs(a).max() > 0, name
+    scale = np.linalg.norm(b)
+    if name == "dsinks":
+      # dsinks = -sum over rows of p_sink delta, terms of both signs: measured against the
+      # terms' magnitude, as tests/conformance_cells.py does (p_sink = 1 - the row's mass)
+      mass = reference_attention(f32(q), f32(k), jnp.ones_like(f32(v)), *ids, causal=causal,
+                                 scale=scale_qk, sliding_window=window, logits_soft_cap=cap,
+                                 sinks=sinks)[..., 0]
+      delta = jnp.sum(f32(cot) * jnp.asarray(want[0]), axis=-1)
+      scale = np.linalg.norm(np.asarray(jnp.sum(jnp.abs((1 - mass) * delta), axis=(0, 1))))
+    errors.append(float(np.linalg.norm(a - b) / (scale + 1e-30)))
   return max(errors)
 
 
@@ -89,6 +111,26 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
 ])
 def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batch, bwd_q):
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q) < 2e-2
+
+
+# The attention features of fused_backward.cu's SOFTCAP / WINDOW variants (2026-11-26), fp16,
+# and sinks (the forward's lse holds them; dsinks on the JAX side), on awkward layouts.
+@pytest.mark.parametrize("dtype, sq, skv, heads, kv_heads, causal, batch, bwd_q, window, cap, "
+                         "with_sinks", [
+    ("bfloat16", 777, 777, 8, 2, True, 2, 128, 97, None, False),     # causal window, odd length
+    ("bfloat16", 384, 384, 4, 4, False, 1, 128, 97, None, False),    # window both ways
+    ("bfloat16", 512, 512, 4, 1, True, 1, 64, None, 3.0, False),     # soft cap that bends, MQA
+    ("bfloat16", 200, 600, 4, 2, True, 2, 128, None, None, True),    # sinks, Sq != Skv
+    ("bfloat16", 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # all three
+    ("float16", 512, 512, 4, 2, True, 1, 128, None, None, False),    # fp16 plain
+    ("float16", 300, 300, 2, 2, False, 2, 128, 64, 30.0, True),      # fp16 all, not causal
+    ("float16", 136, 392, 4, 1, True, 2, 64, 200, 3.0, False),       # fp16, Sq != Skv, window
+])
+def test_hopper_window_softcap_sinks_fp16(dtype, sq, skv, heads, kv_heads, causal, batch, bwd_q,
+                                          window, cap, with_sinks):
+  tolerance = {"bfloat16": 2e-2, "float16": 1e-2}[dtype]
+  assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q, dtype=dtype, window=window,
+                 cap=cap, with_sinks=with_sinks) < tolerance
 
 
 def test_auto_takes_hopper_and_deterministic_takes_mosaic():

@@ -96,9 +96,10 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "hopper": KernelBackend(
         name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
-                    "bf16, head dim 128; built with nvcc on first use; its dq summation order "
+                    "head dim 128; built with nvcc on first use; its dq summation order "
                     "varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
+        auto_check="auto_prefers",
         options=("deterministic_backward", "kernel_options"), reproducible_backward=False,
         install_hint="install kvax-plugin[gpu] (nvcc >= 13 builds its CUDA backward)"),
     "jax": KernelBackend(
@@ -110,9 +111,10 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 }
 
 # "auto": the first of these that can run here and supports the call.
-# "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable) and covers
-# the call (bf16, head dim 128, no window / soft cap / sinks, its mask blocks), unless the call
-# asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
+# "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
+# call (head dim 128, its mask blocks) and is measured faster (auto_check: bf16 without window,
+# soft cap or sinks; hopper.auto_prefers has the numbers), unless the call asks for
+# deterministic_backward=True (its dq summation order varies: reproducible_backward).
 # Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
 # 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k
 # documents 32.77 / 36.35; MaxText end to end, tokens/s, hopper / auto (then mosaic): 64k short
@@ -192,13 +194,15 @@ def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
   return ok, why
 
 
-def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
+                 features: Iterable[str] = ()) -> tuple[bool, str]:
   """(preferred, reason): whether "auto" should take backend `name` for these inputs where it
   can run them (its `auto_check`; every backend without one is preferred wherever it runs)."""
   record = _record(name)
   if record.auto_check is None:
     return True, ""
-  return getattr(_module(record), record.auto_check)(dtype, qk_head_dim, v_head_dim)
+  return getattr(_module(record), record.auto_check)(dtype, qk_head_dim, v_head_dim,
+                                                      tuple(features))
 
 
 def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
@@ -216,7 +220,7 @@ def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: 
         continue
       if (availability(name)[0]
           and supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)[0]
-          and auto_prefers(name, dtype, qk_head_dim, v_head_dim)[0]):
+          and auto_prefers(name, dtype, qk_head_dim, v_head_dim, features)[0]):
         return name
     raise BackendUnavailableError(
         f"no backend of {AUTO_ORDER} can run {jnp.dtype(dtype).name} inputs with head dims "
@@ -227,7 +231,21 @@ def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: 
     raise BackendUnavailableError(
         f'backend="{name}" was requested but cannot run: {why} (change the inputs, or use '
         'backend="auto" / "jax")')
+  why = refuses_options(name, deterministic_backward)
+  if why:
+    raise BackendUnavailableError(
+        f'backend="{name}" was requested but cannot run: {why} (use backend="auto", which '
+        'takes a reproducible backward for deterministic_backward=True, or leave it None)')
   return name
+
+
+def refuses_options(name: str, deterministic_backward: bool | None = None) -> str:
+  """Why backend `name` refuses these options ("" when it does not): a backward that is not
+  bitwise reproducible cannot honour deterministic_backward=True."""
+  if deterministic_backward and not _record(name).reproducible_backward:
+    return ("deterministic_backward=True, but its backward is not bitwise reproducible (dq is "
+            "summed in no fixed order)")
+  return ""
 
 
 def backend_function(name: str) -> Callable[..., jax.Array]:

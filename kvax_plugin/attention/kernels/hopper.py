@@ -4,16 +4,17 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs: measured on one H200 on 2026-11-26 (main
+Why it is "auto"'s first choice where it runs (for bf16 without window, soft cap or sinks:
+auto_prefers; with them the Mosaic backward was measured faster): measured on one H200 on 2026-11-26 (main
 ccc4639), forward+backward, ms, hopper against mosaic: 16k causal 15.37 / 16.20, 64k causal
 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 / 36.35; MaxText end to end,
 tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document 58.7k
-against 57.0k. It covers fewer cases than "mosaic": bfloat16, head dim 128 for query, key and
-value, causal or not, segment ids, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to
-the kernel's 128-row tiles), mask backward blocks of 128 kv rows and a multiple of 64 query rows
-(the default (128, 128) and kvax's (64, 128)); no soft cap, sliding window or sinks. "auto"
-moves on to "mosaic" for everything else, and an explicit backend="hopper" raises instead of
-running another backward (BackendUnavailableError from the registry, ValueError here).
+against 57.0k. It covers fewer cases than "mosaic": head dim 128 for query, key and value only,
+in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA,
+batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward
+blocks of 128 kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64,
+128)). "auto" moves on to "mosaic" for everything else, and an explicit backend="hopper" raises
+instead of running another backward (BackendUnavailableError from the registry, ValueError here).
 
 Reproducibility: the backward reduce-adds dq in float32 from many thread blocks in no fixed
 order, so its gradients are not bitwise reproducible from run to run. deterministic_backward=
@@ -39,16 +40,17 @@ import jax.numpy as jnp
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
-from kvax_plugin.attention.kernels.custom_vjp import kernel_attention
+from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 HEAD_DIM = cuda_bwd.HEAD_DIM
 VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (the one built)
 
-CAPABILITIES = Capabilities(dtypes=("bfloat16",), min_head_dim=HEAD_DIM, max_head_dim=HEAD_DIM,
-                            head_dim_multiple=HEAD_DIM,
-                            features=frozenset({"causal", "gqa", "backward"}))
+CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=HEAD_DIM,
+                            max_head_dim=HEAD_DIM, head_dim_multiple=HEAD_DIM,
+                            features=frozenset({"causal", "sliding_window", "logits_soft_cap",
+                                                "sinks", "gqa", "backward"}))
 
 
 def device_supported(device) -> tuple[bool, str]:
@@ -66,13 +68,11 @@ def device_supported(device) -> tuple[bool, str]:
 def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   """(ok, reason): the Mosaic forward's block rule, backward tables with kv blocks of 128 (one
   table row per 128-row kv tile of the fused backward) and query blocks a multiple of 64 (its
-  query step; the default (128, 128) and kvax's (64, 128) both), no sliding window. Lengths
-  are free: _backward pads them."""
+  query step; the default (128, 128) and kvax's (64, 128) both). Lengths are free: _backward
+  pads them."""
   ok, why = mosaic.supports_mask(mask)
   if not ok:
     return ok, why
-  if mask.spec.sliding_window is not None:
-    return False, "a sliding-window mask is not supported by the fused backward"
   params = mask.spec.bwd_params
   if params is not None and (params.kv_block_size != cuda_bwd.KV_TILE
                              or params.query_block_size % cuda_bwd.Q_BLOCK):
@@ -80,6 +80,30 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
                    f"{params.kv_block_size}: the fused backward needs kv blocks of "
                    f"{cuda_bwd.KV_TILE} and query blocks a multiple of {cuda_bwd.Q_BLOCK} "
                    "(e.g. the default FlashAttentionParamsConfig)")
+  return True, ""
+
+
+# Where "auto" takes hopper: bf16 without window, soft cap or sinks. With any of them, or fp16,
+# the Mosaic backward was faster in the same runs (H200, 2026-11-26, B=1, 32 / 8 heads, head dim
+# 128, forward+backward ms interleaved, hopper / mosaic; benchmarks/results/2026-11-26-h200/
+# hopper_features): window 4096 16k causal 8.28 / 7.10, 16k documents 3.92 / 3.29, 64k causal
+# 35.56 / 30.95, 64k documents 27.41 / 24.59; soft cap 30 16k causal 18.21 / 17.89, documents
+# 4.16 / 3.66; sinks 16k documents 3.55 / 3.24; fp16 16k causal 16.21 / 16.04, documents 3.42 /
+# 3.23; fp16 with all three, 64k documents 32.82 / 28.64. They stay an explicit backend="hopper"
+# away (checked by the same conformance matrix).
+AUTO_FEATURES_NOT_PREFERRED = ("sliding_window", "logits_soft_cap", "sinks")
+
+
+def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: bf16
+  without window, soft cap or sinks (where it was measured faster than "mosaic"; the numbers
+  above AUTO_FEATURES_NOT_PREFERRED)."""
+  slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    slower.insert(0, jnp.dtype(dtype).name)
+  if slower:
+    return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
+                   '2026-11-26); pass backend="hopper" to use this one anyway')
   return True, ""
 
 
@@ -117,14 +141,19 @@ def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Attention
   lse_p, delta_p = _pad(lse, 2, sq_p, jnp.inf), _pad(delta, 2, sq_p, 0.0)
   q_pos_p, q_seg_p = _pad(q_pos, 1, sq_p, 0), _pad(q_seg, 1, sq_p, PADDING_SEGMENT_ID)
   kv_pos_p, kv_seg_p = _pad(kv_pos, 1, skv_p, 0), _pad(kv_seg, 1, skv_p, PADDING_SEGMENT_ID)
-  dq, dk, dv = cuda_bwd.fused_backward(q_p, k_p, v_p, d_out_p, lse_p, delta_p, q_pos_p, q_seg_p,
-                                       kv_pos_p, kv_seg_p, cuda_bwd.tile_bounds(mask),
-                                       scale=cfg.scale, causal=cfg.causal, variant=cfg.variant)
+  dq, dk, dv = cuda_bwd.fused_backward(q_p, k_p, v_p, d_out_p.astype(q.dtype), lse_p, delta_p,
+                                       q_pos_p, q_seg_p, kv_pos_p, kv_seg_p,
+                                       cuda_bwd.tile_bounds(mask), scale=cfg.scale,
+                                       causal=cfg.causal, variant=cfg.variant,
+                                       soft_cap=cfg.soft_cap, window=cfg.window)
   dq, dk, dv = dq[:, :sq], dk[:, :skv], dv[:, :skv]
   # Rows with nothing to attend (lse +inf) get exactly 0, as from the other backends: their
   # probabilities are 0, but a non-finite key would reach them through 0 * NaN in dS K.
   dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], jnp.zeros_like(dq), dq)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(sinks)
+  # Sinks: the forward's lse holds them, so dq / dk / dv need nothing more; their own gradient
+  # is the Mosaic backend's (custom_vjp.sinks_gradient).
+  dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dsinks
 
 
 _attention = kernel_attention(mosaic._forward, _backward)
@@ -137,11 +166,12 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, Sq, H, 128], key / value [B, Skv, K, 128] bfloat16 (H a multiple of K; any Sq, Skv:
-  the backward pads them to its 128-row tiles), positions / segment ids int32 [B, Sq] and
-  [B, Skv], mask from create_attention_mask (backward tables with kv blocks of 128 and query
-  blocks a multiple of 64, no sliding window). Returns [B, Sq, H, 128] bfloat16;
-  differentiable in query, key and value.
+  query [B, Sq, H, 128], key / value [B, Skv, K, 128], one type, bfloat16 or float16 (H a
+  multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
+  ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
+  of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap
+  None or the cap, sinks None or [H]. Returns [B, Sq, H, 128] in query's type; differentiable in
+  query, key, value and sinks.
 
   deterministic_backward: None or False run this backward, which reduce-adds dq in float32
   from many thread blocks in no fixed order (fast, not bitwise reproducible); True raises
@@ -149,11 +179,6 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   kernel_options: kvax_plugin.KernelOptions (None: the defaults); the Mosaic forward reads its
   mosaic_forward_grid field (the backward fields are the Mosaic backward's, unused here).
   """
-  if logits_soft_cap:
-    raise ValueError(f"logits_soft_cap={logits_soft_cap}: not supported by the hopper backend "
-                     "(the fused backward has no soft cap); use backend=\"mosaic\"")
-  if sinks is not None:
-    raise ValueError("sinks: not supported by the hopper backend; use backend=\"mosaic\"")
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
                      "in float32 in no fixed order (not bitwise reproducible); use "
@@ -161,15 +186,21 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                      "deterministic backward, or leave it None")
   h = query.shape[2]
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype != jnp.bfloat16 or x.shape[3] != HEAD_DIM:
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or x.dtype != query.dtype or (
+        x.shape[3] != HEAD_DIM):
       raise ValueError(f"{name}: {x.dtype} with head dim {x.shape[3]}; the hopper backend "
-                       f"needs bfloat16 and head dim {HEAD_DIM}")
+                       f"needs bfloat16 or float16 (one type for query, key and value) and "
+                       f"head dim {HEAD_DIM}")
   ok, why = supports_mask(mask)
   if not ok:
     raise ValueError(f"mask: {why}")
-  cfg = _Static(scale=float(scale), soft_cap=0.0, has_sinks=False,
-                causal=bool(mask.spec.causal), window=0, deterministic=True, interpret=False,
-                options=mosaic.as_kernel_options(kernel_options))
+  window = mask.spec.sliding_window
+  cfg = _Static(scale=float(scale),
+                soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
+                has_sinks=sinks is not None, causal=bool(mask.spec.causal),
+                window=0 if window is None else int(window), deterministic=True,
+                interpret=False, options=mosaic.as_kernel_options(kernel_options))
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
-  return _attention(cfg, query, key, value, jnp.zeros((h,), jnp.float32), *ints, mask)
+  sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  return _attention(cfg, query, key, value, sinks_arr, *ints, mask)

@@ -26,14 +26,15 @@
 //   dQ's 32 live only after S^T / dP^T are converted (16 + 16 registers of bf16 A operands).
 //
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
-// tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16, head dim 128
-// for Q / K / V, causal or not, segment ids, GQA / MQA, Sq, Skv multiples of 128 (Sq != Skv
-// checked on a GPU since S20A; kernels/hopper.py pads other lengths), no soft cap, window or
-// sinks. Template feature bits F, below; one set is built (KVAX_SM90_VARIANTS). dq_accum is float32
-// [B, H, 2, Sq / 64, 64 x 64] (per column half and 64-row block), zeroed by the handler; the JAX
-// side turns it into dq.
+// tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16 or fp16, head
+// dim 128 for Q / K / V, causal or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
+// multiples of 128 (kernels/hopper.py pads other lengths). Sinks need nothing here: the forward's
+// lse holds them, and their gradient is computed on the JAX side. Template feature bits F,
+// below; the sets built are KVAX_SM90_VARIANTS. dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64]
+// (per column half and 64-row block), zeroed by the handler; the JAX side turns it into dq.
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -80,13 +81,17 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
-  __nv_bfloat16* dk;     // [B, Skv, KH, D]
-  __nv_bfloat16* dv;
+  void* dk;              // [B, Skv, KH, D], the inputs' 16-bit type
+  void* dv;
   float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
                          // row-major, or in the consumers' fragment order (FRAG)
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
+  int window;            // WINDOW: keep q_pos - kv_pos < window (and kv_pos - q_pos < window
+                         // when not causal)
+  float cap_log2e;       // SOFTCAP: the cap times log2(e)
+  float scale_over_cap;  // SOFTCAP: scale / cap
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -197,35 +202,66 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
       "+f"(d[i + 11]), "+f"(d[i + 12]), "+f"(d[i + 13]), "+f"(d[i + 14]), "+f"(d[i + 15])
 #define KVAX_ACC64(d) KVAX_ACC16(d, 0), KVAX_ACC16(d, 16), KVAX_ACC16(d, 32), KVAX_ACC16(d, 48)
 
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both from shared memory. tnsp_b: B MN-major.
-template <int TNSP_A, int TNSP_B>
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both from shared memory. tnsp_b: B MN-major. TY: the
+// operands' type in the PTX name ("bf16" or "f16").
+#define KVAX_WGMMA_64x64_SS(TY)                                                                \
+  asm volatile(                                                                                \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                               \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                 \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "       \
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"                                                       \
+      : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)                                                    \
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B))
+template <bool HALF, int TNSP_A, int TNSP_B>
 __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint64_t db,
                                                int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, %35, %36;\n}\n"
-      : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B));
+  if constexpr (HALF) {
+    KVAX_WGMMA_64x64_SS("f16");
+  } else {
+    KVAX_WGMMA_64x64_SS("bf16");
+  }
 }
 
-// D[64 x 128] += A[64 x 16] (registers, bf16 pairs) B[16 x 128] (shared memory, MN-major).
+// D[64 x 128] += A[64 x 16] (registers, 16-bit pairs) B[16 x 128] (shared memory, MN-major).
+#define KVAX_WGMMA_64x128_RS(TY)                                                               \
+  asm volatile(                                                                                \
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KVAX_REGS64 ", "             \
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                              \
+      : KVAX_ACC64(d)                                                                          \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+template <bool HALF>
 __device__ __forceinline__ void wgmma_64x128_rs(float (&d)[64], const uint32_t (&a)[4],
                                                 uint64_t db) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      KVAX_REGS64 ", "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : KVAX_ACC64(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  if constexpr (HALF) {
+    KVAX_WGMMA_64x128_RS("f16");
+  } else {
+    KVAX_WGMMA_64x128_RS("bf16");
+  }
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+// Two floats as one register of the 16-bit operand type (HALF: fp16, else bf16), rounded.
+template <bool HALF>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (HALF) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// tanh(y) as 1 - 2 / (2^(2 y log2 e) + 1): one MUFU.EX2 and one MUFU.RCP, relative error ~1e-6
+// away from 0 (absolute ~1e-7 near it), and exactly +-1 at the extremes (2^x saturates to inf or
+// 0). Not tanh.approx.f32: its 2^-11 relative error, times a cap of 30 or 50, moves a logit by up
+// to ~0.02, a 2% error in P against the forward's lse.
+__device__ __forceinline__ float tanh_of(float y) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(y * 2.8853900817779268f));  // 2 log2(e)
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
+  return fmaf(-2.f, r, 1.f);
 }
 
 // 2^x: ex2.approx.ftz (FAST) or exp2f; both give +0 at -inf.
@@ -259,7 +295,11 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 //         direction) instead of meeting at one barrier each step, and each does step n - 1's dQ
 //         during step n: they may drift up to a step apart (else they run in lockstep, and
 //         both idle the tensor cores through their element-wise stretches at the same time).
-constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32;
+//   SOFTCAP   logits cap * tanh(scale q.k / cap) (Gemma 2): P from the capped logit, and dS times
+//         the cap's derivative 1 - tanh^2 (folded into P's float copy once the 16-bit P is
+//         packed, so no register stays live for it).
+//   WINDOW    the sliding-window test on each pair (two more compares per element).
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, SOFTCAP = 1024, WINDOW = 2048;
 // (bits 1, 8, 64, 128, 256 and 512: FULL, PIPE, OFFSET, SCHED, PREP and DESC, measured and
 // removed: fused_backward.py's VARIANTS comment has their numbers)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
@@ -268,10 +308,11 @@ constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32;
 // overwrite its half".
 constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 
-template <int F>
+// HALF: fp16 operands (else bf16); accumulation is float32 either way.
+template <int F, bool HALF>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
-  constexpr bool DECOUPLE = F & DECOUPLE_BIT;
+  constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
@@ -374,7 +415,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 1>(dq, desc_at(ds_base, aoff, 16),
+      wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base, aoff, 16),
                            desc_at(base + OFF_K + c * HALF_KV, k * 2048, HALF_KV), k > 0);
     }
     wg_commit();
@@ -420,13 +461,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 0>(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
+      wgmma_64x64_ss<HALF, 0, 0>(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = 2 * HALF_Q + (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<0, 0>(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
+      wgmma_64x64_ss<HALF, 0, 0>(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
     wg_commit();
     wg_wait<0>();
@@ -451,14 +492,26 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
         const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+        [[maybe_unused]] float capd[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          const bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
-          const float x = fmaf(st[i + e], sl2, (e ? l2.y : l2.x) * -1.4426950408889634f);
-          st[i + e] = exp2_of<FAST_EXP>(keep ? x : -INFINITY);
+          bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+          if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
+          const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
+          if constexpr (CAP) {
+            const float th = tanh_of(st[i + e] * p.scale_over_cap);
+            st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(th, p.cap_log2e, neg_lse2) : -INFINITY);
+            capd[e] = fmaf(-th, th, 1.f);  // d cap tanh(y / cap) / dy
+          } else {
+            st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(st[i + e], sl2, neg_lse2) : -INFINITY);
+          }
         }
-        pa[i / 2] = pack_bf16(st[i], st[i + 1]);
+        pa[i / 2] = pack2<HALF>(st[i], st[i + 1]);
+        if constexpr (CAP) {  // P's float copy becomes P (1 - tanh^2): dS^T below needs only it
+          st[i] *= capd[0];
+          st[i + 1] *= capd[1];
+        }
       }
     }
     // dS^T = P^T (dP^T - delta), bf16 A fragments.
@@ -468,7 +521,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = 4 * j + 2 * half;
-        dsa[i / 2] = pack_bf16(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
+        dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
       }
     }
 
@@ -479,12 +532,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma_64x128_rs(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
+      wgmma_64x128_rs<HALF>(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
-      wgmma_64x128_rs(dk, a, desc_at(slot, kk * 2048, HALF_Q));
+      wgmma_64x128_rs<HALF>(dk, a, desc_at(slot, kk * 2048, HALF_Q));
     }
     wg_commit();
 
@@ -520,9 +573,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       for (int i = 0; i < 16; ++i) {
         const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
         const int row = r0 + 8 * (i % 2);                 // kv column of dS within the half
-        const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&dsa[i]);
-        *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col, row)) = v2.x;
-        *reinterpret_cast<__nv_bfloat16*>(ds_buf + sw128_offset(col + 1, row)) = v2.y;
+        const uint16_t lo = dsa[i] & 0xFFFF, hi = dsa[i] >> 16;  // two 16-bit values
+        *reinterpret_cast<uint16_t*>(ds_buf + sw128_offset(col, row)) = lo;
+        *reinterpret_cast<uint16_t*>(ds_buf + sw128_offset(col + 1, row)) = hi;
       }
     }
     fence_async_smem();
@@ -557,9 +610,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const int row = tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
     const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * D + col;
-    *reinterpret_cast<__nv_bfloat162*>(p.dk + off) =
-        __floats2bfloat162_rn(dk[i] * p.scale, dk[i + 1] * p.scale);
-    *reinterpret_cast<__nv_bfloat162*>(p.dv + off) = __floats2bfloat162_rn(dv[i], dv[i + 1]);
+    reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
+    reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
 }
 
@@ -587,33 +639,37 @@ static EncodeTiled encode_fn() {
   return fn;
 }
 
-// A [rows, heads, 128] bf16 tensor as a 3-D map (d, head, row) with a (64, 1, box_rows) box.
-// Returns 0 on success, -1 without the driver entry point, else the CUresult.
+// A [rows, heads, 128] 16-bit tensor (bf16, or fp16 when half) as a 3-D map (d, head, row)
+// with a (64, 1, box_rows) box. Returns 0 on success, -1 without the driver entry point, else
+// the CUresult.
 static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t heads,
-                    uint32_t box_rows) {
+                    uint32_t box_rows, bool half) {
   const cuuint64_t dims[3] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {D * 2, static_cast<cuuint64_t>(heads) * D * 2};
   const cuuint32_t box[3] = {64, 1, box_rows};
   const cuuint32_t elem[3] = {1, 1, 1};
   EncodeTiled fn = encode_fn();
   if (!fn) return -1;
-  return static_cast<int>(fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(data),
+  return static_cast<int>(fn(map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                  : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(data),
                              dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
-// The feature set built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
-// were measured and dropped). The template keeps the bits so the kernel reads as v7 = v2 plus
-// named features; one instantiation keeps the first-use build short.
-#define KVAX_SM90_VARIANTS STM | FRAG | EXP | DECOUPLE_BIT
+// The feature sets built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
+// were measured and dropped), alone and with the soft cap and / or the window, each for bf16 and
+// fp16 (8 kernels; ptxas takes about a second each).
+#define KVAX_SM90_V7 (STM | FRAG | EXP | DECOUPLE_BIT)
+#define KVAX_SM90_VARIANTS                                                                     \
+  KVAX_SM90_V7, KVAX_SM90_V7 | SOFTCAP, KVAX_SM90_V7 | WINDOW, KVAX_SM90_V7 | SOFTCAP | WINDOW
 
 // The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
 // and variant (a process driving several GPUs calls the handler from one thread per device;
 // setting it for the first device only left the others' launches failing, S20G).
 constexpr int MAX_DEVICES = 64;
 
-template <int F>
+template <int F, bool HALF>
 static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cudaStream_t stream) {
   static std::mutex mu;  // one per instantiation
   static bool attr_set[MAX_DEVICES] = {};
@@ -621,30 +677,31 @@ static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cud
     std::lock_guard<std::mutex> lock(mu);
     if (!attr_set[device]) {
       const cudaError_t err = cudaFuncSetAttribute(
-          fused_backward_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+          fused_backward_kernel<F, HALF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          SMEM_BYTES);
       if (err != cudaSuccess) return err;
       attr_set[device] = true;
     }
   }
-  fused_backward_kernel<F><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  fused_backward_kernel<F, HALF><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int... Fs>
+template <bool HALF, int... Fs>
 static bool launch(int variant, int device, const dim3& grid, const Params& p,
                    cudaStream_t stream, cudaError_t* err) {
-  return ((variant == Fs ? (*err = launch_one<Fs>(device, grid, p, stream), true) : false) ||
+  return ((variant == Fs ? (*err = launch_one<Fs, HALF>(device, grid, p, stream), true) : false) ||
           ...);
 }
 
 static ffi::Error FusedBackwardImpl(
-    cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
-    ffi::Buffer<ffi::BF16> v, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> lse,
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, int32_t variant,
-    ffi::ResultBuffer<ffi::BF16> dk,
-    ffi::ResultBuffer<ffi::BF16> dv, ffi::ResultBuffer<ffi::F32> dq_accum) {
+    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, int32_t variant, float soft_cap,
+    int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[3] != D || kd[3] != D)
     return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128]");
@@ -653,11 +710,21 @@ static ffi::Error FusedBackwardImpl(
     return ffi::Error::InvalidArgument(
         "expected one batch size, Sq and Skv multiples of 128, and query heads a multiple of "
         "kv heads");
+  const ffi::DataType type = q.element_type();
+  if ((type != ffi::DataType::BF16 && type != ffi::DataType::F16) || k.element_type() != type ||
+      v.element_type() != type || d_out.element_type() != type || dk->element_type() != type ||
+      dv->element_type() != type)
+    return ffi::Error::InvalidArgument(
+        "q, k, v, d_out, dk, dv: expected one type, bfloat16 or float16");
+  const bool half = type == ffi::DataType::F16;
+  if (((variant & SOFTCAP) != 0) != (soft_cap > 0.f) || ((variant & WINDOW) != 0) != (window > 0))
+    return ffi::Error::InvalidArgument("variant: its SOFTCAP / WINDOW bits must match soft_cap > 0 "
+                                       "and window > 0");
   Params p{};
-  const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK),
-                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK),
-                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE),
-                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE)};
+  const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half),
+                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half),
+                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE, half),
+                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE, half)};
   for (int i = 0; i < 4; ++i)
     if (rc[i] != 0)
       return ffi::Error::Internal(
@@ -671,8 +738,8 @@ static ffi::Error FusedBackwardImpl(
   p.delta = delta.typed_data();
   p.lower = lower.typed_data();
   p.upper = upper.typed_data();
-  p.dk = reinterpret_cast<__nv_bfloat16*>(dk->untyped_data());
-  p.dv = reinterpret_cast<__nv_bfloat16*>(dv->untyped_data());
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
   p.dq_accum = dq_accum->typed_data();
   p.s_q = static_cast<int>(sq);
   p.s_kv = static_cast<int>(skv);
@@ -680,6 +747,9 @@ static ffi::Error FusedBackwardImpl(
   p.kv_heads = static_cast<int>(kh);
   p.scale = scale;
   p.causal = causal;
+  p.window = window;
+  p.cap_log2e = soft_cap * 1.4426950408889634f;
+  p.scale_over_cap = soft_cap > 0.f ? scale / soft_cap : 0.f;
   // The runtime API below (the attribute, the memset, the launch) acts on the calling thread's
   // current device: it must be the stream's (XLA makes it so; checked, not assumed).
   int device = -1, stream_device = -1;
@@ -694,7 +764,9 @@ static ffi::Error FusedBackwardImpl(
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  const bool launched = launch<KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  const bool launched =
+      half ? launch<true, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err)
+           : launch<false, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
@@ -706,15 +778,15 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 6; }
+extern "C" int KvaxSm90AbiVersion() { return 7; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // q
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // k
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // v
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // d_out
+                                  .Arg<ffi::AnyBuffer>()           // q (bf16 or f16)
+                                  .Arg<ffi::AnyBuffer>()           // k
+                                  .Arg<ffi::AnyBuffer>()           // v
+                                  .Arg<ffi::AnyBuffer>()           // d_out
                                   .Arg<ffi::Buffer<ffi::F32>>()    // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()    // delta
                                   .Arg<ffi::Buffer<ffi::S32>>()    // q_pos
@@ -726,6 +798,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("variant")
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // dk
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // dv
+                                  .Attr<float>("soft_cap")         // 0: none
+                                  .Attr<int32_t>("window")         // 0: none
+                                  .Ret<ffi::AnyBuffer>()           // dk (q's type)
+                                  .Ret<ffi::AnyBuffer>()           // dv
                                   .Ret<ffi::Buffer<ffi::F32>>());  // dq_accum

@@ -34,8 +34,8 @@ Q_BLOCK = 64
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
-# shared-memory attribute, S20G). Bump both together.
-ABI_VERSION = 6
+# shared-memory attribute; 7: fp16, soft cap and window, 2026-11-26). Bump both together.
+ABI_VERSION = 7
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -146,6 +146,12 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
 # between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
 # consumers may drift apart instead of meeting every step).
 STM, FRAG, EXP, DECOUPLE = 2, 4, 16, 32
+# Features of the attention rather than of the kernel's layout, added to the variant's bits per
+# call (the library builds each variant with none, either and both of them): SOFTCAP, logits
+# cap * tanh(scale q.k / cap); WINDOW, the sliding-window test on each pair.
+SOFTCAP, WINDOW = 1024, 2048
+DTYPES = (jnp.bfloat16, jnp.float16)  # the 16-bit operand types built
+MAX_WINDOW = 2**31 - 1  # the kernel's window is int32; a wider one keeps every int32 pair
 # The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS): the variant choice is
 # settled, so the library holds v7 alone (a third of the compile time of three). The name stays
 # an argument of fused_backward so benchmarks/cuda_backward_check.py can keep naming it.
@@ -200,11 +206,14 @@ def unpermute_fragment_order(accum):
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
-                   scale: float, causal: bool, variant: str = DEFAULT_VARIANT):
-  """q, d_out [B, Sq, H, 128] bf16; k, v [B, Skv, KH, 128] bf16 (Sq, Skv multiples of 128);
-  lse, delta [B, H, Sq] float32; positions / segment ids
-  int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. Returns dq [B, Sq, H, 128] (q.dtype) and
-  dk, dv [B, Skv, KH, 128] bf16."""
+                   scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
+                   soft_cap: float = 0.0, window: int = 0):
+  """q, d_out [B, Sq, H, 128]; k, v [B, Skv, KH, 128] (Sq, Skv multiples of 128), all bf16 or
+  all fp16; lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
+  positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
+  the cap of cap * tanh(scale q.k / cap); window: 0 or the sliding window (q_pos - kv_pos <
+  window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, 128] (q.dtype)
+  and dk, dv [B, Skv, KH, 128] in q's type."""
   b, s, h, d = q.shape
   skv, kh = k.shape[1], k.shape[2]
   if (d != HEAD_DIM or k.shape[3] != HEAD_DIM or k.shape[0] != b or s % KV_TILE
@@ -213,6 +222,11 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
                      f"Sq and Skv multiples of {KV_TILE}, query heads a multiple of kv heads")
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in DTYPES:
+    raise ValueError(f"q: {dtype}; expected bfloat16 or float16")
+  if not soft_cap >= 0.0 or not window >= 0:
+    raise ValueError(f"soft_cap={soft_cap}, window={window}: expected 0 (none) or positive")
   # The kernel indexes these by the shapes above and checks nothing itself: a wrong shape would
   # read past a buffer, so each is named here.
   expected = {"v": k.shape, "d_out": q.shape, "lse": (b, h, s), "delta": (b, h, s),
@@ -226,16 +240,18 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, skv // KV_TILE)}; "
                      f"got {[getattr(x, 'shape', x) for x in bounds]}")
   load()  # registers the FFI target (once per process): lowering needs it
-  bf16 = lambda x: x.astype(jnp.bfloat16)
+  cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
+  bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
-      (jax.ShapeDtypeStruct(k.shape, jnp.bfloat16), jax.ShapeDtypeStruct(v.shape, jnp.bfloat16),
+      (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
        jax.ShapeDtypeStruct((b, h, 2, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
-  )(bf16(q), bf16(k), bf16(v), bf16(d_out), lse.astype(jnp.float32),
+  )(q, cast(k), cast(v), cast(d_out), lse.astype(jnp.float32),
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
-    variant=np.int32(VARIANTS[variant]))
+    variant=np.int32(bits), soft_cap=np.float32(soft_cap),
+    window=np.int32(min(int(window), MAX_WINDOW)))
   return dq_from_accum(dq_accum, variant, scale, q.dtype), dk, dv
 
 

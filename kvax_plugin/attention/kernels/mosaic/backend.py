@@ -71,12 +71,13 @@ def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str
 AUTO_MAX_HEAD_DIM = 128
 
 
-def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
+def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
   """(ok, reason): whether backend="auto" should pick these kernels. They run up to head dim
   256; auto takes them up to AUTO_MAX_HEAD_DIM and for MLA (query / key <= 192, value <= 128:
   16k causal forward+backward 33.7 vs Triton 44.2 ms, documents 7.9 vs 8.3, same run on an
   H200, before the MLA changes of 2026-11-24 took Mosaic to 25.2 / 6.0). At head dim 256 the Triton
-  kernels were measured ~2x faster forward+backward; dk = dv = 192 is not measured."""
+  kernels were measured ~2x faster forward+backward; dk = dv = 192 is not measured. features:
+  the call's (kernels.FEATURES entries); no choice here depends on them."""
   if max(qk_head_dim, v_head_dim) <= AUTO_MAX_HEAD_DIM:
     return True, ""
   if qk_head_dim <= 192 and v_head_dim <= AUTO_MAX_HEAD_DIM:
