@@ -42,9 +42,13 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
   ids = jnp.zeros((1, 256), jnp.int32)
   bounds = (jnp.zeros((1, 2), jnp.int32),) * 2
   stats = jnp.zeros((1, 4, 256), jnp.float32)
-  with pytest.raises(ValueError, match="expected head dim 128"):
-    cuda_bwd.fused_backward(z(1, 256, 4, 64), z(1, 256, 2, 64), z(1, 256, 2, 64),
-                            z(1, 256, 4, 64), stats, stats, ids, ids, ids, ids, bounds,
+  with pytest.raises(ValueError, match=r"expected one head dim of \(128, 64\)"):
+    cuda_bwd.fused_backward(z(1, 256, 4, 96), z(1, 256, 2, 96), z(1, 256, 2, 96),
+                            z(1, 256, 4, 96), stats, stats, ids, ids, ids, ids, bounds,
+                            scale=0.1, causal=True)
+  with pytest.raises(ValueError, match=r"expected one head dim of \(128, 64\)"):
+    cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 64), z(1, 256, 2, 64),
+                            z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
   with pytest.raises(ValueError, match="Sq and Skv multiples of 128"):
     cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
@@ -371,14 +375,20 @@ def test_the_kernel_source_and_the_jax_side_agree():
         "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "SOFTCAP": cuda_bwd.SOFTCAP,
         "WINDOW": cuda_bwd.WINDOW}
   assert bits == py
-  bits["KVAX_SM90_V7"] = eval(re.search(r"#define KVAX_SM90_V7 (\(.*?\))\n", src).group(1), {},
-                              bits)
-  built_text = re.search(r"#define KVAX_SM90_VARIANTS\s*\\\n(.*?)\n\n", src, re.S).group(1)
-  built = {eval(term.replace("\\", "").strip(), {}, bits) for term in built_text.split(",")}
-  # the default variant alone, with each combination of the attention features
+  for name in ("KVAX_SM90_V7", "KVAX_SM90_V7_D64"):
+    bits[name] = eval(re.search(rf"#define {name} (\(.*?\))\n", src).group(1), {}, bits)
+
+  def built(name):
+    text = re.search(rf"#define {name}\s*\\\n(.*?)\n(?:\n|#)", src, re.S).group(1)
+    return {eval(term.replace("\\", "").strip(), {}, bits) for term in text.split(",")}
+
+  # the default variant alone, with each combination of the attention features; at head dim
+  # 64 without DECOUPLE (what fused_backward passes there)
   default = cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]
   assert set(cuda_bwd.VARIANTS.values()) == {default}
-  assert built == {default | extra for extra in (0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW,
-                                                 cuda_bwd.SOFTCAP | cuda_bwd.WINDOW)}
+  extras = (0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW, cuda_bwd.SOFTCAP | cuda_bwd.WINDOW)
+  assert built("KVAX_SM90_VARIANTS") == {default | extra for extra in extras}
+  assert built("KVAX_SM90_VARIANTS_D64") == {(default & ~cuda_bwd.DECOUPLE) | extra
+                                             for extra in extras}
   version = re.search(r"KvaxSm90AbiVersion\(\) \{ return (\d+); \}", src).group(1)
   assert int(version) == cuda_bwd.ABI_VERSION

@@ -81,7 +81,8 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
   assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
   # what it does not cover goes to mosaic (and above head dim 128, mosaic's auto_check: triton)
-  assert pick(dims=(64, 64)) == "mosaic"
+  assert pick(dims=(64, 64)) == "mosaic"  # hopper runs it; auto_check: not measured faster
+  assert kernels.resolve_backend_for("hopper", jnp.bfloat16, 64, 64) == "hopper"
   assert pick(dims=(192, 128)) == "mosaic"
   assert pick(dims=(256, 256)) == "triton"
   assert pick(dtype=jnp.float32) == "triton"
@@ -140,7 +141,9 @@ def test_without_a_toolchain_auto_takes_mosaic(monkeypatch):
     (jnp.bfloat16, (128, 128), ("causal", "gqa", "backward"), None),
     (jnp.float16, (128, 128), ("sliding_window", "logits_soft_cap", "sinks", "backward"), None),
     (jnp.float32, (128, 128), (), "float32 inputs are not supported"),
-    (jnp.bfloat16, (64, 64), (), r"head dims \(64, 64\) are not supported"),
+    (jnp.bfloat16, (64, 64), ("causal", "sinks"), None),
+    (jnp.bfloat16, (128, 64), ("distinct_v_head_dim",), "distinct_v_head_dim not supported"),
+    (jnp.bfloat16, (256, 256), (), r"head dims \(256, 256\) are not supported"),
     (jnp.bfloat16, (192, 128), (), r"head dims \(192, 128\) are not supported"),
 ])
 def test_capabilities(dtype, dims, features, message):
@@ -216,10 +219,12 @@ def test_direct_call_names_what_it_does_not_cover():
       q, k, v, pos, seg, pos, seg, m, scale=0.1, **{"logits_soft_cap": None, "sinks": None, **kw})
   with pytest.raises(ValueError, match="query: float32 with head dim 128"):
     call(q.astype(jnp.float32), k, k)
-  with pytest.raises(ValueError, match="key: bfloat16 with head dim 128.*one type"):
+  with pytest.raises(ValueError, match="key: bfloat16 with head dim 128.*the same type"):
     call(q.astype(jnp.float16), k, k)
   with pytest.raises(ValueError, match="value: bfloat16 with head dim 64"):
     call(q, k, k[..., :64])
+  with pytest.raises(ValueError, match="query: bfloat16 with head dim 32"):
+    call(q[..., :32], k[..., :32], k[..., :32])
   wide = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, bwd_params=(
       FlashAttentionParamsConfig(query_block_size=128, kv_block_size=256)))
   with pytest.raises(ValueError, match="mask: the mask's backward blocks 128x256"):

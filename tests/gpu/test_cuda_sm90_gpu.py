@@ -37,7 +37,7 @@ def test_fused_backward_against_reference(name, variant):
 
 def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hopper",
             deterministic_backward=None, dtype="bfloat16", window=None, cap=None,
-            with_sinks=False):
+            with_sinks=False, head_dim=128):
   """Largest relative L2 error of out, dq, dk, dv (and dsinks with_sinks; dtype inputs against
   the float32 reference) of kvax_plugin.flash_attention on packed documents with a padding
   tail; the queries are the sq tokens before the keys' padding tail, or the whole row when sq
@@ -65,11 +65,12 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
   bwd = FlashAttentionParamsConfig(query_block_size=bwd_q, kv_block_size=128)
   mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd,
                                sliding_window=window)
+  d = head_dim
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
-      (batch, sq, heads, 128), (batch, skv, kv_heads, 128), (batch, skv, kv_heads, 128),
-      (batch, sq, heads, 128)))
+      (batch, sq, heads, d), (batch, skv, kv_heads, d), (batch, skv, kv_heads, d),
+      (batch, sq, heads, d)))
   sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-  scale = scale_qk = 128 ** -0.5
+  scale = scale_qk = d ** -0.5
   f32 = lambda x: x.astype(jnp.float32)
 
   def grads(fn, *args):
@@ -113,24 +114,29 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q) < 2e-2
 
 
-# The attention features of fused_backward.cu's SOFTCAP / WINDOW variants (2026-11-26), fp16,
-# and sinks (the forward's lse holds them; dsinks on the JAX side), on awkward layouts.
-@pytest.mark.parametrize("dtype, sq, skv, heads, kv_heads, causal, batch, bwd_q, window, cap, "
+# The attention features of fused_backward.cu's SOFTCAP / WINDOW variants, fp16, sinks (the
+# forward's lse holds them; dsinks on the JAX side) and head dim 64 (2026-11-26), on awkward
+# layouts.
+@pytest.mark.parametrize("dtype, d, sq, skv, heads, kv_heads, causal, batch, bwd_q, window, cap, "
                          "with_sinks", [
-    ("bfloat16", 777, 777, 8, 2, True, 2, 128, 97, None, False),     # causal window, odd length
-    ("bfloat16", 384, 384, 4, 4, False, 1, 128, 97, None, False),    # window both ways
-    ("bfloat16", 512, 512, 4, 1, True, 1, 64, None, 3.0, False),     # soft cap that bends, MQA
-    ("bfloat16", 200, 600, 4, 2, True, 2, 128, None, None, True),    # sinks, Sq != Skv
-    ("bfloat16", 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # all three
-    ("float16", 512, 512, 4, 2, True, 1, 128, None, None, False),    # fp16 plain
-    ("float16", 300, 300, 2, 2, False, 2, 128, 64, 30.0, True),      # fp16 all, not causal
-    ("float16", 136, 392, 4, 1, True, 2, 64, 200, 3.0, False),       # fp16, Sq != Skv, window
+    ("bfloat16", 128, 777, 777, 8, 2, True, 2, 128, 97, None, False),   # causal window, odd length
+    ("bfloat16", 128, 384, 384, 4, 4, False, 1, 128, 97, None, False),  # window both ways
+    ("bfloat16", 128, 512, 512, 4, 1, True, 1, 64, None, 3.0, False),   # soft cap that bends, MQA
+    ("bfloat16", 128, 200, 600, 4, 2, True, 2, 128, None, None, True),  # sinks, Sq != Skv
+    ("bfloat16", 128, 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),   # all three
+    ("float16", 128, 512, 512, 4, 2, True, 1, 128, None, None, False),  # fp16 plain
+    ("float16", 128, 300, 300, 2, 2, False, 2, 128, 64, 30.0, True),    # fp16 all, not causal
+    ("float16", 128, 136, 392, 4, 1, True, 2, 64, 200, 3.0, False),     # fp16, Sq != Skv, window
+    ("bfloat16", 64, 777, 777, 8, 2, True, 2, 128, None, None, False),  # head dim 64, GQA
+    ("bfloat16", 64, 200, 600, 4, 1, True, 1, 64, 128, None, True),     # 64: gpt-oss's window + sinks
+    ("float16", 64, 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # 64: fp16, soft cap
+    ("bfloat16", 64, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 64: one query (decode)
 ])
-def test_hopper_window_softcap_sinks_fp16(dtype, sq, skv, heads, kv_heads, causal, batch, bwd_q,
-                                          window, cap, with_sinks):
+def test_hopper_window_softcap_sinks_fp16_d64(dtype, d, sq, skv, heads, kv_heads, causal, batch,
+                                              bwd_q, window, cap, with_sinks):
   tolerance = {"bfloat16": 2e-2, "float16": 1e-2}[dtype]
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q, dtype=dtype, window=window,
-                 cap=cap, with_sinks=with_sinks) < tolerance
+                 cap=cap, with_sinks=with_sinks, head_dim=d) < tolerance
 
 
 def test_auto_takes_hopper_and_deterministic_takes_mosaic():

@@ -9,8 +9,8 @@ auto_prefers; with them the Mosaic backward was measured faster): measured on on
 ccc4639), forward+backward, ms, hopper against mosaic: 16k causal 15.37 / 16.20, 64k causal
 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 / 36.35; MaxText end to end,
 tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document 58.7k
-against 57.0k. It covers fewer cases than "mosaic": head dim 128 for query, key and value only,
-in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA,
+against 57.0k. It covers fewer cases than "mosaic": head dim 128 or 64 (one for query, key and
+value), in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA,
 batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward
 blocks of 128 kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64,
 128)). "auto" moves on to "mosaic" for everything else, and an explicit backend="hopper" raises
@@ -44,11 +44,11 @@ from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gra
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-HEAD_DIM = cuda_bwd.HEAD_DIM
+HEAD_DIMS = cuda_bwd.HEAD_DIMS  # 128 and 64, one for query, key and value
 VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (the one built)
 
-CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=HEAD_DIM,
-                            max_head_dim=HEAD_DIM, head_dim_multiple=HEAD_DIM,
+CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=min(HEAD_DIMS),
+                            max_head_dim=max(HEAD_DIMS), head_dim_multiple=64,
                             features=frozenset({"causal", "sliding_window", "logits_soft_cap",
                                                 "sinks", "gqa", "backward"}))
 
@@ -89,18 +89,22 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
 # hopper_features): window 4096 16k causal 8.28 / 7.10, 16k documents 3.92 / 3.29, 64k causal
 # 35.56 / 30.95, 64k documents 27.41 / 24.59; soft cap 30 16k causal 18.21 / 17.89, documents
 # 4.16 / 3.66; sinks 16k documents 3.55 / 3.24; fp16 16k causal 16.21 / 16.04, documents 3.42 /
-# 3.23; fp16 with all three, 64k documents 32.82 / 28.64. They stay an explicit backend="hopper"
-# away (checked by the same conformance matrix).
+# 3.23; fp16 with all three, 64k documents 32.82 / 28.64. Head dim 64 (same GPU, later run,
+# hopper / mosaic / cuDNN; benchmarks/results/2026-11-26-h200/hopper_d64): 16k causal 11.32 /
+# 9.77 / 9.37, 16k documents 2.54 / 2.10, 64k causal 162.9 / 152.9 / 142.2, 64k documents 28.26
+# / 25.73. They stay an explicit backend="hopper" away (checked by the same conformance matrix).
 AUTO_FEATURES_NOT_PREFERRED = ("sliding_window", "logits_soft_cap", "sinks")
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: bf16
-  without window, soft cap or sinks (where it was measured faster than "mosaic"; the numbers
-  above AUTO_FEATURES_NOT_PREFERRED)."""
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: bf16, head
+  dim 128, without window, soft cap or sinks (where it was measured faster than "mosaic"; the
+  numbers above AUTO_FEATURES_NOT_PREFERRED; head dim 64 in performance.md)."""
   slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
   if jnp.dtype(dtype) != jnp.bfloat16:
     slower.insert(0, jnp.dtype(dtype).name)
+  if (qk_head_dim, v_head_dim) != (128, 128):
+    slower.insert(0, f"head dims ({qk_head_dim}, {v_head_dim})")
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
                    '2026-11-26); pass backend="hopper" to use this one anyway')
@@ -166,11 +170,11 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, Sq, H, 128], key / value [B, Skv, K, 128], one type, bfloat16 or float16 (H a
+  query [B, Sq, H, D], key / value [B, Skv, K, D], D 128 or 64, one type, bfloat16 or float16 (H a
   multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
   ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
   of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap
-  None or the cap, sinks None or [H]. Returns [B, Sq, H, 128] in query's type; differentiable in
+  None or the cap, sinks None or [H]. Returns [B, Sq, H, D] in query's type; differentiable in
   query, key, value and sinks.
 
   deterministic_backward: None or False run this backward, which reduce-adds dq in float32
@@ -187,10 +191,10 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   h = query.shape[2]
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.dtype not in (jnp.bfloat16, jnp.float16) or x.dtype != query.dtype or (
-        x.shape[3] != HEAD_DIM):
+        x.shape[3] not in HEAD_DIMS or x.shape[3] != query.shape[3]):
       raise ValueError(f"{name}: {x.dtype} with head dim {x.shape[3]}; the hopper backend "
-                       f"needs bfloat16 or float16 (one type for query, key and value) and "
-                       f"head dim {HEAD_DIM}")
+                       f"needs bfloat16 or float16 and one head dim of {HEAD_DIMS} (the same "
+                       "type and head dim for query, key and value)")
   ok, why = supports_mask(mask)
   if not ok:
     raise ValueError(f"mask: {why}")

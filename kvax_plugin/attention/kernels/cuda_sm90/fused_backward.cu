@@ -27,7 +27,8 @@
 //
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16 or fp16, head
-// dim 128 for Q / K / V, causal or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
+// dim 128 or 64 for Q / K / V (the layout below is 128's; 64 is in the kernel's comment), causal
+// or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
 // multiples of 128 (kernels/hopper.py pads other lengths). Sinks need nothing here: the forward's
 // lse holds them, and their gradient is computed on the JAX side. Template feature bits F,
 // below; the sets built are KVAX_SM90_VARIANTS. dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64]
@@ -47,7 +48,7 @@ namespace ffi = xla::ffi;
 
 namespace kvax_sm90 {
 
-constexpr int D = 128;            // head dim of Q, K, V
+// Head dim of Q, K, V: a template parameter HD, 128 or 64 (HD / 64 column halves of 64).
 constexpr int KV_TILE = 128;      // kv rows per CTA
 constexpr int Q_BLOCK = 64;       // query rows per step
 constexpr int STAGES = 2;         // ring depth
@@ -72,7 +73,7 @@ constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
 constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
 
 struct Params {
-  CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (D, heads, rows) of [B * S, heads, D]
+  CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (HD, heads, rows) of [B * S, heads, HD]
   const int* q_pos;
   const int* q_seg;
   const int* kv_pos;
@@ -81,9 +82,9 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
-  void* dk;              // [B, Skv, KH, D], the inputs' 16-bit type
+  void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
-  float* dq_accum;       // [B, H, 2, Sq / 64, 64 x 64]: per column half and 64-row block,
+  float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per column half and 64-row block,
                          // row-major, or in the consumers' fragment order (FRAG)
   int s_q, s_kv, heads, kv_heads;
   float scale;
@@ -223,7 +224,8 @@ __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint
   }
 }
 
-// D[64 x 128] += A[64 x 16] (registers, 16-bit pairs) B[16 x 128] (shared memory, MN-major).
+// D[64 x N] += A[64 x 16] (registers, 16-bit pairs) B[16 x N] (shared memory, MN-major), N =
+// 128 or 64.
 #define KVAX_WGMMA_64x128_RS(TY)                                                               \
   asm volatile(                                                                                \
       "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                               \
@@ -231,13 +233,31 @@ __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint
       "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                              \
       : KVAX_ACC64(d)                                                                          \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
-template <bool HALF>
-__device__ __forceinline__ void wgmma_64x128_rs(float (&d)[64], const uint32_t (&a)[4],
-                                                uint64_t db) {
-  if constexpr (HALF) {
-    KVAX_WGMMA_64x128_RS("f16");
+#define KVAX_WGMMA_64x64_RS(TY)                                                                \
+  asm volatile(                                                                                \
+      "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                               \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                               \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                 \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "       \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                              \
+      : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)                                                    \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+template <bool HALF, int N>
+__device__ __forceinline__ void wgmma_64xN_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t db) {
+  static_assert(N == 128 || N == 64, "N: 128 or 64");
+  if constexpr (N == 128) {
+    if constexpr (HALF) {
+      KVAX_WGMMA_64x128_RS("f16");
+    } else {
+      KVAX_WGMMA_64x128_RS("bf16");
+    }
   } else {
-    KVAX_WGMMA_64x128_RS("bf16");
+    if constexpr (HALF) {
+      KVAX_WGMMA_64x64_RS("f16");
+    } else {
+      KVAX_WGMMA_64x64_RS("bf16");
+    }
   }
 }
 
@@ -308,11 +328,18 @@ constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, SOFTCAP = 1024, WI
 // overwrite its half".
 constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 
-// HALF: fp16 operands (else bf16); accumulation is float32 either way.
-template <int F, bool HALF>
+// HALF: fp16 operands (else bf16); accumulation is float32 either way. HD: the head dim, 128 or
+// 64. At 64 the consumers do not share dS: each computes all 64 columns of dQ from its own 64
+// kv rows (dS_c K_c), and both reduce-add into the same dq_accum block (float32 adds; the same
+// bytes per step as the column split at 128), so DECOUPLE does not apply.
+template <int F, bool HALF, int HD>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
+  static_assert(HD == 128 || HD == 64, "HD: 128 or 64");
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  static_assert(HD == 128 || !DECOUPLE, "DECOUPLE hands dS halves over: head dim 128 only");
+  constexpr int HALVES = HD / 64;  // 64-column halves of Q, K, V, dO (and of dQ's parts)
+  constexpr int KSTEPS = HD / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
@@ -344,8 +371,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     set_max_regs_dec<24>();
     if (t == 0) {
       const int kv_row = b * p.s_kv + tile * KV_TILE;
-      mbar_expect_tx(bar_kv, 4 * HALF_KV);
-      for (int h = 0; h < 2; ++h) {
+      mbar_expect_tx(bar_kv, 2 * HALVES * HALF_KV);
+      for (int h = 0; h < HALVES; ++h) {
         tma_load_3d(base + OFF_K + h * HALF_KV, &p.tm_k, bar_kv, 64 * h, kv_head, kv_row);
         tma_load_3d(base + OFF_V + h * HALF_KV, &p.tm_v, bar_kv, 64 * h, kv_head, kv_row);
       }
@@ -357,8 +384,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
         const uint32_t slot = base + OFF_RING + s * SLOT;
         const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
         const uint32_t full = bar_full + 8 * s;
-        mbar_expect_tx(full, 4 * HALF_Q + IDS_SLOT);
-        for (int h = 0; h < 2; ++h) {
+        mbar_expect_tx(full, 2 * HALVES * HALF_Q + IDS_SLOT);
+        for (int h = 0; h < HALVES; ++h) {
           tma_load_3d(slot + h * HALF_Q, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
           tma_load_3d(slot + (2 + h) * HALF_Q, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
         }
@@ -386,9 +413,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
   const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
 
-  float dk[64], dv[64];
+  float dk[HD / 2], dv[HD / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < HD / 2; ++i) dk[i] = dv[i] = 0.f;
 
   mbar_wait(bar_kv, 0);
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
@@ -412,11 +439,19 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     float dq[32];
     wg_fence();
     const uint32_t ds_base = base + OFF_DS + bm * DS_BUF;
+    if constexpr (HD == 128) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base, aoff, 16),
-                           desc_at(base + OFF_K + c * HALF_KV, k * 2048, HALF_KV), k > 0);
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+        wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base, aoff, 16),
+                                   desc_at(base + OFF_K + c * HALF_KV, k * 2048, HALF_KV), k > 0);
+      }
+    } else {  // dQ (all 64 columns) += dS_c K_c: this consumer's kv rows 64c.. only (K = 64)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base + c * HALF_Q, k * 32, 16),
+                                   desc_at(k_c, k * 2048, HALF_KV), k > 0);
+      }
     }
     wg_commit();
     wg_wait<0>();
@@ -438,7 +473,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     named_sync(2 + c, 128);
     if (t == 0) {
       float* dst = p.dq_accum +
-                   ((((static_cast<size_t>(b) * p.heads + head_m) * 2 + c) * p.s_q) + q0_m) * 64;
+                   ((((static_cast<size_t>(b) * p.heads + head_m) * HALVES + (HALVES - 1) * c) *
+                     p.s_q) + q0_m) * 64;
       bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
       bulk_commit();
     }
@@ -458,13 +494,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     float st[32], dpt[32];
     wg_fence();
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < KSTEPS; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = (k / 4) * HALF_Q + (k % 4) * 32;
       wgmma_64x64_ss<HALF, 0, 0>(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < KSTEPS; ++k) {
       const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
       const uint32_t qoff = 2 * HALF_Q + (k / 4) * HALF_Q + (k % 4) * 32;
       wgmma_64x64_ss<HALF, 0, 0>(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
@@ -532,12 +568,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma_64x128_rs<HALF>(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
+      wgmma_64xN_rs<HALF, HD>(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
-      wgmma_64x128_rs<HALF>(dk, a, desc_at(slot, kk * 2048, HALF_Q));
+      wgmma_64xN_rs<HALF, HD>(dk, a, desc_at(slot, kk * 2048, HALF_Q));
     }
     wg_commit();
 
@@ -593,8 +629,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
       prev_head = head;
       prev_q0 = q0;
-    } else {
+    } else if constexpr (HD == 128) {
       named_sync(1, 256);  // both consumers' dS halves written
+      dq_part(n, head, q0, bar_empty + 8 * s);
+    } else {
+      named_sync(2 + c, 128);  // this consumer's dS half written (the only one it reads)
       dq_part(n, head, q0, bar_empty + 8 * s);
     }
   }
@@ -606,10 +645,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // dK (scaled) and dV of this consumer's 64 kv rows: accumulator element i at row
   // r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2.
 #pragma unroll
-  for (int i = 0; i < 64; i += 2) {
+  for (int i = 0; i < HD / 2; i += 2) {
     const int row = tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
-    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * D + col;
+    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
     reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
     reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
@@ -639,13 +678,15 @@ static EncodeTiled encode_fn() {
   return fn;
 }
 
-// A [rows, heads, 128] 16-bit tensor (bf16, or fp16 when half) as a 3-D map (d, head, row)
+// A [rows, heads, hd] 16-bit tensor (bf16, or fp16 when half) as a 3-D map (d, head, row)
 // with a (64, 1, box_rows) box. Returns 0 on success, -1 without the driver entry point, else
 // the CUresult.
 static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t heads,
-                    uint32_t box_rows, bool half) {
-  const cuuint64_t dims[3] = {D, static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[2] = {D * 2, static_cast<cuuint64_t>(heads) * D * 2};
+                    uint32_t box_rows, bool half, int64_t hd) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(hd), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(hd) * 2,
+                                 static_cast<cuuint64_t>(heads) * hd * 2};
   const cuuint32_t box[3] = {64, 1, box_rows};
   const cuuint32_t elem[3] = {1, 1, 1};
   EncodeTiled fn = encode_fn();
@@ -659,17 +700,22 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The feature sets built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
 // were measured and dropped), alone and with the soft cap and / or the window, each for bf16 and
-// fp16 (8 kernels; ptxas takes about a second each).
+// fp16, at head dim 128; at head dim 64 the same without DECOUPLE (16 kernels; ptxas takes about
+// a second each).
 #define KVAX_SM90_V7 (STM | FRAG | EXP | DECOUPLE_BIT)
 #define KVAX_SM90_VARIANTS                                                                     \
   KVAX_SM90_V7, KVAX_SM90_V7 | SOFTCAP, KVAX_SM90_V7 | WINDOW, KVAX_SM90_V7 | SOFTCAP | WINDOW
+#define KVAX_SM90_V7_D64 (STM | FRAG | EXP)
+#define KVAX_SM90_VARIANTS_D64                                                                 \
+  KVAX_SM90_V7_D64, KVAX_SM90_V7_D64 | SOFTCAP, KVAX_SM90_V7_D64 | WINDOW,                     \
+      KVAX_SM90_V7_D64 | SOFTCAP | WINDOW
 
 // The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
 // and variant (a process driving several GPUs calls the handler from one thread per device;
 // setting it for the first device only left the others' launches failing, S20G).
 constexpr int MAX_DEVICES = 64;
 
-template <int F, bool HALF>
+template <int F, bool HALF, int HD>
 static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cudaStream_t stream) {
   static std::mutex mu;  // one per instantiation
   static bool attr_set[MAX_DEVICES] = {};
@@ -677,20 +723,21 @@ static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cud
     std::lock_guard<std::mutex> lock(mu);
     if (!attr_set[device]) {
       const cudaError_t err = cudaFuncSetAttribute(
-          fused_backward_kernel<F, HALF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          fused_backward_kernel<F, HALF, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
           SMEM_BYTES);
       if (err != cudaSuccess) return err;
       attr_set[device] = true;
     }
   }
-  fused_backward_kernel<F, HALF><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  fused_backward_kernel<F, HALF, HD><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <bool HALF, int... Fs>
+template <bool HALF, int HD, int... Fs>
 static bool launch(int variant, int device, const dim3& grid, const Params& p,
                    cudaStream_t stream, cudaError_t* err) {
-  return ((variant == Fs ? (*err = launch_one<Fs, HALF>(device, grid, p, stream), true) : false) ||
+  return ((variant == Fs ? (*err = launch_one<Fs, HALF, HD>(device, grid, p, stream), true)
+                         : false) ||
           ...);
 }
 
@@ -703,8 +750,13 @@ static ffi::Error FusedBackwardImpl(
     int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || qd[3] != D || kd[3] != D)
-    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128]");
+  if (qd.size() != 4 || kd.size() != 4 || (qd[3] != 128 && qd[3] != 64) || kd[3] != qd[3])
+    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128] or [B, S, heads, 64]");
+  const int64_t hd = qd[3];
+  const auto ad = dq_accum->dimensions();
+  if (ad.size() != 5 || ad[0] != qd[0] || ad[1] != qd[2] || ad[2] != hd / 64 ||
+      ad[3] * 64 != qd[1] || ad[4] != 64 * 64)
+    return ffi::Error::InvalidArgument("dq_accum: expected [B, H, head dim / 64, Sq / 64, 4096]");
   const int64_t b = qd[0], sq = qd[1], h = qd[2], skv = kd[1], kh = kd[2];
   if (kd[0] != b || sq % KV_TILE || skv % KV_TILE || h % kh)
     return ffi::Error::InvalidArgument(
@@ -721,10 +773,10 @@ static ffi::Error FusedBackwardImpl(
     return ffi::Error::InvalidArgument("variant: its SOFTCAP / WINDOW bits must match soft_cap > 0 "
                                        "and window > 0");
   Params p{};
-  const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half),
-                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half),
-                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE, half),
-                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE, half)};
+  const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
+                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
+                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE, half, hd),
+                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE, half, hd)};
   for (int i = 0; i < 4; ++i)
     if (rc[i] != 0)
       return ffi::Error::Internal(
@@ -764,9 +816,14 @@ static ffi::Error FusedBackwardImpl(
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
-  const bool launched =
-      half ? launch<true, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err)
-           : launch<false, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  bool launched;
+  if (hd == 128)
+    launched = half ? launch<true, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err)
+                    : launch<false, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  else
+    launched = half ? launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err)
+                    : launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream,
+                                                                &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
@@ -778,7 +835,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 7; }
+extern "C" int KvaxSm90AbiVersion() { return 8; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -27,15 +27,17 @@ from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
 TARGET = "kvax_sm90_fused_backward"
-HEAD_DIM = 128
+HEAD_DIM = 128  # the layout's head dim (kernels/hopper.py's HEAD_DIMS: 128 and 64 built)
+HEAD_DIMS = (128, 64)  # fused_backward.cu's HD
 KV_TILE = 128
 Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
-# shared-memory attribute; 7: fp16, soft cap and window, 2026-11-26). Bump both together.
-ABI_VERSION = 7
+# shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26). Bump
+# both together.
+ABI_VERSION = 8
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -208,18 +210,19 @@ def unpermute_fragment_order(accum):
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
-  """q, d_out [B, Sq, H, 128]; k, v [B, Skv, KH, 128] (Sq, Skv multiples of 128), all bf16 or
-  all fp16; lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
+  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 128 or 64; Sq, Skv multiples of 128),
+  all bf16 or all fp16; lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
   positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
   the cap of cap * tanh(scale q.k / cap); window: 0 or the sliding window (q_pos - kv_pos <
-  window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, 128] (q.dtype)
-  and dk, dv [B, Skv, KH, 128] in q's type."""
+  window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, D] (q.dtype)
+  and dk, dv [B, Skv, KH, D] in q's type."""
   b, s, h, d = q.shape
   skv, kh = k.shape[1], k.shape[2]
-  if (d != HEAD_DIM or k.shape[3] != HEAD_DIM or k.shape[0] != b or s % KV_TILE
+  if (d not in HEAD_DIMS or k.shape[3] != d or k.shape[0] != b or s % KV_TILE
       or skv % KV_TILE or h % kh):
-    raise ValueError(f"q {q.shape}, k {k.shape}: expected head dim {HEAD_DIM}, one batch size, "
-                     f"Sq and Skv multiples of {KV_TILE}, query heads a multiple of kv heads")
+    raise ValueError(f"q {q.shape}, k {k.shape}: expected one head dim of {HEAD_DIMS}, one "
+                     f"batch size, Sq and Skv multiples of {KV_TILE}, query heads a multiple of "
+                     "kv heads")
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
   dtype = jnp.dtype(q.dtype)
@@ -243,10 +246,12 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
+  if d == 64:
+    bits &= ~DECOUPLE  # the consumers share no dS at head dim 64 (fused_backward.cu)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
-       jax.ShapeDtypeStruct((b, h, 2, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
+       jax.ShapeDtypeStruct((b, h, d // 64, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
   )(q, cast(k), cast(v), cast(d_out), lse.astype(jnp.float32),
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
     *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
@@ -256,12 +261,12 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
 
 
 def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
-  """dq [B, Sq, H, 128] from the kernel's float32 dq_accum [B, H, 2, Sq / 64, 4096]: per column
-  half and 64-row query block, dS K unscaled, row-major or (FRAG) in fragment order."""
-  b, h, _, blocks, _ = dq_accum.shape
+  """dq [B, Sq, H, D] from the kernel's float32 dq_accum [B, H, D / 64, Sq / 64, 4096]: per
+  64-column part and 64-row query block, dS K unscaled, row-major or (FRAG) in fragment order."""
+  b, h, parts, blocks, _ = dq_accum.shape
   if VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)
   else:
-    block = dq_accum.reshape(b, h, 2, blocks, Q_BLOCK, 64)
-  dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, blocks * Q_BLOCK, h, HEAD_DIM)
+    block = dq_accum.reshape(b, h, parts, blocks, Q_BLOCK, 64)
+  dq = block.transpose(0, 3, 4, 1, 2, 5).reshape(b, blocks * Q_BLOCK, h, parts * 64)
   return (dq * scale).astype(dtype)
