@@ -615,11 +615,20 @@ def _programs():
     results = grads(call, q, k, v, s, cot)
     if s is None:
       return results
-    p_sink = 1.0 - call(q, k, jnp.ones_like(v), s)[..., 0]  # [B, Sq, H]
-    delta = jnp.sum(cot * results[0], axis=-1)
-    return results + (jnp.sum(jnp.abs(p_sink * delta), axis=(0, 1)),)
+    return results + (dsinks_terms(call, q, k, v, s, cot, results[0]),)
 
   return ours, reference
+
+
+def dsinks_terms(attention, q, k, v, sinks, cot, out):
+  """[H] the sum over rows of |p_sink delta|, the magnitudes of dsinks' terms (dsinks = -sum of
+  p_sink delta): attention(q, k, v, sinks) is the float32 reference, out its output, cot the
+  cotangent; p_sink = 1 - the row's attention mass (attention over values of ones), delta =
+  rowsum(cot out)."""
+  import jax.numpy as jnp
+  p_sink = 1.0 - attention(q, k, jnp.ones_like(v), sinks)[..., 0]  # [B, Sq, H]
+  delta = jnp.sum(cot * out, axis=-1)
+  return jnp.sum(jnp.abs(p_sink * delta), axis=(0, 1))
 
 
 def _inputs(cell: Cell, seed: int):

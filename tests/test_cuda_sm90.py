@@ -42,22 +42,25 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
   ids = jnp.zeros((1, 256), jnp.int32)
   bounds = (jnp.zeros((1, 2), jnp.int32),) * 2
   stats = jnp.zeros((1, 4, 256), jnp.float32)
-  with pytest.raises(ValueError, match=r"expected one head dim of \(128, 64\)"):
-    cuda_bwd.fused_backward(z(1, 256, 4, 96), z(1, 256, 2, 96), z(1, 256, 2, 96),
-                            z(1, 256, 4, 96), stats, stats, ids, ids, ids, ids, bounds,
+  # (query / key shape, extra arguments, message): what the kernel cannot take, named
+  calls = (
+      (((1, 256, 4, 96), (1, 256, 2, 96)), {}, r"expected one head dim of \(128, 64\)"),
+      (((1, 256, 4, 128), (1, 256, 2, 64)), {}, r"expected one head dim of \(128, 64\)"),
+      (((1, 200, 4, 128), (1, 200, 2, 128)), {}, "Sq and Skv multiples of 128"),
+      (((1, 256, 4, 128), (1, 256, 2, 128)), {"variant": "v6"},
+       r"variant='v6': expected one of \['v7'\]"),
+      (((1, 256, 4, 128), (1, 256, 2, 128)), {"soft_cap": -1.0}, "soft_cap=-1.0, window=0"),
+      (((1, 256, 4, 128), (1, 256, 2, 128)), {"window": -5}, "soft_cap=0.0, window=-5"),
+  )
+  for (q_shape, k_shape), extra, message in calls:
+    with pytest.raises(ValueError, match=message):
+      cuda_bwd.fused_backward(z(*q_shape), z(*k_shape), z(*k_shape), z(*q_shape), stats, stats,
+                              ids, ids, ids, ids, bounds, scale=0.1, causal=True, **extra)
+  with pytest.raises(ValueError, match="q: float32; expected bfloat16 or float16"):
+    f32 = lambda *shape: jnp.zeros(shape, jnp.float32)
+    cuda_bwd.fused_backward(f32(1, 256, 4, 128), f32(1, 256, 2, 128), f32(1, 256, 2, 128),
+                            f32(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)
-  with pytest.raises(ValueError, match=r"expected one head dim of \(128, 64\)"):
-    cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 64), z(1, 256, 2, 64),
-                            z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
-                            scale=0.1, causal=True)
-  with pytest.raises(ValueError, match="Sq and Skv multiples of 128"):
-    cuda_bwd.fused_backward(z(1, 200, 4, 128), z(1, 200, 2, 128), z(1, 200, 2, 128),
-                            z(1, 200, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
-                            scale=0.1, causal=True)
-  with pytest.raises(ValueError, match=r"variant='v6': expected one of \['v7'\]"):
-    cuda_bwd.fused_backward(z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128),
-                            z(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
-                            scale=0.1, causal=True, variant="v6")
   good = dict(q=z(1, 256, 4, 128), k=z(1, 256, 2, 128), v=z(1, 256, 2, 128),
               d_out=z(1, 256, 4, 128), lse=stats, delta=stats, q_pos=ids, q_seg=ids,
               kv_pos=ids, kv_seg=ids, bounds=bounds)

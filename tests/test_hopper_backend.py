@@ -18,7 +18,8 @@ import pytest
 
 import kvax_plugin as kp
 from kvax_plugin.attention import kernels
-from kvax_plugin.attention.block_mask import FlashAttentionParamsConfig, create_attention_mask
+from kvax_plugin.attention.block_mask import (FlashAttentionParamsConfig, create_attention_mask,
+                                            dense_mask)
 from kvax_plugin.attention.kernels import (AUTO_ORDER, BACKENDS, BackendUnavailableError,
                                            KERNEL_BACKENDS, supports_inputs)
 from kvax_plugin.attention.kernels import hopper
@@ -260,22 +261,10 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
 
 
 # --- the backward's padding, with the kernel replaced by a dense model of it -------------------
-def _keep(q_pos, q_seg, kv_pos, kv_seg, causal, window):
-  """[B, Sq, Skv] the kernels' pair rule: same segment, not the padding id, causal order, and
-  the window's distance (both ways without causal)."""
-  keep = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg != -1)[:, :, None]
-  dist = q_pos[:, :, None] - kv_pos[:, None, :]
-  if causal:
-    keep &= dist >= 0
-  if window:
-    keep &= (dist < window) & (causal | (-dist < window))
-  return keep
-
-
 def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *, scale,
                   causal, variant, soft_cap=0.0, window=0):
   """What fused_backward computes, densely in float32, with the kernel's own rules: whole
-  128-row tiles only (checked), a pair kept by _keep; only the 64-row query blocks its tile's
+  128-row tiles only (checked), a pair kept by the package's dense_mask; only the 64-row query blocks its tile's
   bounds list are visited; P = exp(z - lse) (lse +inf: 0) with z = scale s, or cap tanh(scale s
   / cap) whose derivative 1 - tanh^2 multiplies dS."""
   assert variant == hopper.VARIANT
@@ -287,7 +276,7 @@ def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, boun
   group = h // kh
   kk, vv = (jnp.repeat(f32(x), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), kk)
-  keep = _keep(q_pos, q_seg, kv_pos, kv_seg, causal, window)
+  keep = dense_mask(q_pos, q_seg, kv_pos, kv_seg, causal=causal, sliding_window=window or None)
   lo, hi = (jnp.repeat(x, 128, axis=1) for x in bounds)  # per kv row
   q_block = jnp.arange(sq)[None, :, None] // 64
   keep &= (lo[:, None, :] <= q_block) & (q_block < hi[:, None, :])
@@ -313,7 +302,8 @@ def _dense_forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
   s = cfg.scale * jnp.einsum("bqhd,bkhd->bhqk", q, kk)
   if cfg.soft_cap:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-  keep = _keep(q_pos, q_seg, kv_pos, kv_seg, cfg.causal, cfg.window)
+  keep = dense_mask(q_pos, q_seg, kv_pos, kv_seg, causal=cfg.causal,
+                    sliding_window=cfg.window or None)
   s = jnp.where(keep[:, None], s, -jnp.inf)
   lse = jax.nn.logsumexp(s, axis=-1)
   if cfg.has_sinks:

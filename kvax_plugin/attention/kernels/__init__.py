@@ -96,7 +96,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "hopper": KernelBackend(
         name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
-                    "head dim 128; built with nvcc on first use; its dq summation order "
+                    "head dim 128 or 64; built with nvcc on first use; its dq summation order "
                     "varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
         auto_check="auto_prefers",
@@ -112,9 +112,9 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 
 # "auto": the first of these that can run here and supports the call.
 # "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
-# call (head dim 128, its mask blocks) and is measured faster (auto_check: bf16 without window,
-# soft cap or sinks; hopper.auto_prefers has the numbers), unless the call asks for
-# deterministic_backward=True (its dq summation order varies: reproducible_backward).
+# call (head dim 128 or 64, its mask blocks) and is measured faster (auto_check: bf16, head dim
+# 128, without window, soft cap or sinks; hopper.auto_prefers has the numbers), unless the call
+# asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
 # Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
 # 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k
 # documents 32.77 / 36.35; MaxText end to end, tokens/s, hopper / auto (then mosaic): 64k short

@@ -4,14 +4,14 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs (for bf16 without window, soft cap or sinks:
-auto_prefers; with them the Mosaic backward was measured faster): measured on one H200 on 2026-11-26 (main
-ccc4639), forward+backward, ms, hopper against mosaic: 16k causal 15.37 / 16.20, 64k causal
+Why it is "auto"'s first choice where it runs (for bf16 at head dim 128 without window, soft
+cap or sinks: auto_prefers; elsewhere the Mosaic backward was measured faster): measured on one
+H200 on 2026-11-26 (main ccc4639), forward+backward, ms, hopper against mosaic: 16k causal 15.37 / 16.20, 64k causal
 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 / 36.35; MaxText end to end,
 tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document 58.7k
 against 57.0k. It covers fewer cases than "mosaic": head dim 128 or 64 (one for query, key and
-value), in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA,
-batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward
+value), in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks,
+GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward
 blocks of 128 kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64,
 128)). "auto" moves on to "mosaic" for everything else, and an explicit backend="hopper" raises
 instead of running another backward (BackendUnavailableError from the registry, ValueError here).
@@ -145,7 +145,7 @@ def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Attention
   lse_p, delta_p = _pad(lse, 2, sq_p, jnp.inf), _pad(delta, 2, sq_p, 0.0)
   q_pos_p, q_seg_p = _pad(q_pos, 1, sq_p, 0), _pad(q_seg, 1, sq_p, PADDING_SEGMENT_ID)
   kv_pos_p, kv_seg_p = _pad(kv_pos, 1, skv_p, 0), _pad(kv_seg, 1, skv_p, PADDING_SEGMENT_ID)
-  dq, dk, dv = cuda_bwd.fused_backward(q_p, k_p, v_p, d_out_p.astype(q.dtype), lse_p, delta_p,
+  dq, dk, dv = cuda_bwd.fused_backward(q_p, k_p, v_p, d_out_p, lse_p, delta_p,
                                        q_pos_p, q_seg_p, kv_pos_p, kv_seg_p,
                                        cuda_bwd.tile_bounds(mask), scale=cfg.scale,
                                        causal=cfg.causal, variant=cfg.variant,
@@ -170,8 +170,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, Sq, H, D], key / value [B, Skv, K, D], D 128 or 64, one type, bfloat16 or float16 (H a
-  multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
+  query [B, Sq, H, D], key / value [B, Skv, K, D], D 128 or 64, one type, bfloat16 or float16
+  (H a multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
   ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
   of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap
   None or the cap, sinks None or [H]. Returns [B, Sq, H, D] in query's type; differentiable in
@@ -190,7 +190,7 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                      "deterministic backward, or leave it None")
   h = query.shape[2]
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in (jnp.bfloat16, jnp.float16) or x.dtype != query.dtype or (
+    if x.dtype not in cuda_bwd.DTYPES or x.dtype != query.dtype or (
         x.shape[3] not in HEAD_DIMS or x.shape[3] != query.shape[3]):
       raise ValueError(f"{name}: {x.dtype} with head dim {x.shape[3]}; the hopper backend "
                        f"needs bfloat16 or float16 and one head dim of {HEAD_DIMS} (the same "

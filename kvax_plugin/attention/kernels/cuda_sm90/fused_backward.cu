@@ -31,8 +31,9 @@
 // or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
 // multiples of 128 (kernels/hopper.py pads other lengths). Sinks need nothing here: the forward's
 // lse holds them, and their gradient is computed on the JAX side. Template feature bits F,
-// below; the sets built are KVAX_SM90_VARIANTS. dq_accum is float32 [B, H, 2, Sq / 64, 64 x 64]
-// (per column half and 64-row block), zeroed by the handler; the JAX side turns it into dq.
+// below; the sets built are KVAX_SM90_VARIANTS(_D64). dq_accum is float32 [B, H, HD / 64, Sq /
+// 64, 64 x 64] (per 64-column part and 64-row block), zeroed by the handler; the JAX side turns
+// it into dq.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -84,7 +85,7 @@ struct Params {
   const int* upper;      // [B, n_tiles]: one past the last
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
-  float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per column half and 64-row block,
+  float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
                          // row-major, or in the consumers' fragment order (FRAG)
   int s_q, s_kv, heads, kv_heads;
   float scale;
@@ -190,8 +191,11 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
-// The float32 accumulator operands of the wgmmas: the m64n128 register list in the PTX text and
-// the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
+// The float32 accumulator operands of the wgmmas: the m64n64 / m64n128 register lists in the PTX
+// text and the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
+#define KVAX_REGS32                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define KVAX_REGS64                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                    \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
@@ -209,8 +213,7 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   asm volatile(                                                                                \
       "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                             \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                               \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                 \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "       \
+      KVAX_REGS32 ", "                                                                          \
       "%32, %33, p, 1, 1, %35, %36;\n}\n"                                                       \
       : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)                                                    \
       : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B))
@@ -237,8 +240,7 @@ __device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t da, uint
   asm volatile(                                                                                \
       "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                                               \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                               \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                 \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "       \
+      KVAX_REGS32 ", "                                                                          \
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                              \
       : KVAX_ACC16(d, 0), KVAX_ACC16(d, 16)                                                    \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
@@ -817,13 +819,14 @@ static ffi::Error FusedBackwardImpl(
   const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
   bool launched;
-  if (hd == 128)
-    launched = half ? launch<true, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err)
-                    : launch<false, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  if (hd == 128 && half)
+    launched = launch<true, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  else if (hd == 128)
+    launched = launch<false, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
+  else if (half)
+    launched = launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
   else
-    launched = half ? launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err)
-                    : launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream,
-                                                                &err);
+    launched = launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");

@@ -210,8 +210,9 @@ def unpermute_fragment_order(accum):
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
-  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 128 or 64; Sq, Skv multiples of 128),
-  all bf16 or all fp16; lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
+  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 128 or 64; Sq, Skv multiples of 128), q
+  bf16 or fp16 (k, v, d_out are cast to its type); lse, delta [B, H, Sq] float32 (lse
+  natural-log, from the forward, sinks included);
   positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
   the cap of cap * tanh(scale q.k / cap); window: 0 or the sliding window (q_pos - kv_pos <
   window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, D] (q.dtype)
