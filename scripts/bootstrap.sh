@@ -44,6 +44,10 @@ fi
 stamp="$VENV/.installed-$(cat "$CONSTRAINTS" setup.cfg | sha1sum | cut -c1-12)-$EXTRAS"
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+  # pip byte-compiles what it installs one file at a time; compileall does it on every core.
+  # A fresh install of dev + maxtext + triton with a warm pip cache, 2 cores (2026-11-26):
+  # 127 s with pip's compile, 48 + 41 s without it and then compileall.
+  "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
   rm -f "$VENV"/.installed-*; touch "$stamp"
 fi
