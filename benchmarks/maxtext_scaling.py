@@ -2,6 +2,7 @@
 
     python -m benchmarks.maxtext_scaling --out_dir outputs/scaling            # the default matrix
     python -m benchmarks.maxtext_scaling --runs 128k-short:kvax:1,128k-short:kvax:c4 --steps 5
+    python -m benchmarks.maxtext_scaling --runs 8gpu --steps 8   # the matrix for 8 GPUs
 
 A run is LENGTH-LAYOUT:ATTENTION:MESH[:ROWS], one `python -m kvax_plugin.launch` process (or
 several, see p<N>) of MaxText's own training loop on the packed shipped corpus (llama3-8b with
@@ -50,6 +51,15 @@ DEFAULT_RUNS = ",".join([
     "128k-short:kvax:1", "256k-short:kvax:1", "128k-long:kvax:1", "512k-short:kvax:1",
     "128k-short:kvax:c4", "256k-short:kvax:c4", "128k-short:kvax:c2f2", "128k-long:kvax:c4",
 ])
+# --runs NAME: the matrix for a host of that many GPUs (the 4-GPU one is the default).
+RUN_SETS = {
+    "4gpu": DEFAULT_RUNS,
+    "8gpu": ",".join([
+        "128k-short:kvax:1", "256k-short:kvax:1", "128k-long:kvax:1",
+        "128k-short:kvax:c8", "256k-short:kvax:c8", "128k-short:kvax:c4f2",
+        "128k-short:kvax:c4f2p2", "128k-long:kvax:c8", "1m-short:kvax:c8:1",
+    ]),
+}
 AXES = {"c": "ici_context", "f": "ici_fsdp", "d": "ici_data", "t": "ici_tensor"}
 
 
@@ -216,7 +226,8 @@ def plot(result: dict, path: Path) -> None:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out_dir", default="outputs/scaling")
-  ap.add_argument("--runs", default=DEFAULT_RUNS)
+  ap.add_argument("--runs", default=DEFAULT_RUNS,
+                  help="comma-separated run specs, or a matrix: " + ", ".join(RUN_SETS))
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--vocab", type=int, default=512)
@@ -231,7 +242,7 @@ def main():
   ap.add_argument("--serial_single", action="store_true",
                   help="one-GPU runs one after another instead of side by side")
   args = ap.parse_args()
-  runs = [parse_spec(s) for s in args.runs.split(",")]
+  runs = [parse_spec(s) for s in RUN_SETS.get(args.runs, args.runs).split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   import jax

@@ -22,6 +22,22 @@ def test_specs_name_mesh_processes_and_rows():
       ms.parse_spec(bad)
 
 
+def test_run_sets_fill_their_hosts():
+  """--runs 4gpu / 8gpu: every run fits the host it is named for, the multi-GPU runs use all of
+  it (same tokens per GPU as the one-GPU runs of their length), and 8gpu has a run over 2
+  processes and one row split over every GPU."""
+  for name, gpus in (("4gpu", 4), ("8gpu", 8)):
+    runs = [ms.parse_spec(s) for s in ms.RUN_SETS[name].split(",")]
+    assert {r["gpus"] for r in runs} == {1, gpus}, name
+    for r in runs:
+      if r["gpus"] > 1 and r["rows"] == r["gpus"]:
+        assert any(b["gpus"] == 1 and b["label"] == r["label"] for b in runs), r["spec"]
+  eight = [ms.parse_spec(s) for s in ms.RUN_SETS["8gpu"].split(",")]
+  assert any(r["processes"] == 2 and r["gpus"] == 8 for r in eight)
+  assert any(r["rows"] == 1 and r["gpus"] == 8 for r in eight)
+  assert ms.RUN_SETS["4gpu"] == ms.DEFAULT_RUNS
+
+
 def test_launcher_command_carries_mesh_rows_and_layout():
   args = argparse.Namespace(variant="8b", steps=10, kvax_backend="auto", layers=4, vocab=512,
                             profile=False)
