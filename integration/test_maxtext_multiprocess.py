@@ -78,14 +78,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_all(runs: list[tuple], out: str, timeout: float = 900) -> dict:
-  """runs: (name, process id, process count, devices[, MaxText key overrides]) -> {name:
+def _run_all(runs: list[tuple[str, int, int, int, dict]], out: str,
+             timeout: float = 900) -> dict:
+  """runs: (name, process id, process count, devices, MaxText key overrides) -> {name:
   KVAX_RESULT}, all started at once; the first failure stops the rest (they would wait for it
   until jax.distributed gives up) and is reported."""
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = {}
-  for name, pid, count, devices, *overrides in runs:
-    argv = _maxtext_argv(out, **(overrides[0] if overrides else {}))
+  for name, pid, count, devices, overrides in runs:
+    argv = _maxtext_argv(out, **overrides)
     flags = re.sub(r"--xla_(force_host_platform_device_count|backend_optimization_level)=\S+",
                    "", os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
@@ -119,7 +120,8 @@ def _run_all(runs: list[tuple], out: str, timeout: float = 900) -> dict:
 
 def test_two_processes_train_like_one(tmp_path):
   t0 = time.monotonic()
-  r = _run_all([("process0", 0, 2, 4), ("process1", 1, 2, 4), ("one_process", 0, 1, 8),
+  r = _run_all([("process0", 0, 2, 4, {}), ("process1", 1, 2, 4, {}),
+                ("one_process", 0, 1, 8, {}),
                 # The same 2 rows per step on one device: no mesh, natural order.
                 ("one_device", 0, 1, 1, dict(ici_fsdp_parallelism=1, ici_context_parallelism=1,
                                              per_device_batch_size=2))],

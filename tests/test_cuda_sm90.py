@@ -56,8 +56,8 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
     with pytest.raises(ValueError, match=message):
       cuda_bwd.fused_backward(z(*q_shape), z(*k_shape), z(*k_shape), z(*q_shape), stats, stats,
                               ids, ids, ids, ids, bounds, scale=0.1, causal=True, **extra)
+  f32 = lambda *shape: jnp.zeros(shape, jnp.float32)
   with pytest.raises(ValueError, match="q: float32; expected bfloat16 or float16"):
-    f32 = lambda *shape: jnp.zeros(shape, jnp.float32)
     cuda_bwd.fused_backward(f32(1, 256, 4, 128), f32(1, 256, 2, 128), f32(1, 256, 2, 128),
                             f32(1, 256, 4, 128), stats, stats, ids, ids, ids, ids, bounds,
                             scale=0.1, causal=True)

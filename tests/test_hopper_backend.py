@@ -264,9 +264,9 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
 def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *, scale,
                   causal, variant, soft_cap=0.0, window=0):
   """What fused_backward computes, densely in float32, with the kernel's own rules: whole
-  128-row tiles only (checked), a pair kept by the package's dense_mask; only the 64-row query blocks its tile's
-  bounds list are visited; P = exp(z - lse) (lse +inf: 0) with z = scale s, or cap tanh(scale s
-  / cap) whose derivative 1 - tanh^2 multiplies dS."""
+  128-row tiles only (checked), a pair kept by the package's dense_mask; only the 64-row query
+  blocks its tile's bounds list are visited; P = exp(z - lse) (lse +inf: 0) with z = scale s, or
+  cap tanh(scale s / cap) whose derivative 1 - tanh^2 multiplies dS."""
   assert variant == hopper.VARIANT
   b, sq, h, _ = q.shape
   skv, kh = k.shape[1], k.shape[2]
