@@ -4,7 +4,7 @@
     python -m benchmarks.maxtext_scaling --runs 128k-short:kvax:1,128k-short:kvax:c4 --steps 5
     python -m benchmarks.maxtext_scaling --runs 8gpu --steps 8   # the matrix for 8 GPUs
 
-A run is LENGTH-LAYOUT:ATTENTION:MESH[:ROWS], one `python -m kvax_plugin.launch` process (or
+A run is LENGTH-LAYOUT:ATTENTION:MESH[:ROWS][+KEY=VALUE...], one `python -m kvax_plugin.launch` process (or
 several, see p<N>) of MaxText's own training loop on the packed shipped corpus (llama3-8b with
 --layers layers and a --vocab-token vocabulary, bf16, launcher defaults otherwise):
   LENGTH  tokens per row: 128k, 256k, 512k, 1m (k = 1024);
@@ -18,6 +18,9 @@ several, see p<N>) of MaxText's own training loop on the packed shipped corpus (
           tokens whatever the mesh ("same work per GPU"; speed-up over one GPU = tokens/s
           ratio, efficiency = speed-up / GPUs). ROWS=1 on a context mesh is one row split over
           the GPUs: the same batches as the one-GPU run, so the losses must agree.
+  +KEY=VALUE  MaxText config keys for this run only, e.g.
+          256k-short:kvax:c4+kvax_kv_grad_reduce_dtype=input (a row compared with the plain
+          one-GPU row of its length, layout and attention).
 
 Runs on one GPU go first and side by side, one per GPU of the host (each its own process and
 GPU; --serial_single runs them one after another), then the multi-GPU runs one after another.
@@ -64,8 +67,15 @@ AXES = {"c": "ici_context", "f": "ici_fsdp", "d": "ici_data", "t": "ici_tensor"}
 
 
 def parse_spec(spec: str) -> dict:
-  """"256k-short:kvax:c2f2p2[:ROWS]" -> the run's fields; errors name the spec."""
-  parts = spec.split(":")
+  """"256k-short:kvax:c2f2p2[:ROWS][+KEY=VALUE...]" -> the run's fields; errors name the spec."""
+  base, *extra = spec.split("+")
+  overrides = {}
+  for item in extra:
+    key, eq, value = item.partition("=")
+    if not eq or not re.fullmatch(r"[a-z_][a-z0-9_]*", key):
+      raise SystemExit(f"--runs {spec!r}: after '+' expected a MaxText KEY=VALUE, got {item!r}")
+    overrides[key] = value
+  parts = base.split(":")
   if len(parts) not in (3, 4) or "-" not in parts[0]:
     raise SystemExit(f"--runs {spec!r}: expected LENGTH-LAYOUT:ATTENTION:MESH[:ROWS]")
   length, layout = parts[0].split("-", 1)
@@ -88,7 +98,7 @@ def parse_spec(spec: str) -> dict:
     gpus *= size
   rows = int(parts[3]) if len(parts) == 4 else gpus
   return dict(spec=spec, label=parts[0], seq_len=seq, layout=layout, attention=parts[1],
-              mesh=mesh, gpus=gpus, processes=processes, rows=rows)
+              mesh=mesh, gpus=gpus, processes=processes, rows=rows, overrides=overrides)
 
 
 def launcher_cmd(run: dict, args, run_dir: Path, caches: dict) -> list[str]:
@@ -104,6 +114,7 @@ def launcher_cmd(run: dict, args, run_dir: Path, caches: dict) -> list[str]:
     cmd += [f"--config.data.min_doc_chars={chars}", f"--config.data.max_doc_chars={chars}"]
   if args.variant != "tiny":
     cmd += [f"base_num_decoder_layers={args.layers}", f"vocab_size={args.vocab}"]
+  cmd += [f"{k}={v}" for k, v in run.get("overrides", {}).items()]
   cmd += [f"per_device_batch_size={run['rows'] / run['gpus']:g}",
           f"jax_cache_dir={caches['jax_cache_dir']}"]
   if args.profile:
@@ -113,7 +124,7 @@ def launcher_cmd(run: dict, args, run_dir: Path, caches: dict) -> list[str]:
 
 def start(run: dict, args, out_dir: Path, gpu_ids: list[int]) -> list[tuple]:
   """Starts the run's process(es) on `gpu_ids`; returns [(Popen, log file, run_dir)]."""
-  name = run["spec"].replace(":", "_")
+  name = re.sub(r"[^A-Za-z0-9_.-]", "_", run["spec"])
   caches = fresh_caches(out_dir / "caches" / name)
   procs = []
   n = run["processes"]
@@ -180,7 +191,8 @@ def compare(rows: list[dict]) -> list[dict]:
   for r in rows:
     if r["gpus"] == 1 or "error" in r:
       continue
-    base = next((b for b in rows if b["gpus"] == 1 and "error" not in b and b["label"] == r["label"]
+    base = next((b for b in rows if b["gpus"] == 1 and "error" not in b and not b.get("overrides")
+                 and b["label"] == r["label"]
                  and b["attention"] == r["attention"]), None)
     if base is None:
       continue
@@ -200,7 +212,8 @@ def plot(result: dict, path: Path) -> None:
   ran = [r for r in result["rows"] if "error" not in r]
   rows = [r for r in ran if r.get("tokens_per_s")]
   fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
-  names = [f"{r['label']}\n{r['attention']} {r['spec'].split(':')[2]}"
+  names = [f"{r['label']}\n{r['attention']} {r['spec'].split('+')[0].split(':')[2]}"
+           + "".join(f"\n{k.removeprefix('kvax_')}={v}" for k, v in r.get("overrides", {}).items())
            + (f" rows {r['rows']}" if r["rows"] != r["gpus"] else "") for r in rows]
   values = [r["tokens_per_s"] / 1e3 for r in rows]
   bars = ax.bar(range(len(rows)), values, color=["tab:gray" if r["gpus"] == 1 else "tab:blue"

@@ -74,6 +74,13 @@ def family_config(family: str, arg: str | None,
   # rank on packed documents; seq_len must then be a multiple of context size x the larger
   # query block), "llama3" (MaxText's chunk swap: balances one long document only), "natural".
   c.kvax.context_parallel_order = "auto"
+  # Context parallelism's sum of the shards' key / value gradients (a reduce-scatter): "auto"
+  # (the input dtype at 2 context shards, where it is exact; float32 with more), "float32", or
+  # "input" (bf16: half the bytes, rounded at each of the shards' additions).
+  c.kvax.kv_grad_reduce_dtype = "auto"
+  # Context parallelism: split each shard's attention into its own keys / values and the other
+  # shards', so the exchange runs behind the first part ("mosaic", "triton" or "jax" backends).
+  c.kvax.overlap_kv_gather = False
 
   # Device mesh, as MaxText's {ici,dcn}_<axis>_parallelism keys; -1 = "whatever is left".
   # ici = within a host (NVLink), dcn = across hosts. `context` shards the sequence

@@ -96,6 +96,14 @@ def test_kvax_config_keys(kvax_installed):
   bad = H.make_config("llama3-8b", "kvax", extra=dict(kvax_bwd_kv_block_size=48))
   with pytest.raises(ValueError, match="kvax_bwd_kv_block_size=48"):
     kvax_installed.options_from_config(bad)
+  assert (options.kv_grad_reduce_dtype, options.overlap_kv_gather) == ("auto", False)
+  lever = H.make_config("llama3-8b", "kvax", extra=dict(kvax_kv_grad_reduce_dtype="input",
+                                                        kvax_overlap_kv_gather=True))
+  lever = kvax_installed.options_from_config(lever)
+  assert (lever.kv_grad_reduce_dtype, lever.overlap_kv_gather) == ("input", True)
+  bad = H.make_config("llama3-8b", "kvax", extra=dict(kvax_kv_grad_reduce_dtype="bf16"))
+  with pytest.raises(ValueError, match="kvax_kv_grad_reduce_dtype='bf16'"):
+    kvax_installed.options_from_config(bad)
 
 
 def test_padding_segment_mapping():

@@ -122,6 +122,7 @@ def test_translation_to_maxtext_keys():
   assert keys["ici_tensor_parallelism"] == 2 and keys["max_target_length"] == c.seq_len
   assert keys["kvax_backend"] == "jax" and keys["kvax_fwd_query_block_size"] == 64
   assert keys["kvax_context_parallel_order"] == "auto"
+  assert keys["kvax_kv_grad_reduce_dtype"] == "auto" and keys["kvax_overlap_kv_gather"] is False
   assert keys["base_num_decoder_layers"] == 1 and keys["override_model_config"] is True
   assert launch_keys.maxtext_keys(c, "gpu")["dtype"] == "bfloat16"
   argv = launch_keys.maxtext_argv(keys)

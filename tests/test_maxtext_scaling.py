@@ -17,7 +17,11 @@ def test_specs_name_mesh_processes_and_rows():
   one = ms.parse_spec("1m-long:cudnn_flash_jax:1")
   assert (one["seq_len"], one["gpus"], one["rows"], one["mesh"]) == (1 << 20, 1, 1, {})
   assert ms.parse_spec("128k-short:kvax:c4:1")["rows"] == 1  # one row split over 4 GPUs
-  for bad in ("128k:kvax:1", "128k-medium:kvax:1", "12x-short:kvax:1", "128k-short:kvax:c4q2"):
+  lever = ms.parse_spec("256k-short:kvax:c4+kvax_kv_grad_reduce_dtype=input+kvax_backend=mosaic")
+  assert lever["overrides"] == {"kvax_kv_grad_reduce_dtype": "input", "kvax_backend": "mosaic"}
+  assert lever["mesh"] == {"ici_context": 4} and ms.parse_spec("256k-short:kvax:1")["overrides"] == {}
+  for bad in ("128k:kvax:1", "128k-medium:kvax:1", "12x-short:kvax:1", "128k-short:kvax:c4q2",
+              "128k-short:kvax:c4+novalue", "128k-short:kvax:c4+Bad-Key=1"):
     with pytest.raises(SystemExit, match="--runs"):
       ms.parse_spec(bad)
 
@@ -53,6 +57,9 @@ def test_launcher_command_carries_mesh_rows_and_layout():
   assert "per_device_batch_size=0.25" in cmd and "--config.kvax.backend=auto" in cmd
   assert f"--config.data.min_doc_chars={4 * 131072}" in cmd  # long: one document per row
   assert "base_num_decoder_layers=4" in cmd and "vocab_size=512" in cmd
+  lever = ms.launcher_cmd(ms.parse_spec("128k-short:kvax:c4+kvax_kv_grad_reduce_dtype=input"),
+                          args, Path("/tmp/x"), {"jax_cache_dir": "/tmp/j"})
+  assert "kvax_kv_grad_reduce_dtype=input" in lever
 
 
 def test_compare_gives_speedup_efficiency_and_loss_gap():
@@ -66,3 +73,7 @@ def test_compare_gives_speedup_efficiency_and_loss_gap():
   assert "max_loss_gap" not in out["128k-short:kvax:c4"]  # 4 rows against 1: other batches
   assert out["128k-short:kvax:c4:1"]["max_loss_gap"] == pytest.approx(0.05)
   assert "256k-short:kvax:c4" not in out  # a failed run has nothing to compare
+  lever = dict(ms.parse_spec("128k-short:kvax:1+kvax_backend=mosaic"), tokens_per_s=50.0,
+               losses=[5.0, 4.0])
+  # A one-GPU row with overrides is not the baseline of the plain multi-GPU rows.
+  assert {c["against"] for c in ms.compare([lever] + rows)} == {"128k-short:kvax:1"}

@@ -37,7 +37,9 @@ def create_attention_mask(query_positions: jax.Array,
                           query_specs: Any = None,
                           kv_specs: Any = None,
                           permute_tokens_for_load_balance: bool | None = None,
-                          token_order: str | None = None) -> AttentionMask:
+                          token_order: str | None = None,
+                          overlap_kv_gather: bool | None = None,
+                          kv_grad_reduce_dtype: str = "auto") -> AttentionMask:
   """Build the block mask once per step; pass it to `flash_attention` in every layer.
 
   The parameters up to `mesh` are kvax 0.1.0's, in its order; the rest are keyword-only.
@@ -62,6 +64,14 @@ def create_attention_mask(query_positions: jax.Array,
       per batch); must match the flash_attention call. None: from the flag below, else "llama3".
     permute_tokens_for_load_balance: the older spelling of token_order: True is "llama3", False
       "natural" (None: not given). Contradicting token_order raises.
+    overlap_kv_gather: with context parallelism, split each shard's attention into its own kv
+      and the other shards', so the key / value exchange can run behind the first part (needs a
+      backend with separate forward / backward kernels: "mosaic", "triton" or "jax"). None:
+      context_parallel.OVERLAP_KV_GATHER (off).
+    kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv partial sums
+      are added in: "auto" (the input dtype with 2 context shards, where that is exact, float32
+      with more), "float32", or "input" (bf16 inputs: half the reduce-scatter's bytes, rounded
+      at each addition). No effect without context parallelism.
 
   Returns:
     An `AttentionMask` pytree holding O(B * S / block) int32 tables.
@@ -78,7 +88,8 @@ def create_attention_mask(query_positions: jax.Array,
   options = block_mask.normalize_mask_options(**options)
   return context_parallel.create_attention_mask_sharded(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, mesh=mesh,
-      query_specs=query_specs, kv_specs=kv_specs, token_order=order, **options)
+      query_specs=query_specs, kv_specs=kv_specs, token_order=order,
+      overlap_kv_gather=overlap_kv_gather, kv_grad_reduce_dtype=kv_grad_reduce_dtype, **options)
 
 
 def _features(query, key, value, mask: AttentionMask, logits_soft_cap, sinks) -> tuple[str, ...]:

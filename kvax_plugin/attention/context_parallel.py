@@ -131,8 +131,20 @@ KV_GRAD_REDUCE_DTYPE = None
 OVERLAP_KV_GATHER = False
 
 
-def kv_grad_reduce_dtype(grad_dtype, context_size: int):
-  """The dtype the cross-shard sum of dk / dv is done in, for `context_size` shards."""
+KV_GRAD_REDUCE_CHOICES = ("auto", "float32", "input")
+
+
+def kv_grad_reduce_dtype(grad_dtype, context_size: int, choice: str = "auto"):
+  """The dtype the cross-shard sum of dk / dv is done in, for `context_size` shards.
+
+  choice (create_attention_mask's kv_grad_reduce_dtype): "float32", "input" (the gradient's
+  own dtype: half the bytes of the reduce-scatter in bf16, rounded at each of its
+  context_size - 1 additions), or "auto" (KV_GRAD_REDUCE_DTYPE when set, else the input
+  dtype with two shards, float32 with more)."""
+  if choice == "float32":
+    return jnp.dtype(jnp.float32)
+  if choice == "input":
+    return jnp.dtype(grad_dtype)
   if KV_GRAD_REDUCE_DTYPE is not None:
     return jnp.dtype(KV_GRAD_REDUCE_DTYPE)
   if context_size <= 2 or jnp.dtype(grad_dtype).itemsize >= 4:  # float32 / float64: as is
@@ -546,6 +558,8 @@ class ShardLayout:
   # remote part (remote_spec: kv = the other shards' tokens, ascending rank).
   overlap_kv_gather: bool = False
   remote_spec: MaskSpec | None = None
+  # The dtype of the cross-shard dk / dv sum (KV_GRAD_REDUCE_CHOICES, see kv_grad_reduce_dtype).
+  kv_grad_reduce_dtype: str = "auto"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -612,7 +626,7 @@ class _GatherKvGradSum:
   """all_gather over the context axes whose transpose sums in kv_grad_reduce_dtype."""
 
   @staticmethod
-  def make(axes: AxisNames, cp: int):
+  def make(axes: AxisNames, cp: int, reduce_choice: str = "auto"):
     axis_name = axes if len(axes) > 1 else axes[0]
 
     @jax.custom_vjp
@@ -625,7 +639,8 @@ class _GatherKvGradSum:
     def bwd(_, ct):
       # Partial gradients of every shard's queries for all kv tokens: sum them over the
       # context axis and keep this shard's slice (reduce-scatter).
-      summed = jax.lax.psum_scatter(ct.astype(kv_grad_reduce_dtype(ct.dtype, cp)), axis_name,
+      rd = kv_grad_reduce_dtype(ct.dtype, cp, reduce_choice)
+      summed = jax.lax.psum_scatter(ct.astype(rd), axis_name,
                                     scatter_dimension=1, tiled=True)
       return (summed.astype(ct.dtype),)
 
@@ -661,7 +676,7 @@ class _SplitKv:
   to float32, see "Gradients"), with more all cp terms in float32 and one rounding."""
 
   @staticmethod
-  def make(axes: AxisNames, cp: int):
+  def make(axes: AxisNames, cp: int, reduce_choice: str = "auto"):
     name = _axis_name(axes)
 
     @jax.custom_vjp
@@ -673,7 +688,7 @@ class _SplitKv:
 
     def bwd(_, cts):
       ct_local, ct_remote = cts
-      rd = kv_grad_reduce_dtype(ct_remote.dtype, cp)
+      rd = kv_grad_reduce_dtype(ct_remote.dtype, cp, reduce_choice)
       ct_remote = ct_remote.astype(rd)
       if cp == 2:
         back = jax.lax.ppermute(ct_remote, name, perm=[(0, 1), (1, 0)])
@@ -716,7 +731,7 @@ _arrange.defvjp(_arrange_fwd, _arrange_bwd)
 
 
 def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad: bool,
-               arrangement: jax.Array | None = None):
+               arrangement: jax.Array | None = None, reduce_choice: str = "auto"):
   """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...], arranged so the
   per-shard tables are contiguous ranges: natural order back from "llama3" (static chunks),
   document order for "balanced" (`arrangement`, int32 [B_local, S])."""
@@ -724,7 +739,7 @@ def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad
     return arrays
   axis_name = axes if len(axes) > 1 else axes[0]
   if float_grad:
-    gather = _GatherKvGradSum.make(axes, cp)
+    gather = _GatherKvGradSum.make(axes, cp, reduce_choice)
     out = [gather(x) for x in arrays]
   else:
     out = [jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in arrays]
@@ -794,7 +809,8 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                                   query_specs=None,
                                   kv_specs=None,
                                   token_order: str = "llama3",
-                                  overlap_kv_gather: bool | None = None
+                                  overlap_kv_gather: bool | None = None,
+                                  kv_grad_reduce_dtype: str = "auto"
                                   ) -> ShardedAttentionMask:
   """Per-shard block tables, built inside shard_map (see the module docstring).
 
@@ -803,7 +819,12 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   ("natural", "llama3" or "balanced"; see resolve_token_order) names. Specs: explicit or from
   `attention_specs`. overlap_kv_gather: build the local / remote tables of the overlapped path
   (None: the module setting OVERLAP_KV_GATHER; no effect without context parallelism).
+  kv_grad_reduce_dtype: the dtype flash_attention sums the shards' dk / dv in, one of
+  KV_GRAD_REDUCE_CHOICES (see the function of that name); recorded in the mask's layout.
   """
+  if kv_grad_reduce_dtype not in KV_GRAD_REDUCE_CHOICES:
+    raise ValueError(f"kv_grad_reduce_dtype must be one of {KV_GRAD_REDUCE_CHOICES}, got "
+                     f"{kv_grad_reduce_dtype!r}")
   specs = resolve_specs(query_specs, kv_specs)
   check_specs(specs, mesh)
   b, sq = query_positions.shape
@@ -871,7 +892,7 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   layout = ShardLayout(mesh_axes=_mesh_axes(mesh), batch_axes=specs.batch_axes,
                        context_axes=specs.context_axes, context_size=cp, token_order=order,
                        local_spec=local, mesh=mesh, specs=specs, overlap_kv_gather=overlap,
-                       remote_spec=remote_spec)
+                       remote_spec=remote_spec, kv_grad_reduce_dtype=kv_grad_reduce_dtype)
   # Global, over the tokens in the order they arrive (checked_fingerprint_columns says
   # which parts a call compares).
   fingerprint = bm.mask_fingerprint(*ints)
@@ -942,12 +963,13 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   has_sinks = sinks is not None
   layout_mask = mask
   overlap = mask.layout.overlap_kv_gather
+  reduce_choice = mask.layout.kv_grad_reduce_dtype
 
   def per_shard_split(q, k, v, qp, qs, kp, ks, tables, arrangement, remote_tables, s):
     # The local part reads only this shard's k / v; the remote part's k / v come by a
     # collective that XLA can run behind the local part (split_kv_attention, "Order").
     k, v = pick_kv_head(k), pick_kv_head(v)
-    split = _SplitKv.make(specs.context_axes, cp)
+    split = _SplitKv.make(specs.context_axes, cp, reduce_choice)
     (k_loc, k_rem), (v_loc, v_rem) = split(k), split(v)
     kp_rem, ks_rem = (_gather_remote(x, specs.context_axes, cp) for x in (kp, ks))
     if arrangement is not None:
@@ -971,7 +993,7 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   def per_shard(q, k, v, qp, qs, kp, ks, tables, arrangement, s):
     k, v = pick_kv_head(k), pick_kv_head(v)
     k, v = _gather_kv((k, v), specs.context_axes, cp, order, float_grad=True,
-                      arrangement=arrangement)
+                      arrangement=arrangement, reduce_choice=reduce_choice)
     kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, order, float_grad=False,
                         arrangement=arrangement)
     local_mask = layout_mask.local(*tables)

@@ -36,6 +36,8 @@ class KvaxOptions:
     "llama3" or "balanced" (what the input pipeline did; the op never permutes them itself).
   query_specs / kv_specs: BSHD specs over `mesh` (mesh axis names per dimension); None lets
     the op use its attention_specs context or defaults.
+  kv_grad_reduce_dtype / overlap_kv_gather: context parallelism's dk / dv sum dtype and kv
+    exchange overlap (create_attention_mask's arguments of those names).
   """
 
   backend: str = "auto"
@@ -47,6 +49,8 @@ class KvaxOptions:
   token_order: str = "natural"
   query_specs: tuple | None = None
   kv_specs: tuple | None = None
+  kv_grad_reduce_dtype: str = "auto"
+  overlap_kv_gather: bool = False
 
 
 def _check_tokens(name: str, x) -> jax.Array:
@@ -64,6 +68,14 @@ def _mesh_kwargs(options: KvaxOptions) -> dict:
     return {}
   return dict(mesh=options.mesh, query_specs=options.query_specs, kv_specs=options.kv_specs,
               token_order=options.token_order)
+
+
+def _mask_mesh_kwargs(options: KvaxOptions) -> dict:
+  # Context-parallel settings the mask records (flash_attention follows the mask).
+  if options.mesh is None:
+    return {}
+  return dict(kv_grad_reduce_dtype=options.kv_grad_reduce_dtype,
+              overlap_kv_gather=options.overlap_kv_gather)
 
 
 def prepare(query_positions: jax.Array,
@@ -96,7 +108,7 @@ def prepare(query_positions: jax.Array,
     masks[(causal, window)] = kvax_plugin.create_attention_mask(
         qp, qs, kp, ks, fwd_params=options.fwd_params, bwd_params=options.bwd_params,
         calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=options.skip_pad_tokens, causal=causal,
-        sliding_window=window, **_mesh_kwargs(options))
+        sliding_window=window, **_mesh_kwargs(options), **_mask_mesh_kwargs(options))
   return PreparedAttention(qp, qs, kp, ks, masks, "kvax", options)
 
 

@@ -18,7 +18,7 @@ MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
              for net in ("ici", "dcn") for axis in ("data", "fsdp", "tensor", "context")}
 KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
              "bwd_kv_block_size", "memory_optimized_gqa_backward", "skip_pad_tokens",
-             "context_parallel_order")
+             "context_parallel_order", "kv_grad_reduce_dtype", "overlap_kv_gather")
 
 
 def maxtext_dir() -> str:

@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import kvax_plugin
+from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.kernels import BACKENDS
 from kvax_plugin.providers.kvax_provider import KvaxOptions
 
@@ -35,6 +36,13 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
                                     '"auto" (balanced when MaxText reorders batches), "natural", '
                                     '"llama3" (MaxText\'s dual chunk swap) or "balanced" '
                                     '(per batch, document-aware)'),
+    "kvax_kv_grad_reduce_dtype": (str, "auto",
+                                  'kvax: dtype of the context shards\' key/value gradient sum: '
+                                  '"auto" (input dtype at 2 shards, float32 beyond), "float32" '
+                                  'or "input"'),
+    "kvax_overlap_kv_gather": (bool, False,
+                               "kvax: overlap the context-parallel key/value exchange with the "
+                               "attention over each shard's own keys (mosaic, triton, jax)"),
 }
 
 
@@ -67,8 +75,13 @@ def options_from_config(config, **mesh_fields) -> KvaxOptions:
   backend = config_value(config, "kvax_backend")
   if backend not in BACKENDS:
     raise ValueError(f"MaxText config kvax_backend={backend!r}: must be one of {BACKENDS}")
+  reduce = config_value(config, "kvax_kv_grad_reduce_dtype")
+  if reduce not in KV_GRAD_REDUCE_CHOICES:
+    raise ValueError(f"MaxText config kvax_kv_grad_reduce_dtype={reduce!r}: must be one of "
+                     f"{KV_GRAD_REDUCE_CHOICES}")
   return KvaxOptions(
-      backend=backend, fwd_params=params["fwd"], bwd_params=params["bwd"],
+      backend=backend, kv_grad_reduce_dtype=reduce,
+      overlap_kv_gather=bool(config_value(config, "kvax_overlap_kv_gather")), fwd_params=params["fwd"], bwd_params=params["bwd"],
       memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
       skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
       **mesh_fields)
