@@ -1,6 +1,9 @@
-"""Context parallelism on >= 2 GPUs with the Triton backend against one GPU (marker: multigpu).
+"""Context parallelism on >= 2 GPUs against one GPU (marker: multigpu), with the Triton and the
+hopper backends, each token order, with and without the overlapped kv exchange
+(overlap_kv_gather), and at 4 shards with the dk / dv sum in bf16 (kv_grad_reduce_dtype).
 
-Run on the 2-GPU machine: `python -m pytest -q -m multigpu tests/test_sharding_gpu.py`.
+Run on a 2- or 4-GPU machine: `python -m pytest -q -m multigpu tests/test_sharding_gpu.py`
+(the 4-shard cases need 4 GPUs and are skipped with fewer).
 Skipped elsewhere (with the reason). The full-size agreement / speed-up run is
 benchmarks/bench_context_parallel.py.
 """
@@ -40,12 +43,23 @@ def _layout(rng, batch, length, num_docs, pad):
   return pos, seg
 
 
-@pytest.mark.parametrize("order", ["natural", "llama3", "balanced"])
-def test_triton_context_parallel_matches_one_gpu(order):
-  ok, reason = availability("triton")
+CASES = [  # (backend, context shards, token order, overlap_kv_gather, kv_grad_reduce_dtype)
+    *[("triton", 2, order, False, "auto") for order in ("natural", "llama3", "balanced")],
+    ("triton", 2, "balanced", True, "auto"),
+    *[("hopper", 2, order, False, "auto") for order in ("natural", "llama3", "balanced")],
+    ("hopper", 2, "natural", True, "auto"), ("hopper", 2, "balanced", True, "auto"),
+    ("hopper", 4, "balanced", False, "auto"), ("hopper", 4, "balanced", False, "input"),
+    ("hopper", 4, "balanced", True, "auto"),
+]
+
+
+@pytest.mark.parametrize("backend,cp,order,overlap,reduce", CASES)
+def test_context_parallel_matches_one_gpu(backend, cp, order, overlap, reduce):
+  ok, reason = availability(backend)
   if not ok:
     pytest.skip(reason)
-  cp = 2
+  if len(GPUS) < cp:
+    pytest.skip(f"{cp} context shards need {cp} GPUs, found {len(GPUS)}")
   b, s, h, kh, d = 2, 4096, 8, 2, 64
   rng = np.random.default_rng(0)
   pos, seg = _layout(rng, b, s, 5, 300)
@@ -56,11 +70,12 @@ def test_triton_context_parallel_matches_one_gpu(order):
   def step(q, k, v, w, sinks, pos, seg, mesh, order):
     kw = dict(mesh=mesh, query_specs=(None, "context", None, None),
               token_order=order) if mesh is not None else {}
-    mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw)
+    cp_kw = dict(overlap_kv_gather=overlap, kv_grad_reduce_dtype=reduce) if mesh is not None else {}
+    mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw, **cp_kw)
 
     def loss(q, k, v, sinks):
       out = flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5, sinks=sinks,
-                            backend="triton", **kw)
+                            backend=backend, **kw)
       return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32)), out
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v,
