@@ -79,7 +79,8 @@ def family_config(family: str, arg: str | None,
   # "input" (bf16: half the bytes, rounded at each of the shards' additions).
   c.kvax.kv_grad_reduce_dtype = "auto"
   # Context parallelism: split each shard's attention into its own keys / values and the other
-  # shards', so the exchange runs behind the first part ("mosaic", "triton" or "jax" backends).
+  # shards', so the exchange runs behind the first part (measured on 4 x H200, 2026-11-27:
+  # +2.5% tokens/s at context 2, nothing at context 4; any backend but "reference").
   c.kvax.overlap_kv_gather = False
 
   # Device mesh, as MaxText's {ici,dcn}_<axis>_parallelism keys; -1 = "whatever is left".

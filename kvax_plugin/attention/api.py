@@ -66,7 +66,8 @@ def create_attention_mask(query_positions: jax.Array,
       "natural" (None: not given). Contradicting token_order raises.
     overlap_kv_gather: with context parallelism, split each shard's attention into its own kv
       and the other shards', so the key / value exchange can run behind the first part (needs a
-      backend with separate forward / backward kernels: "mosaic", "triton" or "jax"). None:
+      backend with separate forward / backward kernels: "hopper", "mosaic", "triton" or "jax";
+      measured in MaxText on 4 x H200: +2.5% tokens/s at 2 shards, none at 4). None:
       context_parallel.OVERLAP_KV_GATHER (off).
     kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv partial sums
       are added in: "auto" (the input dtype with 2 context shards, where that is exact, float32

@@ -985,7 +985,8 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
       raise ValueError(
           f'backend="{backend}" has no separate forward / backward kernels, which the '
           "overlapped context-parallel path (a mask built with overlap_kv_gather=True) needs: "
-          'use backend "jax", "triton" or "mosaic", or build the mask without the overlap')
+          'use backend "hopper", "mosaic", "triton" or "jax", or build the mask without the '
+          "overlap")
     return split_kv.split_kv_attention(
         parts_loc, parts_rem, q, qp, qs, split_kv.KvPart(k_loc, v_loc, kp, ks, local_mask),
         split_kv.KvPart(k_rem, v_rem, kp_rem, ks_rem, remote_mask), s if has_sinks else None)

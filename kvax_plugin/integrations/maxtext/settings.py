@@ -42,7 +42,7 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
                                   'or "input"'),
     "kvax_overlap_kv_gather": (bool, False,
                                "kvax: overlap the context-parallel key/value exchange with the "
-                               "attention over each shard's own keys (mosaic, triton, jax)"),
+                               "attention over each shard's own keys (hopper, mosaic, triton, jax)"),
 }
 
 
