@@ -136,6 +136,11 @@ def _run(d, *, mesh=None, order="natural", soft_cap=None, causal=True, window=No
     q, k, v, w, pos, seg = (np.asarray(x) for x in token_order.apply_token_order(
         tuple(np.asarray(x) for x in (q, k, v, w, pos, seg)), tok))
   kw = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs) if mesh is not None else {}
+  sinks = d["sinks"]
+  if mesh is not None:
+    # Host arrays: jax arrays committed to one device are resharded for the mesh by a compiled
+    # slicing program per shape and sharding (~6 s of this file's compiling, 2026-11-27).
+    q, k, v, w, pos, seg, sinks = (np.asarray(x) for x in (q, k, v, w, pos, seg, sinks))
 
   def step(q, k, v, sinks, w, pos, seg):
     mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
@@ -151,7 +156,7 @@ def _run(d, *, mesh=None, order="natural", soft_cap=None, causal=True, window=No
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
     return out, grads
 
-  out, (dq, dk, dv, ds) = _jit(step, q, k, v, d["sinks"], w, pos, seg)
+  out, (dq, dk, dv, ds) = _jit(step, q, k, v, sinks, w, pos, seg)
   out, dq, dk, dv, ds = (np.asarray(x) for x in (out, dq, dk, dv, ds))
   if tok is not None:
     out, dq, dk, dv = (np.asarray(x) for x in token_order.undo_token_order((out, dq, dk, dv), tok))
@@ -500,6 +505,8 @@ def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
   mesh = _mesh(shape)
   kw = dict(mesh=mesh, query_specs=QUERY_SPECS, kv_specs=KV_SPECS)
   q, k, v, w = (data[n].astype(jnp.bfloat16) for n in ("q", "k", "v", "w"))
+  # The arguments on the host, as in _run: no resharding programs to compile.
+  q, k, v = (np.asarray(x) for x in (q, k, v))
   pos, seg = data["pos"], data["seg"]
 
   def grads(q, k, v):
