@@ -408,6 +408,8 @@ def test_balance_counts_match_dense_mask():
   rng = np.random.default_rng(7)
   pos, seg = _documents(rng, 2, 256)
   from kvax_plugin.attention.block_mask import dense_mask
+  # Jitted: eagerly, each of its operations compiles a program per shape and setting.
+  dense_mask = jax.jit(dense_mask, static_argnames=("causal", "sliding_window"))
   for causal, window in ((True, None), (True, 20), (False, 20), (False, None)):
     rep = context_parallel.context_parallel_balance(pos, seg, 2, permute=True, causal=causal,
                                             sliding_window=window)
