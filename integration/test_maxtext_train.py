@@ -39,25 +39,35 @@ def _argv(tmp_path, attention: str, model: str, extra: dict) -> list[str]:
   return argv + [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in args.items()]
 
 
-def _train(tmp_path, attentions: tuple[str, ...], model: str, extra: dict) -> dict:
-  """attention -> KVAX_RESULT of its run; the runs one after the other in one worker process
-  (one MaxText import for both)."""
-  runs = [(str(tmp_path / f"{a}.jsonl"), _argv(tmp_path, a, model, extra)) for a in attentions]
+MODELS = [("llama3-8b", {}), ("gemma2-2b", {"sliding_window_size": 48})]
+ATTENTIONS = ("dot_product", "kvax")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+  """(model, attention) -> KVAX_RESULT of its run, or the worker's failure text. Every run of
+  this file, one after the other in one worker process: one MaxText import (~14 s of CPU) for
+  all of them instead of one per model."""
+  plan = [(m, e, a, tmp_path_factory.mktemp(f"{m}_{a}")) for m, e in MODELS for a in ATTENTIONS]
+  runs = [(str(d / "metrics.jsonl"), _argv(d, a, m, e)) for m, e, a, d in plan]
   proc = subprocess.run([sys.executable, os.path.join(HERE, "maxtext_train_worker.py"),
                          json.dumps(runs)], capture_output=True, text=True,
                         timeout=900 * len(runs), env={**os.environ, "JAX_PLATFORMS": "cpu"})
   lines = [l for l in proc.stdout.splitlines() if l.startswith("KVAX_RESULT ")]
-  assert proc.returncode == 0 and len(lines) == len(runs), (
-      f"MaxText training ({', '.join(attentions[len(lines):])}) failed, rc={proc.returncode}:"
-      f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-  return {a: json.loads(l[len("KVAX_RESULT "):]) for a, l in zip(attentions, lines)}
+  failure = (f"MaxText training failed after {len(lines)} of {len(runs)} runs, "
+             f"rc={proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+  out = {(m, a): failure for m, _, a, _ in plan}
+  if proc.returncode == 0:
+    out.update({(m, a): json.loads(l[len("KVAX_RESULT "):]) for (m, _, a, _), l in
+                zip(plan, lines)})
+  return out
 
 
-@pytest.mark.parametrize("model,extra", [("llama3-8b", {}),
-                                         ("gemma2-2b", {"sliding_window_size": 48})],
-                         ids=["llama3-8b", "gemma2-2b-window48"])
-def test_training_steps_match(tmp_path, model, extra):
-  runs = _train(tmp_path, ("dot_product", "kvax"), model, extra)
+@pytest.mark.parametrize("model,extra", MODELS, ids=["llama3-8b", "gemma2-2b-window48"])
+def test_training_steps_match(trained, model, extra):
+  runs = {a: trained[(model, a)] for a in ATTENTIONS}
+  for a, r in runs.items():
+    assert isinstance(r, dict), f"{model} {a}: {r}"
   ref, got = runs["dot_product"], runs["kvax"]
   side = "  ".join(f"step {i}: {a:.6f} | {b:.6f}" for i, (a, b) in
                    enumerate(zip(ref["losses"], got["losses"])))
