@@ -4,9 +4,10 @@
     python -m benchmarks.maxtext_scaling --runs 128k-short:kvax:1,128k-short:kvax:c4 --steps 5
     python -m benchmarks.maxtext_scaling --runs 8gpu --steps 8   # the matrix for 8 GPUs
 
-A run is LENGTH-LAYOUT:ATTENTION:MESH[:ROWS][+KEY=VALUE...], one `python -m kvax_plugin.launch` process (or
-several, see p<N>) of MaxText's own training loop on the packed shipped corpus (llama3-8b with
---layers layers and a --vocab-token vocabulary, bf16, launcher defaults otherwise):
+A run is LENGTH-LAYOUT:ATTENTION:MESH[:ROWS][+KEY=VALUE...], one `python -m kvax_plugin.launch`
+process (or several, see p<N>) of MaxText's own training loop on the packed shipped corpus
+(llama3-8b with --layers layers and a --vocab-token vocabulary, bf16, launcher defaults
+otherwise):
   LENGTH  tokens per row: 128k, 256k, 512k, 1m (k = 1024);
   LAYOUT  short (the launcher's documents of 64..4096 bytes, many per row) or long (one
           document per row: plain causal attention);

@@ -42,7 +42,8 @@ KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
                                   'or "input"'),
     "kvax_overlap_kv_gather": (bool, False,
                                "kvax: overlap the context-parallel key/value exchange with the "
-                               "attention over each shard's own keys (hopper, mosaic, triton, jax)"),
+                               "attention over each shard's own keys (hopper, mosaic, triton, "
+                               "jax)"),
 }
 
 
@@ -80,8 +81,9 @@ def options_from_config(config, **mesh_fields) -> KvaxOptions:
     raise ValueError(f"MaxText config kvax_kv_grad_reduce_dtype={reduce!r}: must be one of "
                      f"{KV_GRAD_REDUCE_CHOICES}")
   return KvaxOptions(
-      backend=backend, kv_grad_reduce_dtype=reduce,
-      overlap_kv_gather=bool(config_value(config, "kvax_overlap_kv_gather")), fwd_params=params["fwd"], bwd_params=params["bwd"],
+      backend=backend, fwd_params=params["fwd"], bwd_params=params["bwd"],
+      kv_grad_reduce_dtype=reduce,
+      overlap_kv_gather=bool(config_value(config, "kvax_overlap_kv_gather")),
       memory_optimized_gqa_backward=bool(config_value(config, "kvax_memory_optimized_gqa_backward")),
       skip_pad_tokens=bool(config_value(config, "kvax_skip_pad_tokens")),
       **mesh_fields)
