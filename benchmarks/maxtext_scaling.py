@@ -206,6 +206,23 @@ def compare(rows: list[dict]) -> list[dict]:
   return out
 
 
+def versus(rows: list[dict]) -> list[dict]:
+  """Each kvax row against every other attention's row of the same length, layout, mesh and
+  rows (no overrides on either): kvax's tokens/s over theirs, and the largest loss gap."""
+  out = []
+  plain = [r for r in rows if "error" not in r and not r.get("overrides")]
+  for r in plain:
+    if r["attention"] != "kvax":
+      continue
+    for o in plain:
+      if (o["attention"] != "kvax" and o["label"] == r["label"] and o["mesh"] == r["mesh"]
+          and o["processes"] == r["processes"] and o["rows"] == r["rows"]):
+        out.append(dict(run=r["spec"], against=o["spec"],
+                        kvax_speedup=round(r["tokens_per_s"] / o["tokens_per_s"], 3),
+                        max_loss_gap=max(abs(a - b) for a, b in zip(r["losses"], o["losses"]))))
+  return out
+
+
 def plot(result: dict, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -223,7 +240,7 @@ def plot(result: dict, path: Path) -> None:
     ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}k", ha="center", va="bottom", fontsize=7)
   ax.set_xticks(range(len(rows)), names, fontsize=6, rotation=45, ha="right")
   ax.set_ylabel("real tokens/s (thousands)")
-  ax.set_title(f"MaxText llama3-8b ({result['layers']} layers), attention=kvax\n"
+  ax.set_title(f"MaxText llama3-8b ({result['layers']} layers)\n"
                f"{result['device']}; gray: one GPU, blue: several", fontsize=9)
   for r in ran:
     if r["rows"] != r["gpus"] or r["gpus"] == 1:
@@ -280,6 +297,7 @@ def main():
   def save(row):
     result["rows"].append(row)
     result["comparisons"] = compare(result["rows"])
+    result["versus"] = versus(result["rows"])
     print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error", "profile")}),
           flush=True)
     if "profile" in row:
@@ -305,7 +323,7 @@ def main():
       t0 = time.time()
       save(finish(r, start(r, args, out_dir, list(range(r["gpus"]))), t0, args.timeout,
                   args))
-  for c in result.get("comparisons", []):
+  for c in result.get("comparisons", []) + result.get("versus", []):
     print(json.dumps(c), flush=True)
   plot(result, out_dir / "scaling.png")
 

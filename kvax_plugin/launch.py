@@ -46,7 +46,8 @@ from kvax_plugin.errors import FlagError, SetupError
 from kvax_plugin.integrations.maxtext import console, distributed, run_report
 from kvax_plugin.integrations.maxtext import launch_checks as checks
 from kvax_plugin.integrations.maxtext.launch_keys import (argv_value, check_maxtext_config,
-                                                          maxtext_argv, maxtext_keys, output_dir)
+                                                          maxtext_argv, maxtext_keys, output_dir,
+                                                          te_packing_keys)
 from kvax_plugin.integrations.maxtext.setup_timing import SetupTimer
 from kvax_plugin.integrations.maxtext.training_hooks import (Progress, packed_corpus_pipeline,
                                                              progress_hook)
@@ -97,6 +98,9 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     replaced = {k: (keys[k], v) for k, v in raw.items()
                 if k in keys and argv_value(keys[k]) != v}
     keys.update(raw)
+    if keys["attention"] == "cudnn_flash_te" and "dataset_type" not in raw:
+      # TransformerEngine must be told the rows are packed (see te_packing_keys).
+      keys.update({k: v for k, v in te_packing_keys(cfg, keys).items() if k not in raw})
     argv = maxtext_argv(keys)
     if replaced:
       print("raw MaxText overrides replace config-derived keys: " + ", ".join(

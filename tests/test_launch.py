@@ -133,6 +133,32 @@ def test_translation_to_maxtext_keys():
     checks.parse_raw_overrides(["--steps", "3"])
 
 
+@needs_maxtext
+def test_transformer_engine_is_told_the_rows_are_packed():
+  # MaxText's cudnn_flash_te reads segment ids only when dataset_type is not "synthetic", takes
+  # packed rows with context parallelism only through its ring strategy, and needs the most
+  # documents per row: count them on the batches the run trains on.
+  from kvax_plugin.data import batch_iterator
+  from kvax_plugin.integrations.maxtext import launch_keys
+  c = load_family("llama3").get_config("tiny")
+  with c.unlocked():
+    c.attention = "cudnn_flash_te"
+    c.seq_len = 8192
+    c.steps = 3
+  keys = launch_keys.maxtext_keys(c, "gpu")
+  te = launch_keys.te_packing_keys(c, keys)
+  import jax
+  rows = int(c.per_device_batch_size) * jax.device_count()
+  stream = batch_iterator(8192, rows, seed=c.data.seed, window_batches=c.data.window_batches,
+                          min_chars=c.data.min_doc_chars, max_chars=c.data.max_doc_chars)
+  counts = [max(next(stream).segments_per_row()) for _ in range(3)]
+  assert te["max_segments_per_seq"] == max(counts) > 1
+  assert te["dataset_type"] == "grain" and te["grain_train_files"]
+  assert "context_parallel_strategy" not in te  # no context axis: MaxText's default stays
+  keys["ici_context_parallelism"] = 2
+  assert launch_keys.te_packing_keys(c, keys)["context_parallel_strategy"] == "ring"
+
+
 def test_packed_corpus_feeds_maxtext_features():
   from kvax_plugin.data.feeding import PackedCorpus
   from kvax_plugin.errors import FlagError

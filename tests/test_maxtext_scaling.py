@@ -77,3 +77,18 @@ def test_compare_gives_speedup_efficiency_and_loss_gap():
                losses=[5.0, 4.0])
   # A one-GPU row with overrides is not the baseline of the plain multi-GPU rows.
   assert {c["against"] for c in ms.compare([lever] + rows)} == {"128k-short:kvax:1"}
+
+
+def test_versus_compares_kvax_with_other_attentions_at_the_same_settings():
+  rows = [dict(ms.parse_spec("128k-short:kvax:c4"), tokens_per_s=300.0, losses=[5.0, 4.0]),
+          dict(ms.parse_spec("128k-short:cudnn_flash_te:c4"), tokens_per_s=200.0,
+               losses=[5.0, 4.1]),
+          dict(ms.parse_spec("128k-short:cudnn_flash_te:c2f2"), tokens_per_s=100.0,
+               losses=[5.0, 4.0]),
+          dict(ms.parse_spec("128k-long:cudnn_flash_te:c4"), tokens_per_s=100.0,
+               losses=[5.0, 4.0]),
+          dict(ms.parse_spec("128k-short:flash:c4"), error="exit [1]: RESOURCE_EXHAUSTED")]
+  out = ms.versus(rows)
+  assert len(out) == 1  # other meshes, layouts and failed runs are not compared
+  assert out[0]["against"] == "128k-short:cudnn_flash_te:c4"
+  assert out[0]["kvax_speedup"] == 1.5 and out[0]["max_loss_gap"] == pytest.approx(0.1)

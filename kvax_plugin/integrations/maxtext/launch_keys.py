@@ -74,6 +74,40 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
   return keys
 
 
+# Stands in for a data path: MaxText validates that one is set, but the launcher replaces
+# MaxText's data iterator with the packed corpus (training_hooks.packed_corpus_pipeline).
+TE_DATA_PLACEHOLDER = "kvax-plugin-packed-corpus"
+
+
+def te_packing_keys(cfg, keys: dict[str, Any]) -> dict[str, Any]:
+  """The keys MaxText's cudnn_flash_te (TransformerEngine) needs to see our rows as packed.
+
+  `keys` are the run's MaxText keys (raw overrides applied). MaxText gives TransformerEngine
+  the segment ids (its THD layout) only when `dataset_type` is not "synthetic"; with
+  "synthetic" TE would attend across the documents of a row. With context parallelism TE takes
+  packed rows only through its ring strategy (MaxText then reorders batches "striped").
+  `max_segments_per_seq` must be at least the most documents in any row (more would corrupt
+  TE's results, a looser bound costs it speed): it is counted on the batches this run trains
+  on. The caller keeps raw overrides of these keys.
+  """
+  import jax
+
+  from kvax_plugin.data import batch_iterator
+  rows = max(1, math.ceil(float(keys["per_device_batch_size"]) * jax.device_count()))
+  d = cfg.data
+  stream = batch_iterator(int(keys["max_target_length"]), rows, seed=d.seed,
+                          window_batches=d.window_batches, min_chars=d.min_doc_chars,
+                          max_chars=d.max_doc_chars)
+  steps = int(keys["steps"])
+  most = max(max(batch.segments_per_row()) for batch, _ in zip(stream, range(steps)))
+  out: dict[str, Any] = dict(dataset_type="grain", grain_train_files=TE_DATA_PLACEHOLDER,
+                             max_segments_per_seq=int(most))
+  context = [int(keys[k]) for k in ("ici_context_parallelism", "dcn_context_parallelism")]
+  if context != [1, 1]:
+    out["context_parallel_strategy"] = "ring"
+  return out
+
+
 def argv_value(value: Any) -> str:
   # MaxText parses key=value with OmegaConf's command-line grammar (YAML-like scalars).
   if isinstance(value, bool):
