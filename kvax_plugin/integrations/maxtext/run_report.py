@@ -133,7 +133,10 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
   config (raw keys may have changed the launcher config's choice). `compile_breakdown`:
   setup_timing.SetupTimer.breakdown's parts of wall["setup_and_compile"]."""
   recs = progress.records
-  timed = recs[1:] if len(recs) > 1 else recs  # step 1 carries dispatch warm-up
+  # Step 1 carries dispatch warm-up. The next interval is not a step either when the first
+  # result was received late: with cudnn_flash_te on one H200 (2026-11-27) steps 1 and 2
+  # arrived 0.017 s apart, then every 1.5 s. From 4 steps on, timing starts at step 3.
+  timed = recs[2:] if len(recs) >= 4 else recs[1:] if len(recs) > 1 else recs
   mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
   remat_policy = getattr(config, "remat_policy", None)
   skipped = {}
