@@ -26,7 +26,7 @@ ranks of kept pairs and visited blocks). Finally the op's collectives are timed 
 reduce-scatter in the dtype the library sums in): the communication a token order cannot remove,
 which is what separates a balanced cp step from the ideal cp-fold speed-up.
 --overlap both also times every order with the k / v collective overlapped with the local part
-of the attention (context_parallel.OVERLAP_KV_GATHER; rows '<order>+overlap', same run);
+of the attention (create_attention_mask's overlap_kv_gather; rows '<order>+overlap', same run);
 --overlap on times only those.
 Writes <out_dir>/context_parallel_cp<N>_<seq_len>.json
 and .png (benchmarks/plot_context_parallel.py, which also plots several result files together)
@@ -37,7 +37,6 @@ layouts in the balanced order.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -88,12 +87,12 @@ def _parse(argv):
                        "(e.g. dq_after_dkv=true; values: integers, true / false, or strings), "
                        "same run; repeatable; rows '<order>+<FIELD=VALUE,...>'")
   ap.add_argument("--kv_grad_reduce_dtype", choices=("auto", "float32", "input"), default="auto",
-                  help="dtype of the cross-shard sum of dk / dv (context_parallel."
-                  "KV_GRAD_REDUCE_DTYPE): auto (the library's choice: the input dtype with two "
+                  help="dtype of the cross-shard sum of dk / dv (create_attention_mask's "
+                  "kv_grad_reduce_dtype): auto (the library's choice: the input dtype with two "
                   "context shards, float32 with more), float32, or the input dtype")
   ap.add_argument("--overlap", choices=("off", "on", "both"), default="off",
                   help="the context-parallel path with the k / v collective overlapped by the "
-                       "local part of the attention (context_parallel.OVERLAP_KV_GATHER): off, "
+                       "local part of the attention (create_attention_mask's overlap_kv_gather): off, "
                        "on (only those rows, '<order>+overlap'), or both in the same run")
   ap.add_argument("--cpu_devices", type=int, default=None,
                   help="run on CPU with this many simulated devices (sets XLA_FLAGS)")
@@ -129,18 +128,6 @@ def _kernel_options(spec: str):
   return KernelOptions(**fields)
 
 
-@contextlib.contextmanager
-def _overlap_kv_gather(enabled: bool):
-  """Masks traced in this block hold the overlapped path's tables (the op follows the mask)."""
-  from kvax_plugin.attention import context_parallel
-  saved = context_parallel.OVERLAP_KV_GATHER
-  context_parallel.OVERLAP_KV_GATHER = enabled
-  try:
-    yield
-  finally:
-    context_parallel.OVERLAP_KV_GATHER = saved
-
-
 def _median_ms(fn, args, iters: int, warmup: int):
   import jax
   for _ in range(warmup):
@@ -172,11 +159,6 @@ def main(argv=None) -> dict:
   from kvax_plugin.attention.api import create_attention_mask, flash_attention, resolve_backend
   from kvax_plugin.attention.context_parallel import context_parallel_balance
   from kvax_plugin.attention.params import DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS
-
-  if args.kv_grad_reduce_dtype != "auto":
-    from kvax_plugin.attention import context_parallel as cp_module
-    cp_module.KV_GRAD_REDUCE_DTYPE = jnp.dtype(
-        args.dtype if args.kv_grad_reduce_dtype == "input" else "float32")
 
   devices = jax.devices()
   cp = args.cp or len(devices)
@@ -218,15 +200,18 @@ def main(argv=None) -> dict:
   def put_cp(x):  # batch replicated, sequence over "context", the rest whole
     return jax.device_put(x, NamedSharding(mesh, P(None, "context", *([None] * (x.ndim - 2)))))
 
-  def make_fns(order, options=None):
+  def make_fns(order, options=None, overlap=False):
     """Jitted (mask, fwd, fwd+bwd) on one device (order None) or the cp mesh in `order`, the
-    kernels run with `options` (a KernelOptions; None: the defaults)."""
+    kernels run with `options` (a KernelOptions; None: the defaults); `overlap`: the mask (and
+    so the op) takes the overlapped kv exchange."""
     kw = {} if order is None else dict(mesh=mesh, query_specs=specs[0], kv_specs=specs[1],
                                        token_order=order)
+    mask_kw = {} if order is None else dict(overlap_kv_gather=overlap,
+                                            kv_grad_reduce_dtype=args.kv_grad_reduce_dtype)
 
     @jax.jit
     def build_mask(pos, seg):
-      return create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw)
+      return create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw, **mask_kw)
 
     def attend(q, k, v, pos, seg, mask):
       return flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=scale, backend=backend,
@@ -355,9 +340,9 @@ def main(argv=None) -> dict:
   single_fns = make_fns(None)
   overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
   suffix = lambda overlap: "+overlap" if overlap else ""
-  cp_fns = {(order, ov): make_fns(order) for order in args.orders for ov in overlaps}
+  cp_fns = {(order, ov): make_fns(order, overlap=ov) for order in args.orders for ov in overlaps}
   variants = [(v, _kernel_options(v)) for v in args.variant_options]
-  variant_fns = {(order, label, ov): make_fns(order, options) for order in args.orders
+  variant_fns = {(order, label, ov): make_fns(order, options, ov) for order in args.orders
                  for label, options in variants for ov in overlaps}
   fwd_flops_per_pair = 4.0 * h * d
   tflops = lambda flops, ms: flops / (ms * 1e-3) / 1e12
@@ -373,9 +358,7 @@ def main(argv=None) -> dict:
              for order in args.orders for label, _ in variants for ov in overlaps]
     for key, order, fns, ov in runs:
       tok = orders.token_order(pos, seg, cp, order=order, block=unit)
-      # The mask reads the overlap setting while it is traced.
-      with _overlap_kv_gather(ov):
-        cp_t, cp_res = run(fns, tok, put_cp, pos, seg)
+      cp_t, cp_res = run(fns, tok, put_cp, pos, seg)
       agreement = {}
       tok0 = jax.device_put(tok, dev0)
       for what, got, want in zip(("out", "dq", "dk", "dv"), cp_res, single_res):

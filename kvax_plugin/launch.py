@@ -98,9 +98,7 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     replaced = {k: (keys[k], v) for k, v in raw.items()
                 if k in keys and argv_value(keys[k]) != v}
     keys.update(raw)
-    if keys["attention"] == "cudnn_flash_te" and "dataset_type" not in raw:
-      # TransformerEngine must be told the rows are packed (see te_packing_keys).
-      keys.update({k: v for k, v in te_packing_keys(cfg, keys).items() if k not in raw})
+    keys.update(te_packing_keys(cfg, keys, raw))  # cudnn_flash_te: rows are packed
     argv = maxtext_argv(keys)
     if replaced:
       print("raw MaxText overrides replace config-derived keys: " + ", ".join(

@@ -120,7 +120,7 @@ def flash_attention(query: jax.Array,
   if mesh is not None and isinstance(mask, context_parallel.ShardedAttentionMask):
     if mask.layout.overlap_kv_gather and permuted != (mask.token_order == "llama3"):
       raise ValueError(
-          "mask was built with context_parallel.OVERLAP_KV_GATHER on, whose tables index each "
+          "mask was built with overlap_kv_gather=True, whose tables index each "
           "shard's key / value in the order they arrive: build it from kv positions / segment "
           "ids in this call's order (the native kvax_plugin.create_attention_mask with "
           "token_order=), or build it with the overlap off")

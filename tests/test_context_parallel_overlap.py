@@ -1,4 +1,4 @@
-"""The overlapped context-parallel path (context_parallel.OVERLAP_KV_GATHER): each shard's
+"""The overlapped context-parallel path (create_attention_mask's overlap_kv_gather): each shard's
 attention as a local part (its own key / value) and a remote part (the other shards'), merged by
 log-sum-exp, on simulated CPU devices (tests/conftest.py sets 8) with the jax backend.
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from kvax_plugin.attention import context_parallel, token_order
+from kvax_plugin.attention import token_order
 from kvax_plugin.attention.api import create_attention_mask, flash_attention
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 
@@ -35,7 +35,6 @@ def test_context_parallel_mosaic_lowers_for_cuda_under_jit_and_grad(overlap, mon
     pytest.skip("needs 2 CPU devices (tests/conftest.py)")
   # Lowering for CUDA needs no GPU, but the op refuses an explicit backend it cannot run.
   monkeypatch.setattr(kernels, "availability", lambda name: (True, "lowering only"))
-  monkeypatch.setattr(context_parallel, "OVERLAP_KV_GATHER", overlap)
   s_len, h, kh, d, cp = 1024, 4, 2, 128, 2
   pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s_len, num_docs=3,
                                       pad_tail=40)
@@ -44,7 +43,8 @@ def test_context_parallel_mosaic_lowers_for_cuda_under_jit_and_grad(overlap, mon
             token_order="balanced")
   tok = token_order.token_order(pos, seg, cp, order="balanced", block=128)
   pos, seg = token_order.apply_token_order((jnp.asarray(pos), jnp.asarray(seg)), tok)
-  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, **kw)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
+                               overlap_kv_gather=overlap, **kw)
   assert mask.layout.overlap_kv_gather == overlap
 
   def fwd_bwd(q, k, v):

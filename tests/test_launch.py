@@ -146,7 +146,7 @@ def test_transformer_engine_is_told_the_rows_are_packed():
     c.seq_len = 8192
     c.steps = 3
   keys = launch_keys.maxtext_keys(c, "gpu")
-  te = launch_keys.te_packing_keys(c, keys)
+  te = launch_keys.te_packing_keys(c, keys, {})
   import jax
   rows = int(c.per_device_batch_size) * jax.device_count()
   stream = batch_iterator(8192, rows, seed=c.data.seed, window_batches=c.data.window_batches,
@@ -156,7 +156,12 @@ def test_transformer_engine_is_told_the_rows_are_packed():
   assert te["dataset_type"] == "grain" and te["grain_train_files"]
   assert "context_parallel_strategy" not in te  # no context axis: MaxText's default stays
   keys["ici_context_parallelism"] = 2
-  assert launch_keys.te_packing_keys(c, keys)["context_parallel_strategy"] == "ring"
+  assert launch_keys.te_packing_keys(c, keys, {})["context_parallel_strategy"] == "ring"
+  # Raw keys win; a raw dataset_type is MaxText's own pipeline: nothing is set.
+  assert "max_segments_per_seq" not in launch_keys.te_packing_keys(
+      c, keys, {"max_segments_per_seq": "32"})
+  assert launch_keys.te_packing_keys(c, keys, {"dataset_type": "hf"}) == {}
+  assert launch_keys.te_packing_keys(c, dict(keys, attention="kvax"), {}) == {}
 
 
 def test_packed_corpus_feeds_maxtext_features():
@@ -274,6 +279,10 @@ def test_context_parallel_order_flag():
   with c.unlocked():
     c.kvax.context_parallel_order = "llama3"
   checks.check_config(c)
+  with c.unlocked():
+    c.kvax.kv_grad_reduce_dtype = "bf16"
+  with pytest.raises(FlagError, match=r"--config.kvax.kv_grad_reduce_dtype='bf16': choose one"):
+    checks.check_config(c)
 
 
 # ---------------------------------------------------------------------------------------------

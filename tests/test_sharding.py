@@ -500,7 +500,7 @@ def test_fewer_kv_heads_than_tensor_shards(data, shape, kv_heads):
 
 
 @pytest.mark.parametrize("shape", [(4, 1, 1, 2), (2, 1, 1, 4)])
-def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
+def test_kv_gradient_sum_dtype(data, shape):
   """bfloat16 inputs: with two context shards dk / dv are summed in bfloat16 (half the bytes) and
   equal the float32 sum bit for bit; with four they are summed in float32."""
   cp = shape[3]
@@ -511,16 +511,15 @@ def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
   q, k, v = (np.asarray(x) for x in (q, k, v))
   pos, seg = data["pos"], data["seg"]
 
-  def grads(q, k, v):
-    mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
-                                 calc_bwd_mask=True, **kw)
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, pos, seg, pos, seg, mask,
-                                                   backend="jax", **kw).astype(jnp.float32)
-                                   * w.astype(jnp.float32))
-    return jax.grad(loss, argnums=(1, 2))(q, k, v)
+  def run(choice):
+    def grads(q, k, v):
+      mask = create_attention_mask(pos, seg, pos, seg, fwd_params=FWD, bwd_params=BWD,
+                                   calc_bwd_mask=True, kv_grad_reduce_dtype=choice, **kw)
+      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, pos, seg, pos, seg, mask,
+                                                     backend="jax", **kw).astype(jnp.float32)
+                                     * w.astype(jnp.float32))
+      return jax.grad(loss, argnums=(1, 2))(q, k, v)
 
-  def run(forced):
-    monkeypatch.setattr(context_parallel, "KV_GRAD_REDUCE_DTYPE", forced)
     lowered = jax.jit(grads).lower(q, k, v)
     # The program as jax emits it (XLA's CPU backend later promotes 16-bit collectives to
     # float32 on its own; NCCL on a GPU sums in the dtype it is given).
@@ -529,7 +528,7 @@ def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
     compiled = lowered.compile(compiler_options=FAST_COMPILE)
     return [np.asarray(x.astype(jnp.float32)) for x in compiled(q, k, v)], scatters
 
-  (dk, dv), scatters = run(None)
+  (dk, dv), scatters = run("auto")
   assert scatters, "no reduce_scatter in the lowered backward"
   want = "xbf16" if cp == 2 else "xf32"
   assert all(t.endswith(want) for t in scatters), scatters
@@ -538,7 +537,7 @@ def test_kv_gradient_sum_dtype(data, shape, monkeypatch):
   assert context_parallel.kv_grad_reduce_dtype(jnp.float16, 8) == jnp.float32
   for wide in (jnp.float32, jnp.float64):  # never narrowed
     assert context_parallel.kv_grad_reduce_dtype(wide, cp) == wide
-  (dk32, dv32), _ = run(jnp.float32)
+  (dk32, dv32), _ = run("float32")
   if cp == 2:
     np.testing.assert_array_equal(dk, dk32)
     np.testing.assert_array_equal(dv, dv32)

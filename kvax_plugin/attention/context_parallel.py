@@ -89,8 +89,9 @@ element of the sum is one addition of two input-dtype values, and a correctly ro
 addition gives the same bits as adding in float32 and rounding (float32 has at least 2p + 2
 significand bits for bfloat16's and float16's p, so the double rounding is innocuous): the sum is
 done in the input dtype, half the bytes on the wire (2 x H200, 128k packed documents,
-forward+backward 73.1 -> 71.5 ms). `KV_GRAD_REDUCE_DTYPE` set to a dtype forces that dtype. Sinks are passed to the backend in float32, so their
-gradient, summed over the batch and context shards by shard_map, is reduced in float32 too.
+forward+backward 73.1 -> 71.5 ms). create_attention_mask's kv_grad_reduce_dtype ("float32" /
+"input") overrides this rule. Sinks are passed to the backend in float32, so their gradient,
+summed over the batch and context shards by shard_map, is reduced in float32 too.
 When key / value enter whole over the head axes (kv_specs[2] None, or fewer kv heads than head
 shards), each shard's kv gradient is zero outside the heads it took, and shard_map's transpose
 of the replicated input sums the shards' gradients over the head axes in the input dtype (the
@@ -119,18 +120,6 @@ from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, MaskSpec
 from kvax_plugin.attention.kernels.custom_vjp import KernelParts, capture_kernel_parts
 from kvax_plugin.attention.params import DEFAULT_FWD_PARAMS
 
-# dtype of the cross-shard sum of the key / value gradients (the all-gather's transpose). None:
-# the input dtype when two context shards add into each element (bit-identical to float32, see
-# "Gradients" above), float32 with more. A dtype forces it (benchmarks compare the two).
-KV_GRAD_REDUCE_DTYPE = None
-
-# Overlap of the key / value collective with attention ("Overlapping the all-gather" above).
-# Read when a sharded mask is built (create_attention_mask_sharded's overlap_kv_gather=None):
-# such a mask holds the local and remote parts' tables, and flash_attention follows the mask.
-# Off until measured faster on GPUs (benchmarks/bench_context_parallel.py --overlap both).
-OVERLAP_KV_GATHER = False
-
-
 KV_GRAD_REDUCE_CHOICES = ("auto", "float32", "input")
 
 
@@ -139,14 +128,12 @@ def kv_grad_reduce_dtype(grad_dtype, context_size: int, choice: str = "auto"):
 
   choice (create_attention_mask's kv_grad_reduce_dtype): "float32", "input" (the gradient's
   own dtype: half the bytes of the reduce-scatter in bf16, rounded at each of its
-  context_size - 1 additions), or "auto" (KV_GRAD_REDUCE_DTYPE when set, else the input
-  dtype with two shards, float32 with more)."""
+  context_size - 1 additions), or "auto" (the input dtype with two shards, where it is exact,
+  see "Gradients" above; float32 with more)."""
   if choice == "float32":
     return jnp.dtype(jnp.float32)
   if choice == "input":
     return jnp.dtype(grad_dtype)
-  if KV_GRAD_REDUCE_DTYPE is not None:
-    return jnp.dtype(KV_GRAD_REDUCE_DTYPE)
   if context_size <= 2 or jnp.dtype(grad_dtype).itemsize >= 4:  # float32 / float64: as is
     return jnp.dtype(grad_dtype)
   return jnp.dtype(jnp.float32)
@@ -809,7 +796,7 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                                   query_specs=None,
                                   kv_specs=None,
                                   token_order: str = "llama3",
-                                  overlap_kv_gather: bool | None = None,
+                                  overlap_kv_gather: bool = False,
                                   kv_grad_reduce_dtype: str = "auto"
                                   ) -> ShardedAttentionMask:
   """Per-shard block tables, built inside shard_map (see the module docstring).
@@ -818,7 +805,8 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   [B, Skv], in the order flash_attention will receive the tokens, which `token_order`
   ("natural", "llama3" or "balanced"; see resolve_token_order) names. Specs: explicit or from
   `attention_specs`. overlap_kv_gather: build the local / remote tables of the overlapped path
-  (None: the module setting OVERLAP_KV_GATHER; no effect without context parallelism).
+  ("Overlapping the all-gather" above; flash_attention follows the mask; no effect without
+  context parallelism).
   kv_grad_reduce_dtype: the dtype flash_attention sums the shards' dk / dv in, one of
   KV_GRAD_REDUCE_CHOICES (see the function of that name); recorded in the mask's layout.
   """
@@ -833,8 +821,7 @@ def create_attention_mask_sharded(query_positions: jax.Array,
   order = resolve_token_order(token_order, None) if cp > 1 else "natural"
   check_shapes(specs, mesh, batch=b, q_len=sq, kv_len=skv, token_order=order)
   dp = _axes_size(mesh, specs.batch_axes)
-  overlap = OVERLAP_KV_GATHER if overlap_kv_gather is None else bool(overlap_kv_gather)
-  overlap = overlap and cp > 1
+  overlap = bool(overlap_kv_gather) and cp > 1
   local_specs: list[MaskSpec] = []
   mask_kw = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
@@ -1110,6 +1097,5 @@ __all__ = ["attention_specs", "current_attention_specs", "resolve_specs", "Atten
            "from_load_balanced_order", "permute_tokens_context_parallelism",
            "unpermute_tokens_context_parallelism", "ambient_mesh", "context_size",
            "context_parallel_balance",
-           "create_attention_mask_sharded", "flash_attention_sharded", "KV_GRAD_REDUCE_DTYPE",
-           "kv_grad_reduce_dtype",
+           "create_attention_mask_sharded", "flash_attention_sharded", "kv_grad_reduce_dtype",
            "TOKEN_ORDERS", "resolve_token_order"]

@@ -1,12 +1,12 @@
 """Attention over key / value given in two parts, merged by log-sum-exp.
 
-The context-parallel overlap (context_parallel.OVERLAP_KV_GATHER) splits each shard's attention
-into a *local* part, its queries against its own key / value shard (no communication), and a
-*remote* part, against the other shards' key / value (which arrive by a collective). Because the
-local part does not depend on the collective, XLA can run the collective behind it; in the
-backward the remote part's dk / dv go back by a collective that can run behind the local part's
-backward. This module holds the exact merge and its custom VJP; context_parallel.py holds the
-tables and the collectives.
+The context-parallel overlap (create_attention_mask's overlap_kv_gather) splits each shard's
+attention into a *local* part, its queries against its own key / value shard (no
+communication), and a *remote* part, against the other shards' key / value (which arrive by a
+collective). Because the local part does not depend on the collective, XLA can run the
+collective behind it; in the backward the remote part's dk / dv go back by a collective that
+can run behind the local part's backward. This module holds the exact merge and its custom VJP;
+context_parallel.py holds the tables and the collectives.
 
 Forward. Each part is one call of a backend's forward kernel (custom_vjp.KernelParts, no sinks):
 out_p [B, Sq, H, Dv] and lse_p [B, H, Sq], natural-log softmax denominators with +inf meaning

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 
 import kvax_plugin
+from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.kernels import BACKENDS as KVAX_BACKENDS
 from kvax_plugin.errors import FlagError, SetupError
 from kvax_plugin.integrations.maxtext.launch_keys import KVAX_KEYS, maxtext_dir
@@ -109,6 +110,10 @@ def check_config(cfg) -> None:
   order = cfg.kvax.context_parallel_order
   if order not in orders:
     raise FlagError(f"--config.kvax.context_parallel_order={order!r}: choose one of {orders}")
+  reduce_dtype = cfg.kvax.kv_grad_reduce_dtype
+  if reduce_dtype not in KV_GRAD_REDUCE_CHOICES:
+    raise FlagError(f"--config.kvax.kv_grad_reduce_dtype={reduce_dtype!r}: choose one of "
+                    f"{KV_GRAD_REDUCE_CHOICES}")
   context = cfg.mesh.ici_context * cfg.mesh.dcn_context
   if (cfg.attention == "kvax" and cfg.context_parallel_load_balance and context > 1
       and order in ("auto", "balanced")):

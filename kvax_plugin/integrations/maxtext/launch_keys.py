@@ -79,17 +79,21 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
 TE_DATA_PLACEHOLDER = "kvax-plugin-packed-corpus"
 
 
-def te_packing_keys(cfg, keys: dict[str, Any]) -> dict[str, Any]:
-  """The keys MaxText's cudnn_flash_te (TransformerEngine) needs to see our rows as packed.
+def te_packing_keys(cfg, keys: dict[str, Any], raw: dict[str, str]) -> dict[str, Any]:
+  """The keys MaxText's cudnn_flash_te (TransformerEngine) needs to see our rows as packed
+  ({} for other attentions, or when raw keys choose MaxText's own data pipeline).
 
-  `keys` are the run's MaxText keys (raw overrides applied). MaxText gives TransformerEngine
+  `keys` are the run's MaxText keys (raw overrides applied); raw keys are never replaced.
+  MaxText gives TransformerEngine
   the segment ids (its THD layout) only when `dataset_type` is not "synthetic"; with
   "synthetic" TE would attend across the documents of a row. With context parallelism TE takes
   packed rows only through its ring strategy (MaxText then reorders batches "striped").
   `max_segments_per_seq` must be at least the most documents in any row (more would corrupt
   TE's results, a looser bound costs it speed): it is counted on the batches this run trains
-  on. The caller keeps raw overrides of these keys.
+  on.
   """
+  if keys["attention"] != "cudnn_flash_te" or "dataset_type" in raw:
+    return {}
   import jax
 
   from kvax_plugin.data import batch_iterator
@@ -105,7 +109,7 @@ def te_packing_keys(cfg, keys: dict[str, Any]) -> dict[str, Any]:
   context = [int(keys[k]) for k in ("ici_context_parallelism", "dcn_context_parallelism")]
   if context != [1, 1]:
     out["context_parallel_strategy"] = "ring"
-  return out
+  return {k: v for k, v in out.items() if k not in raw}
 
 
 def argv_value(value: Any) -> str:
