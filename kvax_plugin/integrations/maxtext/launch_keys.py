@@ -84,13 +84,13 @@ def te_packing_keys(cfg, keys: dict[str, Any], raw: dict[str, str]) -> dict[str,
   ({} for other attentions, or when raw keys choose MaxText's own data pipeline).
 
   `keys` are the run's MaxText keys (raw overrides applied); raw keys are never replaced.
-  MaxText gives TransformerEngine
-  the segment ids (its THD layout) only when `dataset_type` is not "synthetic"; with
-  "synthetic" TE would attend across the documents of a row. With context parallelism TE takes
-  packed rows only through its ring strategy (MaxText then reorders batches "striped").
-  `max_segments_per_seq` must be at least the most documents in any row (more would corrupt
-  TE's results, a looser bound costs it speed): it is counted on the batches this run trains
-  on.
+  - MaxText gives TransformerEngine the segment ids (its THD layout) only when `dataset_type`
+    is not "synthetic"; with "synthetic" TE would attend across the documents of a row.
+  - With context parallelism TE takes packed rows only through its ring strategy (MaxText then
+    reorders batches "striped").
+  - `max_segments_per_seq` must be at least the most documents in any row (fewer would corrupt
+    TE's results, a looser bound costs it speed): it is counted on the batches this run trains
+    on.
   """
   if keys["attention"] != "cudnn_flash_te" or "dataset_type" in raw:
     return {}
