@@ -308,6 +308,20 @@ def test_bad_flags_are_named(args, flag):
   assert "Traceback" not in r.stderr
 
 
+def test_transformer_engine_missing_is_named_before_maxtext_starts(monkeypatch):
+  import importlib.util as iu
+
+  from kvax_plugin.errors import FlagError
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
+  real = iu.find_spec
+  monkeypatch.setattr(iu, "find_spec",
+                      lambda name, *a: None if name == "transformer_engine" else real(name, *a))
+  with pytest.raises(FlagError, match=r"--config.attention=cudnn_flash_te: .* TransformerEngine, "
+                     "which is not installed"):
+    checks.check_attention("cudnn_flash_te", "gpu", "--config.attention=cudnn_flash_te")
+  checks.check_attention("cudnn_flash_jax", "gpu", "--config.attention=cudnn_flash_jax")
+
+
 def test_config_file_must_be_a_family_config(tmp_path):
   from kvax_plugin.errors import FlagError
   from kvax_plugin.integrations.maxtext import launch_checks as checks

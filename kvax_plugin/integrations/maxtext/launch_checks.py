@@ -10,6 +10,7 @@ after MaxText has built its config, what that config runs (what_maxtext_runs).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -165,6 +166,12 @@ def check_attention(attention: str, platform: str, flag: str) -> None:
     # deep inside tracing. Say so up front.
     raise FlagError(f"{flag}: MaxText runs this kernel only on GPU/TPU; on CPU use kvax or "
                     "dot_product")
+  if (attention == "cudnn_flash_te" and platform == "gpu"
+      and importlib.util.find_spec("transformer_engine") is None):
+    # Otherwise MaxText's import fails inside the first trace, after its setup and compile.
+    raise FlagError(f"{flag}: MaxText runs this kernel through TransformerEngine, which is not "
+                    "installed (pip install transformer-engine-jax transformer-engine-cu13; "
+                    "benchmarks/tools/transformer_engine/ for the GPU machines here)")
 
 
 # Raw keys with a meaning the launcher checks itself (a positive int), as for their --config twins.
