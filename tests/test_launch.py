@@ -454,12 +454,9 @@ def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
     assert "note:" not in out.getvalue()
 
 
-def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
-  # Steps of 100 real tokens. MaxText's clock times dispatches: with the host a step ahead it
-  # reads 0.03 s, then 3 s (as on one H200, 2026-11-26). The launcher times the steps by when
-  # their results arrive (5.0, 6.0, 7.5, 8.5 s). The first two intervals are left out (the
-  # second can be short when the first result arrives late, see the next test): 200 tokens in
-  # 2.5 s. Tokens/s is total tokens over total time, not a mean of per-step ratios.
+def _summary_of_steps(received, clocks, attention):
+  """The launcher's summary of steps of 100 real tokens whose results arrive at `received`
+  seconds, with MaxText's dispatch clock reading `clocks`; returns (progress, summary)."""
   from types import SimpleNamespace
 
   from kvax_plugin.integrations.maxtext import run_report, training_hooks
@@ -467,15 +464,26 @@ def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
   config = SimpleNamespace(hardware="cpu", max_target_length=64, global_batch_size_to_train_on=2,
                            kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
   stats = SimpleNamespace(skipped={}, real_tokens=100, rows=2, seq_len=64, documents=2)
-  corpus = SimpleNamespace(stats=[stats] * 4, global_rows=2, train_rows=2)
-  progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=4, block_skipping=False)
-  for step, (clock, now) in enumerate(((5.0, 5.0), (0.03, 6.0), (3.0, 7.5), (0.03, 8.5))):
+  corpus = SimpleNamespace(stats=[stats] * len(received), global_rows=2, train_rows=2)
+  progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=len(received),
+                                     block_skipping=False)
+  for step, (clock, now) in enumerate(zip(clocks, received)):
     progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
                                           "perf/step_time_seconds": clock}}, step, now=now)
+  wall = {"total": received[-1] + 0.5, "training": received[-1], "setup_and_compile": 0.5}
+  return progress, run_report.summarize(c, config, progress, corpus, attention, None, wall, {})
+
+
+def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
+  # Steps of 100 real tokens. MaxText's clock times dispatches: with the host a step ahead it
+  # reads 0.03 s, then 3 s (as on one H200, 2026-11-26). The launcher times the steps by when
+  # their results arrive (5.0, 6.0, 7.5, 8.5 s). The first two intervals are left out (the
+  # second can be short when the first result arrives late, see the next test): 200 tokens in
+  # 2.5 s. Tokens/s is total tokens over total time, not a mean of per-step ratios.
+  progress, summary = _summary_of_steps((5.0, 6.0, 7.5, 8.5), (5.0, 0.03, 3.0, 0.03),
+                                        "dot_product")
   assert [r.step_seconds for r in progress.records] == pytest.approx([5.0, 1.0, 1.5, 1.0])
   assert [r.tokens_per_s for r in progress.records] == pytest.approx([20, 100, 200 / 3, 100])
-  summary = run_report.summarize(c, config, progress, corpus, "dot_product", None,
-                                 {"total": 9.0, "training": 8.5, "setup_and_compile": 0.5}, {})
   assert summary["mean_tokens_per_s"] == pytest.approx(200 / 2.5)
   assert summary["mean_step_seconds"] == pytest.approx(2.5 / 2)
   assert summary["maxtext_step_seconds"] == pytest.approx([5.0, 0.03, 3.0, 0.03])
@@ -484,20 +492,7 @@ def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
 def test_summary_leaves_out_a_second_step_received_with_the_first():
   # cudnn_flash_te on one H200 (2026-11-27): results at 2.04, 2.06, 3.51, 5.04, 6.63 s. Timing
   # from step 2 would give 1.15 s/step; the steps take 1.5 s.
-  from types import SimpleNamespace
-
-  from kvax_plugin.integrations.maxtext import run_report, training_hooks
-  c = load_family("llama3").get_config("tiny")
-  config = SimpleNamespace(hardware="gpu", max_target_length=64, global_batch_size_to_train_on=1,
-                           kvax_fwd_query_block_size=64, kvax_fwd_kv_block_size=32)
-  stats = SimpleNamespace(skipped={}, real_tokens=100, rows=1, seq_len=64, documents=2)
-  corpus = SimpleNamespace(stats=[stats] * 5, global_rows=1, train_rows=1)
-  progress = training_hooks.Progress(c, {"corpus": corpus}, total_steps=5, block_skipping=False)
-  for step, now in enumerate((2.04, 2.06, 3.51, 5.04, 6.63)):
-    progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
-                                          "perf/step_time_seconds": 1.0}}, step, now=now)
-  summary = run_report.summarize(c, config, progress, corpus, "cudnn_flash_te", None,
-                                 {"total": 9.0, "training": 6.63, "setup_and_compile": 2.0}, {})
+  _, summary = _summary_of_steps((2.04, 2.06, 3.51, 5.04, 6.63), (1.0,) * 5, "cudnn_flash_te")
   assert summary["mean_step_seconds"] == pytest.approx((6.63 - 2.06) / 3)
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Builds .te/ (git-ignored, ~40 MB: fits one device call's carry) with TransformerEngine 2.20.2
+# Builds .te/ (git-ignored, ~40 MB: fits one device call's carry, not with the MaxText wheels) with TransformerEngine 2.20.2
 # for JAX, for MaxText's attention=cudnn_flash_te on the GPU machines:
 #   - transformer_engine_cu13's files, its libtransformer_engine.so reduced to the sm_90 cubins
 #     (fatbin_keep_arch.py: 343 -> 311 MB, 26 MB compressed instead of 262 MB) and stripped;
@@ -12,6 +12,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=$PWD/.te
 W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
 mkdir -p "$OUT"
 python3 -m pip download -q --no-deps -d "$W" transformer-engine-cu13==2.20.2 transformer-engine==2.20.2
 python3 -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
