@@ -1,6 +1,7 @@
 #!/bin/bash
-# Builds .te/ (git-ignored, ~40 MB: fits one device call's carry, not with the MaxText wheels) with TransformerEngine 2.20.2
-# for JAX, for MaxText's attention=cudnn_flash_te on the GPU machines:
+# Builds .te/ (git-ignored, ~40 MB: fits one device call's carry, not with the MaxText wheels)
+# with TransformerEngine 2.20.2 for JAX, for MaxText's attention=cudnn_flash_te on the GPU
+# machines:
 #   - transformer_engine_cu13's files, its libtransformer_engine.so reduced to the sm_90 cubins
 #     (fatbin_keep_arch.py: 343 -> 311 MB, 26 MB compressed instead of 262 MB) and stripped;
 #   - transformer_engine_jax built for this image by build_te_jax.sh (source only on PyPI);
