@@ -243,7 +243,8 @@ def plot(result: dict, path: Path) -> None:
   ax.set_title(f"MaxText llama3-8b ({result['layers']} layers)\n"
                f"{result['device']}; gray: one GPU, blue: several", fontsize=9)
   for r in ran:
-    if r["rows"] != r["gpus"] or r["gpus"] == 1:
+    # Only rows whose batches another row also trained on: their losses must agree.
+    if any(o is not r and o["label"] == r["label"] and o["rows"] == r["rows"] for o in ran):
       lx.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", ms=3,
               label=f"{r['label']} {r['attention']} {r['spec'].split(':')[2]}, {r['rows']} row(s)")
   lx.set_xlabel("step")
@@ -254,7 +255,7 @@ def plot(result: dict, path: Path) -> None:
   fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out_dir", default="outputs/scaling")
   ap.add_argument("--runs", default=DEFAULT_RUNS,
@@ -272,7 +273,13 @@ def main():
   ap.add_argument("--profile_steps", type=int, default=2)
   ap.add_argument("--serial_single", action="store_true",
                   help="one-GPU runs one after another instead of side by side")
-  args = ap.parse_args()
+  ap.add_argument("--replot", metavar="DIR",
+                  help="only redraw DIR/scaling.png from DIR/scaling.json")
+  args = ap.parse_args(argv)
+  if args.replot:
+    plot(json.loads((Path(args.replot) / "scaling.json").read_text()),
+         Path(args.replot) / "scaling.png")
+    return
   runs = [parse_spec(s) for s in RUN_SETS.get(args.runs, args.runs).split(",")]
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
