@@ -250,7 +250,8 @@ def plot(result: dict, path: Path) -> None:
   lx.set_xlabel("step")
   lx.set_ylabel("loss")
   lx.set_title("loss per step (same batches where rows agree)", fontsize=9)
-  lx.legend(fontsize=6)
+  if lx.get_lines():
+    lx.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
