@@ -95,26 +95,23 @@ def test_versus_compares_kvax_with_other_attentions_at_the_same_settings():
   assert out[0]["kvax_speedup"] == 1.5 and out[0]["max_loss_gap"] == pytest.approx(0.1)
 
 
-def test_replot_draws_the_losses_of_rows_on_the_same_batches(tmp_path):
+def test_replot_draws_the_losses_of_rows_on_the_same_batches(tmp_path, monkeypatch):
   """--replot redraws scaling.png from scaling.json; the loss panel shows the two attentions
   that trained on the same 4 rows (before 2026-11-27 it showed only one-GPU rows)."""
+  import matplotlib.pyplot as plt
   rows = [dict(ms.parse_spec("128k-short:kvax:c4"), tokens_per_s=300.0, losses=[5.0, 4.0]),
           dict(ms.parse_spec("128k-short:cudnn_flash_te:c4"), tokens_per_s=280.0,
                losses=[5.0, 4.1]),
           dict(ms.parse_spec("128k-long:kvax:c4"), tokens_per_s=80.0, losses=[6.0, 5.0])]
   (tmp_path / "scaling.json").write_text(json.dumps(dict(rows=rows, layers=4, device="4 x H200")))
   drawn = []
-  original = ms.plot
 
-  def spy(result, path):
-    import matplotlib.pyplot as plt
-    original(result, path)
+  def plot_and_read_its_lines(result, path, plot=ms.plot):
+    plot(result, path)
     drawn.extend(line.get_label() for ax in plt.gcf().axes for line in ax.get_lines())
+    plt.close("all")
 
-  ms.plot = spy
-  try:
-    ms.main(["--replot", str(tmp_path)])
-  finally:
-    ms.plot = original
+  monkeypatch.setattr(ms, "plot", plot_and_read_its_lines)
+  ms.main(["--replot", str(tmp_path)])
   assert (tmp_path / "scaling.png").stat().st_size > 0
   assert sorted(drawn) == ["128k-short cudnn_flash_te c4, 4 row(s)", "128k-short kvax c4, 4 row(s)"]
