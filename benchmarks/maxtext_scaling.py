@@ -223,6 +223,18 @@ def versus(rows: list[dict]) -> list[dict]:
   return out
 
 
+def preallocation_note(preallocate: str, runs: list[dict]) -> str | None:
+  """A warning when TransformerEngine runs without XLA's preallocation. 2026-11-27, 4 x H200,
+  256k rows: TE's step needs one 81.9 GB temporary buffer, which XLA's growing allocator could
+  not find (out of memory on one GPU, the others hung in NCCL's rendezvous); with preallocation
+  it trained at 84.4 GiB per GPU (docs/context-parallelism.md)."""
+  if preallocate.lower() in ("false", "0") and any(r["attention"] == "cudnn_flash_te"
+                                                   for r in runs):
+    return ("XLA_PYTHON_CLIENT_PREALLOCATE=false: cudnn_flash_te may run out of memory where "
+            "it fits with XLA's default preallocation")
+  return None
+
+
 def plot(result: dict, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -296,9 +308,15 @@ def main(argv=None):
                 steps=args.steps, kvax_backend=args.kvax_backend,
                 single_gpu_runs="one after another" if args.serial_single
                 else "side by side, one per GPU of the host",
-                # Conditions that change the runs: XLA's flags and the launcher's mask statistics.
+                # Conditions that change the runs: XLA's flags, its allocator, and the launcher's
+                # mask statistics.
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
+                xla_python_client_preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                             "true"),
                 kvax_feed_mask_stats=os.environ.get("KVAX_FEED_MASK_STATS", "1"), rows=[])
+  note = preallocation_note(result["xla_python_client_preallocate"], runs)
+  if note:
+    print(f"maxtext_scaling: {note}", file=sys.stderr, flush=True)
   del jax
   result["import_warmup_s"] = warm_imports()
 

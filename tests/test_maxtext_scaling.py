@@ -115,3 +115,11 @@ def test_replot_draws_the_losses_of_rows_on_the_same_batches(tmp_path, monkeypat
   ms.main(["--replot", str(tmp_path)])
   assert (tmp_path / "scaling.png").stat().st_size > 0
   assert sorted(drawn) == ["128k-short cudnn_flash_te c4, 4 row(s)", "128k-short kvax c4, 4 row(s)"]
+
+
+def test_transformer_engine_without_preallocation_is_warned_about():
+  te = [ms.parse_spec("256k-short:cudnn_flash_te:c4"), ms.parse_spec("256k-short:kvax:c4")]
+  kvax_only = te[1:]
+  assert "cudnn_flash_te may run out of memory" in ms.preallocation_note("false", te)
+  assert ms.preallocation_note("true", te) is None
+  assert ms.preallocation_note("false", kvax_only) is None
