@@ -185,6 +185,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def same_batches(a: dict, b: dict) -> bool:
+  """Whether two rows trained on the same batches (same length, layout and number of rows), so
+  that their losses must agree step by step."""
+  return a["label"] == b["label"] and a["rows"] == b["rows"]
+
+
+def max_loss_gap(a: dict, b: dict) -> float:
+  return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
 def compare(rows: list[dict]) -> list[dict]:
   """Each multi-GPU row against the one-GPU row of the same length, layout and attention:
   speed-up (tokens/s ratio), efficiency per GPU, and for equal batches the largest loss gap."""
@@ -200,8 +210,8 @@ def compare(rows: list[dict]) -> list[dict]:
     c = dict(run=r["spec"], against=base["spec"], gpus=r["gpus"],
              speedup=round(r["tokens_per_s"] / base["tokens_per_s"], 3))
     c["efficiency"] = round(c["speedup"] / r["gpus"], 3)
-    if r["rows"] == base["rows"]:  # the same batches: losses comparable step by step
-      c["max_loss_gap"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+    if same_batches(r, base):
+      c["max_loss_gap"] = max_loss_gap(r, base)
     out.append(c)
   return out
 
@@ -215,19 +225,17 @@ def versus(rows: list[dict]) -> list[dict]:
     if r["attention"] != "kvax":
       continue
     for o in plain:
-      if (o["attention"] != "kvax" and o["label"] == r["label"] and o["mesh"] == r["mesh"]
-          and o["processes"] == r["processes"] and o["rows"] == r["rows"]):
+      if (o["attention"] != "kvax" and same_batches(o, r) and o["mesh"] == r["mesh"]
+          and o["processes"] == r["processes"]):
         out.append(dict(run=r["spec"], against=o["spec"],
                         kvax_speedup=round(r["tokens_per_s"] / o["tokens_per_s"], 3),
-                        max_loss_gap=max(abs(a - b) for a, b in zip(r["losses"], o["losses"]))))
+                        max_loss_gap=max_loss_gap(r, o)))
   return out
 
 
 def preallocation_note(preallocate: str, runs: list[dict]) -> str | None:
-  """A warning when TransformerEngine runs without XLA's preallocation. 2026-11-27, 4 x H200,
-  256k rows: TE's step needs one 81.9 GB temporary buffer, which XLA's growing allocator could
-  not find (out of memory on one GPU, the others hung in NCCL's rendezvous); with preallocation
-  it trained at 84.4 GiB per GPU (docs/context-parallelism.md)."""
+  """A warning when TransformerEngine runs without XLA's preallocation: at 256k on 4 x H200 its
+  one 81.9 GB temporary buffer was then not found (docs/context-parallelism.md, 2026-11-27)."""
   if preallocate.lower() in ("false", "0") and any(r["attention"] == "cudnn_flash_te"
                                                    for r in runs):
     return ("XLA_PYTHON_CLIENT_PREALLOCATE=false: cudnn_flash_te may run out of memory where "
@@ -255,8 +263,7 @@ def plot(result: dict, path: Path) -> None:
   ax.set_title(f"MaxText llama3-8b ({result['layers']} layers)\n"
                f"{result['device']}; gray: one GPU, blue: several", fontsize=9)
   for r in ran:
-    # Only rows whose batches another row also trained on: their losses must agree.
-    if any(o is not r and o["label"] == r["label"] and o["rows"] == r["rows"] for o in ran):
+    if any(o is not r and same_batches(o, r) for o in ran):
       lx.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", ms=3,
               label=f"{r['label']} {r['attention']} {r['spec'].split(':')[2]}, {r['rows']} row(s)")
   lx.set_xlabel("step")
