@@ -130,8 +130,16 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
     ("bfloat16", 64, 200, 600, 4, 1, True, 1, 64, 128, None, True),     # 64: window + sinks
     ("float16", 64, 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # 64: fp16, soft cap
     ("bfloat16", 64, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 64: one query (decode)
+    # head dim 256: its own layout (64-row kv tiles, the consumers splitting the head dim), 2026-11-27
+    ("bfloat16", 256, 777, 777, 8, 2, True, 2, 128, None, None, False),  # 256: GQA, odd, batch 2
+    ("bfloat16", 256, 200, 600, 4, 1, True, 1, 64, 128, None, True),     # 256: window + sinks, MQA
+    ("bfloat16", 256, 512, 512, 4, 1, True, 1, 64, None, 3.0, False),    # 256: soft cap that bends
+    ("float16", 256, 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # 256: fp16 soft cap
+    ("float16", 256, 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # 256: fp16, all three
+    ("bfloat16", 256, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 256: one query (decode)
+    ("bfloat16", 256, 256, 130, 2, 2, False, 1, 128, None, None, False), # 256: kv past a tile
 ])
-def test_hopper_window_softcap_sinks_fp16_d64(dtype, d, sq, skv, heads, kv_heads, causal, batch,
+def test_hopper_window_softcap_sinks_fp16_d64_d256(dtype, d, sq, skv, heads, kv_heads, causal, batch,
                                               bwd_q, window, cap, with_sinks):
   tolerance = {"bfloat16": 2e-2, "float16": 1e-2}[dtype]
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q, dtype=dtype, window=window,

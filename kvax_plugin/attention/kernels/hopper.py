@@ -9,8 +9,8 @@ cap or sinks: auto_prefers; elsewhere the Mosaic backward was measured faster): 
 H200 on 2026-11-26 (main ccc4639), forward+backward, ms, hopper against mosaic: 16k causal
 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 /
 36.35; MaxText end to end, tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic)
-91.8k, 16k one document 58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 128
-or 64 (one for query, key and value), in bfloat16 or float16; causal or not, segment ids,
+91.8k, 16k one document 58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 64,
+128 or 256 (one for query, key and value), in bfloat16 or float16; causal or not, segment ids,
 sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to
 the kernel's 128-row tiles), mask backward blocks of 128 kv rows and a multiple of 64 query rows
 (the default (128, 128) and kvax's (64, 128)). "auto" moves on to "mosaic" for everything else,
@@ -45,11 +45,12 @@ from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gra
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-HEAD_DIMS = cuda_bwd.HEAD_DIMS  # 128 and 64, one for query, key and value
+HEAD_DIMS = cuda_bwd.HEAD_DIMS  # 64, 128 and 256, one for query, key and value
 VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (the one built)
 
 CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=min(HEAD_DIMS),
                             max_head_dim=max(HEAD_DIMS), head_dim_multiple=64,
+                            head_dims=HEAD_DIMS,
                             features=frozenset({"causal", "sliding_window", "logits_soft_cap",
                                                 "sinks", "gqa", "backward"}))
 
@@ -171,7 +172,7 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, Sq, H, D], key / value [B, Skv, K, D], D 128 or 64, one type, bfloat16 or float16
+  query [B, Sq, H, D], key / value [B, Skv, K, D], D 64, 128 or 256, one type, bfloat16 or float16
   (H a multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
   ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
   of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap

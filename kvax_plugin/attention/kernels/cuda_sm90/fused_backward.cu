@@ -27,11 +27,12 @@
 //
 // Scope (backend="hopper"'s backward, kernels/hopper.py; benchmarks/cuda_backward_check.py and
 // tests/gpu/test_cuda_sm90_gpu.py check it against the float32 reference): bf16 or fp16, head
-// dim 128 or 64 for Q / K / V (the layout below is 128's; 64 is in the kernel's comment), causal
+// dim 128 or 64 for Q / K / V (the layout below is 128's; 64 is in the kernel's comment; 256 has
+// its own kernel and layout, backward_d256_kernel below), causal
 // or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
 // multiples of 128 (kernels/hopper.py pads other lengths). Sinks need nothing here: the forward's
 // lse holds them, and their gradient is computed on the JAX side. Template feature bits F,
-// below; the sets built are KVAX_SM90_VARIANTS(_D64). dq_accum is float32 [B, H, HD / 64, Sq /
+// below; the sets built are KVAX_SM90_VARIANTS(_D64) (_D64's also at head dim 256). dq_accum is float32 [B, H, HD / 64, Sq /
 // 64, 64 x 64] (per 64-column part and 64-row block), zeroed by the handler; the JAX side turns
 // it into dq.
 #include <cuda.h>
@@ -261,6 +262,30 @@ __device__ __forceinline__ void wgmma_64xN_rs(float (&d)[N / 2], const uint32_t 
       KVAX_WGMMA_64x64_RS("bf16");
     }
   }
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both from shared memory (head dim 256's dK += dS^T Q
+// in the consumer that reads dS^T from shared memory).
+#define KVAX_WGMMA_64x128_SS(TY)                                                               \
+  asm volatile(                                                                                \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " KVAX_REGS64 ", "             \
+      "%64, %65, p, 1, 1, %67, %68;\n}\n"                                                       \
+      : KVAX_ACC64(d)                                                                          \
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TNSP_A), "n"(TNSP_B))
+template <bool HALF, int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void wgmma_64x128_ss(float (&d)[64], uint64_t da, uint64_t db,
+                                                int accumulate) {
+  if constexpr (HALF) {
+    KVAX_WGMMA_64x128_SS("f16");
+  } else {
+    KVAX_WGMMA_64x128_SS("bf16");
+  }
+}
+
+// *addr += (a, b) in global memory, as one 8-byte float32 vector reduction (sm_90).
+__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // Two floats as one register of the 16-bit operand type (HALF: fp16, else bf16), rounded.
@@ -657,6 +682,299 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 }
 
 // ---------------------------------------------------------------------------------------------
+// Head dim 256: the consumers split the head dim instead of the kv rows
+// ---------------------------------------------------------------------------------------------
+// At head dim 256 the layout above would hold dK and dV of 64 kv rows x 256 columns per consumer:
+// 256 float32 registers per thread, more than the 240 a consumer has. Here a CTA owns 64 kv rows
+// and both consumers work on all of them, each owning half of the head dim: consumer c holds
+// dK[:, 128c : 128c + 128] and dV[:, 128c : 128c + 128] (64 + 64 registers). The two products
+// that contract over the head dim are dealt one per consumer:
+//   consumer 0: S^T = K Q^T (K = 256), P^T = exp2(...) with the mask (and soft cap), P^T stored
+//     to shared memory as float32 in fragment order (both consumers' accumulators have the same
+//     thread layout, so each thread reads back exactly what its twin wrote: no bank conflicts);
+//   consumer 1: dP^T = V dO^T (K = 256), then from P^T: dS^T = P^T (dP^T - delta) (times the
+//     soft cap's 1 - tanh^2, recovered from P and lse: log2 P = tanh cap log2 e - lse log2 e),
+//     stored to shared memory as dS^T [kv][q] (128B swizzle; stmatrix).
+// Then both: dV_c += P^T dO[:, half c] (P^T from registers), dK_c += dS^T Q[:, half c] (dS^T
+// from shared memory, so both run the same instructions) and dQ[:, half c] = dS K[:, half c]
+// in two 64-column parts (A = dS: dS^T's buffer read MN-major), each reduce-added into dq_accum
+// from registers (red.global.add.v2.f32, fragment order: no staging buffer fits next to the
+// 64 KiB ring slots). Five products per tile pair, as at 128, and the same float32 dq_accum.
+// The P^T and dS^T buffers are single: named barriers P_FULL / P_FREE and DS_FULL / DS_FREE
+// (arrive by one consumer, sync by the other) order their reuse. Kv tiles of 64 rows take their
+// query-block bounds from the mask's 128-row table (row tile / 2): a half tile may visit a block
+// with nothing kept for it, which the element-wise mask zeroes.
+namespace d256 {
+constexpr int HD = 256;
+constexpr int KV_TILE = 64;
+constexpr int PIECE = 64 * 64 * 2;                // [64 rows][64 cols] 16-bit, 128B swizzle
+constexpr int PIECES = HD / 64;
+constexpr int OFF_K = 0;                          // K, V: 4 column pieces each
+constexpr int OFF_V = OFF_K + PIECES * PIECE;
+constexpr int OFF_RING = OFF_V + PIECES * PIECE;  // per stage: Q pieces 0-3, dO pieces 4-7
+constexpr int SLOT = 2 * PIECES * PIECE;
+constexpr int OFF_PT = OFF_RING + STAGES * SLOT;  // P^T float32 [64 x 64], fragment order
+constexpr int OFF_DS = OFF_PT + 64 * 64 * 4;      // dS^T [64 kv][64 q], 16-bit, 128B swizzle
+constexpr int OFF_IDS = OFF_DS + PIECE;
+constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
+constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+static_assert(SMEM_BYTES <= 227 * 1024, "head dim 256: shared memory over the 227 KiB limit");
+// Named barriers (1-3 are the 128 layout's; these pair one consumer's arrive with the other's sync)
+constexpr int BAR_P_FULL = 4, BAR_P_FREE = 5, BAR_DS_FULL = 6, BAR_DS_FREE = 7;
+}  // namespace d256
+
+template <int F, bool HALF>
+__global__ void __launch_bounds__(THREADS, 1)
+    backward_d256_kernel(const __grid_constant__ Params p) {
+  // This layout's constants (d256::), hiding the 128 layout's names of the same meaning.
+  constexpr int HD = d256::HD, KV_TILE = d256::KV_TILE, PIECE = d256::PIECE, PIECES = d256::PIECES;
+  constexpr int OFF_K = d256::OFF_K, OFF_V = d256::OFF_V, OFF_RING = d256::OFF_RING;
+  constexpr int SLOT = d256::SLOT, OFF_PT = d256::OFF_PT, OFF_DS = d256::OFF_DS;
+  constexpr int OFF_IDS = d256::OFF_IDS, OFF_BAR = d256::OFF_BAR;
+  constexpr int BAR_P_FULL = d256::BAR_P_FULL, BAR_P_FREE = d256::BAR_P_FREE;
+  constexpr int BAR_DS_FULL = d256::BAR_DS_FULL, BAR_DS_FREE = d256::BAR_DS_FREE;
+  constexpr bool FAST_EXP = F & EXP, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = smem_u32(smem);
+  const uint32_t bar_full = base + OFF_BAR;
+  const uint32_t bar_empty = bar_full + 8 * STAGES;
+  const uint32_t bar_kv = bar_empty + 8 * STAGES;
+
+  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads / p.kv_heads;
+  const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
+  const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
+  const int steps_per_head = hi - lo;
+  const int steps = steps_per_head * group;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, CONSUMERS);
+    }
+    mbar_init(bar_kv, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------------------ producer
+    set_max_regs_dec<24>();
+    if (t == 0) {
+      const int kv_row = b * p.s_kv + tile * KV_TILE;
+      mbar_expect_tx(bar_kv, 2 * PIECES * PIECE);
+      for (int h = 0; h < PIECES; ++h) {
+        tma_load_3d(base + OFF_K + h * PIECE, &p.tm_k, bar_kv, 64 * h, kv_head, kv_row);
+        tma_load_3d(base + OFF_V + h * PIECE, &p.tm_v, bar_kv, 64 * h, kv_head, kv_row);
+      }
+      for (int n = 0; n < steps; ++n) {
+        const int s = n % STAGES;
+        if (n >= STAGES) mbar_wait(bar_empty + 8 * s, ((n / STAGES) - 1) & 1);
+        const int head = kv_head * group + n / steps_per_head;
+        const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+        const uint32_t slot = base + OFF_RING + s * SLOT;
+        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
+        const uint32_t full = bar_full + 8 * s;
+        mbar_expect_tx(full, SLOT + IDS_SLOT);
+        for (int h = 0; h < PIECES; ++h) {
+          tma_load_3d(slot + h * PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
+          tma_load_3d(slot + (PIECES + h) * PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
+        }
+        const size_t row = static_cast<size_t>(b) * p.s_q + q0;
+        const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
+        bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
+        bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
+        bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
+        bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------ consumers
+  set_max_regs_inc<240>();
+  const int c = wg - 1;  // this consumer's head-dim half: columns 128c .. 128c + 127
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = 16 * warp + lane / 4;  // accumulator rows r0 and r0 + 8 (kv rows of S^T)
+  const float sl2 = p.scale * 1.4426950408889634f;
+  const bool not_causal = !p.causal;
+  const int kv_tok0 = b * p.s_kv + tile * KV_TILE + r0;
+  const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
+  const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);  // pair i / 2 of thread t at i / 2 * 128 + t
+  const uint32_t ds = base + OFF_DS;
+  auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
+    return desc_sw128(addr + off, lbo, 1024);
+  };
+  mbar_wait(bar_kv, 0);
+
+  for (int n = 0; n < steps; ++n) {
+    const int s = n % STAGES;
+    const int head = kv_head * group + n / steps_per_head;
+    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const uint32_t slot = base + OFF_RING + s * SLOT;
+    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
+    const int* qpos = reinterpret_cast<const int*>(ids);
+    const int* qseg = qpos + Q_BLOCK;
+    const float* lse = ids + 2 * Q_BLOCK;
+    const float* delta = ids + 3 * Q_BLOCK;
+    mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
+
+    // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T. M = 64 kv rows, N = 64 query rows,
+    // K = 256 (16 k16 steps over the 4 column pieces).
+    float acc[32];
+    {
+      const uint32_t a_src = base + (c == 0 ? OFF_K : OFF_V);
+      const uint32_t b_src = slot + (c == 0 ? 0 : PIECES * PIECE);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const uint32_t off = (k / 4) * PIECE + (k % 4) * 32;
+        wgmma_64x64_ss<HALF, 0, 0>(acc, desc_at(a_src, off, 16), desc_at(b_src, off, 16), k > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+    }
+
+    uint32_t pa[16];  // P^T as 16-bit A fragments (the accumulator's columns 16 kk.. per k step)
+    if (c == 0) {
+      // P^T from S^T (element i: row r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2).
+      if (n >= 1) named_sync(BAR_P_FREE, 256);  // consumer 1 has read step n - 1's P^T
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+        const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
+        const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half;
+          const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
+            bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+            if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
+            const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
+            if constexpr (CAP) {
+              const float th = tanh_of(acc[i + e] * p.scale_over_cap);
+              acc[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(th, p.cap_log2e, neg_lse2) : -INFINITY);
+            } else {
+              acc[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(acc[i + e], sl2, neg_lse2) : -INFINITY);
+            }
+          }
+          pt[(i / 2) * 128 + t] = make_float2(acc[i], acc[i + 1]);
+          pa[i / 2] = pack2<HALF>(acc[i], acc[i + 1]);
+        }
+      }
+      named_arrive(BAR_P_FULL, 256);
+    } else {
+      // dS^T = P^T (dP^T - delta) [(1 - tanh^2) with the soft cap], from consumer 0's P^T.
+      uint32_t dsa[16];
+      named_sync(BAR_P_FULL, 256);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        const float2 d2 = *reinterpret_cast<const float2*>(delta + col);
+        [[maybe_unused]] const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half;
+          const float2 pp = pt[(i / 2) * 128 + t];
+          pa[i / 2] = pack2<HALF>(pp.x, pp.y);
+          float g0 = pp.x, g1 = pp.y;
+          if constexpr (CAP) {  // tanh = (log2 P + lse log2 e) / (cap log2 e); P = 0: dS = 0
+            const float inv = 1.f / p.cap_log2e;
+            float lg0, lg1;
+            asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg0) : "f"(pp.x));
+            asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg1) : "f"(pp.y));
+            const float th0 = fmaf(l2.x, 1.4426950408889634f, lg0) * inv;
+            const float th1 = fmaf(l2.y, 1.4426950408889634f, lg1) * inv;
+            g0 = pp.x > 0.f ? pp.x * fmaf(-th0, th0, 1.f) : 0.f;
+            g1 = pp.y > 0.f ? pp.y * fmaf(-th1, th1, 1.f) : 0.f;
+          }
+          dsa[i / 2] = pack2<HALF>(g0 * (acc[i] - d2.x), g1 * (acc[i + 1] - d2.y));
+        }
+      }
+      if (n + 1 < steps) named_arrive(BAR_P_FREE, 256);
+      if (n >= 1) named_sync(BAR_DS_FREE, 256);  // consumer 0's products have read step n - 1's dS^T
+      // dS^T [kv][q] by stmatrix (not transposed: memory rows are the accumulator's kv rows).
+      // Register pair 4g + m is matrix m of x4 call g: kv rows 16 warp + 8 (m % 2) .., query
+      // columns 8 (2g + m / 2) ..; lane l gives the address of row l % 8 of matrix l / 8.
+      {
+        const int m = lane / 8, k = lane % 8;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const uint32_t addr = ds + sw128_offset(16 * warp + 8 * (m % 2) + k, 8 * (2 * g + m / 2));
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                       ::"r"(addr), "r"(dsa[4 * g]), "r"(dsa[4 * g + 1]), "r"(dsa[4 * g + 2]),
+                       "r"(dsa[4 * g + 3])
+                       : "memory");
+        }
+      }
+      fence_async_smem();
+      named_arrive(BAR_DS_FULL, 256);
+    }
+    // Both consumers run the same products from here (the role branches above hold no wgmma:
+    // one in a divergent path makes ptxas serialize them all). dV_c += P^T dO[:, 128c:] (M = 64
+    // kv, N = 128, K = 64 query rows; P^T from registers, dO MN-major).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma_64xN_rs<HALF, 128>(dv, a, desc_at(slot, (PIECES + 2 * c) * PIECE + kk * 2048, PIECE));
+    }
+    wg_commit();
+    if (c == 0) named_sync(BAR_DS_FULL, 256);  // consumer 1's dS^T is written
+    // dK_c += dS^T Q[:, 128c:] (dS^T from shared memory, K-major; Q MN-major).
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_64x128_ss<HALF, 0, 1>(dk, desc_at(ds, kk * 32, 16),
+                                  desc_at(slot, 2 * c * PIECE + kk * 2048, PIECE), 1);
+    }
+    wg_commit();
+    // dQ[:, 128c + 64j : + 64] = dS K[:, ...] for j = 0, 1 (M = 64 query rows, N = 64, K = 64 kv
+    // rows; A = dS, the MN-major view of dS^T; B = K's column piece 2c + j, MN-major), each
+    // reduce-added into dq_accum[b, head, 2c + j, q0 / 64] in fragment order.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float dq[32];
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        wgmma_64x64_ss<HALF, 1, 1>(dq, desc_at(ds, k * 2048, PIECE),
+                                   desc_at(base + OFF_K + (2 * c + j) * PIECE, k * 2048, PIECE),
+                                   k > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+      if (j == 0 && t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO / ids slot read
+      if (j == 1 && c == 0 && n + 1 < steps) named_arrive(BAR_DS_FREE, 256);
+      float* dst = p.dq_accum +
+                   ((((static_cast<size_t>(b) * p.heads + head) * PIECES + 2 * c + j) * p.s_q) +
+                    q0) * 64;
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq[i], dq[i + 1]);
+    }
+  }
+
+  // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4) + 2 (lane % 4).
+#pragma unroll
+  for (int i = 0; i < 64; i += 2) {
+    const int row = tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
+    const int col = 128 * c + 8 * (i / 4) + 2 * (lane % 4);
+    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
+    reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
+    reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side: tensor maps and the FFI handler
 // ---------------------------------------------------------------------------------------------
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -721,17 +1039,25 @@ template <int F, bool HALF, int HD>
 static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cudaStream_t stream) {
   static std::mutex mu;  // one per instantiation
   static bool attr_set[MAX_DEVICES] = {};
+  // Head dim 256 has its own kernel and shared-memory plan (backward_d256_kernel).
+  constexpr auto kernel = [] {
+    if constexpr (HD == 256) {
+      return backward_d256_kernel<F, HALF>;
+    } else {
+      return fused_backward_kernel<F, HALF, HD>;
+    }
+  }();
+  constexpr int smem_bytes = HD == 256 ? d256::SMEM_BYTES : SMEM_BYTES;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!attr_set[device]) {
-      const cudaError_t err = cudaFuncSetAttribute(
-          fused_backward_kernel<F, HALF, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-          SMEM_BYTES);
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
       if (err != cudaSuccess) return err;
       attr_set[device] = true;
     }
   }
-  fused_backward_kernel<F, HALF, HD><<<grid, THREADS, SMEM_BYTES, stream>>>(p);
+  kernel<<<grid, THREADS, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -752,8 +1078,9 @@ static ffi::Error FusedBackwardImpl(
     int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || (qd[3] != 128 && qd[3] != 64) || kd[3] != qd[3])
-    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, 128] or [B, S, heads, 64]");
+  if (qd.size() != 4 || kd.size() != 4 || (qd[3] != 128 && qd[3] != 64 && qd[3] != 256) ||
+      kd[3] != qd[3])
+    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, D], D 64, 128 or 256");
   const int64_t hd = qd[3];
   const auto ad = dq_accum->dimensions();
   if (ad.size() != 5 || ad[0] != qd[0] || ad[1] != qd[2] || ad[2] != hd / 64 ||
@@ -775,10 +1102,11 @@ static ffi::Error FusedBackwardImpl(
     return ffi::Error::InvalidArgument("variant: its SOFTCAP / WINDOW bits must match soft_cap > 0 "
                                        "and window > 0");
   Params p{};
+  const uint32_t kv_tile = hd == 256 ? d256::KV_TILE : KV_TILE;  // kv rows per CTA
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
                      make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
-                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, KV_TILE, half, hd),
-                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, KV_TILE, half, hd)};
+                     make_map(&p.tm_k, k.untyped_data(), b * skv, kh, kv_tile, half, hd),
+                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, kv_tile, half, hd)};
   for (int i = 0; i < 4; ++i)
     if (rc[i] != 0)
       return ffi::Error::Internal(
@@ -816,17 +1144,21 @@ static ffi::Error FusedBackwardImpl(
                                 ") is not the stream's (" + std::to_string(stream_device) + ")");
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  const dim3 grid(static_cast<unsigned>(skv / KV_TILE), static_cast<unsigned>(kh),
+  const dim3 grid(static_cast<unsigned>(skv / kv_tile), static_cast<unsigned>(kh),
                   static_cast<unsigned>(b));
   bool launched;
   if (hd == 128 && half)
     launched = launch<true, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   else if (hd == 128)
     launched = launch<false, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
-  else if (half)
+  else if (hd == 64 && half)
     launched = launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
-  else
+  else if (hd == 64)
     launched = launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+  else if (half)
+    launched = launch<true, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+  else
+    launched = launch<false, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
@@ -838,7 +1170,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 8; }
+extern "C" int KvaxSm90AbiVersion() { return 9; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -27,17 +27,19 @@ from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
 TARGET = "kvax_sm90_fused_backward"
-HEAD_DIM = 128  # the layout's head dim (kernels/hopper.py's HEAD_DIMS: 128 and 64 built)
-HEAD_DIMS = (128, 64)  # fused_backward.cu's HD
+HEAD_DIM = 128  # the main layout's head dim (benchmarks/cuda_backward_check.py's)
+# fused_backward.cu's HD: 128 and 64 in one layout, 256 in its own (backward_d256_kernel, kv
+# tiles of 64 rows, the consumers splitting the head dim)
+HEAD_DIMS = (128, 64, 256)
 KV_TILE = 128
 Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
-# shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26). Bump
-# both together.
-ABI_VERSION = 8
+# shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
+# dim 256, 2026-11-27). Bump both together.
+ABI_VERSION = 9
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -210,7 +212,7 @@ def unpermute_fragment_order(accum):
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
-  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 128 or 64; Sq, Skv multiples of 128), q
+  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 64, 128 or 256; Sq, Skv multiples of 128), q
   bf16 or fp16 (k, v, d_out are cast to its type); lse, delta [B, H, Sq] float32 (lse
   natural-log, from the forward, sinks included);
   positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
@@ -247,8 +249,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
-  if d == 64:
-    bits &= ~DECOUPLE  # the consumers share no dS at head dim 64 (fused_backward.cu)
+  if d != 128:
+    bits &= ~DECOUPLE  # the dS hand-over of head dim 128's layout (fused_backward.cu)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
