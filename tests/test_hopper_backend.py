@@ -85,7 +85,12 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   assert pick(dims=(64, 64)) == "mosaic"  # hopper runs it; auto_check: not measured faster
   assert kernels.resolve_backend_for("hopper", jnp.bfloat16, 64, 64) == "hopper"
   assert pick(dims=(192, 128)) == "mosaic"
-  assert pick(dims=(256, 256)) == "triton"
+  # head dim 256: hopper's own layout, measured faster than Triton with every feature and fp16
+  # (2026-11-27), so auto takes it for all of them
+  assert pick(dims=(256, 256)) == "hopper"
+  assert pick(dims=(256, 256), dtype=jnp.float16,
+               features=("causal", "logits_soft_cap", "sliding_window", "sinks")) == "hopper"
+  assert pick(dims=(256, 256), deterministic_backward=True) == "triton"
   assert pick(dtype=jnp.float32) == "triton"
   wide = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=256)
   assert pick(m=_with_spec(mask, bwd_params=wide)) == "mosaic"
@@ -383,3 +388,19 @@ def test_kernel_options_reach_the_mosaic_forward(monkeypatch):
                                 logits_soft_cap=None, sinks=None, kernel_options=opts)
   assert seen and seen[0].options == opts
   assert "kernel_options" in kernels.KERNEL_BACKENDS["hopper"].options
+
+
+def test_softmax_delta_is_a_float32_rowsum_not_a_dot():
+  """delta = rowsum(dO * O) as a product and a sum: an einsum becomes a dot that XLA runs at TF32
+  on a GPU, and a one-key row's dS = P (dP - delta) then keeps ~1e-3 of delta instead of
+  vanishing (custom_vjp.softmax_delta; H200, 2026-11-27)."""
+  import jax
+  import numpy as np
+  from kvax_plugin.attention.kernels.custom_vjp import softmax_delta
+  rng = np.random.default_rng(0)
+  d_out, out = (jnp.asarray(rng.standard_normal((2, 40, 3, 128)), jnp.bfloat16) for _ in range(2))
+  got = softmax_delta(d_out, out)
+  want = np.einsum("bshd,bshd->bhs", np.asarray(d_out, np.float64), np.asarray(out, np.float64))
+  assert got.dtype == jnp.float32 and got.shape == (2, 3, 40)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert "dot_general" not in str(jax.make_jaxpr(softmax_delta)(d_out, out))

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
-from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
+from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gradient,
+                                                      softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
@@ -99,9 +100,15 @@ AUTO_FEATURES_NOT_PREFERRED = ("sliding_window", "logits_soft_cap", "sinks")
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: bf16, head
-  dim 128, without window, soft cap or sinks (where it was measured faster than "mosaic"; the
-  numbers above AUTO_FEATURES_NOT_PREFERRED; head dim 64 in performance.md)."""
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports. Head dim
+  128: bf16 without window, soft cap or sinks (where it was measured faster than "mosaic"; the
+  numbers above AUTO_FEATURES_NOT_PREFERRED; head dim 64 in performance.md). Head dim 256:
+  always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
+  one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
+  53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,
+  fp16 causal 39.3 / 54.0; benchmarks/results/2026-11-27-h200/hopper_d256)."""
+  if (qk_head_dim, v_head_dim) == (256, 256):
+    return True, ""
   slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
   if jnp.dtype(dtype) != jnp.bfloat16:
     slower.insert(0, jnp.dtype(dtype).name)
@@ -135,7 +142,7 @@ def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
 def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out, lse,
               d_out):
   # delta = rowsum(dO * O): what softmax's Jacobian subtracts
-  delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = softmax_delta(d_out, out)
   # The kernel handles whole 128-row tiles only: pad both sides. Padded kv rows carry the
   # padding segment id and padded query rows lse = +inf, so neither takes part (the kernel
   # drops pairs whose query segment is the padding id, and exp(s - inf) is 0); their
