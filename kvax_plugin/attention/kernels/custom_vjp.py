@@ -50,21 +50,6 @@ def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arra
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 
 
-def softmax_delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
-  """delta = rowsum(dO * O) [B, H, Sq] float32 from d_out, out [B, Sq, H, D]: what softmax's
-  Jacobian subtracts (dS = P (dP - delta)).
-
-  A product and a sum in float32, not an einsum: on a GPU XLA makes "bshd,bshd->bhs" a dot,
-  whose default precision rounds its operands to TF32 (10-bit mantissa). delta then misses dP
-  (from the kernel's products, float32-accurate) by ~1e-3 of itself, and rows whose dS vanishes
-  by cancellation (a query that sees one key: dP = delta) kept dq / dk of ~2e-2 instead of
-  ~1e-6 (H200, 2026-11-27: the hopper and mosaic backends failed a one-token-documents cell of
-  the conformance matrix; Triton, which computes delta in its kernel, passed at 2e-6).
-  """
-  prod = d_out.astype(jnp.float32) * out.astype(jnp.float32)
-  return jnp.sum(prod, axis=-1).transpose(0, 2, 1)
-
-
 def sinks_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
   """d loss / d sinks [H] from lse and delta [B, H, Sq] (float32, natural log).
 
