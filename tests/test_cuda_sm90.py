@@ -154,6 +154,52 @@ def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
   np.testing.assert_array_equal(ds, ds_t.T)
 
 
+def test_head_dim_256_stmatrix_writes_ds_t_as_dk_and_dq_read_it():
+  """backward_d256_kernel stores dS^T [kv][q] with stmatrix.m8n8.x4 (not transposed): call g,
+  lane l addresses row l % 8 of matrix m = l / 8 at kv row 16 warp + 8 (m % 2) + l % 8, query
+  column 8 (2 g + m / 2); register m is pair 4 g + m. Without .trans, memory row k of a matrix is
+  its row k (lane 4 k + i holds columns 2 i, 2 i + 1). The dK product reads the image K-major
+  (element (kv, q) at _sw128(kv, q)); the dQ product reads the same bytes MN-major as dS."""
+  ds_t = np.random.default_rng(2).normal(size=(64, 64)).astype(np.float32)  # [kv][q]
+  image = {}
+  for warp in range(4):
+    for g in range(4):
+      for m in range(4):
+        pair = 4 * g + m
+        matrix = np.zeros((8, 8), np.float32)
+        for lane in range(32):
+          row, col = _fragment(32 * warp + lane, pair)
+          assert (row, col) == (16 * warp + 8 * (m % 2) + lane // 4, 8 * (2 * g + m // 2)
+                                + 2 * (lane % 4))
+          matrix[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = ds_t[row, col:col + 2]
+        for k in range(8):  # lane 8 m + k: memory row k <- matrix row k
+          base = _sw128(16 * warp + 8 * (m % 2) + k, 8 * (2 * g + m // 2))
+          for e in range(8):
+            image[base + 2 * e] = matrix[k, e]
+  got = np.array([[image[_sw128(kv, q)] for q in range(64)] for kv in range(64)])
+  np.testing.assert_array_equal(got, ds_t)
+
+
+def test_head_dim_256_dq_parts_land_where_dq_from_accum_reads_them():
+  """At head dim 256 consumer c reduce-adds dQ[:, 128 c + 64 j:][:64] (j = 0, 1) of a 64-row
+  query block, register pair p of thread t at float offset (p * 128 + t) * 2 of
+  dq_accum[b, head, 2 c + j, q0 / 64] (FRAG's order, from registers instead of a staging
+  buffer); dq_from_accum must give dq [B, Sq, H, 256] back."""
+  rng = np.random.default_rng(3)
+  b, sq, h = 1, 128, 2
+  dq = rng.normal(size=(b, sq, h, 256)).astype(np.float32)
+  accum = np.zeros((b, h, 4, sq // 64, 4096), np.float32)
+  for bi, hi, c, j, blk in np.ndindex(b, h, 2, 2, sq // 64):
+    part = dq[bi, 64 * blk:64 * blk + 64, hi, 128 * c + 64 * j:128 * c + 64 * j + 64]
+    for t in range(128):
+      for pr in range(16):
+        row, col = _fragment(t, pr)
+        accum[bi, hi, 2 * c + j, blk, (pr * 128 + t) * 2:(pr * 128 + t) * 2 + 2] += \
+            part[row, col:col + 2]
+  got = cuda_bwd.dq_from_accum(jnp.asarray(accum), cuda_bwd.DEFAULT_VARIANT, 0.25, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), 0.25 * dq)
+
+
 def test_timing_plot_draws_from_saved_results(tmp_path):
   """benchmarks/cuda_backward_check.py --plot-from: the saved timings of 2026-11-25 (H100) drawn
   again without a GPU."""
@@ -334,6 +380,138 @@ def test_the_hand_over_simulation_catches_a_missing_barrier():
   rng = np.random.default_rng(8)
   found = [_simulate(5, rng, skip_free_sync=True) for _ in range(200)]
   assert any(f and "overwrites buffer" in f for f in found)
+
+
+# --- Head dim 256: the consumers' P^T / dS^T hand-over, simulated ------------------------------
+# backward_d256_kernel's order of named-barrier operations and buffer accesses per consumer, as
+# written in fused_backward.cu: consumer 0 writes P^T (one buffer) and reads dS^T, consumer 1
+# reads P^T and writes dS^T (one buffer), both read dS^T in their dK / dQ products. Barriers as
+# above: complete when both consumers have arrived once.
+D256_P_FULL, D256_P_FREE, D256_DS_FULL, D256_DS_FREE = 4, 5, 6, 7
+D256_READERS = {"PT": {1}, "DS": {0, 1}}
+
+
+def _d256_ops(c: int, steps: int, drop: tuple = ()):
+  """The events of consumer c at head dim 256. drop: barrier pairs (one consumer's arrive and the
+  other's sync) to leave out: "p_full", "p_free", "ds_full", "ds_free"."""
+  for n in range(steps):
+    yield ("loaded", n)
+    if c == 0:
+      if n >= 1 and "p_free" not in drop:
+        yield ("sync", D256_P_FREE)
+      yield ("write", "PT", n)
+      if "p_full" not in drop:
+        yield ("arrive", D256_P_FULL)
+      if "ds_full" not in drop:
+        yield ("sync", D256_DS_FULL)
+    else:
+      if "p_full" not in drop:
+        yield ("sync", D256_P_FULL)
+      yield ("read_begin", "PT", n)
+      yield ("read_end", "PT", n)
+      if n + 1 < steps and "p_free" not in drop:
+        yield ("arrive", D256_P_FREE)
+      if n >= 1 and "ds_free" not in drop:
+        yield ("sync", D256_DS_FREE)
+      yield ("write", "DS", n)
+      if "ds_full" not in drop:
+        yield ("arrive", D256_DS_FULL)
+    yield ("read_begin", "DS", n)  # dK, then both dQ parts
+    yield ("release", n)           # wg_wait<1>: dV, dK and the first dQ part retired
+    yield ("read_end", "DS", n)    # wg_wait<0>
+    if c == 0 and n + 1 < steps and "ds_free" not in drop:
+      yield ("arrive", D256_DS_FREE)
+
+
+def _simulate_d256(steps: int, rng, **kw) -> str | None:
+  """Both consumers and the producer (a ring of 2) in a random interleaving: the first problem
+  found (a deadlock, a barrier a consumer passes alone, a buffer overwritten before its readers
+  are done or read holding another step), or None."""
+  ops = [list(_d256_ops(c, steps, **kw)) for c in (0, 1)] + [[("load", n) for n in range(steps)]]
+  pc = [0, 0, 0]
+  loaded, released = set(), {}
+  arrived: dict[int, set] = {}
+  waiting: dict[int, int] = {}
+  holds: dict[str, int] = {}               # buffer -> the step whose data it holds
+  unread: dict[str, set] = {}              # buffer -> readers still to finish with it
+
+  def ready(a):
+    if pc[a] >= len(ops[a]) or a in waiting:
+      return False
+    op = ops[a][pc[a]]
+    if op[0] == "loaded":
+      return op[1] in loaded
+    if op[0] == "load":
+      return op[1] < 2 or released.get(op[1] - 2, 0) == 2
+    return True
+
+  while any(pc[a] < len(ops[a]) for a in range(3)):
+    runnable = [a for a in range(3) if ready(a)]
+    if not runnable:
+      return f"deadlock at {[ops[a][pc[a]] if pc[a] < len(ops[a]) else 'end' for a in range(3)]}"
+    c = runnable[rng.integers(len(runnable))]
+    op = ops[c][pc[c]]
+    pc[c] += 1
+    if op[0] in ("load", "loaded"):
+      loaded.add(op[1])
+    elif op[0] == "release":
+      released[op[1]] = released.get(op[1], 0) + 1
+    elif op[0] in ("sync", "arrive"):
+      got = arrived.setdefault(op[1], set())
+      if c in got:
+        return f"consumer {c} arrives twice at barrier {op[1]} in one generation"
+      got.add(c)
+      if len(got) == 2:
+        arrived[op[1]] = set()
+        for w, bar in list(waiting.items()):
+          if bar == op[1]:
+            del waiting[w]
+      elif op[0] == "sync":
+        waiting[c] = op[1]
+    elif op[0] == "write":
+      _, buf, n = op
+      if unread.get(buf):
+        return f"consumer {c} overwrites {buf} with step {n} before {unread[buf]} read step {holds[buf]}"
+      holds[buf], unread[buf] = n, set(D256_READERS[buf])
+    elif op[0] == "read_begin":
+      _, buf, n = op
+      if holds.get(buf) != n:
+        return f"consumer {c} reads {buf} for step {n}; it holds step {holds.get(buf)}"
+    else:
+      unread[op[1]].discard(c)
+  if any(arrived.values()):
+    return f"barriers left mid-generation at exit: {arrived}"
+  if any(released.get(n, 0) != 2 for n in range(steps)):
+    return f"ring slots not released exactly once per consumer: {released}"
+  return None
+
+
+def test_head_dim_256_hand_over_has_no_race_or_deadlock():
+  rng = np.random.default_rng(11)
+  for steps in range(0, 7):
+    for _ in range(150):
+      problem = _simulate_d256(steps, rng)
+      assert problem is None, f"steps={steps}: {problem}"
+
+
+@pytest.mark.parametrize("drop, found", [("p_full", "reads PT"), ("ds_full", "reads DS")])
+def test_the_head_dim_256_simulation_catches_a_missing_barrier(drop, found):
+  rng = np.random.default_rng(12)
+  problems = [_simulate_d256(5, rng, drop=(drop,)) for _ in range(300)]
+  assert any(p and found in p for p in problems), set(problems)
+
+
+def test_head_dim_256_free_barriers_are_implied_by_the_full_ones():
+  """Found by this simulation (2026-11-27): P_FREE and DS_FREE order nothing the FULL pair does
+  not. Consumer 0 writes P^T of step n + 1 only after DS_FULL of step n, which consumer 1
+  passes after reading P^T of step n; consumer 1 writes dS^T of step n + 1 only after P_FULL of
+  step n + 1, which consumer 0 passes after its products of step n retired. The kernel keeps
+  them until a GPU run checks the version without (a candidate for two fewer barriers per
+  step)."""
+  rng = np.random.default_rng(13)
+  for steps in range(0, 6):
+    for _ in range(100):
+      assert _simulate_d256(steps, rng, drop=("p_free", "ds_free")) is None
 
 
 def test_a_library_from_another_source_is_refused(tmp_path):
