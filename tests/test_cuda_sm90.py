@@ -283,19 +283,19 @@ def _consumer_ops(c: int, steps: int, skip_free_sync: bool = False):
     yield from dq_part(steps - 1, release=None)
 
 
-def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
-  """Run both consumers in a random interleaving; the first problem found, or None (trace:
-  gets (consumer, event) in the order they ran)."""
-  # actors 0, 1: the consumers; 2: the producer, loading step n into slot n % 2 once both
-  # consumers released step n - 2 (a ring of 2)
-  ops = [list(_consumer_ops(c, steps, **kw)) for c in (0, 1)] + [
-      [("load", n) for n in range(steps)]]
+def _run_consumers(ops: list, rng, buffer_event, trace: list | None = None) -> str | None:
+  """Run the two consumers' event lists and the producer's (ops[2], a ring of 2: it loads step n
+  once both consumers released step n - 2) in a random interleaving. Barrier, load and release
+  events are handled here; every other event goes to buffer_event(consumer, op), which returns
+  a problem or None. Returns the first problem found (a deadlock, a barrier a consumer passes
+  alone, a barrier left mid-generation, a slot not released once per consumer), or None
+  (trace: gets (actor, event) in the order they ran)."""
   pc = [0, 0, 0]
   loaded, released = set(), {}
   arrived: dict[int, set] = {}   # barrier -> consumers arrived in the current generation
   waiting: dict[int, int] = {}   # consumer -> barrier it is blocked on
-  half = {}                      # (buffer, consumer) -> step whose dS that half holds
-  reads_left = {}                # (buffer, step) -> consumers that still have to read it
+  steps = len(ops[2])
+
   def ready(a):
     if pc[a] >= len(ops[a]) or a in waiting:
       return False
@@ -317,11 +317,9 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
       trace.append((c, op))
     if op[0] in ("load", "loaded"):
       loaded.add(op[1])
-      continue
-    if op[0] == "release":
+    elif op[0] == "release":
       released[op[1]] = released.get(op[1], 0) + 1
-      continue
-    if op[0] in ("sync", "arrive"):
+    elif op[0] in ("sync", "arrive"):
       got = arrived.setdefault(op[1], set())
       if c in got:
         return f"consumer {c} arrives twice at barrier {op[1]} in one generation"
@@ -333,7 +331,27 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
             del waiting[w]
       elif op[0] == "sync":
         waiting[c] = op[1]
-    elif op[0] == "write":
+    else:
+      problem = buffer_event(c, op)
+      if problem:
+        return problem
+  if any(arrived.values()):
+    return f"barriers left mid-generation at exit: {arrived}"
+  if any(released.get(n, 0) != 2 for n in range(steps)):
+    return f"ring slots not released exactly once per consumer: {released}"
+  return None
+
+
+def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
+  """Head dim 128's dS hand-over (two buffers by step parity, each consumer writing its half)
+  under _run_consumers: the first problem found, or None."""
+  ops = [list(_consumer_ops(c, steps, **kw)) for c in (0, 1)] + [
+      [("load", n) for n in range(steps)]]
+  half = {}         # (buffer, consumer) -> step whose dS that half holds
+  reads_left = {}   # (buffer, step) -> consumers that still have to read it
+
+  def buffer_event(c, op):
+    if op[0] == "write":
       _, buf, n = op
       if reads_left.get((buf, n - 2)):
         return f"consumer {c} overwrites buffer {buf} at step {n} before step {n - 2} is read"
@@ -346,11 +364,9 @@ def _simulate(steps: int, rng, trace: list | None = None, **kw) -> str | None:
     else:
       _, buf, m = op
       reads_left[(buf, m)].discard(c)
-  if any(arrived.values()):
-    return f"barriers left mid-generation at exit: {arrived}"
-  if any(released.get(n, 0) != 2 for n in range(steps)):
-    return f"ring slots not released exactly once per consumer: {released}"
-  return None
+    return None
+
+  return _run_consumers(ops, rng, buffer_event, trace)
 
 
 def test_decoupled_ds_hand_over_has_no_race_or_deadlock():
@@ -424,66 +440,27 @@ def _d256_ops(c: int, steps: int, drop: tuple = ()):
 
 
 def _simulate_d256(steps: int, rng, **kw) -> str | None:
-  """Both consumers and the producer (a ring of 2) in a random interleaving: the first problem
-  found (a deadlock, a barrier a consumer passes alone, a buffer overwritten before its readers
-  are done or read holding another step), or None."""
+  """Head dim 256's P^T / dS^T hand-over (one buffer each) under _run_consumers: the first
+  problem found (besides the scheduler's: a buffer overwritten before its readers are done,
+  or read holding another step), or None."""
   ops = [list(_d256_ops(c, steps, **kw)) for c in (0, 1)] + [[("load", n) for n in range(steps)]]
-  pc = [0, 0, 0]
-  loaded, released = set(), {}
-  arrived: dict[int, set] = {}
-  waiting: dict[int, int] = {}
-  holds: dict[str, int] = {}               # buffer -> the step whose data it holds
-  unread: dict[str, set] = {}              # buffer -> readers still to finish with it
+  holds: dict[str, int] = {}   # buffer -> the step whose data it holds
+  unread: dict[str, set] = {}  # buffer -> readers still to finish with it
 
-  def ready(a):
-    if pc[a] >= len(ops[a]) or a in waiting:
-      return False
-    op = ops[a][pc[a]]
-    if op[0] == "loaded":
-      return op[1] in loaded
-    if op[0] == "load":
-      return op[1] < 2 or released.get(op[1] - 2, 0) == 2
-    return True
-
-  while any(pc[a] < len(ops[a]) for a in range(3)):
-    runnable = [a for a in range(3) if ready(a)]
-    if not runnable:
-      return f"deadlock at {[ops[a][pc[a]] if pc[a] < len(ops[a]) else 'end' for a in range(3)]}"
-    c = runnable[rng.integers(len(runnable))]
-    op = ops[c][pc[c]]
-    pc[c] += 1
-    if op[0] in ("load", "loaded"):
-      loaded.add(op[1])
-    elif op[0] == "release":
-      released[op[1]] = released.get(op[1], 0) + 1
-    elif op[0] in ("sync", "arrive"):
-      got = arrived.setdefault(op[1], set())
-      if c in got:
-        return f"consumer {c} arrives twice at barrier {op[1]} in one generation"
-      got.add(c)
-      if len(got) == 2:
-        arrived[op[1]] = set()
-        for w, bar in list(waiting.items()):
-          if bar == op[1]:
-            del waiting[w]
-      elif op[0] == "sync":
-        waiting[c] = op[1]
-    elif op[0] == "write":
-      _, buf, n = op
+  def buffer_event(c, op):
+    _, buf, n = op
+    if op[0] == "write":
       if unread.get(buf):
         return f"consumer {c} overwrites {buf} with step {n} before {unread[buf]} read step {holds[buf]}"
       holds[buf], unread[buf] = n, set(D256_READERS[buf])
     elif op[0] == "read_begin":
-      _, buf, n = op
       if holds.get(buf) != n:
         return f"consumer {c} reads {buf} for step {n}; it holds step {holds.get(buf)}"
     else:
-      unread[op[1]].discard(c)
-  if any(arrived.values()):
-    return f"barriers left mid-generation at exit: {arrived}"
-  if any(released.get(n, 0) != 2 for n in range(steps)):
-    return f"ring slots not released exactly once per consumer: {released}"
-  return None
+      unread[buf].discard(c)
+    return None
+
+  return _run_consumers(ops, rng, buffer_event)
 
 
 def test_head_dim_256_hand_over_has_no_race_or_deadlock():

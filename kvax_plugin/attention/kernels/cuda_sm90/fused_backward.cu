@@ -329,6 +329,65 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
   return row * 128 + chunk * 16 + (col & 7) * 2;
 }
 
+// The two layouts' shared parts: the ring's barriers and the producer warpgroup. A layout's
+// shared memory holds K and V of the CTA's kv tile (PIECES column pieces of 64 each, KV_PIECE
+// bytes apart) and a ring of STAGES slots, each with the query block's Q pieces (Q_PIECE bytes
+// apart from the slot's start), its dO pieces (from piece DO_FIRST) and, in a separate array,
+// its positions, segment ids, lse and delta.
+struct Ring {
+  uint32_t k, v;             // K / V tile
+  uint32_t slots, slot_bytes;
+  uint32_t ids;              // IDS_SLOT bytes per slot
+  uint32_t full, empty, kv;  // barriers: STAGES "slot loaded", STAGES "slot released", K / V
+};
+
+// Thread 0 initialises the ring's barriers; every thread then meets at __syncthreads.
+__device__ __forceinline__ void init_ring_barriers(const Ring& r) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(r.full + 8 * s, 1);
+      mbar_init(r.empty + 8 * s, CONSUMERS);
+    }
+    mbar_init(r.kv, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// The producer (one thread): K and V of the tile (kv rows kv_row.., TMA boxes of the tile's
+// rows), then for each of `steps` steps (steps_per_head query blocks from block lo, for each
+// of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot n % STAGES, once
+// both consumers released step n - STAGES.
+template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST>
+__device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
+                                        int b, int group, int lo, int steps_per_head, int steps) {
+  mbar_expect_tx(r.kv, 2 * PIECES * KV_PIECE);
+  for (int h = 0; h < PIECES; ++h) {
+    tma_load_3d(r.k + h * KV_PIECE, &p.tm_k, r.kv, 64 * h, kv_head, kv_row);
+    tma_load_3d(r.v + h * KV_PIECE, &p.tm_v, r.kv, 64 * h, kv_head, kv_row);
+  }
+  for (int n = 0; n < steps; ++n) {
+    const int s = n % STAGES;
+    if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
+    const int head = kv_head * group + n / steps_per_head;
+    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const uint32_t slot = r.slots + s * r.slot_bytes;
+    const uint32_t ids = r.ids + s * IDS_SLOT;
+    const uint32_t full = r.full + 8 * s;
+    mbar_expect_tx(full, 2 * PIECES * Q_PIECE + IDS_SLOT);
+    for (int h = 0; h < PIECES; ++h) {
+      tma_load_3d(slot + h * Q_PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
+      tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
+    }
+    const size_t row = static_cast<size_t>(b) * p.s_q + q0;
+    const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
+    bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
+    bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
+    bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
+    bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------
@@ -372,9 +431,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
-  const uint32_t bar_full = base + OFF_BAR;                 // STAGES barriers: slot loaded
-  const uint32_t bar_empty = bar_full + 8 * STAGES;         // STAGES barriers: slot released
-  const uint32_t bar_kv = bar_empty + 8 * STAGES;           // K and V loaded
+  const Ring ring{base + OFF_K, base + OFF_V, base + OFF_RING, SLOT, base + OFF_IDS,
+                  base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
+  const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
@@ -383,46 +442,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, 1);
-      mbar_init(bar_empty + 8 * s, CONSUMERS);
-    }
-    mbar_init(bar_kv, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(ring);
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
+    // dO from piece 2 at either head dim (the slot has room for 128's two Q pieces)
     if (t == 0) {
-      const int kv_row = b * p.s_kv + tile * KV_TILE;
-      mbar_expect_tx(bar_kv, 2 * HALVES * HALF_KV);
-      for (int h = 0; h < HALVES; ++h) {
-        tma_load_3d(base + OFF_K + h * HALF_KV, &p.tm_k, bar_kv, 64 * h, kv_head, kv_row);
-        tma_load_3d(base + OFF_V + h * HALF_KV, &p.tm_v, bar_kv, 64 * h, kv_head, kv_row);
-      }
-      for (int n = 0; n < steps; ++n) {
-        const int s = n % STAGES;
-        if (n >= STAGES) mbar_wait(bar_empty + 8 * s, ((n / STAGES) - 1) & 1);
-        const int head = kv_head * group + n / steps_per_head;
-        const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
-        const uint32_t slot = base + OFF_RING + s * SLOT;
-        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
-        const uint32_t full = bar_full + 8 * s;
-        mbar_expect_tx(full, 2 * HALVES * HALF_Q + IDS_SLOT);
-        for (int h = 0; h < HALVES; ++h) {
-          tma_load_3d(slot + h * HALF_Q, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
-          tma_load_3d(slot + (2 + h) * HALF_Q, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
-        }
-        const size_t row = static_cast<size_t>(b) * p.s_q + q0;
-        const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
-        bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
-        bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
-        bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
-        bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
-      }
+      produce<HALVES, HALF_KV, HALF_Q, 2>(p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b,
+                                          group, lo, steps_per_head, steps);
     }
     return;
   }
@@ -737,9 +764,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
-  const uint32_t bar_full = base + OFF_BAR;
-  const uint32_t bar_empty = bar_full + 8 * STAGES;
-  const uint32_t bar_kv = bar_empty + 8 * STAGES;
+  const Ring ring{base + OFF_K, base + OFF_V, base + OFF_RING, SLOT, base + OFF_IDS,
+                  base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
+  const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
@@ -748,46 +775,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, 1);
-      mbar_init(bar_empty + 8 * s, CONSUMERS);
-    }
-    mbar_init(bar_kv, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_ring_barriers(ring);
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      const int kv_row = b * p.s_kv + tile * KV_TILE;
-      mbar_expect_tx(bar_kv, 2 * PIECES * PIECE);
-      for (int h = 0; h < PIECES; ++h) {
-        tma_load_3d(base + OFF_K + h * PIECE, &p.tm_k, bar_kv, 64 * h, kv_head, kv_row);
-        tma_load_3d(base + OFF_V + h * PIECE, &p.tm_v, bar_kv, 64 * h, kv_head, kv_row);
-      }
-      for (int n = 0; n < steps; ++n) {
-        const int s = n % STAGES;
-        if (n >= STAGES) mbar_wait(bar_empty + 8 * s, ((n / STAGES) - 1) & 1);
-        const int head = kv_head * group + n / steps_per_head;
-        const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
-        const uint32_t slot = base + OFF_RING + s * SLOT;
-        const uint32_t ids = base + OFF_IDS + s * IDS_SLOT;
-        const uint32_t full = bar_full + 8 * s;
-        mbar_expect_tx(full, SLOT + IDS_SLOT);
-        for (int h = 0; h < PIECES; ++h) {
-          tma_load_3d(slot + h * PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
-          tma_load_3d(slot + (PIECES + h) * PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
-        }
-        const size_t row = static_cast<size_t>(b) * p.s_q + q0;
-        const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
-        bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
-        bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
-        bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
-        bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
-      }
+      produce<PIECES, PIECE, PIECE, PIECES>(p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b,
+                                            group, lo, steps_per_head, steps);
     }
     return;
   }
