@@ -125,15 +125,13 @@ def _sw128(row: int, col: int) -> int:
   return row * 128 + ((col >> 3) ^ (row & 7)) * 16 + (col & 7) * 2
 
 
-def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
-  """v6 (STM) stores dS^T (the consumer's registers: kv rows x query columns) with four
-  stmatrix.m8n8.x4.trans per warp: call g, lane l addresses row l % 8 of matrix m = l / 8,
-  (h, j) = (m % 2, 2 g + m / 2), at query 8 j + l % 8, kv 16 warp + 8 h; register m of each lane
-  is pair 4 g + m. stmatrix's fragment: lane L holds matrix row L / 4, columns 2 (L % 4) + {0,
-  1}; .trans writes matrix column k as the 8 contiguous elements at lane 8 m + k's address.
-  Reading the image as the dQ product's K-major operand (element (q, kv) at _sw128(q, kv))
-  must give dS = (dS^T)^T."""
-  ds_t = np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)  # [kv][q]
+def _stmatrix_image(ds_t, trans: bool) -> dict[int, float]:
+  """Shared memory (byte offset -> value) after the four stmatrix.m8n8.x4 calls per warp that
+  store the consumer's dS^T accumulator (kv rows x query columns): call g, lane l addresses row
+  l % 8 of matrix m = l / 8, (h, j) = (m % 2, 2 g + m / 2); register m of each lane is pair
+  4 g + m. stmatrix's fragment: lane L holds matrix row L / 4, columns 2 (L % 4) + {0, 1}.
+  trans (head dim 128): memory row k <- matrix column k, at query 8 j + k, kv 16 warp + 8 h;
+  not trans (head dim 256): memory row k <- matrix row k, at kv 16 warp + 8 h + k, query 8 j."""
   image = {}
   for warp in range(4):
     for g in range(4):
@@ -146,10 +144,26 @@ def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
           row, col = _fragment(32 * warp + lane, pair)
           assert (row, col) == (16 * warp + 8 * h + lane // 4, 8 * j + 2 * (lane % 4))
           matrix[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = ds_t[row, col:col + 2]
-        for k in range(8):  # lane 8 m + k: memory row k <- matrix column k
-          base = _sw128(8 * j + k, 16 * warp + 8 * h)
+        for k in range(8):  # lane 8 m + k's address
+          if trans:
+            base, values = _sw128(8 * j + k, 16 * warp + 8 * h), matrix[:, k]
+          else:
+            base, values = _sw128(16 * warp + 8 * h + k, 8 * j), matrix[k, :]
           for e in range(8):
-            image[base + 2 * e] = matrix[e, k]
+            image[base + 2 * e] = values[e]
+  return image
+
+
+def test_stmatrix_trans_writes_ds_as_the_dq_product_reads_it():
+  """v6 (STM) stores dS^T (the consumer's registers: kv rows x query columns) with four
+  stmatrix.m8n8.x4.trans per warp: call g, lane l addresses row l % 8 of matrix m = l / 8,
+  (h, j) = (m % 2, 2 g + m / 2), at query 8 j + l % 8, kv 16 warp + 8 h; register m of each lane
+  is pair 4 g + m. stmatrix's fragment: lane L holds matrix row L / 4, columns 2 (L % 4) + {0,
+  1}; .trans writes matrix column k as the 8 contiguous elements at lane 8 m + k's address.
+  Reading the image as the dQ product's K-major operand (element (q, kv) at _sw128(q, kv))
+  must give dS = (dS^T)^T."""
+  ds_t = np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)  # [kv][q]
+  image = _stmatrix_image(ds_t, trans=True)
   ds = np.array([[image[_sw128(q, kv)] for kv in range(64)] for q in range(64)])
   np.testing.assert_array_equal(ds, ds_t.T)
 
@@ -161,21 +175,7 @@ def test_head_dim_256_stmatrix_writes_ds_t_as_dk_and_dq_read_it():
   its row k (lane 4 k + i holds columns 2 i, 2 i + 1). The dK product reads the image K-major
   (element (kv, q) at _sw128(kv, q)); the dQ product reads the same bytes MN-major as dS."""
   ds_t = np.random.default_rng(2).normal(size=(64, 64)).astype(np.float32)  # [kv][q]
-  image = {}
-  for warp in range(4):
-    for g in range(4):
-      for m in range(4):
-        pair = 4 * g + m
-        matrix = np.zeros((8, 8), np.float32)
-        for lane in range(32):
-          row, col = _fragment(32 * warp + lane, pair)
-          assert (row, col) == (16 * warp + 8 * (m % 2) + lane // 4, 8 * (2 * g + m // 2)
-                                + 2 * (lane % 4))
-          matrix[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = ds_t[row, col:col + 2]
-        for k in range(8):  # lane 8 m + k: memory row k <- matrix row k
-          base = _sw128(16 * warp + 8 * (m % 2) + k, 8 * (2 * g + m // 2))
-          for e in range(8):
-            image[base + 2 * e] = matrix[k, e]
+  image = _stmatrix_image(ds_t, trans=False)
   got = np.array([[image[_sw128(kv, q)] for q in range(64)] for kv in range(64)])
   np.testing.assert_array_equal(got, ds_t)
 
