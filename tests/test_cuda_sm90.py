@@ -99,23 +99,26 @@ def test_dq_staging_order_is_undone_by_the_jax_side():
   np.testing.assert_array_equal(back, block)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("variant", sorted(cuda_bwd.VARIANTS))
-def test_dq_from_accum_places_every_block(variant):
-  """dq_accum[b, h, half, block] as the kernel writes it (its staging order per 64 x 64 part:
-  row-major, or FRAG's fragment order) back to dq [B, Sq, H, 128], scaled."""
+def test_dq_from_accum_places_every_block(variant, head_dim):
+  """dq_accum[b, h, part, block] as the kernels write it (its order per 64 x 64 part: row-major,
+  or FRAG's fragment order) back to dq [B, Sq, H, D], scaled. Part k holds columns 64 k ..:
+  at head dim 128 consumer c's half (k = c); at 256 consumer c's two parts j = 0, 1 (k = 2 c + j,
+  columns 128 c + 64 j .., reduce-added from registers in FRAG's order)."""
   rng = np.random.default_rng(1)
-  b, sq, h = 2, 192, 3
-  dq = rng.normal(size=(b, sq, h, 128)).astype(np.float32)
-  accum = np.zeros((b, h, 2, sq // 64, 4096), np.float32)
-  for bi, hi, c, blk in np.ndindex(b, h, 2, sq // 64):
-    part = dq[bi, 64 * blk:64 * blk + 64, hi, 64 * c:64 * c + 64]
+  b, sq, h, parts = 2, 192, 3, head_dim // 64
+  dq = rng.normal(size=(b, sq, h, head_dim)).astype(np.float32)
+  accum = np.zeros((b, h, parts, sq // 64, 4096), np.float32)
+  for bi, hi, k, blk in np.ndindex(b, h, parts, sq // 64):
+    part = dq[bi, 64 * blk:64 * blk + 64, hi, 64 * k:64 * k + 64]
     if cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG:
       for t in range(128):
-        for p in range(16):
-          row, col = _fragment(t, p)
-          accum[bi, hi, c, blk, (p * 128 + t) * 2:(p * 128 + t) * 2 + 2] = part[row, col:col + 2]
+        for pr in range(16):
+          row, col = _fragment(t, pr)
+          accum[bi, hi, k, blk, (pr * 128 + t) * 2:(pr * 128 + t) * 2 + 2] = part[row, col:col + 2]
     else:
-      accum[bi, hi, c, blk] = part.reshape(-1)
+      accum[bi, hi, k, blk] = part.reshape(-1)
   got = cuda_bwd.dq_from_accum(jnp.asarray(accum), variant, 0.5, jnp.float32)
   np.testing.assert_array_equal(np.asarray(got), 0.5 * dq)
 
@@ -178,26 +181,6 @@ def test_head_dim_256_stmatrix_writes_ds_t_as_dk_and_dq_read_it():
   image = _stmatrix_image(ds_t, trans=False)
   got = np.array([[image[_sw128(kv, q)] for q in range(64)] for kv in range(64)])
   np.testing.assert_array_equal(got, ds_t)
-
-
-def test_head_dim_256_dq_parts_land_where_dq_from_accum_reads_them():
-  """At head dim 256 consumer c reduce-adds dQ[:, 128 c + 64 j:][:64] (j = 0, 1) of a 64-row
-  query block, register pair p of thread t at float offset (p * 128 + t) * 2 of
-  dq_accum[b, head, 2 c + j, q0 / 64] (FRAG's order, from registers instead of a staging
-  buffer); dq_from_accum must give dq [B, Sq, H, 256] back."""
-  rng = np.random.default_rng(3)
-  b, sq, h = 1, 128, 2
-  dq = rng.normal(size=(b, sq, h, 256)).astype(np.float32)
-  accum = np.zeros((b, h, 4, sq // 64, 4096), np.float32)
-  for bi, hi, c, j, blk in np.ndindex(b, h, 2, 2, sq // 64):
-    part = dq[bi, 64 * blk:64 * blk + 64, hi, 128 * c + 64 * j:128 * c + 64 * j + 64]
-    for t in range(128):
-      for pr in range(16):
-        row, col = _fragment(t, pr)
-        accum[bi, hi, 2 * c + j, blk, (pr * 128 + t) * 2:(pr * 128 + t) * 2 + 2] += \
-            part[row, col:col + 2]
-  got = cuda_bwd.dq_from_accum(jnp.asarray(accum), cuda_bwd.DEFAULT_VARIANT, 0.25, jnp.float32)
-  np.testing.assert_array_equal(np.asarray(got), 0.25 * dq)
 
 
 def test_timing_plot_draws_from_saved_results(tmp_path):
