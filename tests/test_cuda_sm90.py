@@ -474,6 +474,24 @@ def test_head_dim_256_free_barriers_are_implied_by_the_full_ones():
       assert _simulate_d256(steps, rng, drop=("p_free", "ds_free")) is None
 
 
+def test_a_library_path_is_loaded_as_an_absolute_path(tmp_path, monkeypatch):
+  """load(path) with a bare file name: dlopen would search the library path for it, not the
+  working directory (benchmarks/tools/bench_with_library.py failed that way on 2026-11-27)."""
+  import ctypes
+  (tmp_path / "x.so").write_bytes(b"")
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(cuda_bwd, "_LOADED", [])
+  seen = []
+
+  def fake_load(name):
+    seen.append(name)
+    raise OSError("stop here")
+  monkeypatch.setattr(ctypes.cdll, "LoadLibrary", fake_load)
+  with pytest.raises(OSError, match="stop here"):
+    cuda_bwd.load("x.so")
+  assert seen == [str(tmp_path / "x.so")]
+
+
 def test_a_library_from_another_source_is_refused(tmp_path):
   class Lib:  # what ctypes gives for a library with / without the version symbol
     def __init__(self, version):

@@ -95,7 +95,8 @@ def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike 
     if _LOADED:
       return _LOADED[0]
     if path is not None:
-      lib_path = Path(path)
+      # absolute: dlopen looks a bare file name up in the library path, not here
+      lib_path = Path(path).resolve()
       if not lib_path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no such library (expected a "
                                 f"{build.LIB_NAME} built by python -m kvax_plugin.attention."
