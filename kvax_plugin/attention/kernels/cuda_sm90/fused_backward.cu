@@ -728,7 +728,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 // from registers (red.global.add.v2.f32, fragment order: no staging buffer fits next to the
 // 64 KiB ring slots). Five products per tile pair, as at 128, and the same float32 dq_accum.
 // The P^T and dS^T buffers are single: named barriers P_FULL / P_FREE and DS_FULL / DS_FREE
-// (arrive by one consumer, sync by the other) order their reuse. Kv tiles of 64 rows take their
+// (arrive by one consumer, sync by the other) order their reuse. (The FULL pairs alone already
+// imply both FREE orders, tests/test_cuda_sm90.py simulates it; the FREE pairs stay until a GPU
+// run checks the kernel without them.) Kv tiles of 64 rows take their
 // query-block bounds from the mask's 128-row table (row tile / 2): a half tile may visit a block
 // with nothing kept for it, which the element-wise mask zeroes.
 namespace d256 {
