@@ -454,3 +454,18 @@ def test_maxtext_e2e_plots_saved_runs_together(tmp_path):
                        ("64k-long", "kvax", "hopper"), ("64k-long", "cudnn_flash_jax", None)}
   assert rows[("64k-long", "kvax", "hopper")] > rows[("64k-long", "cudnn_flash_jax", None)]
   assert (tmp_path / "e2e.png").stat().st_size > 10_000
+
+
+def test_bench_with_library_loads_the_given_build_then_runs_the_benchmark(monkeypatch):
+  """benchmarks/tools/bench_with_library.py: the library named first is loaded before the
+  benchmark (whose own hopper setup then finds it loaded); the other arguments reach
+  bench_attention."""
+  from benchmarks import bench_attention
+  from benchmarks.tools import bench_with_library
+  from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
+  calls = []
+  monkeypatch.setattr(fused_backward, "load", lambda path: calls.append(("load", path)))
+  monkeypatch.setattr(bench_attention, "main", lambda: calls.append(("bench", sys.argv[1:])))
+  monkeypatch.setattr(sys, "argv", ["bench_with_library", "x.so", "--seq", "1024"])
+  bench_with_library.main()
+  assert calls == [("load", "x.so"), ("bench", ["--seq", "1024"])]
