@@ -66,3 +66,19 @@ def test_mosaic_parts_in_interpreter_match_reference():
   errs = kernel_parts_case.check(mosaic.flash_attention_mosaic, s_len=256, h=2, kh=1, d=64,
                                  interpret=True)
   assert max(errs) < 1.5e-2, errs  # bf16 inputs, P and dS rounded to bf16
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_as_stored_widens_to_the_narrow_values_and_says_so_to_xla(dtype):
+  """custom_vjp.as_stored: the values of the 16-bit array, widened; and an explicit rounding in
+  the program (XLA on the GPU may drop a narrowing whose result is widened again; the CPU keeps
+  it, so only the GPU test tests/gpu/test_cotangent_rounding_gpu.py shows the difference)."""
+  from kvax_plugin.attention.kernels.custom_vjp import as_stored, softmax_delta
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 3, 8)), jnp.float32)
+  widened = jax.jit(lambda x: as_stored(x.astype(dtype)))(x)
+  assert widened.dtype == jnp.float32
+  np.testing.assert_array_equal(widened, np.asarray(x.astype(dtype), np.float32))
+  assert np.any(np.asarray(widened) != np.asarray(x))
+  program = jax.jit(lambda d, o: softmax_delta(d.astype(dtype), o.astype(dtype))).lower(x, x)
+  assert "reduce_precision" in program.as_text()
+  assert as_stored(x) is not None and "reduce_precision" not in jax.jit(as_stored).lower(x).as_text()

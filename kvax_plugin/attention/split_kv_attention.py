@@ -42,7 +42,7 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, saved_residuals,
-                                                      sinks_gradient)
+                                                      sinks_gradient, softmax_delta)
 
 
 class KvPart(NamedTuple):
@@ -140,7 +140,7 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
     f32 = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
     dq = (f32(dq_a) + f32(dq_b)).astype(q.dtype)
     if has_sinks:
-      delta = jnp.einsum("bshd,bshd->bhs", f32(d_out), f32(out))
+      delta = softmax_delta(d_out, out)
       ds = sinks_gradient(s, lse, delta)
     else:
       ds = jnp.zeros_like(s)

@@ -50,6 +50,33 @@ def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arra
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 
 
+def as_stored(x: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """x widened to `dtype`, holding exactly the values of x's own (narrower) float type.
+
+  Why not just x.astype(dtype): XLA may skip a narrowing conversion whose result is widened
+  again (its xla_allow_excess_precision, on by default). The backward's cotangent d_out is such
+  a narrowing (the float32 gradient rounded to the output's bf16 / fp16), so d_out.astype(float32)
+  can read the float32 values from before the rounding, while the kernels read the rounded
+  d_out. delta = rowsum(dO * O) then no longer matches the kernels' dP = dO V: on a row that
+  sees one key dS = P (dP - delta) is 0 in exact arithmetic and held bf16's rounding of dO V
+  instead (dq / dk up to 2.0e-2 where the reference has 2e-6: H200, 2026-11-27, with the
+  cotangent a jit argument; a constant cotangent is rounded at compile time and hid it).
+  Rounding to x's format again is idempotent on x's values and survives that rewrite.
+  """
+  wide = x.astype(dtype)
+  narrow, target = jnp.finfo(x.dtype), jnp.finfo(dtype)
+  if narrow.nmant >= target.nmant and narrow.nexp >= target.nexp:
+    return wide
+  return jax.lax.reduce_precision(wide, exponent_bits=narrow.nexp, mantissa_bits=narrow.nmant)
+
+
+def softmax_delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
+  """delta [B, H, Sq] float32 = rowsum(dO * O), what softmax's Jacobian subtracts
+  (FlashAttention-2, sec. 3.1), from d_out / out [B, Sq, H, Dv] as the kernels read them
+  (as_stored: not from values XLA kept wider)."""
+  return jnp.einsum("bshd,bshd->bhs", as_stored(d_out), as_stored(out))
+
+
 def sinks_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
   """d loss / d sinks [H] from lse and delta [B, H, Sq] (float32, natural log).
 

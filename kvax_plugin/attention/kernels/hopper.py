@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
-from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
+from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gradient,
+                                                     softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
@@ -140,8 +141,7 @@ def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
 
 def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out, lse,
               d_out):
-  # delta = rowsum(dO * O): what softmax's Jacobian subtracts
-  delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = softmax_delta(d_out, out)
   # The kernel handles whole 128-row tiles only: pad both sides. Padded kv rows carry the
   # padding segment id and padded query rows lse = +inf, so neither takes part (the kernel
   # drops pairs whose query segment is the padding id, and exp(s - inf) is 0); their

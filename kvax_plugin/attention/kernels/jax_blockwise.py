@@ -27,8 +27,8 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable, num_blocks, token_keep
 from kvax_plugin.attention.kernels.capabilities import Capabilities
-from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, capturing_kernel_parts,
-                                                      saved_residuals)
+from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, as_stored,
+                                                      capturing_kernel_parts, saved_residuals)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 # Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
@@ -281,8 +281,9 @@ def _attention_bwd(cfg, res, d_out):
   p = mask.spec.bwd_params
   bq, bk = p.query_block_size, p.kv_block_size
   f32 = lambda x: x.astype(cfg.compute_dtype)  # float32, or float64 for float64 inputs
-  do = f32(d_out)
-  delta = jnp.sum(do * f32(out), axis=-1)  # D_i = rowsum(dO * O), [B, Sq, K, G]
+  # dO as stored (custom_vjp.as_stored): dP and delta must read the same values.
+  do = as_stored(d_out, cfg.compute_dtype)
+  delta = jnp.sum(do * as_stored(out, cfg.compute_dtype), axis=-1)  # rowsum(dO * O) [B, Sq, K, G]
   args = (cfg, f32(q), f32(k), f32(v), do, lse, delta, q_pos, q_seg, kv_pos, kv_seg)
   dq = _backward_dq(*args, mask.dq, bq, bk)
   dk, dv = _backward_dkv(*args, mask.dkv, bq, bk)
@@ -321,9 +322,9 @@ def _kernel_parts(cfg: _Static, kh: int) -> KernelParts:
     p = mask.spec.bwd_params
     b, sq, h, _ = q.shape
     f32 = lambda x: x.astype(cfg.compute_dtype)
-    do = f32(split_heads(d_out))
+    do = as_stored(split_heads(d_out), cfg.compute_dtype)
     lse5 = jnp.moveaxis(lse, 1, 2).reshape(b, sq, kh, h // kh).astype(cfg.compute_dtype)
-    delta = jnp.sum(do * f32(split_heads(out)), axis=-1)
+    delta = jnp.sum(do * as_stored(split_heads(out), cfg.compute_dtype), axis=-1)
     args = (cfg, f32(split_heads(q)), f32(k), f32(v), do, lse5, delta, q_pos, q_seg, kv_pos,
             kv_seg)
     dq = _backward_dq(*args, mask.dq, p.query_block_size, p.kv_block_size)

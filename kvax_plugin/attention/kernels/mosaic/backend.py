@@ -17,7 +17,8 @@ import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
-from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
+from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gradient,
+                                                     softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
 from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
 from kvax_plugin.attention.options import KernelOptions
@@ -225,8 +226,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
 def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask,
               out, lse, d_out):
   d_out = d_out.astype(q.dtype)
-  # delta = rowsum(dO * O): what softmax's Jacobian subtracts (FlashAttention-2, eq. in sec. 3.1)
-  delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = softmax_delta(d_out, out)
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   d_out_p = _pad_axis(_pad_axis(d_out, 1, p.q.shape[1], 0), 3, p.v.shape[3], 0)
   # Padded query rows: lse +inf makes their probabilities 0 whatever their logits.
