@@ -268,7 +268,8 @@ def _real_nvcc() -> Path | None:
 def test_the_real_source_builds_without_a_gpu(tmp_path):
   """The shipped fused_backward.cu through the real nvcc into a fresh cache (a minute or so on
   2 cores): the kernels built (the v7 feature set without and with the soft cap and / or the
-  window, bf16 and fp16, at head dims 128 and 64, and the head dim 256 kernel: 24), none
+  window, bf16 and fp16, at head dims 128 and 64, and the head dim 256 and MLA 192 / 128
+  kernels: 32), none
   spilling but the soft-cap kernels at head dim 128 (24-28 bytes, docs/performance.md), and a
   library that loads on a CPU machine and reports this module's interface version."""
   lib = build.ensure_library(tmp_path / "cache", prebuilt=None)
@@ -284,7 +285,8 @@ def test_the_real_source_builds_without_a_gpu(tmp_path):
       want.add(f"fused_backward_kernelILi{base | f}ELb{half}ELi128E")
       want.add(f"fused_backward_kernelILi{(base & ~cuda_bwd.DECOUPLE) | f}ELb{half}ELi64E")
       want.add(f"backward_d256_kernelILi{(base & ~cuda_bwd.DECOUPLE) | f}ELb{half}E")
-  assert len(kernels) == 24 and {w for w in want if any(w in k for k in kernels)} == want
+      want.add(f"backward_mla_kernelILi{(base & ~cuda_bwd.DECOUPLE) | f}ELb{half}E")
+  assert len(kernels) == 32 and {w for w in want if any(w in k for k in kernels)} == want
   for i, line in enumerate(report):
     if line.startswith("ptxas info    : Function properties for "):
       name, spills = line.split()[-1], report[i + 1]

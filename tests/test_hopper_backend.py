@@ -148,9 +148,10 @@ def test_without_a_toolchain_auto_takes_mosaic(monkeypatch):
     (jnp.float16, (128, 128), ("sliding_window", "logits_soft_cap", "sinks", "backward"), None),
     (jnp.float32, (128, 128), (), "float32 inputs are not supported"),
     (jnp.bfloat16, (64, 64), ("causal", "sinks"), None),
-    (jnp.bfloat16, (128, 64), ("distinct_v_head_dim",), "distinct_v_head_dim not supported"),
+    (jnp.bfloat16, (128, 64), ("distinct_v_head_dim",), r"head dims \(128, 64\) are not supported"),
     (jnp.bfloat16, (256, 256), ("causal", "gqa", "logits_soft_cap", "backward"), None),
-    (jnp.bfloat16, (192, 128), (), r"head dims \(192, 128\) are not supported"),
+    # MLA (DeepSeek): its own layout (backward_mla_kernel)
+    (jnp.float16, (192, 128), ("distinct_v_head_dim", "sliding_window", "sinks", "backward"), None),
     # a multiple of 64 inside [64, 256] that no layout is built for
     (jnp.bfloat16, (192, 192), (), r"head dims \(192, 192\) are not supported \(one of"),
 ])
@@ -225,14 +226,16 @@ def test_direct_call_names_what_it_does_not_cover():
   k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
   call = lambda q, k, v, m=mask, **kw: hopper.flash_attention_hopper(
       q, k, v, pos, seg, pos, seg, m, scale=0.1, **{"logits_soft_cap": None, "sinks": None, **kw})
-  with pytest.raises(ValueError, match="query: float32 with head dim 128"):
+  with pytest.raises(ValueError, match="query: float32; .* bfloat16 or float16"):
     call(q.astype(jnp.float32), k, k)
-  with pytest.raises(ValueError, match="key: bfloat16 with head dim 128.*the same type"):
+  with pytest.raises(ValueError, match="key: bfloat16; .*the same type"):
     call(q.astype(jnp.float16), k, k)
-  with pytest.raises(ValueError, match="value: bfloat16 with head dim 64"):
+  with pytest.raises(ValueError, match=r"head dims 128 / 128 / 64; .*\(192, 128\)\)"):
     call(q, k, k[..., :64])
-  with pytest.raises(ValueError, match="query: bfloat16 with head dim 32"):
+  with pytest.raises(ValueError, match="head dims 32 / 32 / 32"):
     call(q[..., :32], k[..., :32], k[..., :32])
+  with pytest.raises(ValueError, match="head dims 192 / 192 / 192"):
+    call(jnp.zeros((1, 256, 4, 192), jnp.bfloat16), *(jnp.zeros((1, 256, 2, 192), jnp.bfloat16),) * 2)
   wide = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True, bwd_params=(
       FlashAttentionParamsConfig(query_block_size=128, kv_block_size=256)))
   with pytest.raises(ValueError, match="mask: the mask's backward blocks 128x256"):

@@ -66,10 +66,10 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
   bwd = FlashAttentionParamsConfig(query_block_size=bwd_q, kv_block_size=128)
   mask = create_attention_mask(*ids, calc_bwd_mask=True, causal=causal, bwd_params=bwd,
                                sliding_window=window)
-  d = head_dim
+  d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)  # (qk, v)
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (
-      (batch, sq, heads, d), (batch, skv, kv_heads, d), (batch, skv, kv_heads, d),
-      (batch, sq, heads, d)))
+      (batch, sq, heads, d), (batch, skv, kv_heads, d), (batch, skv, kv_heads, dv),
+      (batch, sq, heads, dv)))
   sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
   scale = d ** -0.5
   f32 = lambda x: x.astype(jnp.float32)
@@ -138,8 +138,16 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
     ("float16", 256, 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # 256: fp16, all three
     ("bfloat16", 256, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 256: one query (decode)
     ("bfloat16", 256, 256, 130, 2, 2, False, 1, 128, None, None, False), # 256: kv past a tile
+    # MLA's (192, 128): its own layout (64-row kv tiles, the consumers splitting the products)
+    ("bfloat16", (192, 128), 777, 777, 8, 2, True, 2, 128, None, None, False),  # GQA, batch 2
+    ("bfloat16", (192, 128), 200, 600, 4, 1, True, 1, 64, 128, None, True),     # window + sinks
+    ("bfloat16", (192, 128), 512, 512, 4, 1, True, 1, 64, None, 3.0, False),    # soft cap
+    ("float16", (192, 128), 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # fp16, all three
+    ("float16", (192, 128), 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # fp16 not causal
+    ("bfloat16", (192, 128), 1, 300, 4, 2, True, 1, 128, None, None, False),    # decode
+    ("bfloat16", (192, 128), 256, 130, 2, 2, False, 1, 128, None, None, False), # kv past a tile
 ])
-def test_hopper_window_softcap_sinks_fp16_d64_d256(dtype, d, sq, skv, heads, kv_heads, causal, batch,
+def test_hopper_features_and_head_dims(dtype, d, sq, skv, heads, kv_heads, causal, batch,
                                               bwd_q, window, cap, with_sinks):
   tolerance = {"bfloat16": 2e-2, "float16": 1e-2}[dtype]
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q, dtype=dtype, window=window,

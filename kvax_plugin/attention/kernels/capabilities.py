@@ -23,8 +23,9 @@ class Capabilities:
 
   dtypes: input dtypes (names) it runs.
   min_head_dim / max_head_dim / head_dim_multiple: head dims (qk and v separately).
-  head_dims: None, or the only head dims it runs (a backend built for a few, such as "hopper"'s
-    64, 128 and 256: 192 is a multiple of 64 between them but not one of them).
+  head_dims: None, or the only (qk, v) head-dim pairs it runs (a backend built for a few, such
+    as "hopper"'s (64, 64), (128, 128), (256, 256) and (192, 128): (192, 192) is within the
+    limits but not one of them).
   float32_max_head_dim: a lower head-dim limit for float32 inputs (None: no extra limit).
   features: the entries of FEATURES it implements.
   """
@@ -33,7 +34,7 @@ class Capabilities:
   min_head_dim: int = 16
   max_head_dim: int = 256
   head_dim_multiple: int = 16
-  head_dims: tuple[int, ...] | None = None
+  head_dims: tuple[tuple[int, int], ...] | None = None
   float32_max_head_dim: int | None = None
   features: frozenset[str] = frozenset(FEATURES)
 
@@ -43,10 +44,10 @@ class Capabilities:
     name = jnp.dtype(dtype).name
     if name not in self.dtypes:
       return False, f"{name} inputs are not supported (supported: {', '.join(self.dtypes)})"
+    if self.head_dims is not None and (qk_head_dim, v_head_dim) not in self.head_dims:
+      return False, (f"head dims ({qk_head_dim}, {v_head_dim}) are not supported (one of "
+                     f"{self.head_dims})")
     for dim in (qk_head_dim, v_head_dim):
-      if self.head_dims is not None and dim not in self.head_dims:
-        return False, (f"head dims ({qk_head_dim}, {v_head_dim}) are not supported (one of "
-                       f"{self.head_dims})")
       if (dim < self.min_head_dim or dim > self.max_head_dim
           or dim % self.head_dim_multiple):
         return False, (f"head dims ({qk_head_dim}, {v_head_dim}) are not supported (multiples of "

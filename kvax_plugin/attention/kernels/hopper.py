@@ -46,14 +46,16 @@ from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gr
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-HEAD_DIMS = cuda_bwd.HEAD_DIMS  # 64, 128 and 256, one for query, key and value
+HEAD_DIMS = cuda_bwd.HEAD_DIMS  # (qk, v): (128, 128), (64, 64), (256, 256), (192, 128)
 VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (the one built)
 
-CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=min(HEAD_DIMS),
-                            max_head_dim=max(HEAD_DIMS), head_dim_multiple=64,
-                            head_dims=HEAD_DIMS,
+CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"),
+                            min_head_dim=min(min(pair) for pair in HEAD_DIMS),
+                            max_head_dim=max(max(pair) for pair in HEAD_DIMS),
+                            head_dim_multiple=64, head_dims=HEAD_DIMS,
                             features=frozenset({"causal", "sliding_window", "logits_soft_cap",
-                                                "sinks", "gqa", "backward"}))
+                                                "sinks", "gqa", "distinct_v_head_dim",
+                                                "backward"}))
 
 
 def device_supported(device) -> tuple[bool, str]:
@@ -178,7 +180,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query [B, Sq, H, D], key / value [B, Skv, K, D], D 64, 128 or 256, one type, bfloat16 or float16
+  query / key [B, Sq or Skv, H or K, D], value [B, Skv, K, Dv], (D, Dv) (64, 64), (128, 128),
+  (256, 256) or (192, 128), one type, bfloat16 or float16
   (H a multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
   ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
   of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap
@@ -198,11 +201,13 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                      "deterministic backward, or leave it None")
   h = query.shape[2]
   for name, x in (("query", query), ("key", key), ("value", value)):
-    if x.dtype not in cuda_bwd.DTYPES or x.dtype != query.dtype or (
-        x.shape[3] not in HEAD_DIMS or x.shape[3] != query.shape[3]):
-      raise ValueError(f"{name}: {x.dtype} with head dim {x.shape[3]}; the hopper backend "
-                       f"needs bfloat16 or float16 and one head dim of {HEAD_DIMS} (the same "
-                       "type and head dim for query, key and value)")
+    if x.dtype not in cuda_bwd.DTYPES or x.dtype != query.dtype:
+      raise ValueError(f"{name}: {x.dtype}; the hopper backend needs bfloat16 or float16, the "
+                       "same type for query, key and value")
+  if key.shape[3] != query.shape[3] or (query.shape[3], value.shape[3]) not in HEAD_DIMS:
+    raise ValueError(f"query / key / value: head dims {query.shape[3]} / {key.shape[3]} / "
+                     f"{value.shape[3]}; the hopper backend runs (query and key, value) one of "
+                     f"{HEAD_DIMS}")
   ok, why = supports_mask(mask)
   if not ok:
     raise ValueError(f"mask: {why}")

@@ -357,14 +357,22 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 // The producer (one thread): K and V of the tile (kv rows kv_row.., TMA boxes of the tile's
 // rows), then for each of `steps` steps (steps_per_head query blocks from block lo, for each
 // of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot n % STAGES, once
-// both consumers released step n - STAGES.
-template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST>
+// both consumers released step n - STAGES. PIECES: the column pieces of Q and K; V_PIECES: of V
+// and dO (fewer for MLA's head dims 192 / 128).
+template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
                                         int b, int group, int lo, int steps_per_head, int steps) {
-  mbar_expect_tx(r.kv, 2 * PIECES * KV_PIECE);
-  for (int h = 0; h < PIECES; ++h) {
-    tma_load_3d(r.k + h * KV_PIECE, &p.tm_k, r.kv, 64 * h, kv_head, kv_row);
-    tma_load_3d(r.v + h * KV_PIECE, &p.tm_v, r.kv, 64 * h, kv_head, kv_row);
+  mbar_expect_tx(r.kv, (PIECES + V_PIECES) * KV_PIECE);
+  if constexpr (V_PIECES == PIECES) {
+    for (int h = 0; h < PIECES; ++h) {
+      tma_load_3d(r.k + h * KV_PIECE, &p.tm_k, r.kv, 64 * h, kv_head, kv_row);
+      tma_load_3d(r.v + h * KV_PIECE, &p.tm_v, r.kv, 64 * h, kv_head, kv_row);
+    }
+  } else {
+    for (int h = 0; h < PIECES; ++h)
+      tma_load_3d(r.k + h * KV_PIECE, &p.tm_k, r.kv, 64 * h, kv_head, kv_row);
+    for (int h = 0; h < V_PIECES; ++h)
+      tma_load_3d(r.v + h * KV_PIECE, &p.tm_v, r.kv, 64 * h, kv_head, kv_row);
   }
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
@@ -374,10 +382,17 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
     const uint32_t slot = r.slots + s * r.slot_bytes;
     const uint32_t ids = r.ids + s * IDS_SLOT;
     const uint32_t full = r.full + 8 * s;
-    mbar_expect_tx(full, 2 * PIECES * Q_PIECE + IDS_SLOT);
-    for (int h = 0; h < PIECES; ++h) {
-      tma_load_3d(slot + h * Q_PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
-      tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
+    mbar_expect_tx(full, (PIECES + V_PIECES) * Q_PIECE + IDS_SLOT);
+    if constexpr (V_PIECES == PIECES) {
+      for (int h = 0; h < PIECES; ++h) {
+        tma_load_3d(slot + h * Q_PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
+        tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
+      }
+    } else {
+      for (int h = 0; h < PIECES; ++h)
+        tma_load_3d(slot + h * Q_PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
+      for (int h = 0; h < V_PIECES; ++h)
+        tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
     }
     const size_t row = static_cast<size_t>(b) * p.s_q + q0;
     const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
@@ -978,6 +993,300 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
+// MLA head dims (192 for Q / K, 128 for V / dO): head dim 256's layout with the products dealt
+// by kind instead of by head-dim half
+// ---------------------------------------------------------------------------------------------
+// As at head dim 256, a CTA owns 64 kv rows, consumer 0 computes S^T = K Q^T and P^T (handed
+// over in shared memory as float32 in fragment order), consumer 1 dP^T = V dO^T and dS^T.
+// Consumer 1 stores dS twice: dS^T [kv][q] (stmatrix) and dS [q][kv] (stmatrix .trans), so that
+// dK's and dQ's products read their A operand K-major alike. Then both consumers run the same
+// instructions on different operands:
+//   dV[:, 64c : 64c + 64] += P^T dO[:, 64c :]   (P^T from registers; dO's piece c)
+//   acc[j] for j = 0, 1, 2 (64 columns each): consumer 0 dK[:, 64j :] += dS^T Q[:, 64j :] (kept
+//     over the steps), consumer 1 dQ[:, 64j :] = dS K[:, 64j :] (fresh each step, reduce-added
+//     into dq_accum from registers as each finishes).
+// A wgmma on a path only one consumer takes makes ptxas serialize them all (C7520), so the
+// first products have the same trip count: consumer 1's dP^T contracts over 128 columns, S^T
+// over 192, and consumer 1 runs its last 4 k steps on a zero piece (the tensor cores' work per
+// step grows from 52 to 56 64x64x64 products).
+namespace mla {
+constexpr int DQK = 192, DV = 128;
+constexpr int KV_TILE = 64;
+constexpr int PIECE = 64 * 64 * 2;                   // [64 rows][64 cols] 16-bit, 128B swizzle
+constexpr int QK_PIECES = DQK / 64, V_PIECES = DV / 64;
+constexpr int OFF_K = 0;                             // K: 3 column pieces; V: 2
+constexpr int OFF_V = OFF_K + QK_PIECES * PIECE;
+constexpr int OFF_RING = OFF_V + V_PIECES * PIECE;   // per stage: Q pieces 0-2, dO pieces 3-4
+constexpr int SLOT = (QK_PIECES + V_PIECES) * PIECE;
+constexpr int OFF_PT = OFF_RING + STAGES * SLOT;     // P^T float32 [64 x 64], fragment order
+constexpr int OFF_DST = OFF_PT + 64 * 64 * 4;        // dS^T [64 kv][64 q], 128B swizzle
+constexpr int OFF_DSN = OFF_DST + PIECE;             // dS [64 q][64 kv], 128B swizzle
+constexpr int OFF_ZERO = OFF_DSN + PIECE;            // a zero piece (consumer 1's padding steps)
+constexpr int OFF_IDS = OFF_ZERO + PIECE;
+constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
+constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+static_assert(SMEM_BYTES <= 227 * 1024, "MLA: shared memory over the 227 KiB limit");
+constexpr int K_STEPS = DQK / 16;                    // S^T's k16 steps; dP^T has DV / 16 real ones
+// Named barriers as at head dim 256; ZERO_READY: consumer 1's threads have zeroed the piece
+constexpr int BAR_P_FULL = 4, BAR_P_FREE = 5, BAR_DS_FULL = 6, BAR_DS_FREE = 7, BAR_ZERO = 8;
+}  // namespace mla
+
+template <int F, bool HALF>
+__global__ void __launch_bounds__(THREADS, 1)
+    backward_mla_kernel(const __grid_constant__ Params p) {
+  constexpr int KV_TILE = mla::KV_TILE, PIECE = mla::PIECE;
+  constexpr int QK_PIECES = mla::QK_PIECES, V_PIECES = mla::V_PIECES;
+  constexpr int OFF_K = mla::OFF_K, OFF_V = mla::OFF_V, OFF_RING = mla::OFF_RING;
+  constexpr int SLOT = mla::SLOT, OFF_PT = mla::OFF_PT, OFF_IDS = mla::OFF_IDS;
+  constexpr int OFF_BAR = mla::OFF_BAR;
+  constexpr int BAR_P_FULL = mla::BAR_P_FULL, BAR_P_FREE = mla::BAR_P_FREE;
+  constexpr int BAR_DS_FULL = mla::BAR_DS_FULL, BAR_DS_FREE = mla::BAR_DS_FREE;
+  constexpr bool FAST_EXP = F & EXP, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = smem_u32(smem);
+  const Ring ring{base + OFF_K, base + OFF_V, base + OFF_RING, SLOT, base + OFF_IDS,
+                  base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
+  const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
+
+  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads / p.kv_heads;
+  const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
+  const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
+  const int steps_per_head = hi - lo;
+  const int steps = steps_per_head * group;
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  init_ring_barriers(ring);
+
+  if (wg == 0) {  // ------------------------------------------------------------ producer
+    set_max_regs_dec<24>();
+    if (t == 0) {
+      produce<QK_PIECES, PIECE, PIECE, QK_PIECES, V_PIECES>(
+          p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------ consumers
+  set_max_regs_inc<240>();
+  const int c = wg - 1;
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = 16 * warp + lane / 4;  // accumulator rows r0 and r0 + 8 (kv rows of S^T)
+  const float sl2 = p.scale * 1.4426950408889634f;
+  const bool not_causal = !p.causal;
+  const int kv_tok0 = b * p.s_kv + tile * KV_TILE + r0;
+  const int kvp0 = p.kv_pos[kv_tok0], kvs0 = p.kv_seg[kv_tok0];
+  const int kvp1 = p.kv_pos[kv_tok0 + 8], kvs1 = p.kv_seg[kv_tok0 + 8];
+
+  float dv[32], acc3[3][32];  // acc3: consumer 0's dK (kept), consumer 1's dQ parts (per step)
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    dv[i] = 0.f;
+    acc3[0][i] = acc3[1][i] = acc3[2][i] = 0.f;
+  }
+  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);  // pair i / 2 of thread t at i / 2 * 128 + t
+  const uint32_t ds_t = base + mla::OFF_DST, ds_n = base + mla::OFF_DSN;
+  const uint32_t zero = base + mla::OFF_ZERO;
+  auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
+    return desc_sw128(addr + off, lbo, 1024);
+  };
+  if (c == 1) {  // the zero piece, visible to the tensor cores (async proxy) before step 0
+    uint4* z = reinterpret_cast<uint4*>(smem + mla::OFF_ZERO);
+    for (int i = t; i < PIECE / 16; i += 128) z[i] = make_uint4(0, 0, 0, 0);
+    fence_async_smem();
+    named_sync(mla::BAR_ZERO, 128);
+  }
+  mbar_wait(bar_kv, 0);
+
+  for (int n = 0; n < steps; ++n) {
+    const int s = n % STAGES;
+    const int head = kv_head * group + n / steps_per_head;
+    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const uint32_t slot = base + OFF_RING + s * SLOT;
+    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
+    const int* qpos = reinterpret_cast<const int*>(ids);
+    const int* qseg = qpos + Q_BLOCK;
+    const float* lse = ids + 2 * Q_BLOCK;
+    const float* delta = ids + 3 * Q_BLOCK;
+    mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
+
+    // Consumer 0: S^T = K Q^T (K = 192); consumer 1: dP^T = V dO^T (K = 128, then 4 k steps on
+    // the zero piece). M = 64 kv rows, N = 64 query rows.
+    float acc[32];
+    {
+      const uint32_t a_src = base + (c == 0 ? OFF_K : OFF_V);
+      const uint32_t b_src = slot + (c == 0 ? 0 : QK_PIECES * PIECE);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < mla::K_STEPS; ++k) {
+        const uint32_t off = (k / 4) * PIECE + (k % 4) * 32;
+        const bool pad = c == 1 && k >= 4 * V_PIECES;
+        const uint32_t a = pad ? zero + (k % 4) * 32 : a_src + off;
+        const uint32_t bb = pad ? zero + (k % 4) * 32 : b_src + off;
+        wgmma_64x64_ss<HALF, 0, 0>(acc, desc_sw128(a, 16, 1024), desc_sw128(bb, 16, 1024), k > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+    }
+
+    uint32_t pa[16];  // P^T as 16-bit A fragments
+    if (c == 0) {
+      if (n >= 1) named_sync(BAR_P_FREE, 256);  // consumer 1 has read step n - 1's P^T
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+        const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
+        const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half;
+          const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
+            bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+            if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
+            const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
+            if constexpr (CAP) {
+              const float th = tanh_of(acc[i + e] * p.scale_over_cap);
+              acc[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(th, p.cap_log2e, neg_lse2) : -INFINITY);
+            } else {
+              acc[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(acc[i + e], sl2, neg_lse2) : -INFINITY);
+            }
+          }
+          pt[(i / 2) * 128 + t] = make_float2(acc[i], acc[i + 1]);
+          pa[i / 2] = pack2<HALF>(acc[i], acc[i + 1]);
+        }
+      }
+      named_arrive(BAR_P_FULL, 256);
+    } else {
+      uint32_t dsa[16];
+      named_sync(BAR_P_FULL, 256);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        const float2 d2 = *reinterpret_cast<const float2*>(delta + col);
+        [[maybe_unused]] const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half;
+          const float2 pp = pt[(i / 2) * 128 + t];
+          pa[i / 2] = pack2<HALF>(pp.x, pp.y);
+          float g0 = pp.x, g1 = pp.y;
+          if constexpr (CAP) {  // tanh = (log2 P + lse log2 e) / (cap log2 e); P = 0: dS = 0
+            const float inv = 1.f / p.cap_log2e;
+            float lg0, lg1;
+            asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg0) : "f"(pp.x));
+            asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg1) : "f"(pp.y));
+            const float th0 = fmaf(l2.x, 1.4426950408889634f, lg0) * inv;
+            const float th1 = fmaf(l2.y, 1.4426950408889634f, lg1) * inv;
+            g0 = pp.x > 0.f ? pp.x * fmaf(-th0, th0, 1.f) : 0.f;
+            g1 = pp.y > 0.f ? pp.y * fmaf(-th1, th1, 1.f) : 0.f;
+          }
+          dsa[i / 2] = pack2<HALF>(g0 * (acc[i] - d2.x), g1 * (acc[i + 1] - d2.y));
+        }
+      }
+      if (n + 1 < steps) named_arrive(BAR_P_FREE, 256);
+      if (n >= 1) named_sync(BAR_DS_FREE, 256);  // consumer 0's products have read step n - 1's dS^T
+      // Register pair 4g + m is matrix m of x4 call g: kv rows R = 16 warp + 8 (m % 2) .., query
+      // columns C = 8 (2g + m / 2) ..; lane l gives the address of row l % 8 of matrix l / 8:
+      // dS^T's row R + l % 8 (plain), dS's row C + l % 8 (.trans, the 8 kv values of column).
+      {
+        const int m = lane / 8, k = lane % 8;
+        const int row_kv = 16 * warp + 8 * (m % 2);
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const int col_q = 8 * (2 * g + m / 2);
+          const uint32_t at = ds_t + sw128_offset(row_kv + k, col_q);
+          const uint32_t an = ds_n + sw128_offset(col_q + k, row_kv);
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                       ::"r"(at), "r"(dsa[4 * g]), "r"(dsa[4 * g + 1]), "r"(dsa[4 * g + 2]),
+                       "r"(dsa[4 * g + 3])
+                       : "memory");
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                       ::"r"(an), "r"(dsa[4 * g]), "r"(dsa[4 * g + 1]), "r"(dsa[4 * g + 2]),
+                       "r"(dsa[4 * g + 3])
+                       : "memory");
+        }
+      }
+      fence_async_smem();
+      named_arrive(BAR_DS_FULL, 256);
+    }
+    // Both consumers: dV[:, 64c :] += P^T dO[:, 64c :] (M = 64 kv, N = 64, K = 64 query rows).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma_64xN_rs<HALF, 64>(dv, a, desc_at(slot, (QK_PIECES + c) * PIECE + kk * 2048, PIECE));
+    }
+    wg_commit();
+    if (c == 0) named_sync(BAR_DS_FULL, 256);  // consumer 1's dS^T / dS are written
+    // acc3[j] (+)= A B_j, K = 64 (kv rows for dQ, query rows for dK), both operands' layouts
+    // alike: A K-major (dS^T for consumer 0, dS for consumer 1), B MN-major (Q's piece j from
+    // the slot for consumer 0, K's piece j for consumer 1).
+    {
+      const uint32_t a_src = c == 0 ? ds_t : ds_n;
+      const uint32_t b_src = c == 0 ? slot : base + OFF_K;
+      const int keep_acc = c == 0;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_64x64_ss<HALF, 0, 1>(acc3[j], desc_at(a_src, kk * 32, 16),
+                                     desc_at(b_src, j * PIECE + kk * 2048, PIECE),
+                                     keep_acc | (kk > 0));
+        }
+        wg_commit();
+      }
+    }
+    // Consumer 1 reduce-adds each dQ part as it finishes: dq_accum[b, head, j, q0 / 64], in
+    // fragment order. The slot (Q, dO) is free once dV (consumer 1) / dK (consumer 0) are done.
+    float* dst = p.dq_accum +
+                 ((((static_cast<size_t>(b) * p.heads + head) * QK_PIECES) * p.s_q) + q0) * 64;
+    const size_t part = static_cast<size_t>(p.s_q) * 64;
+    wg_wait<2>();
+    if (c == 1) {
+      if (t == 0) mbar_arrive(bar_empty + 8 * s);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, acc3[0][i], acc3[0][i + 1]);
+    }
+    wg_wait<1>();
+    if (c == 1) {
+#pragma unroll
+      for (int i = 0; i < 32; i += 2)
+        red_add_f32x2(dst + part + ((i / 2) * 128 + t) * 2, acc3[1][i], acc3[1][i + 1]);
+    }
+    wg_wait<0>();
+    if (c == 0) {
+      if (t == 0) mbar_arrive(bar_empty + 8 * s);
+      if (n + 1 < steps) named_arrive(BAR_DS_FREE, 256);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; i += 2)
+        red_add_f32x2(dst + 2 * part + ((i / 2) * 128 + t) * 2, acc3[2][i], acc3[2][i + 1]);
+    }
+  }
+
+  // dK (scaled; consumer 0, 3 pieces) and dV (piece c): rows r0 + 8 ((i / 2) % 2) of the tile,
+  // columns 64 piece + 8 (i / 4) + 2 (lane % 4).
+  const size_t kv_row = static_cast<size_t>(b) * p.s_kv + tile * KV_TILE;
+#pragma unroll
+  for (int i = 0; i < 32; i += 2) {
+    const int row = r0 + 8 * ((i / 2) % 2);
+    const int col = 8 * (i / 4) + 2 * (lane % 4);
+    const size_t tok = (kv_row + row) * p.kv_heads + kv_head;
+    reinterpret_cast<uint32_t*>(p.dv)[(tok * mla::DV + 64 * c + col) / 2] = pack2<HALF>(dv[i], dv[i + 1]);
+    if (c == 0) {
+#pragma unroll
+      for (int j = 0; j < 3; ++j)
+        reinterpret_cast<uint32_t*>(p.dk)[(tok * mla::DQK + 64 * j + col) / 2] =
+            pack2<HALF>(acc3[j][i] * p.scale, acc3[j][i + 1] * p.scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side: tensor maps and the FFI handler
 // ---------------------------------------------------------------------------------------------
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -1042,15 +1351,18 @@ template <int F, bool HALF, int HD>
 static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cudaStream_t stream) {
   static std::mutex mu;  // one per instantiation
   static bool attr_set[MAX_DEVICES] = {};
-  // Head dim 256 has its own kernel and shared-memory plan (backward_d256_kernel).
+  // Head dim 256 and MLA's 192 / 128 (HD = 192) have their own kernels and shared-memory plans.
   constexpr auto kernel = [] {
     if constexpr (HD == 256) {
       return backward_d256_kernel<F, HALF>;
+    } else if constexpr (HD == 192) {
+      return backward_mla_kernel<F, HALF>;
     } else {
       return fused_backward_kernel<F, HALF, HD>;
     }
   }();
-  constexpr int smem_bytes = HD == 256 ? d256::SMEM_BYTES : SMEM_BYTES;
+  constexpr int smem_bytes =
+      HD == 256 ? d256::SMEM_BYTES : (HD == 192 ? mla::SMEM_BYTES : SMEM_BYTES);
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!attr_set[device]) {
@@ -1080,11 +1392,15 @@ static ffi::Error FusedBackwardImpl(
     ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, int32_t variant, float soft_cap,
     int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || (qd[3] != 128 && qd[3] != 64 && qd[3] != 256) ||
-      kd[3] != qd[3])
-    return ffi::Error::InvalidArgument("q, k: expected [B, S, heads, D], D 64, 128 or 256");
-  const int64_t hd = qd[3];
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto od = d_out.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 || kd[3] != qd[3] ||
+      vd[3] != od[3] || !((qd[3] == vd[3] && (qd[3] == 64 || qd[3] == 128 || qd[3] == 256)) ||
+                          (qd[3] == 192 && vd[3] == 128)))
+    return ffi::Error::InvalidArgument(
+        "q, k, v, d_out: expected [B, S, heads, D], head dims (q / k, v / d_out) (64, 64), "
+        "(128, 128), (256, 256) or (192, 128)");
+  const int64_t hd = qd[3], hd_v = vd[3];
   const auto ad = dq_accum->dimensions();
   if (ad.size() != 5 || ad[0] != qd[0] || ad[1] != qd[2] || ad[2] != hd / 64 ||
       ad[3] * 64 != qd[1] || ad[4] != 64 * 64)
@@ -1105,11 +1421,12 @@ static ffi::Error FusedBackwardImpl(
     return ffi::Error::InvalidArgument("variant: its SOFTCAP / WINDOW bits must match soft_cap > 0 "
                                        "and window > 0");
   Params p{};
-  const uint32_t kv_tile = hd == 256 ? d256::KV_TILE : KV_TILE;  // kv rows per CTA
+  // kv rows per CTA
+  const uint32_t kv_tile = hd == 256 ? d256::KV_TILE : (hd == 192 ? mla::KV_TILE : KV_TILE);
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
-                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
+                     make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd_v),
                      make_map(&p.tm_k, k.untyped_data(), b * skv, kh, kv_tile, half, hd),
-                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, kv_tile, half, hd)};
+                     make_map(&p.tm_v, v.untyped_data(), b * skv, kh, kv_tile, half, hd_v)};
   for (int i = 0; i < 4; ++i)
     if (rc[i] != 0)
       return ffi::Error::Internal(
@@ -1158,10 +1475,14 @@ static ffi::Error FusedBackwardImpl(
     launched = launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
   else if (hd == 64)
     launched = launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
-  else if (half)
+  else if (hd == 256 && half)
     launched = launch<true, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
-  else
+  else if (hd == 256)
     launched = launch<false, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+  else if (half)
+    launched = launch<true, 192, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+  else
+    launched = launch<false, 192, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
@@ -1173,7 +1494,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 9; }
+extern "C" int KvaxSm90AbiVersion() { return 10; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

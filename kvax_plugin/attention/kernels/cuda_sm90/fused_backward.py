@@ -28,9 +28,10 @@ from kvax_plugin.attention.kernels.cuda_sm90 import build
 PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
 TARGET = "kvax_sm90_fused_backward"
 HEAD_DIM = 128  # the main layout's head dim (benchmarks/cuda_backward_check.py's)
-# fused_backward.cu's HD: 128 and 64 in one layout, 256 in its own (backward_d256_kernel, kv
-# tiles of 64 rows, the consumers splitting the head dim)
-HEAD_DIMS = (128, 64, 256)
+# The (q / k, v / d_out) head dims built: 128 and 64 in one layout, 256 in its own
+# (backward_d256_kernel: kv tiles of 64 rows, the consumers splitting the head dim), MLA's 192 /
+# 128 in a third (backward_mla_kernel: the same tiles, the consumers splitting the products).
+HEAD_DIMS = ((128, 128), (64, 64), (256, 256), (192, 128))
 KV_TILE = 128
 Q_BLOCK = 64
 
@@ -38,8 +39,8 @@ Q_BLOCK = 64
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
 # shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
-# dim 256, 2026-11-27). Bump both together.
-ABI_VERSION = 9
+# dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27). Bump both together.
+ABI_VERSION = 10
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -213,20 +214,21 @@ def unpermute_fragment_order(accum):
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
-  """q, d_out [B, Sq, H, D]; k, v [B, Skv, KH, D] (D 64, 128 or 256; Sq, Skv multiples of 128), q
-  bf16 or fp16 (k, v, d_out are cast to its type); lse, delta [B, H, Sq] float32 (lse
-  natural-log, from the forward, sinks included);
+  """q [B, Sq, H, D], k [B, Skv, KH, D], v [B, Skv, KH, Dv], d_out [B, Sq, H, Dv] ((D, Dv) one
+  of HEAD_DIMS; Sq, Skv multiples of 128), q bf16 or fp16 (k, v, d_out are cast to its type);
+  lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
   positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
   the cap of cap * tanh(scale q.k / cap); window: 0 or the sliding window (q_pos - kv_pos <
   window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, D] (q.dtype)
-  and dk, dv [B, Skv, KH, D] in q's type."""
+  and dk [B, Skv, KH, D], dv [B, Skv, KH, Dv] in q's type."""
   b, s, h, d = q.shape
   skv, kh = k.shape[1], k.shape[2]
-  if (d not in HEAD_DIMS or k.shape[3] != d or k.shape[0] != b or s % KV_TILE
+  dv_dim = v.shape[3] if v.ndim == 4 else -1
+  if ((d, dv_dim) not in HEAD_DIMS or k.shape[3] != d or k.shape[0] != b or s % KV_TILE
       or skv % KV_TILE or h % kh):
-    raise ValueError(f"q {q.shape}, k {k.shape}: expected one head dim of {HEAD_DIMS}, one "
-                     f"batch size, Sq and Skv multiples of {KV_TILE}, query heads a multiple of "
-                     "kv heads")
+    raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected head dims (q / k, v) "
+                     f"one of {HEAD_DIMS}, one batch size, Sq and Skv multiples of {KV_TILE}, "
+                     "query heads a multiple of kv heads")
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}: expected one of {sorted(VARIANTS)}")
   dtype = jnp.dtype(q.dtype)
@@ -236,7 +238,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     raise ValueError(f"soft_cap={soft_cap}, window={window}: expected 0 (none) or positive")
   # The kernel indexes these by the shapes above and checks nothing itself: a wrong shape would
   # read past a buffer, so each is named here.
-  expected = {"v": k.shape, "d_out": q.shape, "lse": (b, h, s), "delta": (b, h, s),
+  expected = {"v": k.shape[:3] + (dv_dim,), "d_out": (b, s, h, dv_dim), "lse": (b, h, s),
+              "delta": (b, h, s),
               "q_pos": (b, s), "q_seg": (b, s), "kv_pos": (b, skv), "kv_seg": (b, skv)}
   given = {"v": v, "d_out": d_out, "lse": lse, "delta": delta, "q_pos": q_pos, "q_seg": q_seg,
            "kv_pos": kv_pos, "kv_seg": kv_seg}
