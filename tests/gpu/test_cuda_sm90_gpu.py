@@ -146,7 +146,7 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
     ("float16", (192, 128), 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # fp16 not causal
     ("bfloat16", (192, 128), 1, 300, 4, 2, True, 1, 128, None, None, False),    # decode
     ("bfloat16", (192, 128), 256, 130, 2, 2, False, 1, 128, None, None, False), # kv past a tile
-])
+], ids=lambda v: f"d{v[0]}v{v[1]}" if isinstance(v, tuple) else None)
 def test_hopper_features_and_head_dims(dtype, d, sq, skv, heads, kv_heads, causal, batch,
                                               bwd_q, window, cap, with_sinks):
   tolerance = {"bfloat16": 2e-2, "float16": 1e-2}[dtype]

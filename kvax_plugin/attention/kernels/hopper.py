@@ -108,7 +108,10 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
   one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
   53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,
-  fp16 causal 39.3 / 54.0; benchmarks/results/2026-11-27-h200/hopper_d256)."""
+  fp16 causal 39.3 / 54.0; benchmarks/results/2026-11-27-h200/hopper_d256). MLA's (192, 128):
+  not taken, the Mosaic backward is faster (H200, 2026-11-27, 16k forward+backward ms, hopper /
+  mosaic: causal 27.83 / 23.79, documents 5.83 / 4.82; benchmarks/results/2026-11-27-h200/
+  hopper_mla)."""
   if (qk_head_dim, v_head_dim) == (256, 256):
     return True, ""
   slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
@@ -118,7 +121,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
     slower.insert(0, f"head dims ({qk_head_dim}, {v_head_dim})")
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
-                   '2026-11-26); pass backend="hopper" to use this one anyway')
+                   '2026-11-26 / 27); pass backend="hopper" to use this one anyway')
   return True, ""
 
 
