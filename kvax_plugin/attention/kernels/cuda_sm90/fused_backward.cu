@@ -1005,10 +1005,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 //   acc[j] for j = 0, 1, 2 (64 columns each): consumer 0 dK[:, 64j :] += dS^T Q[:, 64j :] (kept
 //     over the steps), consumer 1 dQ[:, 64j :] = dS K[:, 64j :] (fresh each step, reduce-added
 //     into dq_accum from registers as each finishes).
-// A wgmma on a path only one consumer takes makes ptxas serialize them all (C7520), so the
-// first products have the same trip count: consumer 1's dP^T contracts over 128 columns, S^T
+// A wgmma on a path only one consumer takes makes ptxas serialize them all (C7520; a loop whose
+// trip count depends on the consumer does too: all 8 kernels, 2026-11-27), so the first
+// products have the same trip count: consumer 1's dP^T contracts over 128 columns, S^T
 // over 192, and consumer 1 runs its last 4 k steps on a zero piece (the tensor cores' work per
-// step grows from 52 to 56 64x64x64 products).
+// step grows from 52 to 56 wgmma k steps of 64 x 64 x 16).
+// The P^T and dS^T element loops repeat head dim 256's: one shared device function gave the
+// same PTX up to operand order but made ptxas spill (4 / 16 bytes) in head dim 256's plain
+// kernels, 2026-11-27.
 namespace mla {
 constexpr int DQK = 192, DV = 128;
 constexpr int KV_TILE = 64;
