@@ -82,3 +82,28 @@ def test_as_stored_widens_to_the_narrow_values_and_says_so_to_xla(dtype):
   program = jax.jit(lambda d, o: softmax_delta(d.astype(dtype), o.astype(dtype))).lower(x, x)
   assert "reduce_precision" in program.as_text()
   assert as_stored(x) is not None and "reduce_precision" not in jax.jit(as_stored).lower(x).as_text()
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "jax"])
+def test_the_backward_rounds_the_cotangent_before_delta(backend, monkeypatch):
+  """The fix of ba21199 where a CPU can see it: a bf16 call's backward rounds the cotangent
+  explicitly (reduce_precision to bf16's e8m7) before delta = rowsum(dO * O) reads it, so XLA's
+  excess precision on the GPU cannot hand delta the unrounded float32 gradient while the kernels
+  read the rounded one (the GPU side: tests/gpu/test_cotangent_rounding_gpu.py). Mosaic is
+  lowered for CUDA (no GPU needed), the JAX backend for the CPU."""
+  monkeypatch.setattr(kernels, "availability", lambda name: (True, "lowering only"))
+  s_len, h, kh, d = 256, 4, 2, 64
+  pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s_len, num_docs=3)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+
+  def grads(q, k, v, cot):  # the cotangent an argument, as a training step's gradient is
+    loss = lambda q, k, v: jnp.sum(flash_attention(
+        q, k, v, pos, seg, pos, seg, mask, backend=backend).astype(jnp.float32) * cot)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  q = jnp.zeros((1, s_len, h, d), jnp.bfloat16)
+  k = jnp.zeros((1, s_len, kh, d), jnp.bfloat16)
+  cot = jnp.zeros((1, s_len, h, d), jnp.float32)
+  platform = "cuda" if backend == "mosaic" else "cpu"
+  text = jax.jit(grads).trace(q, k, k, cot).lower(lowering_platforms=(platform,)).as_text()
+  assert "reduce_precision" in text and "e8m7" in text
