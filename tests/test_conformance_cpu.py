@@ -298,3 +298,15 @@ def test_dsinks_is_checked_against_the_magnitude_of_its_terms():
   delta = np.einsum("bqhd,bqhd->bhq", cot, np.asarray(results[0]))
   np.testing.assert_allclose(np.asarray(scale), np.abs(p_sink * delta).sum(axis=(0, 2)),
                              rtol=1e-4)
+
+
+def test_cells_that_once_failed_stay_in_the_full_matrix():
+  """cc.REGRESSIONS: in the full size for every backend, whatever the cover picks, with the ids
+  (and so the inputs: the seed comes from the id) of the runs that failed."""
+  full = {c.id: c for c in cc.generate("full")}
+  for backend in cc.matrix_backends():
+    for cell in cc._regression_cells(backend):
+      assert "full" in full[cell.id].sizes and full[cell.id].predicted == "accept", cell.id
+  # the hopper cell that failed on 2026-11-27 (fixed in ba21199), id for id
+  assert ("hopper-bf16-d128-h8k1-b2-q384kv384-one_token_docs-full-plain-blkdefault-padvisit-"
+          "detNone") in full
