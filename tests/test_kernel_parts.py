@@ -81,7 +81,8 @@ def test_as_stored_widens_to_the_narrow_values_and_says_so_to_xla(dtype):
   assert np.any(np.asarray(widened) != np.asarray(x))
   program = jax.jit(lambda d, o: softmax_delta(d.astype(dtype), o.astype(dtype))).lower(x, x)
   assert "reduce_precision" in program.as_text()
-  assert as_stored(x) is not None and "reduce_precision" not in jax.jit(as_stored).lower(x).as_text()
+  # float32 to float32: nothing to round, no rounding in the program
+  assert "reduce_precision" not in jax.jit(as_stored).lower(x).as_text()
 
 
 @pytest.mark.parametrize("backend", ["mosaic", "jax"])

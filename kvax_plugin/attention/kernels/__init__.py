@@ -112,9 +112,9 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 
 # "auto": the first of these that can run here and supports the call.
 # "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
-# call (head dim 64, 128 or 256, its mask blocks) and is measured faster (auto_check: bf16 at
-# head dim 128 without window, soft cap or sinks, and every call at head dim 256;
-# hopper.auto_prefers has the numbers), unless the call
+# call (head dims 64, 128, 256 or MLA's 192 / 128, its mask blocks) and is measured faster
+# (auto_check: bf16 at head dim 128 without window, soft cap or sinks, and every call at head
+# dim 256; hopper.auto_prefers has the numbers), unless the call
 # asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
 # Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
 # 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k

@@ -10,12 +10,13 @@ H200 on 2026-11-26 (main ccc4639), forward+backward, ms, hopper against mosaic: 
 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 /
 36.35; MaxText end to end, tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic)
 91.8k, 16k one document 58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 64,
-128 or 256 (one for query, key and value), in bfloat16 or float16; causal or not, segment ids,
-sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to
-the kernel's 128-row tiles), mask backward blocks of 128 kv rows and a multiple of 64 query rows
-(the default (128, 128) and kvax's (64, 128)). "auto" moves on to "mosaic" for everything else,
-and an explicit backend="hopper" raises instead of running another backward
-(BackendUnavailableError from the registry, ValueError here).
+128 or 256 (one for query, key and value) or MLA's 192 / 128 (query and key, value), in bfloat16
+or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA, batch > 1,
+Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
+kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64, 128)). "auto"
+moves on to "mosaic" for everything else (and for MLA, measured faster: auto_prefers), and an
+explicit backend="hopper" raises instead of running another backward (BackendUnavailableError
+from the registry, ValueError here).
 
 Reproducibility: the backward reduce-adds dq in float32 from many thread blocks in no fixed
 order, so its gradients are not bitwise reproducible from run to run. deterministic_backward=
