@@ -536,20 +536,20 @@ def test_the_kernel_source_and_the_jax_side_agree():
         "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "SOFTCAP": cuda_bwd.SOFTCAP,
         "WINDOW": cuda_bwd.WINDOW}
   assert bits == py
-  for name in ("KVAX_SM90_V7", "KVAX_SM90_V7_D64"):
+  for name in ("KVAX_SM90_V7", "KVAX_SM90_V7_WIDE"):
     bits[name] = eval(re.search(rf"#define {name} (\(.*?\))\n", src).group(1), {}, bits)
 
   def built(name):
     text = re.search(rf"#define {name}\s*\\\n(.*?)\n(?:\n|#)", src, re.S).group(1)
     return {eval(term.replace("\\", "").strip(), {}, bits) for term in text.split(",")}
 
-  # the default variant alone, with each combination of the attention features; at head dim
-  # 64 without DECOUPLE (what fused_backward passes there)
+  # the default variant alone, with each combination of the attention features (head dims 128
+  # and 64); the head dim 256 and MLA kernels without DECOUPLE (what fused_backward passes there)
   default = cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]
   assert set(cuda_bwd.VARIANTS.values()) == {default}
   extras = (0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW, cuda_bwd.SOFTCAP | cuda_bwd.WINDOW)
   assert built("KVAX_SM90_VARIANTS") == {default | extra for extra in extras}
-  assert built("KVAX_SM90_VARIANTS_D64") == {(default & ~cuda_bwd.DECOUPLE) | extra
+  assert built("KVAX_SM90_VARIANTS_WIDE") == {(default & ~cuda_bwd.DECOUPLE) | extra
                                              for extra in extras}
   version = re.search(r"KvaxSm90AbiVersion\(\) \{ return (\d+); \}", src).group(1)
   assert int(version) == cuda_bwd.ABI_VERSION

@@ -81,9 +81,13 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
     assert not ok and feature in why and 'backend="hopper"' in why
   assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
   assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
-  # what it does not cover goes to mosaic (and above head dim 128, mosaic's auto_check: triton)
-  assert pick(dims=(64, 64)) == "mosaic"  # hopper runs it; auto_check: not measured faster
-  assert kernels.resolve_backend_for("hopper", jnp.bfloat16, 64, 64) == "hopper"
+  # what it is not preferred for goes to mosaic (above head dim 128, mosaic's auto_check: triton)
+  # head dim 64: 128-row query steps since 2026-11-27, measured faster than mosaic (bf16, no
+  # window / soft cap / sinks, as at 128)
+  assert pick(dims=(64, 64)) == "hopper"
+  assert pick(dims=(64, 64), features=("causal", "sliding_window")) == "mosaic"
+  assert pick(dims=(64, 64), dtype=jnp.float16) == "mosaic"
+  assert kernels.resolve_backend_for("hopper", jnp.float16, 64, 64) == "hopper"
   assert pick(dims=(192, 128)) == "mosaic"
   # head dim 256: hopper's own layout, measured faster than Triton with every feature and fp16
   # (2026-11-27), so auto takes it for all of them

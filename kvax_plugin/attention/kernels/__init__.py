@@ -96,8 +96,8 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
     "hopper": KernelBackend(
         name="hopper", module=f"{_PACKAGE}.hopper", function="flash_attention_hopper",
         description="the Mosaic GPU forward with a 5-product fused backward in CUDA C++ (Hopper; "
-                    "head dim 128 or 64; built with nvcc on first use; its dq summation order "
-                    "varies between runs)",
+                    "head dims 64, 128, 256 and MLA's 192 / 128; built with nvcc on first use; "
+                    "its dq summation order varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
         auto_check="auto_prefers",
         options=("deterministic_backward", "kernel_options"), reproducible_backward=False,
@@ -113,8 +113,8 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # "auto": the first of these that can run here and supports the call.
 # "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
 # call (head dims 64, 128, 256 or MLA's 192 / 128, its mask blocks) and is measured faster
-# (auto_check: bf16 at head dim 128 without window, soft cap or sinks, and every call at head
-# dim 256; hopper.auto_prefers has the numbers), unless the call
+# (auto_check: bf16 at head dims 128 and 64 without window, soft cap or sinks, and every call
+# at head dim 256; hopper.auto_prefers has the numbers), unless the call
 # asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
 # Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
 # 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k

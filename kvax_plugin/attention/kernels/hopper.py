@@ -103,9 +103,13 @@ AUTO_FEATURES_NOT_PREFERRED = ("sliding_window", "logits_soft_cap", "sinks")
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports. Head dim
-  128: bf16 without window, soft cap or sinks (where it was measured faster than "mosaic"; the
-  numbers above AUTO_FEATURES_NOT_PREFERRED; head dim 64 in performance.md). Head dim 256:
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports. Head dims
+  128 and 64: bf16 without window, soft cap or sinks (where it was measured faster than
+  "mosaic"; the numbers above AUTO_FEATURES_NOT_PREFERRED. Head dim 64 since its 128-row query
+  steps, H200, 2026-11-27, forward+backward ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 /
+  9.22, 64k causal 143.8 / 151.4 / 143.2, 64k documents 24.4 / 25.0 / -; 16k documents 2.22 /
+  2.09 is the one case "mosaic" keeps, as at 128; benchmarks/results/2026-11-27-h200/
+  hopper_d64). Head dim 256:
   always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
   one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
   53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,
@@ -118,7 +122,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
   if jnp.dtype(dtype) != jnp.bfloat16:
     slower.insert(0, jnp.dtype(dtype).name)
-  if (qk_head_dim, v_head_dim) != (128, 128):
+  if (qk_head_dim, v_head_dim) not in ((128, 128), (64, 64)):
     slower.insert(0, f"head dims ({qk_head_dim}, {v_head_dim})")
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "

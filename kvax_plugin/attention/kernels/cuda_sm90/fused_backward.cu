@@ -32,7 +32,8 @@
 // or not, segment ids, sliding window, soft cap, GQA / MQA, Sq, Skv
 // multiples of 128 (kernels/hopper.py pads other lengths). Sinks need nothing here: the forward's
 // lse holds them, and their gradient is computed on the JAX side. Template feature bits F,
-// below; the sets built are KVAX_SM90_VARIANTS(_D64) (_D64's also at head dim 256). dq_accum is float32 [B, H, HD / 64, Sq /
+// below; the sets built are KVAX_SM90_VARIANTS (head dims 128, 64) and _WIDE (256, 192).
+// dq_accum is float32 [B, H, HD / 64, Sq /
 // 64, 64 x 64] (per 64-column part and 64-row block), zeroed by the handler; the JAX side turns
 // it into dq.
 #include <cuda.h>
@@ -50,29 +51,37 @@ namespace ffi = xla::ffi;
 
 namespace kvax_sm90 {
 
-// Head dim of Q, K, V: a template parameter HD, 128 or 64 (HD / 64 column halves of 64).
 constexpr int KV_TILE = 128;      // kv rows per CTA
-constexpr int Q_BLOCK = 64;       // query rows per step
+constexpr int Q_BLOCK = 64;       // query rows per step (Plan<64> below: 128)
 constexpr int STAGES = 2;         // ring depth
 constexpr int CONSUMERS = 2;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;  // per stage of 64-row steps: q_pos, q_seg, lse, delta
+constexpr int DQ_STAGE = 64 * 64 * 4;      // a consumer's dQ part [64 rows][64 cols] float32
 
-// Shared memory plan (bytes; every tile 1024-aligned for the 128B swizzle).
-constexpr int HALF_KV = KV_TILE * 64 * 2;       // [128 rows][64 cols] bf16 = 16 KiB
-constexpr int HALF_Q = Q_BLOCK * 64 * 2;        // [64 rows][64 cols] bf16 = 8 KiB
-constexpr int OFF_K = 0;                        // K: two column halves
-constexpr int OFF_V = OFF_K + 2 * HALF_KV;      // V: two column halves
-constexpr int OFF_RING = OFF_V + 2 * HALF_KV;   // per stage: Q halves, dO halves
-constexpr int SLOT = 4 * HALF_Q;
-constexpr int IDS_SLOT = 4 * Q_BLOCK * 4;        // per stage: q_pos, q_seg, lse, delta
-
-constexpr int OFF_DS = OFF_RING + STAGES * SLOT;  // dS [64 q][128 kv] as two kv halves, x2
-constexpr int DS_BUF = 2 * HALF_Q;
-constexpr int OFF_DQ = OFF_DS + 2 * DS_BUF;       // per consumer: dQ part [64][64] f32
-constexpr int DQ_STAGE = Q_BLOCK * 64 * 4;
-constexpr int OFF_IDS = OFF_DQ + CONSUMERS * DQ_STAGE;
-constexpr int OFF_BAR = OFF_IDS + STAGES * IDS_SLOT;
-constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+// Shared memory plan of fused_backward_kernel at head dim HD, 128 or 64 (bytes; every tile
+// 1024-aligned for the 128B swizzle). Q, K, V, dO come in column pieces of 64 (HD / 64 of them).
+// A step covers QB query rows: 64 at head dim 128, 128 at 64, so that both head dims do the same
+// tensor-core work per step and reduce-add the same 64 x 64 dQ part per consumer.
+template <int HD>
+struct Plan {
+  static constexpr int PIECES = HD / 64;
+  static constexpr int QB = HD == 64 ? 128 : 64;       // query rows per step
+  static constexpr int KV_PIECE = KV_TILE * 64 * 2;   // [128 rows][64 cols] 16-bit = 16 KiB
+  static constexpr int Q_PIECE = QB * 64 * 2;         // [QB rows][64 cols] 16-bit
+  static constexpr int OFF_K = 0;                     // K: PIECES column pieces
+  static constexpr int OFF_V = OFF_K + PIECES * KV_PIECE;
+  static constexpr int OFF_RING = OFF_V + PIECES * KV_PIECE;  // per stage: Q pieces, dO pieces
+  static constexpr int SLOT = 2 * PIECES * Q_PIECE;
+  static constexpr int IDS = 4 * QB * 4;               // per stage: q_pos, q_seg, lse, delta
+  static constexpr int OFF_DS = OFF_RING + STAGES * SLOT;  // dS [QB q][128 kv], two kv pieces, x2
+  static constexpr int DS_BUF = 2 * Q_PIECE;
+  static constexpr int OFF_DQ = OFF_DS + 2 * DS_BUF;   // per consumer: its dQ part, float32
+  static constexpr int OFF_IDS = OFF_DQ + CONSUMERS * DQ_STAGE;
+  static constexpr int OFF_BAR = OFF_IDS + STAGES * IDS;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * (2 * STAGES + 1) + 1024;  // + alignment slack
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the 227 KiB limit");
+};
 
 struct Params {
   CUtensorMap tm_q, tm_k, tm_v, tm_do;  // 3-D views (HD, heads, rows) of [B * S, heads, HD]
@@ -337,7 +346,7 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
 struct Ring {
   uint32_t k, v;             // K / V tile
   uint32_t slots, slot_bytes;
-  uint32_t ids;              // IDS_SLOT bytes per slot
+  uint32_t ids;              // 4 x (query rows per step) x 4 bytes per slot
   uint32_t full, empty, kv;  // barriers: STAGES "slot loaded", STAGES "slot released", K / V
 };
 
@@ -358,8 +367,10 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 // rows), then for each of `steps` steps (steps_per_head query blocks from block lo, for each
 // of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot n % STAGES, once
 // both consumers released step n - STAGES. PIECES: the column pieces of Q and K; V_PIECES: of V
-// and dO (fewer for MLA's head dims 192 / 128).
-template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES>
+// and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded as 64-row boxes
+// (the tensor maps' box) one under the other.
+template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES,
+          int QB = Q_BLOCK>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
                                         int b, int group, int lo, int steps_per_head, int steps) {
   mbar_expect_tx(r.kv, (PIECES + V_PIECES) * KV_PIECE);
@@ -378,12 +389,22 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
     const int s = n % STAGES;
     if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
     const int head = kv_head * group + n / steps_per_head;
-    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const int q0 = (lo + n % steps_per_head) * QB;
     const uint32_t slot = r.slots + s * r.slot_bytes;
-    const uint32_t ids = r.ids + s * IDS_SLOT;
+    const uint32_t ids = r.ids + s * (4 * QB * 4);
     const uint32_t full = r.full + 8 * s;
-    mbar_expect_tx(full, (PIECES + V_PIECES) * Q_PIECE + IDS_SLOT);
-    if constexpr (V_PIECES == PIECES) {
+    mbar_expect_tx(full, (PIECES + V_PIECES) * Q_PIECE + 4 * QB * 4);
+    if constexpr (QB != Q_BLOCK) {
+      static_assert(V_PIECES == PIECES && QB % 64 == 0 && Q_PIECE == QB * 128, "QB: 64-row boxes");
+      for (int h = 0; h < PIECES; ++h) {
+        for (int r64 = 0; r64 < QB / 64; ++r64) {
+          const int row = b * p.s_q + q0 + 64 * r64;
+          tma_load_3d(slot + h * Q_PIECE + r64 * 8192, &p.tm_q, full, 64 * h, head, row);
+          tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE + r64 * 8192, &p.tm_do, full, 64 * h, head,
+                      row);
+        }
+      }
+    } else if constexpr (V_PIECES == PIECES) {
       for (int h = 0; h < PIECES; ++h) {
         tma_load_3d(slot + h * Q_PIECE, &p.tm_q, full, 64 * h, head, b * p.s_q + q0);
         tma_load_3d(slot + (DO_FIRST + h) * Q_PIECE, &p.tm_do, full, 64 * h, head, b * p.s_q + q0);
@@ -396,10 +417,10 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
     }
     const size_t row = static_cast<size_t>(b) * p.s_q + q0;
     const size_t hrow = (static_cast<size_t>(b) * p.heads + head) * p.s_q + q0;
-    bulk_load(ids, p.q_pos + row, Q_BLOCK * 4, full);
-    bulk_load(ids + Q_BLOCK * 4, p.q_seg + row, Q_BLOCK * 4, full);
-    bulk_load(ids + 2 * Q_BLOCK * 4, p.lse + hrow, Q_BLOCK * 4, full);
-    bulk_load(ids + 3 * Q_BLOCK * 4, p.delta + hrow, Q_BLOCK * 4, full);
+    bulk_load(ids, p.q_pos + row, QB * 4, full);
+    bulk_load(ids + QB * 4, p.q_seg + row, QB * 4, full);
+    bulk_load(ids + 2 * QB * 4, p.lse + hrow, QB * 4, full);
+    bulk_load(ids + 3 * QB * 4, p.delta + hrow, QB * 4, full);
   }
 }
 
@@ -430,30 +451,39 @@ constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, SOFTCAP = 1024, WI
 constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 
 // HALF: fp16 operands (else bf16); accumulation is float32 either way. HD: the head dim, 128 or
-// 64. At 64 the consumers do not share dS: each computes all 64 columns of dQ from its own 64
-// kv rows (dS_c K_c), and both reduce-add into the same dq_accum block (float32 adds; the same
-// bytes per step as the column split at 128), so DECOUPLE does not apply.
+// 64 (Plan<HD>). At 64 a step covers 128 query rows: consumer c holds S^T, dP^T of its 64 kv rows
+// against all 128 (m64n128 products), and computes dQ for query rows 64c .. 64c + 63 of the block
+// from both consumers' dS (K = 128 kv rows), handed over as at 128. Each consumer then reduce-adds
+// one 64 x 64 dQ part per step, as at 128: the dq traffic per pair is half of 64-row steps'.
 template <int F, bool HALF, int HD>
 __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
   static_assert(HD == 128 || HD == 64, "HD: 128 or 64");
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
-  static_assert(HD == 128 || !DECOUPLE, "DECOUPLE hands dS halves over: head dim 128 only");
-  constexpr int HALVES = HD / 64;  // 64-column halves of Q, K, V, dO (and of dQ's parts)
+  static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
+  using L = Plan<HD>;
+  constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
+  constexpr int QB = L::QB;          // query rows per step
   constexpr int KSTEPS = HD / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
   // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
-  const Ring ring{base + OFF_K, base + OFF_V, base + OFF_RING, SLOT, base + OFF_IDS,
-                  base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
+  const Ring ring{base + L::OFF_K, base + L::OFF_V, base + L::OFF_RING, L::SLOT, base + L::OFF_IDS,
+                  base + L::OFF_BAR, base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
-  const int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
+  // The table's bounds count 64-row query blocks; a 128-row step covers two of them (one may have
+  // nothing kept for this tile: the element-wise mask zeroes it).
+  int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
+  if constexpr (QB == 128) {
+    hi = hi > lo ? (hi + 1) / 2 : lo / 2;
+    lo /= 2;
+  }
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -461,10 +491,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
-    // dO from piece 2 at either head dim (the slot has room for 128's two Q pieces)
     if (t == 0) {
-      produce<HALVES, HALF_KV, HALF_Q, 2>(p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b,
-                                          group, lo, steps_per_head, steps);
+      produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB>(
+          p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
     }
     return;
   }
@@ -488,16 +517,18 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
   mbar_wait(bar_kv, 0);
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
-  const uint32_t k_c = base + OFF_K + 64 * c * 128, v_c = base + OFF_V + 64 * c * 128;
+  const uint32_t k_c = base + L::OFF_K + 64 * c * 128, v_c = base + L::OFF_V + 64 * c * 128;
 
   // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step (stepping
   // them from a base, DESC, measured no faster: S20B-C).
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
     return desc_sw128(addr + off, lbo, 1024);
   };
-  // dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows, N = 64 (d),
-  // K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the K tile),
-  // then staged and bulk reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Row-major staging
+  // Head dim 128: dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows,
+  // N = 64 (d), K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the
+  // K tile), reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Head dim 64: dQ[64c .. 64c + 63]
+  // = dS[64c .., :] K (the block's query rows 64c.., all 64 columns, K = 128 kv rows), into
+  // dq_accum[b, head_m, 0, q0_m / 64 + c]. The part is staged and bulk reduce-added. Row-major staging
   // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
   // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
   // and pair (the JAX side undoes the order). release: the ring slot's "empty" barrier to
@@ -507,19 +538,21 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
     float dq[32];
     wg_fence();
-    const uint32_t ds_base = base + OFF_DS + bm * DS_BUF;
+    const uint32_t ds_base = base + L::OFF_DS + bm * L::DS_BUF;
     if constexpr (HD == 128) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        const uint32_t aoff = (k / 4) * HALF_Q + (k % 4) * 32;
+        const uint32_t aoff = (k / 4) * L::Q_PIECE + (k % 4) * 32;
         wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base, aoff, 16),
-                                   desc_at(base + OFF_K + c * HALF_KV, k * 2048, HALF_KV), k > 0);
+                                   desc_at(base + L::OFF_K + c * L::KV_PIECE, k * 2048,
+                                           L::KV_PIECE), k > 0);
       }
-    } else {  // dQ (all 64 columns) += dS_c K_c: this consumer's kv rows 64c.. only (K = 64)
+    } else {  // rows 64c.. of dS (8 KiB into each kv piece), all of K (one column piece)
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base + c * HALF_Q, k * 32, 16),
-                                   desc_at(k_c, k * 2048, HALF_KV), k > 0);
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t aoff = (k / 4) * L::Q_PIECE + c * 8192 + (k % 4) * 32;
+        wgmma_64x64_ss<HALF, 0, 1>(dq, desc_at(ds_base, aoff, 16),
+                                   desc_at(base + L::OFF_K, k * 2048, L::KV_PIECE), k > 0);
       }
     }
     wg_commit();
@@ -528,7 +561,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     if constexpr (DECOUPLE) {  // buffer bm read: the other consumer may write its half at m + 2
       if (m + 2 < steps) named_arrive(BAR_DS_FREE + 2 * bm + (1 - c), 256);
     }
-    float* stage = reinterpret_cast<float*>(smem + OFF_DQ + c * DQ_STAGE);
+    float* stage = reinterpret_cast<float*>(smem + L::OFF_DQ + c * DQ_STAGE);
     if (t == 0) bulk_wait_read0();  // the previous reduce has read the staging buffer
     named_sync(2 + c, 128);
 #pragma unroll
@@ -541,9 +574,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     fence_async_smem();
     named_sync(2 + c, 128);
     if (t == 0) {
+      const int part = HD == 128 ? c : 0, row0 = HD == 128 ? q0_m : q0_m + 64 * c;
       float* dst = p.dq_accum +
-                   ((((static_cast<size_t>(b) * p.heads + head_m) * HALVES + (HALVES - 1) * c) *
-                     p.s_q) + q0_m) * 64;
+                   ((((static_cast<size_t>(b) * p.heads + head_m) * HALVES + part) * p.s_q) +
+                    row0) * 64;
       bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
       bulk_commit();
     }
@@ -553,26 +587,33 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = kv_head * group + n / steps_per_head;
-    const int qb = lo + n % steps_per_head;  // this step's 64-row query block
-    const int q0 = qb * Q_BLOCK;
-    const uint32_t slot = base + OFF_RING + s * SLOT;
-    const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
+    const int qb = lo + n % steps_per_head;  // this step's QB-row query block
+    const int q0 = qb * QB;
+    const uint32_t slot = base + L::OFF_RING + s * L::SLOT;
+    const float* ids = reinterpret_cast<const float*>(smem + L::OFF_IDS + s * L::IDS);
     mbar_wait(bar_full + 8 * s, (n / STAGES) & 1);
 
-    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = 64 query rows, K = 128 (d).
-    float st[32], dpt[32];
+    // S^T = K_c Q^T and dP^T = V_c dO^T: M = 64 kv rows, N = QB query rows, K = HD.
+    float st[QB / 2], dpt[QB / 2];
+    auto ss_product = [&](float (&acc)[QB / 2], uint64_t da, uint64_t db, int accumulate) {
+      if constexpr (QB == 64) {
+        wgmma_64x64_ss<HALF, 0, 0>(acc, da, db, accumulate);
+      } else {
+        wgmma_64x128_ss<HALF, 0, 0>(acc, da, db, accumulate);
+      }
+    };
     wg_fence();
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
-      const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
-      const uint32_t qoff = (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<HALF, 0, 0>(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
+      const uint32_t koff = (k / 4) * L::KV_PIECE + (k % 4) * 32;
+      const uint32_t qoff = (k / 4) * L::Q_PIECE + (k % 4) * 32;
+      ss_product(st, desc_at(k_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
 #pragma unroll
     for (int k = 0; k < KSTEPS; ++k) {
-      const uint32_t koff = (k / 4) * HALF_KV + (k % 4) * 32;
-      const uint32_t qoff = 2 * HALF_Q + (k / 4) * HALF_Q + (k % 4) * 32;
-      wgmma_64x64_ss<HALF, 0, 0>(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
+      const uint32_t koff = (k / 4) * L::KV_PIECE + (k % 4) * 32;
+      const uint32_t qoff = HALVES * L::Q_PIECE + (k / 4) * L::Q_PIECE + (k % 4) * 32;
+      ss_product(dpt, desc_at(v_c, koff, 16), desc_at(slot, qoff, 16), k > 0);
     }
     wg_commit();
     wg_wait<0>();
@@ -583,12 +624,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // (a dropped pair's exponent is -inf): guarding the loads or the exponential by the block's
     // kind turned each element into a branch (S19B: FULL 18.2 ms against v2's 14.4).
     const int* qpos = reinterpret_cast<const int*>(ids);
-    const int* qseg = qpos + Q_BLOCK;
-    const float* lse = ids + 2 * Q_BLOCK;
-    const float* delta = ids + 3 * Q_BLOCK;
-    uint32_t pa[16], dsa[16];
+    const int* qseg = qpos + QB;
+    const float* lse = ids + 2 * QB;
+    const float* delta = ids + 3 * QB;
+    uint32_t pa[QB / 4], dsa[QB / 4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < QB / 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
       const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
@@ -621,7 +662,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     }
     // dS^T = P^T (dP^T - delta), bf16 A fragments.
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < QB / 8; ++j) {
       const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -630,19 +671,19 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
     }
 
-    // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = 128 (d), K = 64 query rows. The A
+    // dV_c += P^T dO and dK_c += dS^T Q: M = 64 kv rows, N = HD, K = QB query rows. The A
     // fragment of k-step kk is the accumulator's columns 16 kk .. 16 kk + 15: pairs 4kk .. 4kk+3
     // in the order (row r0, cols 0-7), (row r0 + 8, cols 0-7), (r0, cols 8-15), (r0 + 8, 8-15).
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < QB / 16; ++kk) {
       const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma_64xN_rs<HALF, HD>(dv, a, desc_at(slot, 2 * HALF_Q + kk * 2048, HALF_Q));
+      wgmma_64xN_rs<HALF, HD>(dv, a, desc_at(slot, HALVES * L::Q_PIECE + kk * 2048, L::Q_PIECE));
     }
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < QB / 16; ++kk) {
       const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
-      wgmma_64xN_rs<HALF, HD>(dk, a, desc_at(slot, kk * 2048, HALF_Q));
+      wgmma_64xN_rs<HALF, HD>(dk, a, desc_at(slot, kk * 2048, L::Q_PIECE));
     }
     wg_commit();
 
@@ -650,7 +691,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // row): this consumer's 64 kv columns are kv half c of a buffer both consumers fill
     // (double-buffered by step parity).
     const int buf = n % 2;
-    uint8_t* ds_buf = smem + OFF_DS + buf * DS_BUF + c * HALF_Q;
+    uint8_t* ds_buf = smem + L::OFF_DS + buf * L::DS_BUF + c * L::Q_PIECE;
     // DECOUPLE: this half of buffer buf was last read (dQ of step n - 2) by both consumers: the
     // other one says so on BAR_DS_FREE (this consumer's own read is behind it in program order).
     if constexpr (DECOUPLE) {
@@ -664,7 +705,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       // lane l gives the address of row l % 8 of matrix l / 8.
       const int m = lane / 8, k = lane % 8;
 #pragma unroll
-      for (int g = 0; g < 4; ++g) {
+      for (int g = 0; g < QB / 16; ++g) {
         const int j = 2 * g + m / 2, h = m % 2;
         const uint32_t addr = smem_u32(ds_buf) + sw128_offset(8 * j + k, 16 * warp + 8 * h);
         asm volatile(
@@ -675,7 +716,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < QB / 4; ++i) {
         const int col = 8 * (i / 2) + 2 * (lane % 4);     // query rows (dS row)
         const int row = r0 + 8 * (i % 2);                 // kv column of dS within the half
         const uint16_t lo = dsa[i] & 0xFFFF, hi = dsa[i] >> 16;  // two 16-bit values
@@ -698,11 +739,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
       }
       prev_head = head;
       prev_q0 = q0;
-    } else if constexpr (HD == 128) {
-      named_sync(1, 256);  // both consumers' dS halves written
-      dq_part(n, head, q0, bar_empty + 8 * s);
     } else {
-      named_sync(2 + c, 128);  // this consumer's dS half written (the only one it reads)
+      named_sync(1, 256);  // both consumers' dS halves written
       dq_part(n, head, q0, bar_empty + 8 * s);
     }
   }
@@ -1336,15 +1374,15 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The feature sets built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
 // were measured and dropped), alone and with the soft cap and / or the window, each for bf16 and
-// fp16, at head dim 128; at head dim 64 the same without DECOUPLE (16 kernels; ptxas takes about
-// a second each).
+// fp16, at head dims 128 and 64; the head dim 256 and MLA kernels (their own layouts, "wide")
+// the same without DECOUPLE (32 kernels; ptxas takes about a second each).
 #define KVAX_SM90_V7 (STM | FRAG | EXP | DECOUPLE_BIT)
 #define KVAX_SM90_VARIANTS                                                                     \
   KVAX_SM90_V7, KVAX_SM90_V7 | SOFTCAP, KVAX_SM90_V7 | WINDOW, KVAX_SM90_V7 | SOFTCAP | WINDOW
-#define KVAX_SM90_V7_D64 (STM | FRAG | EXP)
-#define KVAX_SM90_VARIANTS_D64                                                                 \
-  KVAX_SM90_V7_D64, KVAX_SM90_V7_D64 | SOFTCAP, KVAX_SM90_V7_D64 | WINDOW,                     \
-      KVAX_SM90_V7_D64 | SOFTCAP | WINDOW
+#define KVAX_SM90_V7_WIDE (STM | FRAG | EXP)
+#define KVAX_SM90_VARIANTS_WIDE                                                                \
+  KVAX_SM90_V7_WIDE, KVAX_SM90_V7_WIDE | SOFTCAP, KVAX_SM90_V7_WIDE | WINDOW,                  \
+      KVAX_SM90_V7_WIDE | SOFTCAP | WINDOW
 
 // The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
 // and variant (a process driving several GPUs calls the handler from one thread per device;
@@ -1365,8 +1403,15 @@ static cudaError_t launch_one(int device, const dim3& grid, const Params& p, cud
       return fused_backward_kernel<F, HALF, HD>;
     }
   }();
-  constexpr int smem_bytes =
-      HD == 256 ? d256::SMEM_BYTES : (HD == 192 ? mla::SMEM_BYTES : SMEM_BYTES);
+  constexpr int smem_bytes = [] {
+    if constexpr (HD == 256) {
+      return d256::SMEM_BYTES;
+    } else if constexpr (HD == 192) {
+      return mla::SMEM_BYTES;
+    } else {
+      return Plan<HD>::SMEM_BYTES;
+    }
+  }();
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!attr_set[device]) {
@@ -1476,17 +1521,17 @@ static ffi::Error FusedBackwardImpl(
   else if (hd == 128)
     launched = launch<false, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   else if (hd == 64 && half)
-    launched = launch<true, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<true, 64, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   else if (hd == 64)
-    launched = launch<false, 64, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<false, 64, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
   else if (hd == 256 && half)
-    launched = launch<true, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<true, 256, KVAX_SM90_VARIANTS_WIDE>(variant, device, grid, p, stream, &err);
   else if (hd == 256)
-    launched = launch<false, 256, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<false, 256, KVAX_SM90_VARIANTS_WIDE>(variant, device, grid, p, stream, &err);
   else if (half)
-    launched = launch<true, 192, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<true, 192, KVAX_SM90_VARIANTS_WIDE>(variant, device, grid, p, stream, &err);
   else
-    launched = launch<false, 192, KVAX_SM90_VARIANTS_D64>(variant, device, grid, p, stream, &err);
+    launched = launch<false, 192, KVAX_SM90_VARIANTS_WIDE>(variant, device, grid, p, stream, &err);
   if (!launched)
     return ffi::Error::InvalidArgument("variant: not one of the feature sets built "
                                        "(fused_backward.py VARIANTS)");
@@ -1498,7 +1543,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 10; }
+extern "C" int KvaxSm90AbiVersion() { return 11; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -39,8 +39,9 @@ Q_BLOCK = 64
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
 # shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
-# dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27). Bump both together.
-ABI_VERSION = 10
+# dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27; 11: head dim 64 in 128-row query
+# steps with DECOUPLE, 2026-11-27). Bump both together.
+ABI_VERSION = 11
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -253,8 +254,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
-  if d != 128:
-    bits &= ~DECOUPLE  # the dS hand-over of head dim 128's layout (fused_backward.cu)
+  if d not in (64, 128):
+    bits &= ~DECOUPLE  # the dS hand-over of head dims 128 / 64's layout (fused_backward.cu)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
