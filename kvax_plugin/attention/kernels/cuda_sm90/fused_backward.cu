@@ -628,12 +628,21 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const float* lse = ids + 2 * QB;
     const float* delta = ids + 3 * QB;
     uint32_t pa[QB / 4], dsa[QB / 4];
+    // Head dim 64 with the soft cap or the window (128-row steps: twice the elements per
+    // thread): dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
+    // converted. In two passes ptxas serialized the soft cap's wgmmas (C7512) and spilled 136
+    // bytes with the window; in one pass the window spills none, the soft cap 80-104 bytes, and
+    // both ran 5-12% faster (16k, H200, 2026-11-27); the plain kernel spills 12 bytes in one
+    // pass and none in two, so it keeps two.
+    constexpr bool ONE_PASS = HD == 64 && (CAP || WIN);
 #pragma unroll
     for (int j = 0; j < QB / 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
       const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
       const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
+      [[maybe_unused]] float2 d2;
+      if constexpr (ONE_PASS) d2 = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
@@ -658,11 +667,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
           st[i] *= capd[0];
           st[i + 1] *= capd[1];
         }
+        if constexpr (ONE_PASS) {
+          dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
+        }
       }
     }
     // dS^T = P^T (dP^T - delta), bf16 A fragments.
 #pragma unroll
-    for (int j = 0; j < QB / 8; ++j) {
+    for (int j = 0; j < (ONE_PASS ? 0 : QB / 8); ++j) {
       const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
