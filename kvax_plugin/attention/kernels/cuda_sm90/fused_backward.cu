@@ -628,13 +628,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     const float* lse = ids + 2 * QB;
     const float* delta = ids + 3 * QB;
     uint32_t pa[QB / 4], dsa[QB / 4];
-    // Head dim 64 with the soft cap or the window (128-row steps: twice the elements per
-    // thread): dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
-    // converted. In two passes ptxas serialized the soft cap's wgmmas (C7512) and spilled 136
-    // bytes with the window; in one pass the window spills none, the soft cap 80-104 bytes, and
-    // both ran 5-12% faster (16k, H200, 2026-11-27); the plain kernel spills 12 bytes in one
-    // pass and none in two, so it keeps two.
-    constexpr bool ONE_PASS = HD == 64 && (CAP || WIN);
+    // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
+    // converted: at head dim 128 (the soft-cap kernels' 24-28 spilled bytes gone; 16k causal
+    // forward+backward 2-3% faster, with the soft cap 5%), and at 64 with the soft cap or the
+    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled 136 bytes with the
+    // window; one pass: 5-12% faster). H200, 2026-11-27, performance.md. Head dim 64's plain
+    // kernel keeps two passes: in one it spills 12 bytes.
+    constexpr bool ONE_PASS = HD == 128 || CAP || WIN;
 #pragma unroll
     for (int j = 0; j < QB / 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
