@@ -107,9 +107,9 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   128 and 64: bf16 without window, soft cap or sinks (where it was measured faster than
   "mosaic"; the numbers above AUTO_FEATURES_NOT_PREFERRED. Head dim 64 since its 128-row query
   steps, H200, 2026-11-27, forward+backward ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 /
-  9.22, 64k causal 143.8 / 151.4 / 143.2, 64k documents 24.4 / 25.0 / -; 16k documents 2.22 /
-  2.09 is the one case "mosaic" keeps, as at 128; benchmarks/results/2026-11-27-h200/
-  hopper_d64). Head dim 256:
+  9.22, 64k causal 143.8 / 151.4 / 143.2, 64k documents 24.4 / 25.0 / -; only at 16k documents
+  is "mosaic" faster, 2.09 against 2.22, as at 128, and a call cannot tell short documents at
+  trace time; benchmarks/results/2026-11-27-h200/hopper_d64). Head dim 256:
   always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
   one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
   53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,

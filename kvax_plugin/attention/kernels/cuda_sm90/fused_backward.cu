@@ -470,8 +470,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
-  const Ring ring{base + L::OFF_K, base + L::OFF_V, base + L::OFF_RING, L::SLOT, base + L::OFF_IDS,
-                  base + L::OFF_BAR, base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
+  const Ring ring{base + L::OFF_K,   base + L::OFF_V,
+                  base + L::OFF_RING, L::SLOT,
+                  base + L::OFF_IDS,  base + L::OFF_BAR,
+                  base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
@@ -528,7 +530,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   // N = 64 (d), K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the
   // K tile), reduce-added into dq_accum[b, head_m, c, q0_m / 64]. Head dim 64: dQ[64c .. 64c + 63]
   // = dS[64c .., :] K (the block's query rows 64c.., all 64 columns, K = 128 kv rows), into
-  // dq_accum[b, head_m, 0, q0_m / 64 + c]. The part is staged and bulk reduce-added. Row-major staging
+  // dq_accum[b, head_m, 0, q0_m / 64 + c]. The part is staged and bulk reduce-added. Row-major
+  // staging
   // has 8-way bank conflicts (rows are 256 B apart); FRAG stages in fragment order, register pair
   // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
   // and pair (the JAX side undoes the order). release: the ring slot's "empty" barrier to
@@ -672,14 +675,16 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
         }
       }
     }
-    // dS^T = P^T (dP^T - delta), bf16 A fragments.
+    // Two passes: dS^T = P^T (dP^T - delta), bf16 A fragments, after all of P^T.
+    if constexpr (!ONE_PASS) {
 #pragma unroll
-    for (int j = 0; j < (ONE_PASS ? 0 : QB / 8); ++j) {
-      const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
+      for (int j = 0; j < QB / 8; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = 4 * j + 2 * half;
-        dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
+        for (int half = 0; half < 2; ++half) {
+          const int i = 4 * j + 2 * half;
+          dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
+        }
       }
     }
 
