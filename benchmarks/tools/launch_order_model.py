@@ -1,4 +1,4 @@
-"""The Mosaic kernels' launch tail under their CTA orders, from the block tables alone (CPU).
+"""The kernels' launch tail under their CTA orders, from the block tables alone (CPU).
 
     python -m benchmarks.tools.launch_order_model --seq 16384 65536 --out outputs/launch_order.json
 
@@ -12,12 +12,17 @@ the perfect split (total / SMs) is the tail. Orders, over the grid's (head, tile
     per_head_lpt   each head's tiles longest first, heads one after another (a switch of
                    2026-11-24, since removed: docs/tuning-history.md)
     over_heads     longest tile first over all (head, tile) pairs, heads of a tile together
-                   (forward.longest_first_over_heads, the kernels' order since 2026-11-25)
+                   (block_mask.longest_first_over_heads, the Mosaic kernels' order since
+                   2026-11-25)
+
+The `dkv` rows model the CUDA C++ backward ("hopper") too: one CTA per 128 kv rows and kv head,
+its whole query group inside, on the same table. It launched head_major until 2026-11-27 and
+over_heads since (heads fastest, tiles by block_mask.longest_first).
 
 The persistent forward (one CTA per SM) deals its (tile, head) items statically instead:
 round_robin (the default until 2026-11-25, since removed), round_robin_lpt (longest-first
 tiles), snake (odd rounds mirrored; a zigzag switch of 2026-11-24, since removed) and snake_lpt
-(both: the persistent forward's deal since 2026-11-25, forward.FwdConfig.num_ctas).
+(both: the persistent forward's deal since 2026-11-25, mosaic/forward.FwdConfig.num_ctas).
 
 The layouts are bench_attention.py's (causal; 12 random documents + 1000 padding tokens, the
 same seed), 32 query / 8 kv heads. We measured (H100, interleaved) 16k documents
@@ -54,8 +59,8 @@ def makespan(works, sms: int, overhead: float) -> float:
 
 def orders(table, tiles_per_row: int, n_tiles: int, n_heads: int, reverse_grid: bool):
   """Per-CTA works in each launch order, the orders taken from the kernels' own functions
-  (forward.longest_first, forward.longest_first_over_heads) on the block table."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  (block_mask.longest_first, longest_first_over_heads) on the block table."""
+  from kvax_plugin.attention import block_mask as fw
   counts = tile_counts(table, tiles_per_row, n_tiles)
   grid = counts[::-1] if reverse_grid else counts
   per_head = np.asarray(fw.longest_first(table.lower, table.upper, tiles_per_row, n_tiles))[0]
@@ -83,8 +88,8 @@ def tile_counts(table, tiles_per_row: int, n_tiles: int):
 
 
 def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int = 8):
+  from kvax_plugin.attention import block_mask as fw
   from kvax_plugin.attention.block_mask import create_attention_mask
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
   pos, seg, _ = layout(case, seq, seed=seq)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   bq = mask.spec.bwd_params.query_block_size

@@ -539,6 +539,35 @@ def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                     sliding_window=sliding_window)
 
 
+def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
+  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
+  lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal.
+
+  A long tile started last keeps its SM busy while the others have run dry (the launch tail).
+  Under a causal mask the reversed tile order is already longest-first (the per-tile grid's
+  order); with packed documents it is not: the natural order ends with the long last tiles of
+  the last document.
+  """
+  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
+
+
+def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
+  """int32 [B, n_heads * n_tiles]: for each launch position p of a backward kernel's grid, the
+  (head, tile) it runs, coded tile * n_heads + head: every head's tiles by descending visited
+  blocks, the heads interleaved (ties in tile, then head, order). tiles_per_row: the kernel's
+  tiles per table row (2 when its tiles are half the table's blocks).
+
+  A tile's work does not depend on the head, so the heads' copies of the longest tile start
+  first, together, and the short ones fill the last waves. A head-major grid (the Mosaic
+  backward's: its last axis launches fastest) or a tile-major one (the CUDA backward's
+  blockIdx.x over tiles) would start the last head's long tiles in the last waves.
+  """
+  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
+  return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
+
+
 def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
   """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full."""
   lower, upper, fl, fu = (np.asarray(x)[..., None] for x in table)

@@ -93,6 +93,8 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
+  const int* order;      // [B, Skv / CTA tile]: launch position (blockIdx.y) -> kv tile, longest
+                         // first (block_mask.longest_first); the kv head is blockIdx.x
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
   float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
@@ -111,6 +113,28 @@ struct Params {
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The CTA's kv tile, from the launch order (Params::order; its kv head is blockIdx.x). Read again
+// where used instead of held in a register across the step loop (blockIdx, which it replaced,
+// costs no register until read): asm volatile keeps the compiler from merging the reads, and
+// the index is computed inside the asm so that it is not hoisted and held either.
+__device__ __forceinline__ int cta_tile(const Params& p) {
+  int tile;
+  asm volatile(
+      "{\n"
+      ".reg .u32 y, n, z, i;\n"
+      ".reg .u64 a;\n"
+      "mov.u32 y, %%ctaid.y;\n"
+      "mov.u32 n, %%nctaid.y;\n"
+      "mov.u32 z, %%ctaid.z;\n"
+      "mad.lo.u32 i, z, n, y;\n"
+      "mad.wide.u32 a, i, 4, %1;\n"
+      "ld.global.nc.b32 %0, [a];\n"
+      "}"
+      : "=r"(tile)
+      : "l"(p.order));
+  return tile;
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
@@ -476,7 +500,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                   base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   // The table's bounds count 64-row query blocks; a 128-row step covers two of them (one may have
@@ -768,11 +792,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
   // dK (scaled) and dV of this consumer's 64 kv rows: accumulator element i at row
   // r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2.
+  const int done_tile = cta_tile(p);
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
-    const int row = tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
+    const int row = done_tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
-    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
+    const size_t off =
+        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
     reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
     reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
@@ -840,7 +866,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1037,11 +1063,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 
   // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4) + 2 (lane % 4).
+  const int done_tile = cta_tile(p);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
-    const int row = tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
+    const int row = done_tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
     const int col = 128 * c + 8 * (i / 4) + 2 * (lane % 4);
-    const size_t off = ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
+    const size_t off =
+        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
     reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
     reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
@@ -1108,7 +1136,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1329,7 +1357,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled; consumer 0, 3 pieces) and dV (piece c): rows r0 + 8 ((i / 2) % 2) of the tile,
   // columns 64 piece + 8 (i / 4) + 2 (lane % 4).
-  const size_t kv_row = static_cast<size_t>(b) * p.s_kv + tile * KV_TILE;
+  const int done_tile = cta_tile(p);
+  const size_t kv_row = static_cast<size_t>(b) * p.s_kv + done_tile * KV_TILE;
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
     const int row = r0 + 8 * ((i / 2) % 2);
@@ -1455,7 +1484,7 @@ static ffi::Error FusedBackwardImpl(
     ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, float scale, int32_t causal, int32_t variant, float soft_cap,
+    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal, int32_t variant, float soft_cap,
     int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -1489,6 +1518,10 @@ static ffi::Error FusedBackwardImpl(
   Params p{};
   // kv rows per CTA
   const uint32_t kv_tile = hd == 256 ? d256::KV_TILE : (hd == 192 ? mla::KV_TILE : KV_TILE);
+  const auto order_d = order.dimensions();
+  if (order_d.size() != 2 || order_d[0] != b || order_d[1] != skv / kv_tile)
+    return ffi::Error::InvalidArgument(
+        "order: expected [B, Skv / kv tile] (block_mask.longest_first)");
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
                      make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd_v),
                      make_map(&p.tm_k, k.untyped_data(), b * skv, kh, kv_tile, half, hd),
@@ -1506,6 +1539,7 @@ static ffi::Error FusedBackwardImpl(
   p.delta = delta.typed_data();
   p.lower = lower.typed_data();
   p.upper = upper.typed_data();
+  p.order = order.typed_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   p.dq_accum = dq_accum->typed_data();
@@ -1530,7 +1564,10 @@ static ffi::Error FusedBackwardImpl(
                                 ") is not the stream's (" + std::to_string(stream_device) + ")");
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  const dim3 grid(static_cast<unsigned>(skv / kv_tile), static_cast<unsigned>(kh),
+  // One CTA per (kv head, kv tile) of each batch row, the heads fastest and the tiles in
+  // `order`'s sequence: the heads' copies of the longest tile first (packed documents' launch
+  // tail, 2026-11-27).
+  const dim3 grid(static_cast<unsigned>(kh), static_cast<unsigned>(skv / kv_tile),
                   static_cast<unsigned>(b));
   bool launched;
   if (hd == 128 && half)
@@ -1560,7 +1597,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 11; }
+extern "C" int KvaxSm90AbiVersion() { return 12; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
@@ -1577,6 +1614,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()    // lower
                                   .Arg<ffi::Buffer<ffi::S32>>()    // upper
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // order
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("variant")

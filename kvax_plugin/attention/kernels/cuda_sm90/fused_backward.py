@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvax_plugin.attention.block_mask import longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
@@ -40,8 +41,8 @@ Q_BLOCK = 64
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
 # shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
 # dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27; 11: head dim 64 in 128-row query
-# steps with DECOUPLE, 2026-11-27). Bump both together.
-ABI_VERSION = 11
+# steps with DECOUPLE, 2026-11-27; 12: the launch order input, 2026-11-27). Bump both together.
+ABI_VERSION = 12
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -256,13 +257,18 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
   if d not in (64, 128):
     bits &= ~DECOUPLE  # the dS hand-over of head dims 128 / 64's layout (fused_backward.cu)
+  # The CTAs' launch order: the kv tiles longest first (each tile's kv heads launch together).
+  # Head dims 256 and 192 / 128 run 64-row kv tiles, two per table row. Measured 2026-11-27
+  # (H200): docs/performance.md.
+  cta_tile = KV_TILE if d in (64, 128) else KV_TILE // 2
+  order = longest_first(*map(i32, bounds), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
        jax.ShapeDtypeStruct((b, h, d // 64, s // Q_BLOCK, Q_BLOCK * 64), jnp.float32)),
   )(q, cast(k), cast(v), cast(d_out), lse.astype(jnp.float32),
     delta.astype(jnp.float32), i32(q_pos), i32(q_seg), i32(kv_pos), i32(kv_seg),
-    *map(i32, bounds), scale=np.float32(scale), causal=np.int32(bool(causal)),
+    *map(i32, bounds), order, scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(bits), soft_cap=np.float32(soft_cap),
     window=np.int32(min(int(window), MAX_WINDOW)))
   return dq_from_accum(dq_accum, variant, scale, q.dtype), dk, dv

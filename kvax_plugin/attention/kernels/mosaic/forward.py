@@ -40,6 +40,10 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+# The launch orders (kernel tiles longest first) are the block table's; the backward imports
+# longest_first_over_heads from here too.
+from kvax_plugin.attention.block_mask import longest_first, longest_first_over_heads  # noqa: F401
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 M_INIT = -1.0e30  # finite "minus infinity" for the running max: exp2(M_INIT - m) == 0
@@ -193,34 +197,6 @@ def visit_order(lower, full_lower, full_upper, upper):
     return jnp.where(n < before, lower + n,
                      jnp.where(n < masked, full_upper + (n - before), full_lower + (n - masked)))
   return masked, block
-
-
-def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
-  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
-  lower of each tile's table row; ties in tile order): the persistent forward's deal.
-
-  A long tile started last keeps its SM busy while the others have run dry (the launch tail).
-  Under a causal mask the reversed tile order is already longest-first (the per-tile grid's
-  order); with packed documents it is not: the natural order ends with the long last tiles of
-  the last document.
-  """
-  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
-  return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
-
-
-def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
-  """int32 [B, n_heads * n_tiles]: for each launch position p = head * n_tiles + tile of a grid
-  whose slowest axis is the head (Mosaic launches the last grid axis fastest, the first
-  slowest), the (head, tile) it runs, coded tile * n_heads + head: every head's tiles by
-  descending visited blocks, the heads interleaved (ties in tile, then head, order).
-
-  A tile's work does not depend on the head, so the heads' copies of the longest tile start
-  first, together, and the short ones fill the last waves. The grid's own order, head-major,
-  starts the last head's long tiles in the last waves (the per-head `longest_first` keeps that).
-  """
-  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
-  per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
-  return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
 
 
 def released_for_tma(interpret: bool) -> None:
