@@ -6,10 +6,11 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 
 Why it is "auto"'s first choice where it runs (for bf16 at head dim 128 without window, soft
 cap or sinks: auto_prefers; elsewhere the Mosaic backward was measured faster): measured on one
-H200 on 2026-11-26 (main ccc4639), forward+backward, ms, hopper against mosaic: 16k causal
-15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k documents 32.77 /
-36.35; MaxText end to end, tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic)
-91.8k, 16k one document 58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 64,
+H200 on 2026-11-27 (2742b83, benchmarks/results/2026-11-27-h200/full), forward+backward, ms,
+hopper against mosaic: 16k causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 /
+3.21 (parity), 64k documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639),
+tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document
+58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 64,
 128 or 256 (one for query, key and value) or MLA's 192 / 128 (query and key, value), in bfloat16
 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA, batch > 1,
 Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
@@ -108,8 +109,9 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   "mosaic"; the numbers above AUTO_FEATURES_NOT_PREFERRED. Head dim 64 since its 128-row query
   steps, H200, 2026-11-27, forward+backward ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 /
   9.22, 64k causal 143.8 / 151.4 / 143.2, 64k documents 24.4 / 25.0 / -; only at 16k documents
-  is "mosaic" faster, 2.09 against 2.22, as at 128, and a call cannot tell short documents at
-  trace time; benchmarks/results/2026-11-27-h200/hopper_d64). Head dim 256:
+  was "mosaic" faster, 2.09 against 2.22, and a call cannot tell short documents at trace time;
+  benchmarks/results/2026-11-27-h200/hopper_d64; at 128 the longest-first launch order, later
+  that day, brought 16k documents to parity, 3.26 / 3.21). Head dim 256:
   always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
   one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
   53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,
