@@ -203,8 +203,8 @@ def test_timing_plot_draws_from_saved_results(tmp_path):
 
 def test_fused_backward_registers_its_target_itself(monkeypatch):
   """The op loads the library (registering the FFI target) before it emits the call: a caller
-  that never called load() (backend="hopper") must not meet "No FFI handler registered" (S19D's
-  first benchmark did)."""
+  that never called load() (backend="hopper") must not meet "No FFI handler registered" (the first
+  benchmark of 2026-11-25 did)."""
   import jax
   calls = []
   monkeypatch.setattr(cuda_bwd, "load", lambda *a: calls.append(a))

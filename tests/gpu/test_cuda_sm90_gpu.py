@@ -177,9 +177,9 @@ def test_the_library_is_the_one_for_this_source():
 
 def test_hopper_runs_on_every_gpu_of_the_process():
   """backend="hopper" on each visible GPU in turn, against the float32 reference: the handler's
-  per-device state (the kernel's shared-memory limit; S20G's first context-parallel run hung
-  when only the first device had it). benchmarks/hopper_on_each_device.py is the same check as
-  a program (run on 2 x H200 in S20G)."""
+  per-device state (the kernel's shared-memory limit; the first context-parallel run of
+  2026-11-26 hung when only the first device had it). benchmarks/hopper_on_each_device.py is
+  the same check as a program (run on 2 x H200, 2026-11-26)."""
   import jax
   import hopper_on_each_device as each
   for device in jax.devices():

@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   const uint32_t k_c = base + L::OFF_K + 64 * c * 128, v_c = base + L::OFF_V + 64 * c * 128;
 
   // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step (stepping
-  // them from a base, DESC, measured no faster: S20B-C).
+  // them from a base, DESC, measured no faster, 2026-11-26).
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
     return desc_sw128(addr + off, lbo, 1024);
   };
@@ -649,7 +649,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
     // values of a column pair come as one 8-byte load each. The mask is computed branch-free
     // (a dropped pair's exponent is -inf): guarding the loads or the exponential by the block's
-    // kind turned each element into a branch (S19B: FULL 18.2 ms against v2's 14.4).
+    // kind turned each element into a branch (2026-11-25: FULL 18.2 ms against v2's 14.4).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + QB;
     const float* lse = ids + 2 * QB;
@@ -1432,7 +1432,7 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
 // and variant (a process driving several GPUs calls the handler from one thread per device;
-// setting it for the first device only left the others' launches failing, S20G).
+// setting it for the first device only left the others' launches failing, 2026-11-26).
 constexpr int MAX_DEVICES = 64;
 
 template <int F, bool HALF, int HD>

@@ -162,44 +162,12 @@ DTYPES = (jnp.bfloat16, jnp.float16)  # the 16-bit operand types built
 MAX_WINDOW = 2**31 - 1  # the kernel's window is int32; a wider one keeps every int32 pair
 # The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS): the variant choice is
 # settled, so the library holds v7 alone (a third of the compile time of three). The name stays
-# an argument of fused_backward so benchmarks/cuda_backward_check.py can keep naming it.
-VARIANTS = {
-    # v7: v2 (dS shared by the two consumers, each computing 64 of dQ's 128 columns; the mask
-    # branch-free per element; dS stored element by element, the dQ part staged row-major) with
-    # STM | FRAG | EXP (= v6: S19C, H100, 16k causal backward: v2 13.99, v5 = STM | FRAG 12.90,
-    # v6 11.65 ms; Mosaic 12.05, cuDNN 11.16; 64k: v6 181.9, Mosaic 189.1, cuDNN 168.2) and
-    # DECOUPLE (S20A, H200, backward alone, ms: 16k causal v6 11.58, v7 11.08, cuDNN 10.93,
-    # Mosaic 12.38; 16k documents v6 2.92, v7 2.82, Mosaic 2.70; 64k causal v6 177.4, v7 169.4,
-    # cuDNN 163.5, Mosaic 187.3)
-    "v7": STM | FRAG | EXP | DECOUPLE,
-}
+# an argument of fused_backward so benchmarks/cuda_backward_check.py can keep naming it. v7 was
+# the fastest in every case measured (H200, backward alone, 2026-11-26: 16k causal 11.08 ms
+# against cuDNN's 10.93); the variants measured against it and removed, with their numbers, are
+# in docs/tuning-history.md ("The CUDA backward's variants").
+VARIANTS = {"v7": STM | FRAG | EXP | DECOUPLE}
 DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
-# Measured and removed: v2 and v6 (above; built until 2026-11-26, main ccc4639). Before them,
-# 2026-11-25 (H100, 16k causal backward): v1, each consumer computing the
-# full-width dQ share of its own kv rows (no dS exchange): 20.2 ms against v0's 16.9 (it doubles
-# the dq reduce traffic and must retire dV / dK before its 64-register dQ accumulator fits: ptxas
-# C7512 otherwise). Later on 2026-11-25: v0, v2 with shared memory reached through generic
-# addresses (LD.E / ST.E: the alignment went through an integer cast), 16.55 ms against v2's
-# 14.22; FULL (bit 1: the table's full blocks unmasked), first with the ids' loads and the
-# exponential guarded by the block's kind (a branch per element in the SASS: 18.24 ms on v2),
-# then branch-free on v6 (13.07 against 11.65: 160 more instructions); PIPE (bit 8: S^T and dP^T
-# in separate commit groups, P^T computed and dV issued while dP^T runs) 14.81 on v2 against
-# 14.41, 11.79 on v6 against 11.65 (64k: 183.5 against 181.9); v3 (FULL | STM | FRAG) 16.17.
-# 2026-11-26 (H200, backward alone, ms, same run as v7's numbers above): v7_offset (bit 64:
-# the second consumer started once the first had its step-0 S^T / dP^T) 16k causal 11.42,
-# documents 2.98, 64k causal 168.1 (v7 169.4: within its rounds' spread); v8 (bit 128, SCHED:
-# the consumers taking turns to issue their products, one named-barrier hand-off per burst)
-# 11.36, 2.86, 173.6 - the turn-taking costs more than the ordering wins. S20B (H200, same run):
-# v9 = v7 + PREP (the mask as 2 compares on prepared query-side values, lse in log2 units: ~2
-# fewer instructions per element) 16k causal 11.61 against v7's 11.32, documents 3.06 against
-# 2.82, 64k causal 177.0 against 170.1: slower everywhere despite the shorter stretch. v11 = v7
-# + DESC (each wgmma's descriptors stepped from a base by a constant add instead of rebuilt
-# from the address: ~5 fewer uniform-datapath instructions per wgmma) and v10 = v9 + DESC, S20C
-# (same run as v7): 16k causal v11 11.25, v10 11.16, v7 11.45; documents 2.93, 3.04, 3.14; 64k
-# causal 173.3, 171.0, 170.7 (S20B: v10 11.15 / 2.98 / 169.3 against v7's 11.32 / 2.82 /
-# 170.1). Neither beats v7 in every case of both runs (the rounds spread 3-10%): removed. The
-# step's time is not set by its instruction count (Nsight, S20A: v6 issues 26% more warp
-# instructions than cuDNN's backward with issue slots 37% busy).
 
 
 def unpermute_fragment_order(accum):
