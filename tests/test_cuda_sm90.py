@@ -229,6 +229,42 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 512, 2, 128)
 
 
+@pytest.mark.parametrize("head_dims,cta_rows", [((128, 128), 128), ((64, 64), 128),
+                                                  ((256, 256), 64), ((192, 128), 64)])
+def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
+  """The `order` input (the CTAs' kv tiles, longest first; the kernel launches the kv heads of a
+  tile together, blockIdx.x): per batch row a permutation of the kernel's kv tiles (64-row tiles
+  at head dims 256 and 192 / 128, two per table row), by descending visited blocks of the
+  dk/dv table, ties in tile order."""
+  import jax
+  monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
+  got = {}
+
+  def fake_ffi_call(target, results):
+    def call(*args, **attrs):
+      got["order"] = np.asarray(args[12])
+      return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    return call
+  monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+  d, dv_dim = head_dims
+  b, s, h, kh = 2, 512, 4, 2
+  x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  ids = jnp.zeros((b, s), jnp.int32)
+  lse = jnp.zeros((b, h, s), jnp.float32)
+  # visited 64-row query blocks per 128-row kv tile (4 table rows): row 0 causal-like, row 1
+  # packed documents with a tie between tiles 1 and 2
+  lower = jnp.array([[0, 2, 4, 6], [0, 2, 2, 7]], jnp.int32)
+  upper = jnp.array([[8, 8, 8, 8], [2, 5, 5, 8]], jnp.int32)
+  cuda_bwd.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, dv_dim), x(b, s, h, dv_dim),
+                          lse, lse, ids, ids, ids, ids, (lower, upper), scale=0.1, causal=True)
+  per_table_row = 128 // cta_rows
+  expected_tables = [[0, 1, 2, 3], [1, 2, 0, 3]]  # row 1: counts 2, 3, 3, 1
+  expected = np.array([[per_table_row * t + j for t in row for j in range(per_table_row)]
+                       for row in expected_tables])
+  assert got["order"].shape == (b, s // cta_rows)
+  np.testing.assert_array_equal(got["order"], expected)
+
+
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
 # The kernel's order of named-barrier operations and dS buffer accesses per consumer, as written
 # in fused_backward.cu (the step loop, dq_part and the tail). A named barrier completes when 256
