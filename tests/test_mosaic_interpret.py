@@ -296,11 +296,11 @@ def test_kernel_options_match_reference_in_interpreter(fields):
 
 
 def test_longest_first_orders():
-  """forward.longest_first (the persistent forward's deal: a permutation, descending visited
-  blocks, ties in tile order) and forward.longest_first_over_heads (both backward kernels'
-  launch order: every (head, tile) pair once, longest tile first, the heads of one tile
-  together)."""
-  from kvax_plugin.attention.kernels.mosaic import forward as fw
+  """block_mask.longest_first (the persistent forward's deal: a permutation, descending visited
+  blocks, ties in tile order) and block_mask.longest_first_over_heads (both Mosaic backward
+  kernels' launch order: every (head, tile) pair once, longest tile first, the heads of one
+  tile together)."""
+  from kvax_plugin.attention import block_mask as fw
   lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
   upper = jnp.array([[1, 2, 3, 5, 0]], jnp.int32)
   assert fw.longest_first(lower, upper, 1, 5).tolist() == [[3, 1, 0, 2, 4]]
@@ -314,7 +314,7 @@ def test_longest_first_orders():
 
 def test_launch_order_over_heads_with_gqa_documents():
   """Both backward kernels map their launch position (head * n_tiles + tile) to the (head,
-  tile) of forward.longest_first_over_heads (the dk/dv kernel's heads are kv heads, the dq
+  tile) of block_mask.longest_first_over_heads (the dk/dv kernel's heads are kv heads, the dq
   kernel's query heads): documents, padding and GQA with the deterministic dq kernel against
   the float32 reference (the case's default backward is the fused one)."""
   run = check_case("docs_padding_gqa", det=True)

@@ -60,11 +60,11 @@ def makespan(works, sms: int, overhead: float) -> float:
 def orders(table, tiles_per_row: int, n_tiles: int, n_heads: int, reverse_grid: bool):
   """Per-CTA works in each launch order, the orders taken from the kernels' own functions
   (block_mask.longest_first, longest_first_over_heads) on the block table."""
-  from kvax_plugin.attention import block_mask as fw
+  from kvax_plugin.attention import block_mask as bm
   counts = tile_counts(table, tiles_per_row, n_tiles)
   grid = counts[::-1] if reverse_grid else counts
-  per_head = np.asarray(fw.longest_first(table.lower, table.upper, tiles_per_row, n_tiles))[0]
-  codes = np.asarray(fw.longest_first_over_heads(table.lower, table.upper, tiles_per_row,
+  per_head = np.asarray(bm.longest_first(table.lower, table.upper, tiles_per_row, n_tiles))[0]
+  codes = np.asarray(bm.longest_first_over_heads(table.lower, table.upper, tiles_per_row,
                                                  n_tiles, n_heads))[0]
   return {
       "head_major": np.tile(grid, n_heads),
@@ -88,7 +88,7 @@ def tile_counts(table, tiles_per_row: int, n_tiles: int):
 
 
 def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int = 8):
-  from kvax_plugin.attention import block_mask as fw
+  from kvax_plugin.attention import block_mask as bm
   from kvax_plugin.attention.block_mask import create_attention_mask
   pos, seg, _ = layout(case, seq, seed=seq)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
@@ -109,7 +109,7 @@ def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int =
   # order is reversed under a causal mask (longest first), natural otherwise
   counts = tile_counts(mask.fwd, mask.spec.fwd_params.query_block_size // 128, seq // 128)
   grid = np.repeat(counts[::-1] if case == "causal" else counts, h)
-  lpt = np.repeat(counts[np.asarray(fw.longest_first(mask.fwd.lower, mask.fwd.upper,
+  lpt = np.repeat(counts[np.asarray(bm.longest_first(mask.fwd.lower, mask.fwd.upper,
                                                      mask.spec.fwd_params.query_block_size // 128,
                                                      seq // 128))[0]], h)
   total = grid.sum() + overhead * len(grid)

@@ -541,7 +541,8 @@ def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
-  lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal.
+  lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal and
+  the CUDA backward's tile order (its kv heads launch fastest).
 
   A long tile started last keeps its SM busy while the others have run dry (the launch tail).
   Under a causal mask the reversed tile order is already longest-first (the per-tile grid's
@@ -559,9 +560,9 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
   tiles per table row (2 when its tiles are half the table's blocks).
 
   A tile's work does not depend on the head, so the heads' copies of the longest tile start
-  first, together, and the short ones fill the last waves. A head-major grid (the Mosaic
-  backward's: its last axis launches fastest) or a tile-major one (the CUDA backward's
-  blockIdx.x over tiles) would start the last head's long tiles in the last waves.
+  first, together, and the short ones fill the last waves. In the Mosaic backward's own grid
+  order (head-major: its last axis launches fastest) the last head's long tiles would start in
+  the last waves.
   """
   counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
   per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head

@@ -116,10 +116,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # (auto_check: bf16 at head dims 128 and 64 without window, soft cap or sinks, and every call
 # at head dim 256; hopper.auto_prefers has the numbers), unless the call
 # asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
-# Measured on one H200 on 2026-11-26 from main ccc4639, forward+backward ms, hopper / mosaic:
-# 16k causal 15.37 / 16.20, 64k causal 233.5 / 252.0, 16k documents 2.758 / 2.945, 64k
-# documents 32.77 / 36.35; MaxText end to end, tokens/s, hopper / auto (then mosaic): 64k short
-# documents 98.8k / 91.8k, 16k one document 58.7k / 57.0k.
+# The measurements behind it: kernels/hopper.py's module docstring and auto_prefers.
 # Then "mosaic": on Hopper the fastest of the rest on every case measured (benchmarks/NOTES.md,
 # "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
 AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")

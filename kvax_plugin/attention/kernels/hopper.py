@@ -4,15 +4,15 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs (for bf16 at head dim 128 without window, soft
-cap or sinks: auto_prefers; elsewhere the Mosaic backward was measured faster): measured on one
-H200 on 2026-11-27 (2742b83, benchmarks/results/2026-11-27-h200/full), forward+backward, ms,
-hopper against mosaic: 16k causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 /
-3.21 (parity), 64k documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639),
-tokens/s, 64k short documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document
-58.7k against 57.0k. It covers fewer cases than "mosaic": head dim 64,
-128 or 256 (one for query, key and value) or MLA's 192 / 128 (query and key, value), in bfloat16
-or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA, batch > 1,
+Why it is "auto"'s first choice where it runs (for bf16 at head dims 128 and 64 without window,
+soft cap or sinks, and every call at head dim 256: auto_prefers; elsewhere the Mosaic backward
+was measured faster): measured on one H200 on 2026-11-27 (2742b83,
+benchmarks/results/2026-11-27-h200/full), forward+backward, ms, hopper against mosaic: 16k
+causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 / 3.21 (parity), 64k
+documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639), tokens/s, 64k short
+documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document 58.7k against 57.0k.
+It covers fewer cases than "mosaic": head dim 64, 128 or 256 (one for query, key and value) or
+MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA, batch > 1,
 Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
 kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64, 128)). "auto"
 moves on to "mosaic" for everything else (and for MLA, measured faster: auto_prefers), and an

@@ -1484,8 +1484,8 @@ static ffi::Error FusedBackwardImpl(
     ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal, int32_t variant, float soft_cap,
-    int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal,
+    int32_t variant, float soft_cap, int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const auto od = d_out.dimensions();

@@ -37,9 +37,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from kvax_plugin.attention.block_mask import longest_first_over_heads
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
-                                                          _ROW, _smem, accumulate,
-                                                          longest_first_over_heads, pair_keep,
+                                                          _ROW, _smem, accumulate, pair_keep,
                                                           produce_kv_ring, products_together,
                                                           released_for_tma, visit_order)
 
@@ -100,7 +100,7 @@ class BwdConfig:
   #   16k causal fwd+bwd 15.92 vs 16.11 ms, 64k 252.2 vs 257.3, 16k documents 3.76 vs 3.84
   #   (2026-11-25).
   # - Both kernels' launch order interleaves the heads, longest tile first over all (head, tile)
-  #   pairs (forward.longest_first_over_heads). The grid's slowest axis is the head, so in the
+  #   pairs (block_mask.longest_first_over_heads). The grid's slowest axis is the head, so in the
   #   grid's own order the last head's tiles all start in the last waves; with packed documents
   #   their long tiles then ran alone: Nsight Compute saw the dk/dv kernel's SMs idle 31% of its
   #   time at 16k documents. H100 16k documents fwd+bwd 3.27 vs 3.75 ms (2026-11-25).

@@ -40,9 +40,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-# The launch orders (kernel tiles longest first) are the block table's; the backward imports
-# longest_first_over_heads from here too.
-from kvax_plugin.attention.block_mask import longest_first, longest_first_over_heads  # noqa: F401
+from kvax_plugin.attention.block_mask import longest_first
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
