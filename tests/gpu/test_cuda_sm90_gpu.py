@@ -155,8 +155,9 @@ def test_hopper_features_and_head_dims(dtype, d, sq, skv, heads, kv_heads, causa
 
 
 def test_auto_takes_hopper_and_deterministic_takes_mosaic():
-  """Where the library is there (or buildable), "auto" runs hopper for a call it covers, and
-  deterministic_backward=True runs mosaic, whose backward is bitwise reproducible."""
+  """Where the library is there (or buildable), "auto" runs hopper for a call it covers and
+  prefers, mosaic with a sliding window, and deterministic_backward=True runs mosaic, whose
+  backward is bitwise reproducible."""
   import jax.numpy as jnp
 
   from kvax_plugin.attention import kernels
@@ -165,6 +166,15 @@ def test_auto_takes_hopper_and_deterministic_takes_mosaic():
   assert kernels.resolve_backend_for("auto", *dims, deterministic_backward=True) == "mosaic"
   assert _errors(384, 384, 4, 2, True, backend="auto") < 2e-2
   assert _errors(384, 384, 4, 2, True, backend="auto", deterministic_backward=True) < 2e-2
+  # fp16, soft cap and sinks at head dim 128: hopper since 2026-11-27 (hopper.auto_prefers);
+  # the sliding window: mosaic
+  capped = (jnp.float16, 128, 128, ("causal", "gqa", "logits_soft_cap", "sinks", "backward"))
+  assert kernels.resolve_backend_for("auto", *capped) == "hopper"
+  assert _errors(384, 384, 4, 2, True, backend="auto", dtype="float16", cap=30.0,
+                 with_sinks=True) < 1e-2
+  windowed = (jnp.bfloat16, 128, 128, ("causal", "sliding_window", "backward"))
+  assert kernels.resolve_backend_for("auto", *windowed) == "mosaic"
+  assert _errors(384, 384, 4, 2, True, backend="auto", window=128) < 2e-2
 
 
 def test_the_library_is_the_one_for_this_source():

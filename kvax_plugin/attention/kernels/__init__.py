@@ -113,8 +113,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # "auto": the first of these that can run here and supports the call.
 # "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
 # call (head dims 64, 128, 256 or MLA's 192 / 128, its mask blocks) and is measured faster
-# (auto_check: bf16 at head dims 128 and 64 without window, soft cap or sinks, and every call
-# at head dim 256; hopper.auto_prefers has the numbers), unless the call
+# (auto_check: hopper.auto_prefers says where, with the numbers), unless the call
 # asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
 # The measurements behind it: kernels/hopper.py's module docstring and auto_prefers.
 # Then "mosaic": on Hopper the fastest of the rest on every case measured (benchmarks/NOTES.md,

@@ -4,9 +4,9 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs (for bf16 at head dims 128 and 64 without window,
-soft cap or sinks, and every call at head dim 256: auto_prefers; elsewhere the Mosaic backward
-was measured faster): measured on one H200 on 2026-11-27 (2742b83,
+Why it is "auto"'s first choice where it runs (head dim 128 without a sliding window, bf16
+at head dim 64 without window, soft cap or sinks, every call at head dim 256: auto_prefers;
+elsewhere the Mosaic backward was measured faster): measured on one H200 on 2026-11-27 (2742b83,
 benchmarks/results/2026-11-27-h200/full), forward+backward, ms, hopper against mosaic: 16k
 causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 / 3.21 (parity), 64k
 documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639), tokens/s, 64k short
@@ -90,42 +90,48 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" takes hopper: bf16 without window, soft cap or sinks. With any of them, or fp16,
-# the Mosaic backward was faster in the same runs (H200, 2026-11-26, B=1, 32 / 8 heads, head dim
-# 128, forward+backward ms interleaved, hopper / mosaic; benchmarks/results/2026-11-26-h200/
-# hopper_features): window 4096 16k causal 8.28 / 7.10, 16k documents 3.92 / 3.29, 64k causal
-# 35.56 / 30.95, 64k documents 27.41 / 24.59; soft cap 30 16k causal 18.21 / 17.89, documents
-# 4.16 / 3.66; sinks 16k documents 3.55 / 3.24; fp16 16k causal 16.21 / 16.04, documents 3.42 /
-# 3.23; fp16 with all three, 64k documents 32.82 / 28.64. Head dim 64 (same GPU, later run,
-# hopper / mosaic / cuDNN; benchmarks/results/2026-11-26-h200/hopper_d64): 16k causal 11.32 /
-# 9.77 / 9.37, 16k documents 2.54 / 2.10, 64k causal 162.9 / 152.9 / 142.2, 64k documents 28.26
-# / 25.73. They stay an explicit backend="hopper" away (checked by the same conformance matrix).
-AUTO_FEATURES_NOT_PREFERRED = ("sliding_window", "logits_soft_cap", "sinks")
+# Where "auto" takes hopper at head dim 128: everywhere but a sliding window. Same run per row,
+# H200, 2026-11-27 (the one-pass backward with its longest-first launch order), B=1, 32 / 8
+# heads, forward+backward ms interleaved, hopper / mosaic (benchmarks/results/2026-11-27-h200/
+# hopper_features): soft cap 30 16k causal 17.95 / 18.17, 16k documents 3.60 / 3.90; sinks 16k
+# causal 15.64 / 16.06, documents 3.33 / 3.40; fp16 16k causal 16.10 / 16.46, documents 3.41 /
+# 3.56 (alone, not interleaved, "mosaic" read 2-4% faster at 16k documents with sinks or fp16,
+# as it does without them: parity there, hopper ahead on causal rows); window 4096 16k causal
+# 8.01 / 7.27, 16k documents 3.43 / 3.42, 64k causal 35.74 / 33.02, 64k documents 28.35 / 25.97.
+# On 2026-11-26, before the one-pass backward, "mosaic" was ahead with each of these.
+AUTO_NOT_PREFERRED_AT_128 = ("sliding_window",)
+# Head dim 64: measured for bf16 without window, soft cap or sinks only (auto_prefers' numbers);
+# with any of them, or fp16, "auto" keeps "mosaic" until measured.
+AUTO_NOT_PREFERRED_AT_64 = ("sliding_window", "logits_soft_cap", "sinks")
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports. Head dims
-  128 and 64: bf16 without window, soft cap or sinks (where it was measured faster than
-  "mosaic"; the numbers above AUTO_FEATURES_NOT_PREFERRED. Head dim 64 since its 128-row query
-  steps, H200, 2026-11-27, forward+backward ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 /
-  9.22, 64k causal 143.8 / 151.4 / 143.2, 64k documents 24.4 / 25.0 / -; only at 16k documents
-  was "mosaic" faster, 2.09 against 2.22, and a call cannot tell short documents at trace time;
-  benchmarks/results/2026-11-27-h200/hopper_d64; at 128 the longest-first launch order, later
-  that day, brought 16k documents to parity, 3.26 / 3.21). Head dim 256:
-  always (its own layout; the alternative there is Triton, "mosaic"'s backward being a
-  one-stage ring: H200, 2026-11-27, 16k, forward+backward ms, hopper / Triton: causal 37.2 /
-  53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window 4096 7.4 / 10.5, sinks 7.8 / 10.7,
-  fp16 causal 39.3 / 54.0; benchmarks/results/2026-11-27-h200/hopper_d256). MLA's (192, 128):
-  not taken, the Mosaic backward is faster (H200, 2026-11-27, 16k forward+backward ms, hopper /
-  mosaic: causal 27.83 / 23.79, documents 5.83 / 4.82; benchmarks/results/2026-11-27-h200/
-  hopper_mla)."""
-  if (qk_head_dim, v_head_dim) == (256, 256):
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports, where it
+  was measured faster than "mosaic". Head dim 128: bf16 or fp16, soft cap and sinks, not the
+  sliding window (the numbers above AUTO_NOT_PREFERRED_AT_128). Head dim 64, bf16 without
+  window, soft cap or sinks, since its 128-row query steps: H200, 2026-11-27, forward+backward
+  ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 / 9.22, 64k causal 143.8 / 151.4 / 143.2,
+  64k documents 24.4 / 25.0 / -; only at 16k documents was "mosaic" faster, 2.09 against 2.22,
+  and a call cannot tell short documents at trace time; benchmarks/results/2026-11-27-h200/
+  hopper_d64; at 128 the longest-first launch order, later that day, brought 16k documents to
+  parity, 3.26 / 3.21). Head dim 256: always (its own layout; the alternative there is Triton,
+  "mosaic"'s backward being a one-stage ring: H200, 2026-11-27, 16k, forward+backward ms,
+  hopper / Triton: causal 37.2 / 53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window
+  4096 7.4 / 10.5, sinks 7.8 / 10.7, fp16 causal 39.3 / 54.0; benchmarks/results/
+  2026-11-27-h200/hopper_d256). MLA's (192, 128): not taken, the Mosaic backward is faster
+  (H200, 2026-11-27, 16k forward+backward ms, hopper / mosaic: causal 27.83 / 23.79, documents
+  5.83 / 4.82; benchmarks/results/2026-11-27-h200/hopper_mla)."""
+  dims = (qk_head_dim, v_head_dim)
+  if dims == (256, 256):
     return True, ""
-  slower = [f for f in features if f in AUTO_FEATURES_NOT_PREFERRED]
-  if jnp.dtype(dtype) != jnp.bfloat16:
-    slower.insert(0, jnp.dtype(dtype).name)
-  if (qk_head_dim, v_head_dim) not in ((128, 128), (64, 64)):
-    slower.insert(0, f"head dims ({qk_head_dim}, {v_head_dim})")
+  if dims == (128, 128):
+    slower = [f for f in features if f in AUTO_NOT_PREFERRED_AT_128]
+  elif dims == (64, 64):
+    slower = [f for f in features if f in AUTO_NOT_PREFERRED_AT_64]
+    if jnp.dtype(dtype) != jnp.bfloat16:
+      slower.insert(0, jnp.dtype(dtype).name)
+  else:
+    slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
                    '2026-11-26 / 27); pass backend="hopper" to use this one anyway')
