@@ -85,13 +85,13 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
   assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
   # what it is not preferred for goes to mosaic (above head dim 128, mosaic's auto_check: triton)
-  # head dim 64: 128-row query steps since 2026-11-27, measured faster than mosaic (bf16, no
-  # window / soft cap / sinks, as at 128)
+  # head dim 64: 128-row query steps since 2026-11-27, measured faster than mosaic with fp16,
+  # soft cap and sinks too; the window stays with mosaic, as at 128
   assert pick(dims=(64, 64)) == "hopper"
   assert pick(dims=(64, 64), features=("causal", "sliding_window")) == "mosaic"
-  assert pick(dims=(64, 64), dtype=jnp.float16) == "mosaic"
-  for feature in ("logits_soft_cap", "sinks"):  # not measured at 64: mosaic until they are
-    assert pick(dims=(64, 64), features=("causal", feature)) == "mosaic", feature
+  assert pick(dims=(64, 64), dtype=jnp.float16) == "hopper"
+  for feature in ("logits_soft_cap", "sinks"):
+    assert pick(dims=(64, 64), features=("causal", feature)) == "hopper", feature
   assert kernels.resolve_backend_for("hopper", jnp.float16, 64, 64) == "hopper"
   assert pick(dims=(192, 128)) == "mosaic"
   # head dim 256: hopper's own layout, measured faster than Triton with every feature and fp16

@@ -4,9 +4,8 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs (head dim 128 without a sliding window, bf16
-at head dim 64 without window, soft cap or sinks, every call at head dim 256: auto_prefers;
-elsewhere the Mosaic backward was measured faster): measured on one H200 on 2026-11-27 (2742b83,
+Why it is "auto"'s first choice where it runs (head dims 128 and 64 without a sliding window,
+every call at head dim 256: auto_prefers; elsewhere the Mosaic backward was measured faster): measured on one H200 on 2026-11-27 (2742b83,
 benchmarks/results/2026-11-27-h200/full), forward+backward, ms, hopper against mosaic: 16k
 causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 / 3.21 (parity), 64k
 documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639), tokens/s, 64k short
@@ -90,46 +89,42 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" takes hopper at head dim 128: everywhere but a sliding window. Same run per row,
-# H200, 2026-11-27 (the one-pass backward with its longest-first launch order), B=1, 32 / 8
-# heads, forward+backward ms interleaved, hopper / mosaic (benchmarks/results/2026-11-27-h200/
-# hopper_features): soft cap 30 16k causal 17.95 / 18.17, 16k documents 3.60 / 3.90; sinks 16k
-# causal 15.64 / 16.06, documents 3.33 / 3.40; fp16 16k causal 16.10 / 16.46, documents 3.41 /
-# 3.56 (alone, not interleaved, "mosaic" read 2-4% faster at 16k documents with sinks or fp16,
-# as it does without them: parity there, hopper ahead on causal rows); window 4096 16k causal
-# 8.01 / 7.27, 16k documents 3.43 / 3.42, 64k causal 35.74 / 33.02, 64k documents 28.35 / 25.97.
-# On 2026-11-26, before the one-pass backward, "mosaic" was ahead with each of these.
-AUTO_NOT_PREFERRED_AT_128 = ("sliding_window",)
-# Head dim 64: measured for bf16 without window, soft cap or sinks only (auto_prefers' numbers);
-# with any of them, or fp16, "auto" keeps "mosaic" until measured.
-AUTO_NOT_PREFERRED_AT_64 = ("sliding_window", "logits_soft_cap", "sinks")
+# Where "auto" takes hopper at head dims 128 and 64: everywhere but a sliding window. Same run
+# per row, H200, 2026-11-27 (the one-pass backward with its longest-first launch order), B=1,
+# 32 / 8 heads, 16k, forward+backward ms interleaved, hopper / mosaic (benchmarks/results/
+# 2026-11-27-h200/hopper_features). Head dim 128: soft cap 30 causal 17.95 / 18.17, documents
+# 3.60 / 3.90; sinks causal 15.64 / 16.06, documents 3.33 / 3.40; fp16 causal 16.10 / 16.46,
+# documents 3.41 / 3.56 (alone, not interleaved, "mosaic" read 2-4% faster on documents with
+# sinks or fp16, as it does without them: parity there, hopper ahead on causal rows); window
+# 4096 causal 8.01 / 7.27, documents 3.43 / 3.42, and at 64k causal 35.74 / 33.02, documents
+# 28.35 / 25.97. Head dim 64: soft cap causal 12.01 / 12.57, documents 2.44 / 2.61; sinks 9.18 /
+# 9.83, 1.89 / 2.15; fp16 9.47 / 10.10, 1.92 / 2.15 (alone the same order); the window not
+# timed at 64, left with "mosaic" as at 128. On 2026-11-26, before the one-pass backward,
+# "mosaic" was ahead with each of these at 128.
+AUTO_NOT_PREFERRED = ("sliding_window",)
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
   """(ok, reason): whether backend="auto" should pick hopper for a call it supports, where it
-  was measured faster than "mosaic". Head dim 128: bf16 or fp16, soft cap and sinks, not the
-  sliding window (the numbers above AUTO_NOT_PREFERRED_AT_128). Head dim 64, bf16 without
-  window, soft cap or sinks, since its 128-row query steps: H200, 2026-11-27, forward+backward
-  ms, hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 / 9.22, 64k causal 143.8 / 151.4 / 143.2,
-  64k documents 24.4 / 25.0 / -; only at 16k documents was "mosaic" faster, 2.09 against 2.22,
-  and a call cannot tell short documents at trace time; benchmarks/results/2026-11-27-h200/
-  hopper_d64; at 128 the longest-first launch order, later that day, brought 16k documents to
-  parity, 3.26 / 3.21). Head dim 256: always (its own layout; the alternative there is Triton,
+  was measured faster than "mosaic". Head dims 128 and 64: bf16 or fp16, with soft cap and
+  sinks, not with the sliding window (the numbers above AUTO_NOT_PREFERRED). Head dim 64
+  without them, bf16, since its 128-row query steps: H200, 2026-11-27, forward+backward ms,
+  hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 / 9.22, 64k causal 143.8 / 151.4 / 143.2, 64k
+  documents 24.4 / 25.0 / -; 16k documents 2.22 / 2.09 before the longest-first launch order,
+  which at 128 brought them from 4.7% behind to parity (benchmarks/results/2026-11-27-h200/
+  hopper_d64). Head dim 256: always (its own layout; the alternative there is Triton,
   "mosaic"'s backward being a one-stage ring: H200, 2026-11-27, 16k, forward+backward ms,
   hopper / Triton: causal 37.2 / 53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window
   4096 7.4 / 10.5, sinks 7.8 / 10.7, fp16 causal 39.3 / 54.0; benchmarks/results/
   2026-11-27-h200/hopper_d256). MLA's (192, 128): not taken, the Mosaic backward is faster
   (H200, 2026-11-27, 16k forward+backward ms, hopper / mosaic: causal 27.83 / 23.79, documents
   5.83 / 4.82; benchmarks/results/2026-11-27-h200/hopper_mla)."""
+  del dtype  # bf16 and fp16 alike: both measured
   dims = (qk_head_dim, v_head_dim)
   if dims == (256, 256):
     return True, ""
-  if dims == (128, 128):
-    slower = [f for f in features if f in AUTO_NOT_PREFERRED_AT_128]
-  elif dims == (64, 64):
-    slower = [f for f in features if f in AUTO_NOT_PREFERRED_AT_64]
-    if jnp.dtype(dtype) != jnp.bfloat16:
-      slower.insert(0, jnp.dtype(dtype).name)
+  if dims in ((128, 128), (64, 64)):
+    slower = [f for f in features if f in AUTO_NOT_PREFERRED]
   else:
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
