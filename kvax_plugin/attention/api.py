@@ -163,7 +163,7 @@ def flash_attention(query: jax.Array,
     deterministic_backward: None (default): each backend's own - Mosaic's deterministic
       backward, Triton's (always deterministic), hopper's (not bitwise reproducible). For
       Mosaic, True: dq from its own kernel, bitwise reproducible (7 matrix products per tile
-      pair; the default, and on an H200 the faster too, benchmarks/NOTES.md); False: dq
+      pair; the default, and on an H200 the faster too, docs/performance.md); False: dq
       bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products; the float32
       summation order varies between runs). backend="hopper" has only the second kind (its dq
       reduce-added from many thread blocks): True with it raises ValueError.

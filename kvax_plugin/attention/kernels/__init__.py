@@ -113,11 +113,11 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
 # "auto": the first of these that can run here and supports the call.
 # "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
 # call (head dims 64, 128, 256 or MLA's 192 / 128, its mask blocks) and is measured faster
-# (auto_check: hopper.auto_prefers says where, with the numbers), unless the call
-# asks for deterministic_backward=True (its dq summation order varies: reproducible_backward).
-# The measurements behind it: kernels/hopper.py's module docstring and auto_prefers.
-# Then "mosaic": on Hopper the fastest of the rest on every case measured (benchmarks/NOTES.md,
-# "Mosaic GPU backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
+# (auto_check: hopper.auto_prefers says where), unless the call asks for
+# deterministic_backward=True (its dq summation order varies: reproducible_backward). The
+# measurements behind it: docs/performance.md, "What "auto" runs on a Hopper GPU".
+# Then "mosaic": on Hopper the fastest of the rest on every case measured (docs/performance.md,
+# "Per backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
 AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)

@@ -5,14 +5,13 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
 Why it is "auto"'s first choice where it runs (head dims 128 and 64 without a sliding window,
-every call at head dim 256: auto_prefers; elsewhere the Mosaic backward was measured faster): measured on one H200 on 2026-11-27 (2742b83,
-benchmarks/results/2026-11-27-h200/full), forward+backward, ms, hopper against mosaic: 16k
-causal 15.71 / 16.03, 64k causal 237.9 / 252.0, 16k documents 3.26 / 3.21 (parity), 64k
-documents 38.32 / 42.63; MaxText end to end (2026-11-26, main ccc4639), tokens/s, 64k short
-documents 98.8k against "auto"'s (then mosaic) 91.8k, 16k one document 58.7k against 57.0k.
+every call at head dim 256: auto_prefers): it was measured fastest there, docs/performance.md's
+table "What "auto" runs on a Hopper GPU" (H200, 2026-11-27); e.g. 64k causal forward+backward
+238.8 ms against "mosaic"'s 252.0, 64k documents 39.76 against 42.63.
+
 It covers fewer cases than "mosaic": head dim 64, 128 or 256 (one for query, key and value) or
-MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids, sliding window, soft cap, sinks, GQA / MQA, batch > 1,
-Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
+MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids,
+sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
 kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64, 128)). "auto"
 moves on to "mosaic" for everything else (and for MLA, measured faster: auto_prefers), and an
 explicit backend="hopper" raises instead of running another backward (BackendUnavailableError
@@ -89,36 +88,18 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" takes hopper at head dims 128 and 64: everywhere but a sliding window. Same run
-# per row, H200, 2026-11-27 (the one-pass backward with its longest-first launch order), B=1,
-# 32 / 8 heads, 16k, forward+backward ms interleaved, hopper / mosaic (benchmarks/results/
-# 2026-11-27-h200/hopper_features). Head dim 128: soft cap 30 causal 17.95 / 18.17, documents
-# 3.60 / 3.90; sinks causal 15.64 / 16.06, documents 3.33 / 3.40; fp16 causal 16.10 / 16.46,
-# documents 3.41 / 3.56 (alone, not interleaved, "mosaic" read 2-4% faster on documents with
-# sinks or fp16, as it does without them: parity there, hopper ahead on causal rows); window
-# 4096 causal 8.01 / 7.27, documents 3.43 / 3.42, and at 64k causal 35.74 / 33.02, documents
-# 28.35 / 25.97. Head dim 64: soft cap causal 12.01 / 12.57, documents 2.44 / 2.61; sinks 9.18 /
-# 9.83, 1.89 / 2.15; fp16 9.47 / 10.10, 1.92 / 2.15 (alone the same order); the window not
-# timed at 64, left with "mosaic" as at 128. On 2026-11-26, before the one-pass backward,
-# "mosaic" was ahead with each of these at 128.
+# Where "auto" does not take hopper at head dims 128 and 64 (the Mosaic backward was measured
+# faster with a sliding window at 128, H200, 2026-11-27; not timed at 64).
 AUTO_NOT_PREFERRED = ("sliding_window",)
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports, where it
-  was measured faster than "mosaic". Head dims 128 and 64: bf16 or fp16, with soft cap and
-  sinks, not with the sliding window (the numbers above AUTO_NOT_PREFERRED). Head dim 64
-  without them, bf16, since its 128-row query steps: H200, 2026-11-27, forward+backward ms,
-  hopper / mosaic / cuDNN: 16k causal 9.42 / 9.71 / 9.22, 64k causal 143.8 / 151.4 / 143.2, 64k
-  documents 24.4 / 25.0 / -; 16k documents 2.22 / 2.09 before the longest-first launch order,
-  which at 128 brought them from 4.7% behind to parity (benchmarks/results/2026-11-27-h200/
-  hopper_d64). Head dim 256: always (its own layout; the alternative there is Triton,
-  "mosaic"'s backward being a one-stage ring: H200, 2026-11-27, 16k, forward+backward ms,
-  hopper / Triton: causal 37.2 / 53.8, documents 7.6 / 10.8, soft cap 30 8.7 / 12.6, window
-  4096 7.4 / 10.5, sinks 7.8 / 10.7, fp16 causal 39.3 / 54.0; benchmarks/results/
-  2026-11-27-h200/hopper_d256). MLA's (192, 128): not taken, the Mosaic backward is faster
-  (H200, 2026-11-27, 16k forward+backward ms, hopper / mosaic: causal 27.83 / 23.79, documents
-  5.83 / 4.82; benchmarks/results/2026-11-27-h200/hopper_mla)."""
+  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: where it
+  was measured faster than what "auto" would take otherwise, the table "What "auto" runs on a
+  Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
+  fp16, with soft cap and sinks, not with the sliding window ("mosaic" 0-10% faster at 128).
+  Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
+  (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
   del dtype  # bf16 and fp16 alike: both measured
   dims = (qk_head_dim, v_head_dim)
   if dims == (256, 256):
@@ -129,7 +110,8 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
-                   '2026-11-26 / 27); pass backend="hopper" to use this one anyway')
+                   '2026-11-27, docs/performance.md); pass backend="hopper" to use this one '
+                   "anyway")
   return True, ""
 
 

@@ -110,7 +110,7 @@ def process_age(at: float) -> float | None:
 
 # Printed (and kept in summary.json) when a GPU run uses kvax under MaxText's default remat
 # policy: the forward kernel then runs twice per layer and step, which is where kvax's kernels
-# are furthest behind cuDNN (long single documents). Measured, not assumed: benchmarks/NOTES.md.
+# are furthest behind cuDNN (long single documents). Measured, not assumed: docs/performance.md.
 REMAT_FULL_NOTE = (
     "remat_policy=full reruns every layer's attention forward inside the backward (for any "
     "attention kernel); remat_policy=minimal_with_context (MaxText's own GPU llama3-8b policy) "

@@ -274,7 +274,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   the same): dq from its own kernel (7 matrix products per tile pair, bitwise reproducible);
   False: dq bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products,
   order-dependent rounding). Measured on an H200 the deterministic
-  way is also the faster (64k causal forward+backward 245 vs 268 ms; benchmarks/NOTES.md), so
+  way is also the faster (64k causal forward+backward 245 vs 268 ms; docs/performance.md), so
   it is the default. kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the
   defaults); this backend reads its mosaic_* fields and dq_after_dkv.
   """

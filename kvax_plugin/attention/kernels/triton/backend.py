@@ -40,7 +40,7 @@ from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS
 # float32 inputs: the Triton kernels need float32-accurate products. Above head dim 128 neither
 # way ran on an H200: exact "ieee" products were impractically slow (a 400-token test past
 # 230 s, a MaxText gemma2 step past 340 s) and "tf32x3" asked for 262144 B of shared memory
-# even at 64x64 / 64x32 tiles with one stage (benchmarks/NOTES.md). bf16 / fp16 run at every
+# even at 64x64 / 64x32 tiles with one stage (docs/performance.md). bf16 / fp16 run at every
 # head dim.
 FLOAT32_MAX_HEAD_DIM = 128
 
@@ -117,7 +117,7 @@ class _Launch:
 def _tuned(family: str, head_dim: int) -> _Launch:
   """Tuned tiles per GPU family and (largest) head dim.
 
-  Hopper numbers are the best of the sweeps recorded in benchmarks/NOTES.md (H200, 16k causal,
+  Hopper numbers are the best of the sweeps recorded in docs/performance.md (H200, 16k causal,
   B=1, 32/8 heads, bf16); the H100 shares them (same SM, untested there). Rules the sweeps
   showed: 8 warps only where a dot's M dimension gives each warpgroup 64 rows; more pipeline
   stages pay at small head dims; at head dim 256 the dk/dv accumulators limit the kv tile to 64;
