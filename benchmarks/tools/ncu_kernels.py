@@ -36,10 +36,12 @@ def main():
   ap.add_argument("--seq", type=int, default=16384)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--steps", type=int, default=1)
+  ap.add_argument("--window", type=int, default=None, help="sliding window (our backends only)")
   args = ap.parse_args()
   h, kh, d = 32, 8, args.head_dim
   pos, seg, _ = bench.layout(args.case, args.seq, args.seq)
-  impls, _ = bench.make_impls(args.case, pos, seg, d ** -0.5, (args.impl,))
+  features = dict(bench.NO_FEATURES, window=args.window)
+  impls, _ = bench.make_impls(args.case, pos, seg, d ** -0.5, (args.impl,), features=features)
   fn = impls.get(args.impl)
   if fn is None or isinstance(fn, str):
     raise SystemExit(f"--impl {args.impl!r}: {fn or 'not an implementation of bench_attention'}")
