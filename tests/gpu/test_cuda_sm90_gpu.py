@@ -108,6 +108,8 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
     (136, 392, 4, 1, True, 2, 64),    # Sq != Skv, MQA, batch 2, kvax's (64, 128) blocks
     (256, 130, 2, 2, False, 1, 128),  # kv one token past a tile, not causal
     (1, 300, 4, 2, True, 1, 128),     # one query (decode)
+    (777, 777, 4, 2, True, 2, 512),   # backward query blocks of 512 (supports_mask takes any
+                                      # power of two >= 64): q padded to 1024, kv to 896
 ])
 def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batch, bwd_q):
   assert _errors(sq, skv, heads, kv_heads, causal, batch, bwd_q) < 2e-2
