@@ -3,6 +3,7 @@ end to end against MaxText's own GPU kernels, on the GPU it finds.
 
     python -m benchmarks.run --preset quick     # 16k only, fewer rounds: 5-10 minutes on an H100
     python -m benchmarks.run --preset full      # 16k and 64k, the README's table
+    python -m benchmarks.run --preset long      # 128k causal rows against the peers (kernels)
     python -m benchmarks.run --preset smoke     # CPU dry run: tiny shapes, backend "jax"
     python -m benchmarks.run --from benchmarks/results/2026-11-26-h200   # tables + plot again
 
@@ -66,6 +67,15 @@ PRESETS = {
                      max_dense_mask_seq=32768),
         e2e=dict(runs=E2E_QUICK, steps=4, variant="8b", layers=4, vocab=512,
                  kvax_backend="auto", overrides=(MAXTEXT_GPU_REMAT,), timeout=300)),
+    # 128k causal rows, kernels only (a 128k forward+backward takes about a second per call,
+    # so a few rounds alone rather than interleaved rounds of every backend).
+    "long": dict(
+        kernels=dict(seqs=(131072,), cases=("causal",), passes=("fwd", "fwd_bwd"),
+                     impls=("auto", "cudnn", "tokamax_mosaic"),
+                     heads=32, kv_heads=8, head_dims=((128, 128),), dtype="bfloat16",
+                     rounds=3, min_round_ms=1.0, num_docs=12, pad=1000,
+                     max_dense_mask_seq=32768, interleaved=False),
+        e2e=None),
     # CPU dry run: every code path of the GPU presets at shapes two cores time in seconds. The
     # peers record why they cannot run; MaxText (when installed) trains its tiny variant.
     "smoke": dict(
@@ -294,6 +304,7 @@ def main(argv=None):
   if args.impls:
     k["impls"] = tuple(args.impls.split(","))
   dtype = jnp.dtype(k.pop("dtype"))
+  interleaved = k.pop("interleaved", True)
   dev = jax.devices()[0]
   if args.preset != "smoke" and dev.platform != "gpu":
     print(f"note: no GPU here ({dev.platform}); the GPU rows will record why they cannot run. "
@@ -302,12 +313,13 @@ def main(argv=None):
   slug = gpu_slug(dev.device_kind if dev.platform == "gpu" else dev.platform)
   out = Path(args.out) if args.out else (
       ROOT / "outputs" / "benchmarks" / f"{date:%Y-%m-%d}-{slug}-smoke" if args.preset == "smoke"
-      else ROOT / "benchmarks" / "results" / f"{date:%Y-%m-%d}-{slug}")
+      else ROOT / "benchmarks" / "results" / f"{date:%Y-%m-%d}-{slug}"
+      / ("long" if args.preset == "long" else ""))
   print(f"device: {dev.device_kind}; preset {args.preset}; results -> {out}", flush=True)
-  kernels = bench.measure(dtype=dtype, interleaved=True, **k)
+  kernels = bench.measure(dtype=dtype, interleaved=interleaved, **k)
   cond = bench.conditions(heads=k["heads"], kv_heads=k["kv_heads"], dtype=dtype,
                           num_docs=k["num_docs"], pad=k["pad"], rounds=k["rounds"],
-                          interleaved=True, argv=["python", "-m", "benchmarks.run"]
+                          interleaved=interleaved, argv=["python", "-m", "benchmarks.run"]
                           + list(argv if argv is not None else sys.argv[1:]))
   head_dims = ", ".join(f"{d}" if d == dv else f"{d}/{dv}" for d, dv in k["head_dims"])
   cond.update(preset=args.preset, produced_by=f"python -m benchmarks.run --preset {args.preset}",
@@ -318,8 +330,9 @@ def main(argv=None):
                   seqs=list(k["seqs"]), cases=list(k["cases"]), passes=list(k["passes"]),
                   impls=list(k["impls"]), rounds=k["rounds"], min_round_ms=k["min_round_ms"]))
   result = dict(conditions=cond, kernels=kernels)
-  if args.no_e2e:
-    result["maxtext"] = {"skipped": "--no-e2e"}
+  if args.no_e2e or preset["e2e"] is None:
+    result["maxtext"] = {"skipped": "--no-e2e" if args.no_e2e else
+                         f"preset {args.preset}: kernels only"}
   else:
     e2e = preset["e2e"]
     print(f"MaxText runs: {e2e['runs']}", flush=True)

@@ -61,6 +61,25 @@ def test_benchmarks_run_smoke_writes_results_tables_and_plot(tmp_path):
   assert (out / "speed.png").stat().st_size > 10_000
 
 
+def test_benchmarks_run_long_preset_is_kernels_only_and_not_interleaved(tmp_path, monkeypatch):
+  """--preset long (128k causal rows on a GPU) at the smoke preset's shapes, in process: no
+  MaxText part (said in the results), rounds timed alone (not round-robin), the conditions
+  name the preset."""
+  from benchmarks import run
+  long_kernels = dict(run.PRESETS["long"]["kernels"])
+  assert long_kernels["seqs"] == (131072,) and long_kernels["cases"] == ("causal",)
+  assert long_kernels["interleaved"] is False and run.PRESETS["long"]["e2e"] is None
+  small = dict(run.PRESETS["smoke"]["kernels"], cases=("causal",), interleaved=False)
+  monkeypatch.setitem(run.PRESETS, "long", dict(run.PRESETS["long"], kernels=small))
+  result = run.main(["--preset", "long", "--impls", "auto", "--out", str(tmp_path / "long")])
+  assert result["maxtext"] == {"skipped": "preset long: kernels only"}
+  cond = result["conditions"]
+  assert cond["preset"] == "long" and "interleaved" not in cond["kernel_timing"]
+  ours = [r for r in result["kernels"] if r["impl"] == "auto" and r["pass"] == "fwd_bwd"]
+  assert len(ours) == 1 and ours[0]["ms"] > 0 and not ours[0].get("interleaved")
+  assert (tmp_path / "long" / "results.json").exists()
+
+
 def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
   """Without maxtext the MaxText table is skipped, and the reason (how to install it) is what
   the results and the printed table say."""
