@@ -60,6 +60,32 @@ def _with_spec(mask, **spec):
   return dataclasses.replace(mask, spec=dataclasses.replace(mask.spec, **spec))
 
 
+def test_auto_prefers_matches_the_performance_table():
+  """docs/performance.md's table "What "auto" runs on a Hopper GPU" (the measurements) and
+  hopper.auto_prefers (the code) say the same for every row: hopper where the table says so,
+  the other backend elsewhere."""
+  from pathlib import Path
+  text = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+  section = text.split('## What "auto" runs on a Hopper GPU')[1].split("\n## ")[0]
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+          if line.startswith("| ") and not line.startswith("| head dims")]
+  dims_of = {"128": (128, 128), "64": (64, 64), "256": (256, 256), "192 / 128 (MLA)": (192, 128)}
+  assert len(rows) == 12 and {r[0] for r in rows} == set(dims_of)
+  for row in rows:
+    dims, what, runs = dims_of[row[0]], row[1], row[6]
+    calls = ([(jnp.float16 if f == "fp16" else jnp.bfloat16, feats) for f, feats in
+              (("bf16", ()), ("fp16", ()), ("soft cap", ("logits_soft_cap",)),
+               ("sinks", ("sinks",)), ("window", ("sliding_window",)))]
+             if what.startswith("any") else
+             [(jnp.float16 if what == "fp16" else jnp.bfloat16,
+               ("logits_soft_cap",) if what.startswith("soft cap") else
+               ("sinks",) if what == "sinks" else
+               ("sliding_window",) if what.startswith("window") else ())])
+    for dtype, feats in calls:
+      ok, why = kernels.auto_prefers("hopper", dtype, *dims, ("causal", "gqa") + feats)
+      assert ok == runs.startswith("hopper"), (row, feats, why)
+
+
 def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   pos, seg = _ids(512)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
