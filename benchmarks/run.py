@@ -311,10 +311,14 @@ def main(argv=None):
           "--preset smoke is the CPU dry run.", flush=True)
   date = datetime.datetime.now(datetime.timezone.utc)
   slug = gpu_slug(dev.device_kind if dev.platform == "gpu" else dev.platform)
-  out = Path(args.out) if args.out else (
-      ROOT / "outputs" / "benchmarks" / f"{date:%Y-%m-%d}-{slug}-smoke" if args.preset == "smoke"
-      else ROOT / "benchmarks" / "results" / f"{date:%Y-%m-%d}-{slug}"
-      / ("long" if args.preset == "long" else ""))
+  if args.out:
+    out = Path(args.out)
+  elif args.preset == "smoke":
+    out = ROOT / "outputs" / "benchmarks" / f"{date:%Y-%m-%d}-{slug}-smoke"
+  else:  # the long preset's rows beside the full preset's, in their own folder
+    out = ROOT / "benchmarks" / "results" / f"{date:%Y-%m-%d}-{slug}"
+    if args.preset == "long":
+      out = out / "long"
   print(f"device: {dev.device_kind}; preset {args.preset}; results -> {out}", flush=True)
   kernels = bench.measure(dtype=dtype, interleaved=interleaved, **k)
   cond = bench.conditions(heads=k["heads"], kv_heads=k["kv_heads"], dtype=dtype,

@@ -300,15 +300,15 @@ def test_longest_first_orders():
   blocks, ties in tile order) and block_mask.longest_first_over_heads (both Mosaic backward
   kernels' launch order: every (head, tile) pair once, longest tile first, the heads of one
   tile together)."""
-  from kvax_plugin.attention import block_mask as fw
+  from kvax_plugin.attention import block_mask as bm
   lower = jnp.array([[0, 0, 2, 2, 0]], jnp.int32)
   upper = jnp.array([[1, 2, 3, 5, 0]], jnp.int32)
-  assert fw.longest_first(lower, upper, 1, 5).tolist() == [[3, 1, 0, 2, 4]]
-  assert fw.longest_first(lower, upper, 2, 9).tolist() == [[6, 7, 2, 3, 0, 1, 4, 5, 8]]
+  assert bm.longest_first(lower, upper, 1, 5).tolist() == [[3, 1, 0, 2, 4]]
+  assert bm.longest_first(lower, upper, 2, 9).tolist() == [[6, 7, 2, 3, 0, 1, 4, 5, 8]]
   # works per tile 1, 2, 1, 3, 0 (one tile per row); 2 heads: codes tile * 2 + head
-  assert fw.longest_first_over_heads(lower, upper, 1, 5, 2).tolist() == [
+  assert bm.longest_first_over_heads(lower, upper, 1, 5, 2).tolist() == [
       [6, 7, 2, 3, 0, 1, 4, 5, 8, 9]]
-  order = fw.longest_first_over_heads(lower, upper, 2, 9, 3)
+  order = bm.longest_first_over_heads(lower, upper, 2, 9, 3)
   assert sorted(order[0].tolist()) == list(range(27))  # every (head, tile) once
 
 

@@ -539,6 +539,12 @@ def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                     sliding_window=sliding_window)
 
 
+def _blocks_per_tile(lower, upper, tiles_per_row: int, n_tiles: int):
+  """int32 [B, n_tiles]: the visited blocks of each kernel tile (its table row's upper - lower;
+  tiles_per_row tiles share one table row)."""
+  return jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+
+
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
   lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal and
@@ -549,7 +555,7 @@ def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   order); with packed documents it is not: the natural order ends with the long last tiles of
   the last document.
   """
-  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
 
 
@@ -564,7 +570,7 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
   order (head-major: its last axis launches fastest) the last head's long tiles would start in
   the last waves.
   """
-  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
   per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
   return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
 

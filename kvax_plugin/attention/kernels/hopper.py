@@ -11,8 +11,9 @@ table "What "auto" runs on a Hopper GPU" (H200, 2026-11-27); e.g. 64k causal for
 
 It covers fewer cases than "mosaic": head dim 64, 128 or 256 (one for query, key and value) or
 MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids,
-sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to the kernel's 128-row tiles), mask backward blocks of 128
-kv rows and a multiple of 64 query rows (the default (128, 128) and kvax's (64, 128)). "auto"
+sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to
+the kernel's 128-row tiles), mask backward blocks of 128 kv rows and query blocks of a
+power of two >= 64 rows (the default (128, 128) and kvax's (64, 128)). "auto"
 moves on to "mosaic" for everything else (and for MLA, measured faster: auto_prefers), and an
 explicit backend="hopper" raises instead of running another backward (BackendUnavailableError
 from the registry, ValueError here).
