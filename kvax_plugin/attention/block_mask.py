@@ -548,7 +548,7 @@ def _blocks_per_tile(lower, upper, tiles_per_row: int, n_tiles: int):
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
   lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal and
-  the CUDA backward's tile order (its kv heads launch fastest).
+  the CUDA backward's tile order (its kv heads launch fastest, or slowest with a sliding window).
 
   A long tile started last keeps its SM busy while the others have run dry (the launch tail).
   Under a causal mask the reversed tile order is already longest-first (the per-tile grid's

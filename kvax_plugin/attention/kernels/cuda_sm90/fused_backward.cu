@@ -93,8 +93,8 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
-  const int* order;      // [B, Skv / CTA tile]: launch position (blockIdx.y) -> kv tile, longest
-                         // first (block_mask.longest_first); the kv head is blockIdx.x
+  const int* order;      // [B, Skv / CTA tile]: launch position -> kv tile, longest first
+                         // (block_mask.longest_first); the position and kv head: cta_tile
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
   float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
@@ -115,25 +115,44 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The CTA's kv tile, from the launch order (Params::order; its kv head is blockIdx.x). Read again
-// where used instead of held in a register across the step loop (blockIdx, which it replaced,
-// costs no register until read): asm volatile keeps the compiler from merging the reads, and
-// the index is computed inside the asm so that it is not hoisted and held either.
+// The CTA's kv tile, from the launch order (Params::order) at its launch position: blockIdx.y,
+// the kv head blockIdx.x (heads fastest), or with a sliding window (HEADS_SLOWEST) blockIdx.x,
+// the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward). Read again where used
+// instead of held in a register across the step loop (blockIdx, which it replaced, costs no
+// register until read): asm volatile keeps the compiler from merging the reads, and the index
+// is computed inside the asm so that it is not hoisted and held either.
+template <bool HEADS_SLOWEST>
 __device__ __forceinline__ int cta_tile(const Params& p) {
   int tile;
-  asm volatile(
-      "{\n"
-      ".reg .u32 y, n, z, i;\n"
-      ".reg .u64 a;\n"
-      "mov.u32 y, %%ctaid.y;\n"
-      "mov.u32 n, %%nctaid.y;\n"
-      "mov.u32 z, %%ctaid.z;\n"
-      "mad.lo.u32 i, z, n, y;\n"
-      "mad.wide.u32 a, i, 4, %1;\n"
-      "ld.global.nc.b32 %0, [a];\n"
-      "}"
-      : "=r"(tile)
-      : "l"(p.order));
+  if constexpr (HEADS_SLOWEST) {
+    asm volatile(
+        "{\n"
+        ".reg .u32 y, n, z, i;\n"
+        ".reg .u64 a;\n"
+        "mov.u32 y, %%ctaid.x;\n"
+        "mov.u32 n, %%nctaid.x;\n"
+        "mov.u32 z, %%ctaid.z;\n"
+        "mad.lo.u32 i, z, n, y;\n"
+        "mad.wide.u32 a, i, 4, %1;\n"
+        "ld.global.nc.b32 %0, [a];\n"
+        "}"
+        : "=r"(tile)
+        : "l"(p.order));
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .u32 y, n, z, i;\n"
+        ".reg .u64 a;\n"
+        "mov.u32 y, %%ctaid.y;\n"
+        "mov.u32 n, %%nctaid.y;\n"
+        "mov.u32 z, %%ctaid.z;\n"
+        "mad.lo.u32 i, z, n, y;\n"
+        "mad.wide.u32 a, i, 4, %1;\n"
+        "ld.global.nc.b32 %0, [a];\n"
+        "}"
+        : "=r"(tile)
+        : "l"(p.order));
+  }
   return tile;
 }
 
@@ -500,7 +519,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
                   base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
+  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   // The table's bounds count 64-row query blocks; a 128-row step covers two of them (one may have
@@ -792,7 +811,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
 
   // dK (scaled) and dV of this consumer's 64 kv rows: accumulator element i at row
   // r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2.
-  const int done_tile = cta_tile(p);
+  const int done_tile = cta_tile<WIN>(p);
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
     const int row = done_tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
@@ -866,7 +885,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
+  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1063,7 +1082,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 
   // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4) + 2 (lane % 4).
-  const int done_tile = cta_tile(p);
+  const int done_tile = cta_tile<WIN>(p);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
     const int row = done_tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
@@ -1136,7 +1155,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile(p), kv_head = blockIdx.x, b = blockIdx.z;
+  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1357,7 +1376,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled; consumer 0, 3 pieces) and dV (piece c): rows r0 + 8 ((i / 2) % 2) of the tile,
   // columns 64 piece + 8 (i / 4) + 2 (lane % 4).
-  const int done_tile = cta_tile(p);
+  const int done_tile = cta_tile<WIN>(p);
   const size_t kv_row = static_cast<size_t>(b) * p.s_kv + done_tile * KV_TILE;
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
@@ -1564,10 +1583,14 @@ static ffi::Error FusedBackwardImpl(
                                 ") is not the stream's (" + std::to_string(stream_device) + ")");
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  // One CTA per (kv head, kv tile) of each batch row, the heads fastest and the tiles in
-  // `order`'s sequence: the heads' copies of the longest tile first (packed documents' launch
-  // tail, 2026-11-27).
-  const dim3 grid(static_cast<unsigned>(kh), static_cast<unsigned>(skv / kv_tile),
+  // One CTA per (kv head, kv tile) of each batch row, the tiles in `order`'s sequence (longest
+  // first: packed documents' launch tail). The heads launch fastest, so the heads' copies of a
+  // long tile start together; with a sliding window slowest, so the CTAs in flight are one
+  // head's neighbouring tiles, whose dq reduce-adds meet in L2 (9% faster at 64k, 2026-11-27;
+  // docs/performance.md). The kernels read the layout from their WINDOW bit (cta_tile).
+  const bool heads_slowest = (variant & WINDOW) != 0;
+  const unsigned n_pos = static_cast<unsigned>(skv / kv_tile), n_kh = static_cast<unsigned>(kh);
+  const dim3 grid(heads_slowest ? n_pos : n_kh, heads_slowest ? n_kh : n_pos,
                   static_cast<unsigned>(b));
   bool launched;
   if (hd == 128 && half)
