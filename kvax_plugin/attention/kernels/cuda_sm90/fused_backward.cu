@@ -121,40 +121,29 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // instead of held in a register across the step loop (blockIdx, which it replaced, costs no
 // register until read): asm volatile keeps the compiler from merging the reads, and the index
 // is computed inside the asm so that it is not hoisted and held either.
+// The position's dimension (x or y) is pasted into the asm: a string literal, not an operand.
+#define KVAX_SM90_CTA_TILE_ASM(DIM)   \
+  "{\n"                               \
+  ".reg .u32 y, n, z, i;\n"           \
+  ".reg .u64 a;\n"                    \
+  "mov.u32 y, %%ctaid." DIM ";\n"     \
+  "mov.u32 n, %%nctaid." DIM ";\n"    \
+  "mov.u32 z, %%ctaid.z;\n"           \
+  "mad.lo.u32 i, z, n, y;\n"          \
+  "mad.wide.u32 a, i, 4, %1;\n"       \
+  "ld.global.nc.b32 %0, [a];\n"       \
+  "}"
 template <bool HEADS_SLOWEST>
 __device__ __forceinline__ int cta_tile(const Params& p) {
   int tile;
   if constexpr (HEADS_SLOWEST) {
-    asm volatile(
-        "{\n"
-        ".reg .u32 y, n, z, i;\n"
-        ".reg .u64 a;\n"
-        "mov.u32 y, %%ctaid.x;\n"
-        "mov.u32 n, %%nctaid.x;\n"
-        "mov.u32 z, %%ctaid.z;\n"
-        "mad.lo.u32 i, z, n, y;\n"
-        "mad.wide.u32 a, i, 4, %1;\n"
-        "ld.global.nc.b32 %0, [a];\n"
-        "}"
-        : "=r"(tile)
-        : "l"(p.order));
+    asm volatile(KVAX_SM90_CTA_TILE_ASM("x") : "=r"(tile) : "l"(p.order));
   } else {
-    asm volatile(
-        "{\n"
-        ".reg .u32 y, n, z, i;\n"
-        ".reg .u64 a;\n"
-        "mov.u32 y, %%ctaid.y;\n"
-        "mov.u32 n, %%nctaid.y;\n"
-        "mov.u32 z, %%ctaid.z;\n"
-        "mad.lo.u32 i, z, n, y;\n"
-        "mad.wide.u32 a, i, 4, %1;\n"
-        "ld.global.nc.b32 %0, [a];\n"
-        "}"
-        : "=r"(tile)
-        : "l"(p.order));
+    asm volatile(KVAX_SM90_CTA_TILE_ASM("y") : "=r"(tile) : "l"(p.order));
   }
   return tile;
 }
+#undef KVAX_SM90_CTA_TILE_ASM
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
