@@ -90,7 +90,8 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
 
 
 # Where "auto" does not take hopper at head dims 128 and 64 (the Mosaic backward was measured
-# faster with a sliding window at 128, H200, 2026-11-27; not timed at 64).
+# faster with a sliding window at 128, H200, 2026-11-27, before hopper's windowed backward
+# launched one kv head at a time; not yet timed side by side since, nor at 64).
 AUTO_NOT_PREFERRED = ("sliding_window",)
 
 
@@ -98,7 +99,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   """(ok, reason): whether backend="auto" should pick hopper for a call it supports: where it
   was measured faster than what "auto" would take otherwise, the table "What "auto" runs on a
   Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
-  fp16, with soft cap and sinks, not with the sliding window ("mosaic" 0-10% faster at 128).
+  fp16, with soft cap and sinks, not with the sliding window ("mosaic" was 0-10% faster at 128).
   Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
   (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
   del dtype  # bf16 and fp16 alike: both measured
