@@ -488,3 +488,37 @@ def test_bench_with_library_loads_the_given_build_then_runs_the_benchmark(monkey
   monkeypatch.setattr(sys, "argv", ["bench_with_library", "x.so", "--seq", "1024"])
   bench_with_library.main()
   assert calls == [("load", "x.so"), ("bench", ["--seq", "1024"])]
+
+
+def test_ncu_step_finds_the_step_among_set_up_kernels(tmp_path):
+  """benchmarks/tools/ncu_step.py on a made-up ncu CSV: with --steps 2 the step is the kernel
+  sequence repeated at the end, whatever ran before it (inputs after the last autotuning delay
+  included); with --steps 1 everything after the last delay; units read, short kernels dropped."""
+  from benchmarks.tools import ncu_step
+  header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+            '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+            '"Metric Value"')
+  def row(i, name, value, unit="ns"):
+    return (f'"{i}","1","python3","h","{name}","1","14","(1, 1, 1)","(1, 1, 1)","0","9.0",'
+            f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
+  kernels = [("RedzoneAllocatorKernelImpl", "24,544", "ns"), ("DelayKernel", "101.2", "ms"),
+             ("random_input", "1,406,000", "ns")]
+  step = [("fwd", "52,874,000", "ns"), ("tiny_fusion", "2,000", "ns"),
+          ("bwd", "168.569", "ms"), ("epilogue", "630.0", "us"),
+          ("reduce_head", "155.0", "us"), ("reduce_head", "157.0", "us")]  # a repeat within it
+  lines = ["==PROF== Connected to process 1", header]
+  lines += [row(i, *k) for i, k in enumerate(kernels + step + step)]
+  path = tmp_path / "step.csv"
+  path.write_text("\n".join(lines) + "\n")
+  two = ncu_step.step_kernels(path, steps=2)
+  assert [n for n, _ in two] == ["fwd", "bwd", "epilogue", "reduce_head", "reduce_head"]
+  assert [round(ms, 3) for _, ms in two] == [52.874, 168.569, 0.63, 0.155, 0.157]
+  one = ncu_step.step_kernels(path, steps=1)  # everything after the delay: inputs and both steps
+  assert [n for n, _ in one] == ["random_input"] + 2 * ["fwd", "bwd", "epilogue",
+                                                         "reduce_head", "reduce_head"]
+  path.write_text("\n".join(lines[:2] + [row(0, "fwd", "1", "s")]) + "\n")
+  with pytest.raises(ValueError, match="duration in 's'"):
+    ncu_step.step_kernels(path)
+  path.write_text("no csv here\n")
+  with pytest.raises(ValueError, match="no ncu CSV header"):
+    ncu_step.step_kernels(path)
