@@ -234,9 +234,8 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
 def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
   """The `order` input (the CTAs' kv tiles, longest first; the kernel launches the kv heads of a
   tile together, or with a sliding window one head's tiles after another): per batch row a
-  permutation of the kernel's kv tiles (64-row tiles
-  at head dims 256 and 192 / 128, two per table row), by descending visited blocks of the
-  dk/dv table, ties in tile order."""
+  permutation of the kernel's kv tiles (64-row tiles at head dims 256 and 192 / 128, two per
+  table row), by descending visited blocks of the dk/dv table, ties in tile order."""
   import jax
   monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
   got = {}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 # XLA's allocator checks and autotuning delays: the step starts after the last of them
 SETUP_KERNELS = ("RedzoneAllocatorKernel", "DelayKernel")
+MS_PER_UNIT = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
 
 
 def step_kernels(path: Path, steps: int = 1, min_ms: float = 0.1) -> list[tuple[str, float]]:
@@ -41,11 +42,11 @@ def step_kernels(path: Path, steps: int = 1, min_ms: float = 0.1) -> list[tuple[
   for row in csv.DictReader(lines[start:]):
     if row.get("Metric Name") != "gpu__time_duration.sum":
       continue
-    scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
     unit = row["Metric Unit"]
-    if unit not in scale:
-      raise ValueError(f"{path}: duration in {unit!r}; expected one of {sorted(scale)}")
-    launches.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale[unit]))
+    if unit not in MS_PER_UNIT:
+      raise ValueError(f"{path}: duration in {unit!r}; expected one of {sorted(MS_PER_UNIT)}")
+    value = float(row["Metric Value"].replace(",", ""))
+    launches.append((row["Kernel Name"], value * MS_PER_UNIT[unit]))
   names = [name for name, _ in launches]
   if steps == 2:
     period = next((k for k in range(len(names) // 2, 0, -1) if names[-k:] == names[-2 * k:-k]),

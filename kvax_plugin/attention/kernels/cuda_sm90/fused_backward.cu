@@ -1,8 +1,9 @@
 // A 5-product attention backward for Hopper (sm_90a) in CUDA C++, called from JAX through XLA FFI.
 //
 // Why C++: every 5-product backward written in Pallas Mosaic GPU spilled or had its setmaxnreg
-// split ignored by ptxas (docs/performance.md, 2026-11-23 to 2026-11-25). Here the register budget of each
-// warpgroup is set by hand and checked offline (nvcc -Xptxas -v) before a GPU minute is spent.
+// split ignored by ptxas (docs/performance.md, 2026-11-23 to 2026-11-25). Here the register
+// budget of each warpgroup is set by hand and checked offline (nvcc -Xptxas -v) before a GPU
+// minute is spent.
 //
 // Layout of one CTA (384 threads, three warpgroups), for one kv head, one 128-row kv tile and one
 // batch row:
@@ -211,7 +212,9 @@ __device__ __forceinline__ void set_max_regs_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -397,10 +400,10 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 
 // The producer (one thread): K and V of the tile (kv rows kv_row.., TMA boxes of the tile's
 // rows), then for each of `steps` steps (steps_per_head query blocks from block lo, for each
-// of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot n % STAGES, once
-// both consumers released step n - STAGES. PIECES: the column pieces of Q and K; V_PIECES: of V
-// and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded as 64-row boxes
-// (the tensor maps' box) one under the other.
+// of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot
+// n % STAGES, once both consumers released step n - STAGES. PIECES: the column pieces of Q and
+// K; V_PIECES: of V and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded
+// as 64-row boxes (the tensor maps' box) one under the other.
 template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES,
           int QB = Q_BLOCK>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
@@ -488,7 +491,8 @@ constexpr int BAR_DS_FULL = 4, BAR_DS_FREE = 8;
 // from both consumers' dS (K = 128 kv rows), handed over as at 128. Each consumer then reduce-adds
 // one 64 x 64 dQ part per step, as at 128: the dq traffic per pair is half of 64-row steps'.
 template <int F, bool HALF, int HD>
-__global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(THREADS, 1)
+    fused_backward_kernel(const __grid_constant__ Params p) {
   static_assert(HD == 128 || HD == 64, "HD: 128 or 64");
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
@@ -499,7 +503,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_backward_kernel(const __grid
   constexpr int KSTEPS = HD / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
-  // loses the address space and every shared access becomes a generic LD.E / ST.E (measured 2026-11-25).
+  // loses the address space and every shared access becomes a generic LD.E / ST.E (measured
+  // 2026-11-25).
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
   const Ring ring{base + L::OFF_K,   base + L::OFF_V,
@@ -906,7 +911,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   float dk[64], dv[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
-  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);  // pair i / 2 of thread t at i / 2 * 128 + t
+  // pair i / 2 of thread t at i / 2 * 128 + t
+  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);
   const uint32_t ds = base + OFF_DS;
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
     return desc_sw128(addr + off, lbo, 1024);
@@ -943,7 +949,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     uint32_t pa[16];  // P^T as 16-bit A fragments (the accumulator's columns 16 kk.. per k step)
     if (c == 0) {
-      // P^T from S^T (element i: row r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2).
+      // P^T from S^T (element i: row r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4)
+      // + i % 2).
       if (n >= 1) named_sync(BAR_P_FREE, 256);  // consumer 1 has read step n - 1's P^T
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -1002,7 +1009,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
       if (n + 1 < steps) named_arrive(BAR_P_FREE, 256);
-      if (n >= 1) named_sync(BAR_DS_FREE, 256);  // consumer 0's products have read step n - 1's dS^T
+      // consumer 0's products have read step n - 1's dS^T
+      if (n >= 1) named_sync(BAR_DS_FREE, 256);
       // dS^T [kv][q] by stmatrix (not transposed: memory rows are the accumulator's kv rows).
       // Register pair 4g + m is matrix m of x4 call g: kv rows 16 warp + 8 (m % 2) .., query
       // columns 8 (2g + m / 2) ..; lane l gives the address of row l % 8 of matrix l / 8.
@@ -1050,27 +1058,33 @@ __global__ void __launch_bounds__(THREADS, 1)
       wg_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        wgmma_64x64_ss<HALF, 1, 1>(dq0, desc_at(ds, k * 2048, PIECE), desc_at(k_piece, k * 2048, PIECE), k > 0);
+        wgmma_64x64_ss<HALF, 1, 1>(dq0, desc_at(ds, k * 2048, PIECE),
+                                   desc_at(k_piece, k * 2048, PIECE), k > 0);
       wg_commit();
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        wgmma_64x64_ss<HALF, 1, 1>(dq1, desc_at(ds, k * 2048, PIECE), desc_at(k_piece + PIECE, k * 2048, PIECE), k > 0);
+        wgmma_64x64_ss<HALF, 1, 1>(dq1, desc_at(ds, k * 2048, PIECE),
+                                   desc_at(k_piece + PIECE, k * 2048, PIECE), k > 0);
       wg_commit();
       float* dst = p.dq_accum +
-                   ((((static_cast<size_t>(b) * p.heads + head) * PIECES + 2 * c) * p.s_q) + q0) * 64;
+                   ((((static_cast<size_t>(b) * p.heads + head) * PIECES + 2 * c) * p.s_q) + q0) *
+                       64;
       wg_wait<1>();
       if (t == 0) mbar_arrive(bar_empty + 8 * s);
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq0[i], dq0[i + 1]);
+      for (int i = 0; i < 32; i += 2)
+        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq0[i], dq0[i + 1]);
       wg_wait<0>();
       if (c == 0 && n + 1 < steps) named_arrive(BAR_DS_FREE, 256);
       dst += static_cast<size_t>(p.s_q) * 64;
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq1[i], dq1[i + 1]);
+      for (int i = 0; i < 32; i += 2)
+        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq1[i], dq1[i + 1]);
     }
   }
 
-  // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4) + 2 (lane % 4).
+  // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4)
+  // + 2 (lane % 4).
   const int done_tile = cta_tile<WIN>(p);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
@@ -1179,7 +1193,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     dv[i] = 0.f;
     acc3[0][i] = acc3[1][i] = acc3[2][i] = 0.f;
   }
-  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);  // pair i / 2 of thread t at i / 2 * 128 + t
+  // pair i / 2 of thread t at i / 2 * 128 + t
+  float2* pt = reinterpret_cast<float2*>(smem + OFF_PT);
   const uint32_t ds_t = base + mla::OFF_DST, ds_n = base + mla::OFF_DSN;
   const uint32_t zero = base + mla::OFF_ZERO;
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
@@ -1283,7 +1298,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
       if (n + 1 < steps) named_arrive(BAR_P_FREE, 256);
-      if (n >= 1) named_sync(BAR_DS_FREE, 256);  // consumer 0's products have read step n - 1's dS^T
+      // consumer 0's products have read step n - 1's dS^T
+      if (n >= 1) named_sync(BAR_DS_FREE, 256);
       // Register pair 4g + m is matrix m of x4 call g: kv rows R = 16 warp + 8 (m % 2) .., query
       // columns C = 8 (2g + m / 2) ..; lane l gives the address of row l % 8 of matrix l / 8:
       // dS^T's row R + l % 8 (plain), dS's row C + l % 8 (.trans, the 8 kv values of column).
@@ -1344,7 +1360,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (c == 1) {
       if (t == 0) mbar_arrive(bar_empty + 8 * s);
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, acc3[0][i], acc3[0][i + 1]);
+      for (int i = 0; i < 32; i += 2)
+        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, acc3[0][i], acc3[0][i + 1]);
     }
     wg_wait<1>();
     if (c == 1) {
@@ -1372,7 +1389,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int row = r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
     const size_t tok = (kv_row + row) * p.kv_heads + kv_head;
-    reinterpret_cast<uint32_t*>(p.dv)[(tok * mla::DV + 64 * c + col) / 2] = pack2<HALF>(dv[i], dv[i + 1]);
+    reinterpret_cast<uint32_t*>(p.dv)[(tok * mla::DV + 64 * c + col) / 2] =
+        pack2<HALF>(dv[i], dv[i + 1]);
     if (c == 0) {
 #pragma unroll
       for (int j = 0; j < 3; ++j)
@@ -1493,7 +1511,8 @@ static ffi::Error FusedBackwardImpl(
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
     ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal,
-    int32_t variant, float soft_cap, int32_t window, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    int32_t variant, float soft_cap, int32_t window, ffi::Result<ffi::AnyBuffer> dk,
+    ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const auto od = d_out.dimensions();
