@@ -89,9 +89,9 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" does not take hopper at head dims 128 and 64 (the Mosaic backward was measured
-# faster with a sliding window at 128, H200, 2026-11-27, before hopper's windowed backward
-# launched one kv head at a time; not yet timed side by side since, nor at 64).
+# Where "auto" does not take hopper at head dims 128 and 64: with a sliding window "mosaic" was
+# measured 8-14% faster at 128 (H200, 2026-11-28, same run, hopper's windowed backward launching
+# one kv head at a time); at 64 the window was not timed, and "auto" does as at 128.
 AUTO_NOT_PREFERRED = ("sliding_window",)
 
 
@@ -99,7 +99,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   """(ok, reason): whether backend="auto" should pick hopper for a call it supports: where it
   was measured faster than what "auto" would take otherwise, the table "What "auto" runs on a
   Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
-  fp16, with soft cap and sinks, not with the sliding window ("mosaic" was 0-10% faster at 128).
+  fp16, with soft cap and sinks, not with the sliding window ("mosaic" was 8-14% faster at 128).
   Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
   (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
   del dtype  # bf16 and fp16 alike: both measured
@@ -112,8 +112,8 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
-                   '2026-11-27, docs/performance.md); pass backend="hopper" to use this one '
-                   "anyway")
+                   '2026-11-27 and -28, docs/performance.md); pass backend="hopper" to use this '
+                   "one anyway")
   return True, ""
 
 
