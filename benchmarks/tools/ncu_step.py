@@ -18,10 +18,11 @@ come from it.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
+
+from benchmarks.tools.ncu_summary import csv_rows
 
 # XLA's allocator checks and autotuning delays: the step starts after the last of them
 SETUP_KERNELS = ("RedzoneAllocatorKernel", "DelayKernel")
@@ -34,12 +35,8 @@ def step_kernels(path: Path, steps: int = 1, min_ms: float = 0.1) -> list[tuple[
   own messages before the header skipped."""
   if steps not in (1, 2):
     raise ValueError(f"steps={steps}: expected 1 or 2 (ncu_kernels.py --steps)")
-  lines = Path(path).read_text(errors="replace").splitlines()
-  start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-  if start is None:
-    raise ValueError(f"{path}: no ncu CSV header (a line starting with \"ID\")")
   launches = []
-  for row in csv.DictReader(lines[start:]):
+  for row in csv_rows(path):
     if row.get("Metric Name") != "gpu__time_duration.sum":
       continue
     unit = row["Metric Unit"]

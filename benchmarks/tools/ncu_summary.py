@@ -43,14 +43,23 @@ def short_name(name: str) -> str:
   return name[:40]
 
 
-def read(path: Path) -> list[dict]:
-  """Rows of one raw CSV (ncu writes a header row, then a units row, then one row per launch;
-  anything before the header, e.g. ncu's own messages, is skipped)."""
-  lines = path.read_text(errors="replace").splitlines()
+def csv_rows(path: Path) -> list[dict]:
+  """Every row of an ncu CSV (`--csv`, any page) as a dict by column name; anything before the
+  header, e.g. ncu's own messages, is skipped. Raises ValueError when there is no header."""
+  lines = Path(path).read_text(errors="replace").splitlines()
   start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
   if start is None:
+    raise ValueError(f"{path}: no ncu CSV header (a line starting with \"ID\")")
+  return list(csv.DictReader(lines[start:]))
+
+
+def read(path: Path) -> list[dict]:
+  """Rows of one raw CSV (ncu writes a header row, then a units row, then one row per launch),
+  one per launch; none when the file is not an ncu CSV."""
+  try:
+    rows = csv_rows(path)
+  except ValueError:
     return []
-  rows = list(csv.DictReader(lines[start:]))
   return [r for r in rows if r.get("ID", "").isdigit()]
 
 
