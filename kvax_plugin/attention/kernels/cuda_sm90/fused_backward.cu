@@ -117,8 +117,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // The CTA's kv tile, from the launch order (Params::order) at its launch position: blockIdx.y,
-// the kv head blockIdx.x (heads fastest), or with a sliding window (HEADS_SLOWEST) blockIdx.x,
-// the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward). Read again where used
+// the kv head blockIdx.x (heads fastest), or with a sliding window or a head dim of 256 / 192
+// (HEADS_SLOWEST) blockIdx.x, the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward). Read again where used
 // instead of held in a register across the step loop (blockIdx, which it replaced, costs no
 // register until read): asm volatile keeps the compiler from merging the reads, and the index
 // is computed inside the asm so that it is not hoisted and held either.
@@ -885,7 +885,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
+  // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
+  const int tile = cta_tile<true>(p), kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1091,7 +1092,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4)
   // + 2 (lane % 4).
-  const int done_tile = cta_tile<WIN>(p);
+  const int done_tile = cta_tile<true>(p);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
     const int row = done_tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
@@ -1164,7 +1165,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
+  // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
+  const int tile = cta_tile<true>(p), kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1388,7 +1390,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled; consumer 0, 3 pieces) and dV (piece c): rows r0 + 8 ((i / 2) % 2) of the tile,
   // columns 64 piece + 8 (i / 4) + 2 (lane % 4).
-  const int done_tile = cta_tile<WIN>(p);
+  const int done_tile = cta_tile<true>(p);
   const size_t kv_row = static_cast<size_t>(b) * p.s_kv + done_tile * KV_TILE;
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
@@ -1598,11 +1600,13 @@ static ffi::Error FusedBackwardImpl(
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   // One CTA per (kv head, kv tile) of each batch row, the tiles in `order`'s sequence (longest
-  // first: packed documents' launch tail). The heads launch fastest, so the heads' copies of a
-  // long tile start together; with a sliding window slowest, so the CTAs in flight are one
-  // head's neighbouring tiles, whose dq reduce-adds meet in L2 (9% faster at 64k, 2026-11-27;
-  // docs/performance.md). The kernels read the layout from their WINDOW bit (cta_tile).
-  const bool heads_slowest = (variant & WINDOW) != 0;
+  // first: packed documents' launch tail). At head dims 64 / 128 the heads launch fastest, so the
+  // heads' copies of a long tile start together. With a sliding window, and at head dims 256 and
+  // 192, they launch slowest, so the CTAs in flight are one head's neighbouring tiles, whose dq
+  // reduce-adds meet in L2 (window: 9% faster at 64k, 2026-11-27; head dim 256: 6% faster at
+  // 16k causal, 2026-11-28; docs/performance.md). The plain kernel reads the layout from its
+  // WINDOW bit, the wide kernels always read it as heads slowest (cta_tile).
+  const bool heads_slowest = (variant & WINDOW) != 0 || hd >= 192;
   const unsigned n_pos = static_cast<unsigned>(skv / kv_tile), n_kh = static_cast<unsigned>(kh);
   const dim3 grid(heads_slowest ? n_pos : n_kh, heads_slowest ? n_kh : n_pos,
                   static_cast<unsigned>(b));
