@@ -118,10 +118,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // The CTA's kv tile, from the launch order (Params::order) at its launch position: blockIdx.y,
 // the kv head blockIdx.x (heads fastest), or with a sliding window or a head dim of 256 / 192
-// (HEADS_SLOWEST) blockIdx.x, the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward). Read again where used
-// instead of held in a register across the step loop (blockIdx, which it replaced, costs no
-// register until read): asm volatile keeps the compiler from merging the reads, and the index
-// is computed inside the asm so that it is not hoisted and held either.
+// (HEADS_SLOWEST) blockIdx.x, the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward).
+// Read again where used instead of held in a register across the step loop (blockIdx, which it
+// replaced, costs no register until read): asm volatile keeps the compiler from merging the
+// reads, and the index is computed inside the asm so that it is not hoisted and held either.
 // The position's dimension (x or y) is pasted into the asm: a string literal, not an operand.
 #define KVAX_SM90_CTA_TILE_ASM(DIM)   \
   "{\n"                               \
