@@ -225,10 +225,10 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
   if d not in (64, 128):
     bits &= ~DECOUPLE  # the dS hand-over of head dims 128 / 64's layout (fused_backward.cu)
-  # The CTAs' launch order: the kv tiles longest first. Each tile's kv heads launch together, or
-  # with a sliding window one head's tiles after another (the kernel's grid, WINDOW bit). Head
-  # dims 256 and 192 / 128 run 64-row kv tiles, two per table row. Measured 2026-11-27 (H200):
-  # docs/performance.md.
+  # The CTAs' launch order: the kv tiles longest first. At head dims 64 / 128 each tile's kv
+  # heads launch together; with a sliding window, and at head dims 256 and 192 / 128, one head's
+  # tiles launch after another (the kernel's grid). Head dims 256 and 192 / 128 run 64-row kv
+  # tiles, two per table row. Measured 2026-11-27 and 2026-11-28 (H200): docs/performance.md.
   cta_tile = KV_TILE if d in (64, 128) else KV_TILE // 2
   order = longest_first(*map(i32, bounds), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
