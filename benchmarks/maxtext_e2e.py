@@ -40,6 +40,10 @@ pair, kvax (run first) spent 20.2 s in "MaxText import + config" against cudnn_f
 benchmarks/tools/profile_e2e.py puts GPU ms per step by kernel category (attention, matmul, collectives,
 other, idle) in the row's "profile". Profiled runs' step times include the profiler's overhead.
 
+Each row also keeps the run's losses per step. Runs of one label start from the same model and
+batch, so their first-step losses should agree up to rounding; the program prints them side by
+side (first_loss_gaps).
+
 Writes e2e.json (conditions included) and e2e.png.
 
     python benchmarks/maxtext_e2e.py --variant tiny --runs 2k-short:kvax,2k-short:dot_product \
@@ -164,7 +168,8 @@ def run_launcher(label: str, attention: str, args, run_dir: Path, caches: dict[s
              run_less_step_clocks_s=wall.get("run_less_step_clocks"),
              before_run_s=wall.get("before_run"),
              reporting_s=wall.get("reporting"), compile_breakdown=breakdown,
-             last_loss=s.get("last_loss"),
+             first_loss=s.get("first_loss"), last_loss=s.get("last_loss"),
+             losses=s.get("losses"),
              blocks_skipped=s.get("blocks_skipped"), documents_per_row=s.get("documents_per_row"),
              attention_ran=s.get("attention"), backend_ran=s.get("kvax_backend"))
   if args.profile:
@@ -269,6 +274,7 @@ def main():
     profiler_overrides(args)  # checks the step counts before any run
   result = run_matrix(args, Path(args.out_dir))
   print_table(result["runs"])
+  print_first_losses(result["runs"])
   if args.profile:
     print_profiles(result["runs"])
 
@@ -322,6 +328,32 @@ def print_profiles(rows) -> None:
   if len(profiled) == 2:
     print(f"{profiled[0][0]} - {profiled[1][0]}:")
     print(profile_e2e.format_comparison([n for n, _ in profiled], profiled[0][1], profiled[1][1]))
+
+
+def first_loss_gaps(rows) -> dict[str, dict]:
+  """Per label run by more than one attention: each run's first-step loss and its largest
+  relative gap to the others. Every run of a label trains the same model from the same
+  initialization on the same first batch, so attentions that compute the same function give
+  first losses equal up to rounding (bf16 kernels: about 1e-3 relative); a larger gap means
+  they compute different attention (later steps may also part through training noise)."""
+  by_label: dict[str, dict[str, float]] = {}
+  for r in rows:
+    if isinstance(r.get("first_loss"), (int, float)):
+      name = r["attention"] + (f" ({r['kvax_backend']})" if r.get("kvax_backend") else "")
+      by_label.setdefault(r["label"], {}).setdefault(name, r["first_loss"])
+  gaps = {}
+  for label, losses in by_label.items():
+    if len(losses) > 1:
+      vals = list(losses.values())
+      gap = (max(vals) - min(vals)) / max(abs(v) for v in vals)
+      gaps[label] = dict(first_losses=losses, max_relative_gap=gap)
+  return gaps
+
+
+def print_first_losses(rows) -> None:
+  for label, g in first_loss_gaps(rows).items():
+    shown = ", ".join(f"{k} {v:.5f}" for k, v in g["first_losses"].items())
+    print(f"first-step losses, {label}: {shown} (largest relative gap {g['max_relative_gap']:.1e})")
 
 
 def print_table(rows) -> None:

@@ -11,6 +11,7 @@ the tiny MaxText run's CPU trace) must hold."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -307,6 +308,8 @@ def test_maxtext_e2e_profile_on_cpu(tmp_path):
   row = result["runs"][0]
   assert "error" not in row, row.get("error")
   assert row["tokens_per_s"] > 0 and row["setup_and_compile_s"] > 0
+  assert len(row["losses"]) == 2 and row["first_loss"] == row["losses"][0]
+  assert all(math.isfinite(x) for x in row["losses"])
   assert "profiler=xplane" in row["command"] and "profiler_steps=1" in row["command"]
   prof = row["profile"]
   assert "error" not in prof, prof
@@ -321,6 +324,22 @@ def test_maxtext_e2e_profile_on_cpu(tmp_path):
   assert len(prof["top_kernels"]) == 15 and all(k["ms_per_step"] > 0 for k in prof["top_kernels"])
   assert "jit_train_step" in prof["modules_ms_per_step"]
   assert "busy" in done.stdout and "top kernels" in done.stdout
+
+
+def test_maxtext_e2e_first_loss_gaps():
+  """Runs of one label are compared on their first-step loss: the largest relative gap per
+  label, error rows and single runs left out, kvax named with its backend."""
+  from benchmarks import maxtext_e2e
+  rows = [dict(label="16k-short", attention="kvax", kvax_backend="hopper", first_loss=8.0),
+          dict(label="16k-short", attention="flash", kvax_backend=None, first_loss=8.4),
+          dict(label="16k-short", attention="dot_product", kvax_backend=None, first_loss=8.0),
+          dict(label="64k-short", attention="kvax", kvax_backend="hopper", first_loss=7.0),
+          dict(label="64k-short", attention="flash", error="exit 1")]
+  gaps = maxtext_e2e.first_loss_gaps(rows)
+  assert list(gaps) == ["16k-short"]
+  assert gaps["16k-short"]["first_losses"] == {"kvax (hopper)": 8.0, "flash": 8.4,
+                                                "dot_product": 8.0}
+  assert gaps["16k-short"]["max_relative_gap"] == pytest.approx(0.4 / 8.4)
 
 
 def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
