@@ -541,3 +541,15 @@ def test_ncu_step_finds_the_step_among_set_up_kernels(tmp_path):
   path.write_text("no csv here\n")
   with pytest.raises(ValueError, match="no ncu CSV header"):
     ncu_step.step_kernels(path)
+
+
+def test_flash_mask_offsets_reads_the_lowered_kernel():
+  """benchmarks/tools/flash_mask_offsets.py on the pinned tokamax / jax: MaxText's flash call at
+  64k lowers to a Triton kernel whose mask offsets are int32 with a row stride of 65536, so its
+  largest offset (2^32 - 1) does not fit; at 16k it does. What docs/integrations.md cites."""
+  pytest.importorskip("tokamax")
+  from benchmarks.tools import flash_mask_offsets as fmo
+  for seq, wraps in ((16384, False), (65536, True)):
+    found = fmo.mask_offsets(fmo.lower_flash(seq), seq)
+    assert found["offset_type"] == "i32" and found["row_stride_seq"], found
+    assert ((seq - 1) * seq + seq - 1 > 2 ** 31 - 1) == wraps
