@@ -544,12 +544,14 @@ def test_ncu_step_finds_the_step_among_set_up_kernels(tmp_path):
 
 
 def test_flash_mask_offsets_reads_the_lowered_kernel():
-  """benchmarks/tools/flash_mask_offsets.py on the pinned tokamax / jax: MaxText's flash call at
-  64k lowers to a Triton kernel whose mask offsets are int32 with a row stride of 65536, so its
-  largest offset (2^32 - 1) does not fit; at 16k it does. What docs/integrations.md cites."""
+  """benchmarks/tools/flash_mask_offsets.py on the pinned tokamax / jax: MaxText's flash call
+  lowers to a Triton kernel whose mask offsets are int32, built from the row stride S (and, with
+  more than one row per device, the batch stride S * S) in int32; so offsets up to B * S * S - 1
+  wrap past 2^31 - 1 (64k with one row). What docs/integrations.md and the launcher's note cite."""
   pytest.importorskip("tokamax")
   from benchmarks.tools import flash_mask_offsets as fmo
-  for seq, wraps in ((16384, False), (65536, True)):
-    found = fmo.mask_offsets(fmo.lower_flash(seq), seq)
+  for seq, batch in ((16384, 1), (65536, 1), (32768, 2)):
+    found = fmo.mask_offsets(fmo.lower_flash(seq, batch), seq)
     assert found["offset_type"] == "i32" and found["row_stride_seq"], found
-    assert ((seq - 1) * seq + seq - 1 > 2 ** 31 - 1) == wraps
+    if batch > 1:  # the batch stride, 2^30 here, is an int32 constant too
+      assert found["batch_stride_seq_squared"], found

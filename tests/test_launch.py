@@ -416,9 +416,10 @@ def test_summary_and_progress_report_what_maxtext_ran():
       assert summary["kvax_fwd_blocks"] is None
 
 
-def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
+def test_summary_notes_remat_policy_and_flash_mask_limit_on_gpus():
   # remat_policy=full reruns kvax's forward in the backward: a GPU run with kvax says so (with
-  # the measured ratios); other attentions, other policies and CPU runs get no note.
+  # the measured ratios). MaxText's flash past its int32 mask offsets (rows per device x S x S >
+  # 2^31) is named too. Other attentions, other policies, shorter rows and CPU runs get no note.
   import io
   from types import SimpleNamespace
 
@@ -431,10 +432,11 @@ def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
   progress.on_train_metrics({"scalar": {"learning/loss": 2.0,
                                         "perf/step_time_seconds": 0.5}}, 0)
 
-  def summary(attention, hardware, policy):
-    config = SimpleNamespace(hardware=hardware, max_target_length=64,
+  def summary(attention, hardware, policy, seq_len=64, per_device=1.0):
+    config = SimpleNamespace(hardware=hardware, max_target_length=seq_len,
                              global_batch_size_to_train_on=2, kvax_fwd_query_block_size=64,
-                             kvax_fwd_kv_block_size=32, remat_policy=policy)
+                             kvax_fwd_kv_block_size=32, remat_policy=policy,
+                             per_device_batch_size=per_device)
     return run_report.summarize(c, config, progress, corpus, attention, "mosaic",
                                 {"total": 1.0, "training": 0.5, "setup_and_compile": 0.5},
                                 {"mask_png": [], "loss_png": None, "tensorboard_dir": "t",
@@ -445,8 +447,18 @@ def test_summary_notes_the_remat_policy_for_kvax_on_gpus():
   out = io.StringIO()
   run_report.print_summary(noted, out)
   assert "note: remat_policy=full reruns" in out.getvalue() and "0.93x with full" in out.getvalue()
+  # MaxText's flash on a GPU past its int32 mask offsets: B x S x S > 2^31 (one 64k row, or
+  # three 32k rows; 46340^2 still fits).
+  for seq_len, per_device in ((65536, 1.0), (32768, 3.0), (32768, 2.5)):
+    noted = summary("flash", "gpu", "minimal_with_context", seq_len, per_device)
+    assert noted["notes"] == [run_report.flash_mask_note(3 if per_device > 1 else 1, seq_len)]
+    out = io.StringIO()
+    run_report.print_summary(noted, out)
+    assert "note: attention=flash: MaxText's GPU flash kernel" in out.getvalue()
   for args in (("kvax", "gpu", "minimal_with_context"), ("kvax", "cpu", "full"),
-               ("cudnn_flash_jax", "gpu", "full")):
+               ("cudnn_flash_jax", "gpu", "full"), ("flash", "gpu", "full", 46340, 1.0),
+               ("flash", "gpu", "full", 32768, 2.0), ("flash", "cpu", "full", 65536, 1.0),
+               ("kvax", "gpu", "minimal_with_context", 65536, 4.0)):
     s = summary(*args)
     assert s["notes"] == [], args
     out = io.StringIO()

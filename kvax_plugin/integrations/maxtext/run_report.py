@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -119,11 +120,32 @@ REMAT_FULL_NOTE = (
     "(docs/performance.md, 2026-11-25)")
 
 
-def run_notes(attention: str, hardware: str | None, remat_policy: str | None) -> list[str]:
+# Printed (and kept in summary.json) when a GPU run uses MaxText's flash past what its mask
+# addressing holds. MaxText 0.2.5 runs attention=flash on GPUs as tokamax's Pallas-Triton kernel
+# with a dense [B, 1, S, S] segment mask, whose element offsets the lowered kernel computes in
+# int32 (benchmarks/tools/flash_mask_offsets.py reads them; docs/integrations.md, parity).
+INT32_MAX = 2**31 - 1
+
+
+def flash_mask_note(rows_per_device: int, seq_len: int) -> str:
+  return (f"attention=flash: MaxText's GPU flash kernel addresses its dense [B, 1, S, S] segment "
+          f"mask with int32 offsets, and here B x S x S = {rows_per_device} x {seq_len} x "
+          f"{seq_len} > 2^31: queries past that offset read their mask from outside the buffer, "
+          "so this run's attention is not MaxText's (benchmarks/tools/flash_mask_offsets.py, "
+          "docs/integrations.md). attention=kvax or cudnn_flash_te take packed rows of any "
+          "length; flash holds B x S x S <= 2^31 (one 46k row)")
+
+
+def run_notes(attention: str, hardware: str | None, remat_policy: str | None,
+              seq_len: int | None = None, rows_per_device: int = 1) -> list[str]:
   """Advice about this run's settings that measurements back (printed under the summary)."""
+  notes = []
   if attention == "kvax" and hardware == "gpu" and remat_policy == "full":
-    return [REMAT_FULL_NOTE]
-  return []
+    notes.append(REMAT_FULL_NOTE)
+  if (attention == "flash" and hardware == "gpu" and seq_len
+      and rows_per_device * seq_len * seq_len - 1 > INT32_MAX):
+    notes.append(flash_mask_note(rows_per_device, seq_len))
+  return notes
 
 
 def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
@@ -169,7 +191,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "kvax_fwd_blocks": ([int(config.kvax_fwd_query_block_size),
                            int(config.kvax_fwd_kv_block_size)] if attention == "kvax" else None),
       "remat_policy": remat_policy,
-      "notes": run_notes(attention, config.hardware, remat_policy),
+      "notes": run_notes(attention, config.hardware, remat_policy, int(config.max_target_length),
+                         max(1, math.ceil(float(getattr(config, "per_device_batch_size", 1))))),
       "wall_seconds": wall,
       "compile_breakdown": compile_breakdown,
       **files,
