@@ -42,7 +42,7 @@ other, idle) in the row's "profile". Profiled runs' step times include the profi
 
 Each row also keeps the run's losses per step. Runs of one label start from the same model and
 batch, so their first-step losses should agree up to rounding; the program prints them side by
-side (first_loss_gaps).
+side and keeps them in e2e.json's first_loss_gaps.
 
 Writes e2e.json (conditions included) and e2e.png.
 
@@ -314,6 +314,7 @@ def run_matrix(args, out_dir: Path) -> dict:
     short = {k: v for k, v in row.items()
              if k not in ("command", "compile_breakdown", "warm", "profile")}
     print(json.dumps(short)[:600], flush=True)
+    result["first_loss_gaps"] = first_loss_gaps(result["runs"])
     (out_dir / "e2e.json").write_text(json.dumps(result, indent=1))
   plot(result["runs"], out_dir / "e2e.png")
   return result
