@@ -274,7 +274,7 @@ def main():
     profiler_overrides(args)  # checks the step counts before any run
   result = run_matrix(args, Path(args.out_dir))
   print_table(result["runs"])
-  print_first_losses(result["runs"])
+  print_first_losses(result["first_loss_gaps"])
   if args.profile:
     print_profiles(result["runs"])
 
@@ -299,6 +299,7 @@ def run_matrix(args, out_dir: Path) -> dict:
   result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 device=jax.devices()[0].device_kind, jax=jax.__version__,
                 steps=args.steps, layers=args.layers, vocab=args.vocab, runs=[],
+                first_loss_gaps={},
                 model=f"configs/llama3.py:{args.variant}",
                 maxtext_overrides=list(args.maxtext_override),
                 caches="warm: each program run twice over shared caches" if args.warm
@@ -351,8 +352,9 @@ def first_loss_gaps(rows) -> dict[str, dict]:
   return gaps
 
 
-def print_first_losses(rows) -> None:
-  for label, g in first_loss_gaps(rows).items():
+def print_first_losses(gaps: dict[str, dict]) -> None:
+  """first_loss_gaps' result, a line per label."""
+  for label, g in gaps.items():
     shown = ", ".join(f"{k} {v:.5f}" for k, v in g["first_losses"].items())
     print(f"first-step losses, {label}: {shown} (largest relative gap {g['max_relative_gap']:.1e})")
 

@@ -549,8 +549,7 @@ def test_flash_mask_offsets_reads_the_lowered_kernel():
   lowers to a Triton kernel whose mask offsets are int32, built from the row stride S (and, with
   more than one row per device, the batch stride S * S) in int32; so offsets up to B * S * S - 1
   wrap past 2^31 - 1 (64k with one row). What docs/integrations.md and the launcher's note cite."""
-  pytest.importorskip("tokamax")
-  from benchmarks.tools import flash_mask_offsets as fmo
+  from benchmarks.tools import flash_mask_offsets as fmo  # tokamax: the maxtext extra, pinned
   for seq, batch in ((16384, 1), (65536, 1), (32768, 2)):
     found = fmo.mask_offsets(fmo.lower_flash(seq, batch), seq)
     assert found["offset_type"] == "i32" and found["row_stride_seq"], found

@@ -9,10 +9,10 @@ PallasTritonFlashAttention with `Mask(is_causal=True) & Mask(seg[:, :, None] == 
 a dense [B, 1, S, S] boolean mask. This program traces that call for each length, lowers it for
 CUDA on this machine (tokamax's cross-compile switch on, Pallas told the GPU is an H100), keeps
 the Triton module, and reports the integer type of the element offsets added to the mask's
-pointer and their largest value, B * S * S - 1 for a per-device batch of B rows (the mask's
-batch stride S * S is multiplied in the same type). An int32 offset past 2^31 - 1 wraps
-negative: the rows past it read their mask from outside the buffer. The kernel's other inputs
-are not examined.
+pointer and whether the mask's row stride S and batch stride S * S are constants of that type
+(read from the module), then the largest offset, B * S * S - 1 for B rows per device
+(computed). An int32 offset past 2^31 - 1 wraps negative: the rows past it read their mask from
+outside the buffer. The kernel's other inputs are not examined.
 
 Why it exists: the MaxText speed runs' losses with `flash` on 64k rows part from every other
 attention's (docs/integrations.md, parity section).
