@@ -437,6 +437,41 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
     KernelOptions(mosaic_forward_grid="yes")
 
 
+# The forward's overlapped schedule (KernelOptions.mosaic_forward_overlap_blocks): rows of at
+# least that many kv blocks overlap a block's softmax with the previous block's P V. The CPU
+# cases' rows have 1-3 blocks, under the default 16, so the default runs above take the
+# ping-pong; here 1 overlaps every row and 2 splits the rows of a case between the schedules.
+@pytest.mark.parametrize("name,blocks", [(n, 1) for n in sorted(CASES)] +
+                         [("docs_padding_gqa", 2), ("window_masked_full_masked_det", 2)])
+def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
+  """Against the float32 reference (outputs and gradients, no race), and the forward output
+  bitwise equal to the ping-pong's: the schedule changes, the sums and their order do not."""
+  run = check_case(name, options=KernelOptions(mosaic_forward_overlap_blocks=blocks))
+  assert {cfg.overlap_min_blocks for cfg in run.forward} == {blocks}, run.forward
+  plain = case_run(name, options=KernelOptions(mosaic_forward_overlap_blocks=0))
+  assert {cfg.overlap_min_blocks for cfg in plain.forward} == {0}, plain.forward
+  np.testing.assert_array_equal(np.asarray(run.mine[0], np.float32),
+                                np.asarray(plain.mine[0], np.float32))
+  if blocks > 1:  # the case has rows on both sides of the threshold
+    _, _, mask = _inputs(_case(name, {}), sum(map(ord, name)))
+    cfg = run.forward[0]
+    counts = np.asarray(mask.fwd.upper - mask.fwd.lower) * (cfg.table_kv // cfg.block_kv)
+    assert (counts >= blocks).any() and ((counts > 0) & (counts < blocks)).any(), counts
+
+
+def test_overlapped_forward_lowers_for_cuda():
+  """Every row overlapped, head dims 128 and 64, lowered for CUDA (the CPU cases above run the
+  interpreter, which has no wgmma pipeline)."""
+  for dims in ((128, 128), (64, 64)):
+    test_kernels_lower_for_cuda(dims, False, options=KernelOptions(mosaic_forward_overlap_blocks=1))
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0])
+def test_overlap_blocks_option_is_checked(bad):
+  with pytest.raises(ValueError, match="mosaic_forward_overlap_blocks"):
+    KernelOptions(mosaic_forward_overlap_blocks=bad)
+
+
 # The deterministic dk/dv step's two product pairs and the lse / delta fold (both settled
 # defaults) need paired products; mosaic_paired_products=False runs the plain step (1 + 2 + 1
 # products, no fold) and the dq kernel's products one by one: here on both feature sets

@@ -60,6 +60,17 @@ class KernelOptions:
   (context parallelism's k / v exchange) may prefer "per_tile". "persistent" where its shared
   memory does not fit (head dim 256) raises."""
 
+  mosaic_forward_overlap_blocks: int = 16
+  """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose table row visits
+  at least this many kv blocks (128 rows each) runs FlashAttention-3's intra-warpgroup
+  overlap: each consumer issues Q K^T of a block and P V of the previous one back to back and
+  computes the block's softmax while P V runs. Shorter rows run the two consumers' ping-pong
+  (one's softmax under the other's products), which costs less on a row of few blocks. 0: the
+  ping-pong everywhere. Both give bitwise the same output. Measured on an H200 (2026-11-28,
+  forward ms, same run; docs/performance.md, "late morning"): this default / 0 / 1 / tokamax
+  Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k 58.59 / 61.38 / 59.17 / 59.40; 12
+  documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 / 9.88 / 9.95."""
+
   dq_after_dkv: bool = False
   """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel (its
   query input passes a barrier with dk / dv) instead of before. Same gradients. Meant for
@@ -100,7 +111,12 @@ class KernelOptions:
     if self.mosaic_forward_grid not in FORWARD_GRIDS:
       raise ValueError(f"KernelOptions.mosaic_forward_grid={self.mosaic_forward_grid!r}: "
                        f"expected one of {FORWARD_GRIDS}")
-    for name in ("dq_after_dkv", "mosaic_paired_products", "mosaic_backward_id_rings"):
+    blocks = self.mosaic_forward_overlap_blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+      raise ValueError(f"KernelOptions.mosaic_forward_overlap_blocks={blocks!r}: expected an "
+                       "integer >= 0 (0: never overlap)")
+    for name in ("dq_after_dkv", "mosaic_paired_products",
+                 "mosaic_backward_id_rings"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
     regs = self.mosaic_backward_registers

@@ -7,9 +7,13 @@ Structure (one CTA = one query tile of 2 x 64 rows of one query head):
                              barrier before refilling it.
     warpgroups 0, 1          (consumers) each own 64 query rows. Per kv block: S = Q K^T (wgmma),
                              online softmax in base 2, O += P V (wgmma, P from registers).
-                             A schedule barrier makes the two consumers alternate, so one runs
-                             its softmax while the other's matrix products occupy the tensor
-                             cores (FlashAttention-3's ping-pong).
+                             Rows of few blocks: a schedule barrier makes the two consumers
+                             alternate, so one runs its softmax while the other's matrix
+                             products occupy the tensor cores (FlashAttention-3's ping-pong).
+                             Rows of many blocks (FwdConfig.overlap_min_blocks): each consumer
+                             issues S of a block and P V of the previous one together and runs
+                             the softmax under its own P V (FlashAttention-3's intra-warpgroup
+                             overlap). Both give bitwise the same output.
 
 Both consumers read the SAME row of the `fwd` table (the table's query block is a multiple of
 the 128-row tile), so they run the same number of steps and the barriers stay in lockstep. A
@@ -82,6 +86,10 @@ class FwdConfig:
   # alone at the end (16k documents forward 0.736 vs 0.789 ms with the round robin, H100,
   # 2026-11-25).
   num_ctas: int = 0
+  # Work items of at least this many kv blocks run FlashAttention-3's intra-warpgroup overlap
+  # (forward_call, `overlapped_step`), shorter ones the two consumers' ping-pong; 0: always
+  # the ping-pong (and head dims above 128, where the overlap's registers do not fit).
+  overlap_min_blocks: int = 0
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -363,17 +371,51 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       @pl.when(count > 0)
       def _():
         plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
-      pl.when(wg == 1)(take_turn)
+
+      def kv_ids(ki, masked: bool):
+        """The kv block's positions and segment ids (masked steps only), loaded before the
+        step's product so that their global-memory latency hides behind it."""
+        if not masked:
+          return None
+        cols = pl.ds(ki * bk, bk)
+        return (plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False),
+                plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False))
+
+      def softmax(qk, m_i, l_i, ids):
+        """One block's online-softmax update from its raw logits qk [64, bk] float32:
+        (P in float32, the new running max, the new row sum, alpha = the factor that
+        brings the old sums to the new max). ids: the block's kv ids when it is masked."""
+        if cfg.soft_cap == 0.0 and cfg.scale > 0.0:
+          # max(scale * qk) = scale * max(qk): the scale folds into one FMA inside exp2.
+          s, mul = qk, cfg.scale * LOG2E
+        else:
+          if cfg.soft_cap:
+            s = jnp.tanh(qk * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
+          else:
+            s = qk * (cfg.scale * LOG2E)
+          mul = 1.0
+        if ids is not None:
+          keep = pair_keep(cfg, q_pos, q_seg, *ids, s.shape)
+          s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * mul)
+        p = jnp.exp2(s * mul - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        alpha = jnp.exp2(m_i - m_new)
+        l_new = l_i * alpha + p.sum(axis=1)
+        return p, m_new, l_new, alpha
+
+      def rescaled(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def await_next_k(n):
+        @pl.when(n + 1 < count)
+        def _():
+          plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
 
       def step(n, ki, carry, masked: bool):
-        """The n-th visited block, kv block ki."""
+        """The n-th visited block, kv block ki: S, softmax, then P V (the ping-pong schedule)."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
-        if masked:
-          # Issued before the product, so their global-memory latency hides behind it.
-          cols = pl.ds(ki * bk, bk)
-          kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
-          kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
+        ids = kv_ids(ki, masked)
 
         def logits(ref):
           plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
@@ -381,25 +423,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           return ref[...]
         qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-
-        if cfg.soft_cap == 0.0 and cfg.scale > 0.0:
-          # max(scale * qk) = scale * max(qk): the scale folds into one FMA inside exp2.
-          c = cfg.scale * LOG2E
-          s, mul = qk, c
-        else:
-          if cfg.soft_cap:
-            s = jnp.tanh(qk * (cfg.scale / cfg.soft_cap)) * (cfg.soft_cap * LOG2E)
-          else:
-            s = qk * (cfg.scale * LOG2E)
-          mul = 1.0
-        if masked:
-          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, s.shape)
-          s = jnp.where(keep, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1) * mul)
-        p = jnp.exp2(s * mul - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        alpha = jnp.exp2(m_i - m_new)
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p, m_new, l_i, alpha = softmax(qk, m_i, l_i, ids)
+        acc = rescaled(acc, alpha)
         p16 = p.astype(dtype)
         plgpu.barrier_arrive(turn)  # softmax done: the other consumer may use the tensor cores
         plgpu.barrier_wait(v_ready.at[slot])
@@ -407,26 +432,112 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         if not cfg.interpret:
           def pv_then_next_k(ref):
             plgpu.wgmma(ref, p16, v_smem.at[slot])
-
-            @pl.when(n + 1 < count)
-            def _():
-              plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
+            await_next_k(n)
           acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
         else:
           acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
-
-          @pl.when(n + 1 < count)  # interpreter: same order of waits, after the product
-          def _():
-            plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
+          await_next_k(n)  # interpreter: same order of waits, after the product
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
-      carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, masked_count, lambda n, c: step(n, block(n), c, True), carry)
-      acc, m_i, l_i = lax.fori_loop(
-          masked_count, count, lambda n, c: step(n, full_lower + (n - masked_count), c, False),
-          carry)
-      pl.when(wg == 0)(take_turn)
+      # The overlapped schedule (rows of at least cfg.overlap_min_blocks blocks): step n issues
+      # S_n = Q K_n^T and then O += P_{n-1} V_{n-1}, and computes S_n's softmax while P V runs,
+      # so a consumer's element-wise work hides behind its own products (FlashAttention-3's
+      # intra-warpgroup overlap). It runs without the schedule barrier: with it, the same
+      # kernel was 1.5x slower (64k causal, 80.3 vs 52.6 ms, 2026-11-28). Block 0 only issues
+      # S_0 (first_block); the last P V runs after the loop (last_pv). Nothing between a step's
+      # first product and its last wait writes a register a product reads (ptxas serializes
+      # the products then, C7513, as a first version that rescaled O between the two did): P
+      # is packed and O rescaled by the step's alpha once P_{n-1} V_{n-1} has retired. The
+      # same sums in the same order as `step`: the output is bitwise the ping-pong's.
+      def first_block(m_i, l_i):
+        slot = lax.rem(base, stages)
+        ids = kv_ids(block(0), True)  # a full block 0 keeps every pair: the mask is a no-op
+
+        def logits(ref):
+          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+          return ref[...]
+        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, m_new, l_new, _ = softmax(qk, m_i, l_i, ids)  # O is 0: no rescale
+        await_next_k(0)
+        return p.astype(dtype), m_new, l_new
+
+      def overlapped_step(n, ki, carry, masked: bool):
+        acc, p_prev, m_i, l_i = carry
+        slot = lax.rem(base + n, stages)
+        prev = lax.rem(base + n - 1, stages)
+        ids = kv_ids(ki, masked)
+        if cfg.interpret:
+          def logits(ref):
+            plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+            return ref[...]
+          qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+          plgpu.barrier_wait(v_ready.at[prev])
+          acc = accumulate(acc, p_prev, v_smem.at[prev], True)
+          plgpu.barrier_arrive(k_free.at[slot])
+          p, m_new, l_new, alpha = softmax(qk, m_i, l_i, ids)
+          await_next_k(n)
+        else:
+          def with_s(s_ref):
+            plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+            plgpu.barrier_wait(v_ready.at[prev])
+
+            def with_o(refs):
+              o_ref, p_ref, m_ref, l_ref, a_ref = refs
+              plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+              qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_n, not P V
+              plgpu.barrier_arrive(k_free.at[slot])
+              p, m_new, l_new, alpha = softmax(qk, m_ref[...], l_ref[...], ids)
+              p_ref[...] = p
+              m_ref[...] = m_new
+              l_ref[...] = l_new
+              a_ref[...] = alpha
+              await_next_k(n)
+            p_init = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, bk), jnp.float32),
+                                       plgpu.Layout.WGMMA)  # overwritten: only its type counts
+            # (the alpha ref starts from m_i: any [64] float32 in the row layout will do)
+            return pl.run_state(with_o)((plgpu.ACC.init(acc), p_init, m_i, l_i, m_i))
+          acc, p, m_new, l_new, alpha = pl.run_scoped(
+              with_s, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[prev])
+        return rescaled(acc, alpha), p.astype(dtype), m_new, l_new
+
+      def last_pv(acc, p_prev):
+        prev = lax.rem(base + count - 1, stages)
+        plgpu.barrier_wait(v_ready.at[prev])
+        acc = accumulate(acc, p_prev, v_smem.at[prev], cfg.interpret)
+        plgpu.barrier_arrive(v_free.at[prev])
+        return acc
+
+      def ping_pong_blocks():
+        pl.when(wg == 1)(take_turn)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, masked_count, lambda n, c: step(n, block(n), c, True), carry)
+        carry = lax.fori_loop(
+            masked_count, count, lambda n, c: step(n, full_lower + (n - masked_count), c, False),
+            carry)
+        pl.when(wg == 0)(take_turn)
+        return carry
+
+      def overlapped_blocks():  # count > 0
+        p16, m, l = first_block(m_i, l_i)
+        carry = (acc, p16, m, l)
+        carry = lax.fori_loop(1, masked_count,
+                              lambda n, c: overlapped_step(n, block(n), c, True), carry)
+        carry = lax.fori_loop(
+            lax.max(1, masked_count), count,
+            lambda n, c: overlapped_step(n, full_lower + (n - masked_count), c, False), carry)
+        acc_n, p16, m, l = carry
+        return last_pv(acc_n, p16), m, l
+
+      if cfg.overlap_min_blocks:
+        # Both consumers take the same branch (one table row, one count), so the ping-pong's
+        # schedule barrier stays in step.
+        acc, m_i, l_i = lax.cond(count >= cfg.overlap_min_blocks, overlapped_blocks,
+                                 ping_pong_blocks)
+      else:
+        acc, m_i, l_i = ping_pong_blocks()
 
       # The NaN / inf contract (README, "NaN and inf"): a row is empty iff l == 0 (l > 0 would
       # read NaN as empty); empty rows are exactly 0 with lse +inf; the sink joins after the
