@@ -442,13 +442,18 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
 # cases' rows have 1-3 blocks, under the default 16, so the default runs above take the
 # ping-pong; here 1 overlaps every row and 2 splits the rows of a case between the schedules.
 @pytest.mark.parametrize("name,blocks", [(n, 1) for n in sorted(CASES)] +
-                         [("docs_padding_gqa", 2), ("window_masked_full_masked_det", 2)])
+                         [("docs_padding_gqa", 2), ("window_masked_full_masked_det", 2),
+                          ("mla_docs", 2)])
 def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
   """Against the float32 reference (outputs and gradients, no race), and the forward output
-  bitwise equal to the ping-pong's: the schedule changes, the sums and their order do not."""
-  run = check_case(name, options=KernelOptions(mosaic_forward_overlap_blocks=blocks))
+  bitwise equal to the ping-pong's: the schedule changes, the sums and their order do not.
+  The per-tile grid: mla_docs, prefill_mla (MLA's "auto"); the others run the persistent one."""
+  grid = dict(mosaic_forward_grid="per_tile") if name == "mla_docs" else {}
+  run = check_case(name, options=KernelOptions(mosaic_forward_overlap_blocks=blocks, **grid))
   assert {cfg.overlap_min_blocks for cfg in run.forward} == {blocks}, run.forward
-  plain = case_run(name, options=KernelOptions(mosaic_forward_overlap_blocks=0))
+  if grid:
+    assert all(cfg.num_ctas == 0 for cfg in run.forward), run.forward
+  plain = case_run(name, options=KernelOptions(mosaic_forward_overlap_blocks=0, **grid))
   assert {cfg.overlap_min_blocks for cfg in plain.forward} == {0}, plain.forward
   np.testing.assert_array_equal(np.asarray(run.mine[0], np.float32),
                                 np.asarray(plain.mine[0], np.float32))

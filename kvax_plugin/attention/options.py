@@ -62,7 +62,7 @@ class KernelOptions:
 
   mosaic_forward_overlap_blocks: int = 16
   """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose table row visits
-  at least this many kv blocks (128 rows each) runs FlashAttention-3's intra-warpgroup
+  at least this many kv blocks (of the kernel's kv tile, 128 rows at these head dims) runs FlashAttention-3's intra-warpgroup
   overlap: each consumer issues Q K^T of a block and P V of the previous one back to back and
   computes the block's softmax while P V runs. Shorter rows run the two consumers' ping-pong
   (one's softmax under the other's products), which costs less on a row of few blocks. 0: the
@@ -115,8 +115,7 @@ class KernelOptions:
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
       raise ValueError(f"KernelOptions.mosaic_forward_overlap_blocks={blocks!r}: expected an "
                        "integer >= 0 (0: never overlap)")
-    for name in ("dq_after_dkv", "mosaic_paired_products",
-                 "mosaic_backward_id_rings"):
+    for name in ("dq_after_dkv", "mosaic_paired_products", "mosaic_backward_id_rings"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
     regs = self.mosaic_backward_registers
