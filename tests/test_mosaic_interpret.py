@@ -464,11 +464,31 @@ def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
     assert (counts >= blocks).any() and ((counts > 0) & (counts < blocks)).any(), counts
 
 
-def test_overlapped_forward_lowers_for_cuda():
-  """Every row overlapped, head dims 128 and 64, lowered for CUDA (the CPU cases above run the
-  interpreter, which has no wgmma pipeline)."""
-  for dims in ((128, 128), (64, 64)):
-    test_kernels_lower_for_cuda(dims, False, options=KernelOptions(mosaic_forward_overlap_blocks=1))
+@pytest.mark.parametrize("d", [128, 64])
+def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
+  """The forward lowered for CUDA (the CPU cases above run the interpreter, which has no wgmma
+  pipeline): with the overlap, a step waits for its Q K^T product alone while P V stays in
+  flight (a wgmma wait for "at most 1 in flight"), which the ping-pong never does."""
+  import jax.experimental.mosaic.gpu.core as mgpu_core
+  modules = []
+  serde = mgpu_core._run_serde_pass
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass",
+                      lambda module, **kw: (modules.append(str(module)), serde(module, **kw))[1])
+  pos = jnp.arange(512, dtype=jnp.int32)[None]
+  seg = jnp.zeros_like(pos)
+  mask = create_attention_mask(pos, seg, pos, seg)
+  q = jnp.zeros((1, 512, 4, d), jnp.bfloat16)
+  kv = jnp.zeros((1, 512, 2, d), jnp.bfloat16)
+  waits = {}
+  for blocks in (0, 1):
+    modules.clear()
+    jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
+        q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
+        kernel_options=KernelOptions(mosaic_forward_overlap_blocks=blocks))).trace(
+            q, kv).lower(lowering_platforms=("cuda",))
+    assert len(modules) == 1, len(modules)
+    waits[blocks] = modules[0].count("wgmma.wait_group.sync.aligned 1;")
+  assert waits[0] == 0 and waits[1] > 0, waits
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])

@@ -411,17 +411,22 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
 
+      def logits(slot, then=lambda: None):
+        """S = Q K^T [64, bk] float32 of the block in ring slot `slot`, `then()` run while the
+        product is in flight."""
+        def product(ref):
+          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+          then()
+          return ref[...]
+        return pl.run_scoped(product, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+
       def step(n, ki, carry, masked: bool):
         """The n-th visited block, kv block ki: S, softmax, then P V (the ping-pong schedule)."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
         ids = kv_ids(ki, masked)
 
-        def logits(ref):
-          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
-          take_turn()
-          return ref[...]
-        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        qk = logits(slot, then=take_turn)
         plgpu.barrier_arrive(k_free.at[slot])
         p, m_new, l_i, alpha = softmax(qk, m_i, l_i, ids)
         acc = rescaled(acc, alpha)
@@ -454,10 +459,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         slot = lax.rem(base, stages)
         ids = kv_ids(block(0), True)  # a full block 0 keeps every pair: the mask is a no-op
 
-        def logits(ref):
-          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
-          return ref[...]
-        qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+        qk = logits(slot)
         plgpu.barrier_arrive(k_free.at[slot])
         p, m_new, l_new, _ = softmax(qk, m_i, l_i, ids)  # O is 0: no rescale
         await_next_k(0)
@@ -469,10 +471,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         prev = lax.rem(base + n - 1, stages)
         ids = kv_ids(ki, masked)
         if cfg.interpret:
-          def logits(ref):
-            plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
-            return ref[...]
-          qk = pl.run_scoped(logits, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
+          qk = logits(slot)
           plgpu.barrier_wait(v_ready.at[prev])
           acc = accumulate(acc, p_prev, v_smem.at[prev], True)
           plgpu.barrier_arrive(k_free.at[slot])
