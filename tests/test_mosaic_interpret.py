@@ -491,6 +491,30 @@ def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
   assert waits[0] == 0 and waits[1] > 0, waits
 
 
+def test_forward_registers_reach_the_kernel(monkeypatch):
+  """KernelOptions.mosaic_forward_registers sets the forward's register split, as lowered for
+  CUDA: the consumers' setmaxnreg to it, the producer's to 504 - 2 x it (default 240 / 24)."""
+  import jax.experimental.mosaic.gpu.core as mgpu_core
+  modules = []
+  serde = mgpu_core._run_serde_pass
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass",
+                      lambda module, **kw: (modules.append(str(module)), serde(module, **kw))[1])
+  pos = jnp.arange(512, dtype=jnp.int32)[None]
+  seg = jnp.zeros_like(pos)
+  mask = create_attention_mask(pos, seg, pos, seg)
+  q = jnp.zeros((1, 512, 4, 128), jnp.bfloat16)
+  kv = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+  for options, (consumers, producer) in ((KernelOptions(), (240, 24)),
+                                         (KernelOptions(mosaic_forward_registers=232), (232, 40))):
+    modules.clear()
+    jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
+        q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
+        kernel_options=options)).trace(q, kv).lower(lowering_platforms=("cuda",))
+    assert len(modules) == 1, len(modules)
+    assert f"setmaxnreg.inc.sync.aligned.u32 {consumers};" in modules[0]
+    assert f"setmaxnreg.dec.sync.aligned.u32 {producer};" in modules[0]
+
+
 @pytest.mark.parametrize("bad", [-1, True, 2.0])
 def test_overlap_blocks_option_is_checked(bad):
   with pytest.raises(ValueError, match="mosaic_forward_overlap_blocks"):

@@ -107,8 +107,9 @@ def test_no_other_kvax_names_in_the_package():
 
 def test_kernel_options_defaults_and_checks():
   default = KernelOptions()
-  assert (default.mosaic_forward_grid, default.mosaic_backward_registers,
-          default.mosaic_producer_registers) == ("auto", 232, 40)
+  assert (default.mosaic_forward_grid, default.mosaic_forward_registers,
+          default.mosaic_backward_registers, default.mosaic_producer_registers) == (
+              "auto", 240, 232, 40)
   assert not default.dq_after_dkv and default.mosaic_paired_products
   assert not default.mosaic_backward_id_rings and default.triton_tiles == ""
   assert hash(default) == hash(KernelOptions())  # a static jit key
@@ -117,6 +118,9 @@ def test_kernel_options_defaults_and_checks():
          (dict(mosaic_backward_registers=236), ValueError, "mosaic_backward_registers=236"),
          (dict(mosaic_backward_registers=264), ValueError, "mosaic_backward_registers=264"),
          (dict(mosaic_backward_registers=True), ValueError, "mosaic_backward_registers=True"),
+         (dict(mosaic_forward_registers=244), ValueError, "mosaic_forward_registers=244"),
+         (dict(mosaic_forward_registers=248), ValueError, "mosaic_forward_registers=248"),
+         (dict(mosaic_forward_registers=240.0), ValueError, "mosaic_forward_registers=240.0"),
          (dict(dq_after_dkv=1), TypeError, "dq_after_dkv=1: expected True or False"),
          (dict(mosaic_paired_products="no"), TypeError, "mosaic_paired_products='no'"),
          (dict(triton_tiles=None), TypeError, "triton_tiles=None: expected a string"),

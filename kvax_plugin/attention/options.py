@@ -71,6 +71,15 @@ class KernelOptions:
   Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k 58.59 / 61.38 / 59.17 / 59.40; 12
   documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 / 9.88 / 9.95."""
 
+  mosaic_forward_registers: int = 240
+  """Mosaic forward (also "hopper"'s): registers per thread of the two consumer warpgroups
+  (setmaxnreg); the producer gets 504 - 2 x this (240 -> 24, FlashAttention 3's split; 232 ->
+  40). A multiple of 8 leaving the producer 24..256. At 240 the overlapped kernels spill 4-20
+  bytes instead of 96-116, with bitwise the same output. Measured on an H200 (2026-11-28,
+  forward ms, 240 / 232 / tokamax Mosaic, same run; docs/performance.md, "afternoon"): causal
+  16k 3.79 / 3.70 / 3.79, 64k 57.30 / 58.86 / 60.01; 12 documents 16k 0.78 / 0.81 / 0.81, 64k
+  9.53 / 9.83 / 9.91. 232 is faster on short causal rows (16k causal 2-7% in two runs)."""
+
   dq_after_dkv: bool = False
   """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel (its
   query input passes a barrier with dk / dv) instead of before. Same gradients. Meant for
@@ -118,12 +127,13 @@ class KernelOptions:
     for name in ("dq_after_dkv", "mosaic_paired_products", "mosaic_backward_id_rings"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
-    regs = self.mosaic_backward_registers
-    if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
-        or not 24 <= 504 - 2 * regs <= 256):
-      raise ValueError(f"KernelOptions.mosaic_backward_registers={regs!r}: expected a multiple "
-                       "of 8 that leaves the producer 24..256 registers (504 - 2 x it), e.g. "
-                       "232 (default) or 240")
+    for name, default in (("mosaic_forward_registers", 240), ("mosaic_backward_registers", 232)):
+      regs = getattr(self, name)
+      if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
+          or not 24 <= 504 - 2 * regs <= 256):
+        raise ValueError(f"KernelOptions.{name}={regs!r}: expected a multiple of 8 that leaves "
+                         f"the producer 24..256 registers (504 - 2 x it), e.g. {default} "
+                         "(default), 232 or 240")
     if not isinstance(self.triton_tiles, str):
       raise TypeError(f"KernelOptions.triton_tiles={self.triton_tiles!r}: expected a string "
                       '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')

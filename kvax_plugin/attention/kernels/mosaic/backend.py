@@ -219,7 +219,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       # At head dims above 128 the overlap's registers (O, S, P twice) do not fit.
-      overlap_min_blocks=cfg.options.mosaic_forward_overlap_blocks if p.v.shape[3] <= 128 else 0)
+      overlap_min_blocks=cfg.options.mosaic_forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
+      consumer_registers=cfg.options.mosaic_forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]

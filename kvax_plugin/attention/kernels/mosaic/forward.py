@@ -90,6 +90,9 @@ class FwdConfig:
   # (forward_call, `overlapped_step`), shorter ones the two consumers' ping-pong; 0: always
   # the ping-pong (and head dims above 128, where the overlap's registers do not fit).
   overlap_min_blocks: int = 0
+  # Registers per consumer thread (setmaxnreg; KernelOptions.mosaic_forward_registers); the
+  # producer warpgroup gets 504 - 2 x this.
+  consumer_registers: int = 240
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
@@ -578,7 +581,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     @pl.when(wg < CONSUMERS)
     def consumer():
       if not cfg.interpret:
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(cfg.consumer_registers, action="increase")
       if cfg.num_ctas:
         pl.when(n_items > 0)(lambda: load_q(0, 0))
         lax.fori_loop(0, n_items, consume_item, jnp.int32(0))
@@ -588,7 +591,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     @pl.when(wg == CONSUMERS)
     def producer():
       if not cfg.interpret:
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(504 - 2 * cfg.consumer_registers, action="decrease")
 
       def produce_item(i, base):
         bi, head, tile = coords(i)
