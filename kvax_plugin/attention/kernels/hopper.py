@@ -187,8 +187,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   from many thread blocks in no fixed order (fast, not bitwise reproducible); True raises
   ValueError (backend="auto" with True takes "mosaic", whose backward is reproducible).
   kernel_options: kvax_plugin.KernelOptions (None: the defaults); the Mosaic forward reads its
-  mosaic_forward_grid and mosaic_forward_overlap_blocks fields (the backward fields are the
-  Mosaic backward's, unused here).
+  mosaic_forward_grid, mosaic_forward_overlap_blocks and mosaic_forward_registers fields (the
+  backward fields are the Mosaic backward's, unused here).
   """
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
