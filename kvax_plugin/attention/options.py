@@ -141,6 +141,8 @@ class KernelOptions:
 
   @property
   def mosaic_producer_registers(self) -> int:
+    """The Mosaic backward's producer registers (504 - 2 x mosaic_backward_registers); the
+    forward's producer gets 504 - 2 x mosaic_forward_registers."""
     return 504 - 2 * self.mosaic_backward_registers
 
 
