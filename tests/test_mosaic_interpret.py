@@ -464,11 +464,9 @@ def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
     assert (counts >= blocks).any() and ((counts > 0) & (counts < blocks)).any(), counts
 
 
-@pytest.mark.parametrize("d", [128, 64])
-def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
-  """The forward lowered for CUDA (the CPU cases above run the interpreter, which has no wgmma
-  pipeline): with the overlap, a step waits for its Q K^T product alone while P V stays in
-  flight (a wgmma wait for "at most 1 in flight"), which the ping-pong never does."""
+def _lowered_forward(monkeypatch, options, d=128):
+  """The Mosaic module of the forward of a 512-token causal row (4 / 2 heads of dim d), as
+  lowered for CUDA on this CPU machine (captured where Mosaic serializes it)."""
   import jax.experimental.mosaic.gpu.core as mgpu_core
   modules = []
   serde = mgpu_core._run_serde_pass
@@ -479,40 +477,32 @@ def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
   mask = create_attention_mask(pos, seg, pos, seg)
   q = jnp.zeros((1, 512, 4, d), jnp.bfloat16)
   kv = jnp.zeros((1, 512, 2, d), jnp.bfloat16)
-  waits = {}
-  for blocks in (0, 1):
-    modules.clear()
-    jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
-        q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
-        kernel_options=KernelOptions(mosaic_forward_overlap_blocks=blocks))).trace(
-            q, kv).lower(lowering_platforms=("cuda",))
-    assert len(modules) == 1, len(modules)
-    waits[blocks] = modules[0].count("wgmma.wait_group.sync.aligned 1;")
+  jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
+      q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
+      kernel_options=options)).trace(q, kv).lower(lowering_platforms=("cuda",))
+  assert len(modules) == 1, len(modules)
+  return modules[0]
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
+  """The forward lowered for CUDA (the CPU cases above run the interpreter, which has no wgmma
+  pipeline): with the overlap, a step waits for its Q K^T product alone while P V stays in
+  flight (a wgmma wait for "at most 1 in flight"), which the ping-pong never does."""
+  waits = {blocks: _lowered_forward(monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks),
+                                    d).count("wgmma.wait_group.sync.aligned 1;")
+           for blocks in (0, 1)}
   assert waits[0] == 0 and waits[1] > 0, waits
 
 
 def test_forward_registers_reach_the_kernel(monkeypatch):
   """KernelOptions.mosaic_forward_registers sets the forward's register split, as lowered for
   CUDA: the consumers' setmaxnreg to it, the producer's to 504 - 2 x it (default 240 / 24)."""
-  import jax.experimental.mosaic.gpu.core as mgpu_core
-  modules = []
-  serde = mgpu_core._run_serde_pass
-  monkeypatch.setattr(mgpu_core, "_run_serde_pass",
-                      lambda module, **kw: (modules.append(str(module)), serde(module, **kw))[1])
-  pos = jnp.arange(512, dtype=jnp.int32)[None]
-  seg = jnp.zeros_like(pos)
-  mask = create_attention_mask(pos, seg, pos, seg)
-  q = jnp.zeros((1, 512, 4, 128), jnp.bfloat16)
-  kv = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
   for options, (consumers, producer) in ((KernelOptions(), (240, 24)),
                                          (KernelOptions(mosaic_forward_registers=232), (232, 40))):
-    modules.clear()
-    jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
-        q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
-        kernel_options=options)).trace(q, kv).lower(lowering_platforms=("cuda",))
-    assert len(modules) == 1, len(modules)
-    assert f"setmaxnreg.inc.sync.aligned.u32 {consumers};" in modules[0]
-    assert f"setmaxnreg.dec.sync.aligned.u32 {producer};" in modules[0]
+    module = _lowered_forward(monkeypatch, options)
+    assert f"setmaxnreg.inc.sync.aligned.u32 {consumers};" in module
+    assert f"setmaxnreg.dec.sync.aligned.u32 {producer};" in module
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])
