@@ -62,9 +62,9 @@ class KernelOptions:
 
   mosaic_forward_overlap_blocks: int = 16
   """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose table row visits
-  at least this many kv blocks (of the kernel's kv tile, 128 rows at these head dims) runs FlashAttention-3's intra-warpgroup
-  overlap: each consumer issues Q K^T of a block and P V of the previous one back to back and
-  computes the block's softmax while P V runs. Shorter rows run the two consumers' ping-pong
+  at least this many kv blocks (of the kernel's kv tile, 128 rows at these head dims) runs
+  FlashAttention-3's intra-warpgroup overlap: each consumer issues Q K^T of a block and P V of
+  the previous one back to back and computes the block's softmax while P V runs. Shorter rows run the two consumers' ping-pong
   (one's softmax under the other's products), which costs less on a row of few blocks. 0: the
   ping-pong everywhere. Both give bitwise the same output. Measured on an H200 (2026-11-28,
   forward ms, same run; docs/performance.md, "late morning"): this default / 0 / 1 / tokamax
@@ -127,8 +127,8 @@ class KernelOptions:
     for name in ("dq_after_dkv", "mosaic_paired_products", "mosaic_backward_id_rings"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
-    for name, default in (("mosaic_forward_registers", 240), ("mosaic_backward_registers", 232)):
-      regs = getattr(self, name)
+    for name in ("mosaic_forward_registers", "mosaic_backward_registers"):
+      regs, default = getattr(self, name), self.__dataclass_fields__[name].default
       if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
           or not 24 <= 504 - 2 * regs <= 256):
         raise ValueError(f"KernelOptions.{name}={regs!r}: expected a multiple of 8 that leaves "

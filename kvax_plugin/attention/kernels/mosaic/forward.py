@@ -414,11 +414,15 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         def _():
           plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
 
+      def issue_logits(ref, slot):
+        """Issue S = Q K^T of the block in ring slot `slot` into the accumulator ref."""
+        plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+
       def logits(slot, then=lambda: None):
         """S = Q K^T [64, bk] float32 of the block in ring slot `slot`, `then()` run while the
         product is in flight."""
         def product(ref):
-          plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
+          issue_logits(ref, slot)
           then()
           return ref[...]
         return pl.run_scoped(product, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
@@ -482,7 +486,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           await_next_k(n)
         else:
           def with_s(s_ref):
-            plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+            issue_logits(s_ref, slot)
             plgpu.barrier_wait(v_ready.at[prev])
 
             def with_o(refs):
