@@ -22,12 +22,16 @@ def test_tile_bounds_are_the_dkv_table_in_64_row_blocks():
                                jnp.asarray(seg), calc_bwd_mask=True)
   bounds = cuda_bwd.tile_bounds(mask)
   assert mask.spec.bwd_params.query_block_size == 128
-  assert len(bounds) == 2
+  assert len(bounds) == 4  # visited (lower, upper), kept whole (full_lower, full_upper)
   for got, table in zip(bounds, mask.dkv):
     assert got.dtype == jnp.int32 and got.shape == (1, 1024 // 128)
     np.testing.assert_array_equal(np.asarray(got), 2 * np.asarray(table))
-  lo, up = (np.asarray(x) for x in bounds)
+  lo, up, full_lo, full_up = (np.asarray(x) for x in bounds)
   assert (lo <= up).all() and (up <= 1024 // 64).all()
+  # the kernel skips the mask on steps in [full_lo, full_up): some tiles have such steps, and
+  # where the range is not empty it lies inside the visited one
+  whole = full_lo < full_up
+  assert whole.any() and (lo[whole] <= full_lo[whole]).all() and (full_up[whole] <= up[whole]).all()
   causal = np.arange(512, dtype=np.int32)[None]
   small_kv = create_attention_mask(
       jnp.asarray(causal), jnp.zeros((1, 512), jnp.int32), jnp.asarray(causal),
@@ -40,7 +44,7 @@ def test_tile_bounds_are_the_dkv_table_in_64_row_blocks():
 def test_fused_backward_rejects_what_the_kernel_does_not_cover():
   z = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   ids = jnp.zeros((1, 256), jnp.int32)
-  bounds = (jnp.zeros((1, 2), jnp.int32),) * 2
+  bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
   stats = jnp.zeros((1, 4, 256), jnp.float32)
   # (query / key shape, extra arguments, message): what the kernel cannot take, named
   calls = (
@@ -74,7 +78,7 @@ def test_fused_backward_rejects_what_the_kernel_does_not_cover():
       ("v", z(1, 256, 4, 128), r"v: shape \(1, 256, 4, 128\), expected \(1, 256, 2, 128\)"),
       ("kv_seg", jnp.zeros((1, 255), jnp.int32), r"kv_seg: shape \(1, 255\)"),
       ("bounds", bounds[:1], r"bounds: expected tile_bounds\(mask\)"),
-      ("bounds", (jnp.zeros((1, 3), jnp.int32),) * 2, r"bounds: expected .*\(1, 2\)")):
+      ("bounds", (jnp.zeros((1, 3), jnp.int32),) * 4, r"bounds: expected .*\(1, 2\)")):
     with pytest.raises(ValueError, match=message):
       cuda_bwd.fused_backward(**dict(good, **{name: bad}), scale=0.1, causal=True)
 
@@ -211,7 +215,7 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   z = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   f32 = jax.ShapeDtypeStruct((1, 4, 256), jnp.float32)
   ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
-  bounds = (jax.ShapeDtypeStruct((1, 2), jnp.int32),) * 2
+  bounds = (jax.ShapeDtypeStruct((1, 2), jnp.int32),) * 4
   dq, dk, dv = jax.eval_shape(
       lambda *a: cuda_bwd.fused_backward(*a[:10], a[10:], scale=0.1, causal=True),
       z(1, 256, 4, 128), z(1, 256, 2, 128), z(1, 256, 2, 128), z(1, 256, 4, 128), f32, f32,
@@ -221,7 +225,7 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   # Sq != Skv: the shapes follow each side (the kernel indexes them apart)
   k512 = z(1, 512, 2, 128)
   kv_ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
-  bounds4 = (jax.ShapeDtypeStruct((1, 4), jnp.int32),) * 2
+  bounds4 = (jax.ShapeDtypeStruct((1, 4), jnp.int32),) * 4
   dq, dk, dv = jax.eval_shape(
       lambda *a: cuda_bwd.fused_backward(*a[:10], a[10:], scale=0.1, causal=True),
       z(1, 256, 4, 128), k512, k512, z(1, 256, 4, 128), f32, f32, ids, ids, kv_ids, kv_ids,
@@ -242,7 +246,7 @@ def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
 
   def fake_ffi_call(target, results):
     def call(*args, **attrs):
-      got["order"] = np.asarray(args[12])
+      got["order"] = np.asarray(args[14])
       return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     return call
   monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
@@ -256,13 +260,46 @@ def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
   lower = jnp.array([[0, 2, 4, 6], [0, 2, 2, 7]], jnp.int32)
   upper = jnp.array([[8, 8, 8, 8], [2, 5, 5, 8]], jnp.int32)
   cuda_bwd.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, dv_dim), x(b, s, h, dv_dim),
-                          lse, lse, ids, ids, ids, ids, (lower, upper), scale=0.1, causal=True)
+                          lse, lse, ids, ids, ids, ids, (lower, upper, lower, lower), scale=0.1,
+                          causal=True)
   per_table_row = 128 // cta_rows
   expected_tables = [[0, 1, 2, 3], [1, 2, 0, 3]]  # row 1: counts 2, 3, 3, 1
   expected = np.array([[per_table_row * t + j for t in row for j in range(per_table_row)]
                        for row in expected_tables])
   assert got["order"].shape == (b, s // cta_rows)
   np.testing.assert_array_equal(got["order"], expected)
+
+
+@pytest.mark.parametrize("scale, soft_cap, head_dim, in_loop", [
+    (0.1, 0.0, 128, False),    # the mask as a pass of its own (dropped logits -inf)
+    (-0.1, 0.0, 128, True),    # -inf times a negative scale would be +inf
+    (0.0, 0.0, 64, True),      # ... times 0, NaN
+    (float("nan"), 0.0, 128, True),
+    (-0.1, 3.0, 128, False),   # the soft cap's kernels mask in their loop anyway (no such bit)
+    (-0.1, 0.0, 256, False),   # head dim 256's layout masks in its loop (no such bit)
+])
+def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
+    monkeypatch, scale, soft_cap, head_dim, in_loop):
+  """The kernel's mask pass sets dropped logits to -inf before they are scaled, which holds only
+  for a scale > 0: for any other the JAX side asks for the kernels that mask in their loop."""
+  import jax
+  monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
+  got = {}
+
+  def fake_ffi_call(target, results):
+    def call(*args, **attrs):
+      got.update(attrs)
+      return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    return call
+  monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+  x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  ids, lse = jnp.zeros((1, 256), jnp.int32), jnp.zeros((1, 4, 256), jnp.float32)
+  bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
+  cuda_bwd.fused_backward(x(1, 256, 4, head_dim), x(1, 256, 2, head_dim), x(1, 256, 2, head_dim),
+                          x(1, 256, 4, head_dim), lse, lse, ids, ids, ids, ids, bounds,
+                          scale=scale, causal=True, soft_cap=soft_cap)
+  assert bool(int(got["variant"]) & cuda_bwd.MASK_IN_LOOP) == in_loop
+  assert bool(int(got["variant"]) & cuda_bwd.SOFTCAP) == bool(soft_cap)
 
 
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
@@ -567,9 +604,10 @@ def test_the_kernel_source_and_the_jax_side_agree():
   from kvax_plugin.attention.kernels.cuda_sm90 import build
   src = build.SOURCE.read_text()
   bits = {k: int(v) for k, v in re.findall(
-      r"\b(STM|FRAG|EXP|DECOUPLE_BIT|SOFTCAP|WINDOW) = (\d+)", src)}
+      r"\b(STM|FRAG|EXP|DECOUPLE_BIT|MASK_IN_LOOP|SOFTCAP|WINDOW) = (\d+)", src)}
   py = {"STM": cuda_bwd.STM, "FRAG": cuda_bwd.FRAG, "EXP": cuda_bwd.EXP,
-        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "SOFTCAP": cuda_bwd.SOFTCAP,
+        "DECOUPLE_BIT": cuda_bwd.DECOUPLE, "MASK_IN_LOOP": cuda_bwd.MASK_IN_LOOP,
+        "SOFTCAP": cuda_bwd.SOFTCAP,
         "WINDOW": cuda_bwd.WINDOW}
   assert bits == py
   for name in ("KVAX_SM90_V7", "KVAX_SM90_V7_WIDE"):
@@ -579,12 +617,14 @@ def test_the_kernel_source_and_the_jax_side_agree():
     text = re.search(rf"#define {name}\s*\\\n(.*?)\n(?:\n|#)", src, re.S).group(1)
     return {eval(term.replace("\\", "").strip(), {}, bits) for term in text.split(",")}
 
-  # the default variant alone, with each combination of the attention features (head dims 128
-  # and 64); the head dim 256 and MLA kernels without DECOUPLE (what fused_backward passes there)
+  # the default variant alone, with each combination of the attention features, and with the
+  # mask in the loop alone and with the window (head dims 128 and 64); the head dim 256 and MLA
+  # kernels without DECOUPLE or MASK_IN_LOOP (what fused_backward passes there)
   default = cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]
   assert set(cuda_bwd.VARIANTS.values()) == {default}
   extras = (0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW, cuda_bwd.SOFTCAP | cuda_bwd.WINDOW)
-  assert built("KVAX_SM90_VARIANTS") == {default | extra for extra in extras}
+  in_loop = (cuda_bwd.MASK_IN_LOOP, cuda_bwd.MASK_IN_LOOP | cuda_bwd.WINDOW)
+  assert built("KVAX_SM90_VARIANTS") == {default | extra for extra in extras + in_loop}
   assert built("KVAX_SM90_VARIANTS_WIDE") == {(default & ~cuda_bwd.DECOUPLE) | extra
                                              for extra in extras}
   version = re.search(r"KvaxSm90AbiVersion\(\) \{ return (\d+); \}", src).group(1)

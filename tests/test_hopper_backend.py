@@ -309,8 +309,9 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
 def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *, scale,
                   causal, variant, soft_cap=0.0, window=0):
   """What fused_backward computes, densely in float32, with the kernel's own rules: whole
-  128-row tiles only (checked), a pair kept by the package's dense_mask; only the 64-row query
-  blocks its tile's bounds list are visited; P = exp(z - lse) (lse +inf: 0) with z = scale s, or
+  128-row tiles only (checked); only the 64-row query blocks its tile's bounds list are visited;
+  a pair kept by the package's dense_mask, or every pair on the blocks the bounds mark whole
+  (there the kernel skips the mask: a wrong table shows here); P = exp(z - lse) (lse +inf: 0) with z = scale s, or
   cap tanh(scale s / cap) whose derivative 1 - tanh^2 multiplies dS."""
   assert variant == hopper.VARIANT
   b, sq, h, _ = q.shape
@@ -322,9 +323,10 @@ def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, boun
   kk, vv = (jnp.repeat(f32(x), group, axis=2) for x in (k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), kk)
   keep = dense_mask(q_pos, q_seg, kv_pos, kv_seg, causal=causal, sliding_window=window or None)
-  lo, hi = (jnp.repeat(x, 128, axis=1) for x in bounds)  # per kv row
+  lo, hi, full_lo, full_hi = (jnp.repeat(x, 128, axis=1)[:, None, :] for x in bounds)  # per kv row
   q_block = jnp.arange(sq)[None, :, None] // 64
-  keep &= (lo[:, None, :] <= q_block) & (q_block < hi[:, None, :])
+  keep |= (full_lo <= q_block) & (q_block < full_hi)
+  keep &= (lo <= q_block) & (q_block < hi)
   z, dz = scale * s, 1.0
   if soft_cap:
     t = jnp.tanh(z / soft_cap)

@@ -37,7 +37,7 @@ def test_fused_backward_against_reference(name, variant):
 
 def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hopper",
             deterministic_backward=None, dtype="bfloat16", window=None, cap=None,
-            with_sinks=False, head_dim=128):
+            with_sinks=False, head_dim=128, scale=None):
   """Largest relative L2 error of out, dq, dk, dv (and dsinks with_sinks; dtype inputs against
   the float32 reference) of kvax_plugin.flash_attention on packed documents with a padding
   tail; the queries are the sq tokens before the keys' padding tail, or the whole row when sq
@@ -71,7 +71,7 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
       (batch, sq, heads, d), (batch, skv, kv_heads, d), (batch, skv, kv_heads, dv),
       (batch, sq, heads, dv)))
   sinks = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-  scale = d ** -0.5
+  scale = d ** -0.5 if scale is None else scale
   f32 = lambda x: x.astype(jnp.float32)
 
   def grads(fn, *args):
@@ -101,6 +101,13 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
           reference, f32(q), f32(k), f32(v), sinks, f32(cot), jnp.asarray(want[0]))))
     errors.append(float(np.linalg.norm(a - b) / (norm + 1e-30)))
   return max(errors)
+
+
+# The backward computes every pair's exponential and zeroes the dropped ones afterwards; with a
+# negative scale a dropped pair's logit may be anything (a -inf stand-in would turn to +inf).
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_hopper_takes_a_negative_scale(head_dim):
+  assert _errors(512, 512, 4, 2, True, 2, 128, head_dim=head_dim, scale=-0.2) < 2e-2
 
 
 @pytest.mark.parametrize("sq, skv, heads, kv_heads, causal, batch, bwd_q", [

@@ -15,7 +15,8 @@
 //     query block (64 rows):
 //       S^T  = K_c Q^T      (wgmma m64n64k16 x 8, both operands in shared memory)
 //       dP^T = V_c dO^T     (same)
-//       P^T  = exp2(S^T scale log2(e) - lse log2(e)) on kept pairs, 0 elsewhere
+//       S^T  = -inf on dropped pairs: a pass run only on steps the table does not keep whole
+//       P^T  = exp2(S^T scale log2(e) - lse log2(e))
 //       dS^T = P^T (dP^T - delta)
 //       dV_c += P^T dO      (wgmma m64n128k16 x 4, P^T from registers, dO MN-major)
 //       dK_c += dS^T Q      (same, dS^T from registers; scaled once at the end)
@@ -94,6 +95,8 @@ struct Params {
   const float* delta;    // [B, H, Sq]
   const int* lower;      // [B, n_tiles]: first visited 64-row query block of each kv tile
   const int* upper;      // [B, n_tiles]: one past the last
+  const int* full_lower; // [B, n_tiles]: the first 64-row query block the tile keeps whole
+  const int* full_upper; // [B, n_tiles]: one past the last (those steps skip the mask)
   const int* order;      // [B, Skv / CTA tile]: launch position -> kv tile, longest first
                          // (block_mask.longest_first); the position and kv head: cta_tile
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
@@ -482,9 +485,12 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
 //         the cap's derivative 1 - tanh^2 (folded into P's float copy once the 16-bit P is
 //         packed, so no register stays live for it).
 //   WINDOW    the sliding-window test on each pair (two more compares per element).
-constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, SOFTCAP = 1024, WINDOW = 2048;
-// (bits 1, 8, 64, 128, 256 and 512: FULL, PIPE, OFFSET, SCHED, PREP and DESC, measured and
-// removed: fused_backward.py's VARIANTS comment has their numbers)
+//   MASK_IN_LOOP  the mask in the exponentials' loop instead of a pass of its own before it
+//         (the JAX side sets it when the scale is not > 0; the soft cap implies it).
+constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, MASK_IN_LOOP = 64, SOFTCAP = 1024,
+              WINDOW = 2048;
+// (bits 1, 8, 128, 256 and 512, and 64 before MASK_IN_LOOP: FULL, PIPE, SCHED, PREP, DESC and
+// OFFSET, measured and removed: fused_backward.py's VARIANTS comment has their numbers)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
@@ -502,6 +508,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   static_assert(HD == 128 || HD == 64, "HD: 128 or 64");
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  // The mask as a pass of its own, setting dropped logits to -inf (below). Not with the soft cap
+  // (cap tanh(-inf) is finite) nor MASK_IN_LOOP (set for a scale that is not > 0, which would
+  // turn -inf into +inf or NaN).
+  constexpr bool SEPARATE_MASK = !CAP && !(F & MASK_IN_LOOP);
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -525,9 +535,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   // The table's bounds count 64-row query blocks; a 128-row step covers two of them (one may have
   // nothing kept for this tile: the element-wise mask zeroes it).
   int lo = p.lower[b * n_tiles + tile], hi = p.upper[b * n_tiles + tile];
+  // Steps kept whole: a 128-row step only when both of its 64-row blocks are.
+  int full_lo = p.full_lower[b * n_tiles + tile], full_hi = p.full_upper[b * n_tiles + tile];
   if constexpr (QB == 128) {
     hi = hi > lo ? (hi + 1) / 2 : lo / 2;
     lo /= 2;
+    full_lo = (full_lo + 1) / 2;
+    full_hi /= 2;
   }
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
@@ -666,13 +680,43 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
-    // values of a column pair come as one 8-byte load each. The mask is computed branch-free
-    // (a dropped pair's exponent is -inf): guarding the loads or the exponential by the block's
-    // kind turned each element into a branch (2026-11-25: FULL 18.2 ms against v2's 14.4).
+    // values of a column pair come as one 8-byte load each. The mask is a pass of its own before
+    // the loop (SEPARATE_MASK: a dropped pair's logit becomes -inf, so its exponential is 0),
+    // skipped on steps the table keeps whole, which are nearly all of a causal row's. In the
+    // loop it cost 7.5% at 64k causal (backward 175.6 ms against 162.4, cuDNN's 165.5; H200,
+    // 2026-11-28, docs/performance.md). Slower: a second copy of the loop without the mask for
+    // whole steps (docs/tuning-history.md), the mask after the loop zeroing P and dS (186.7 ms),
+    // guarding each element by the block's kind (2026-11-25: FULL 18.2 ms against v2's 14.4).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + QB;
     const float* lse = ids + 2 * QB;
     const float* delta = ids + 3 * QB;
+    // The mask test of element e of pair (j, half): the pair's query ids and the thread's kv row.
+    auto kept = [&](int2 qp2, int2 qs2, int half, int e) {
+      const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
+      const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
+      bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
+      if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
+      return keep;
+    };
+    if constexpr (SEPARATE_MASK) {
+      if (qb < full_lo || qb >= full_hi) {  // a step the table does not keep whole
+#pragma unroll
+        for (int j = 0; j < QB / 8; ++j) {
+          const int col = 8 * j + 2 * (lane % 4);
+          const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
+          const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = 4 * j + 2 * half + e;
+              st[i] = kept(qp2, qs2, half, e) ? st[i] : -INFINITY;
+            }
+          }
+        }
+      }
+    }
     uint32_t pa[QB / 4], dsa[QB / 4];
     // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
     // converted: at head dim 128 (the soft-cap kernels' 24-28 spilled bytes gone; 16k causal
@@ -685,20 +729,20 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int j = 0; j < QB / 8; ++j) {
       const int col = 8 * j + 2 * (lane % 4);
       const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
-      const int2 qp2 = *reinterpret_cast<const int2*>(qpos + col);
-      const int2 qs2 = *reinterpret_cast<const int2*>(qseg + col);
+      int2 qp2{}, qs2{};
+      if constexpr (!SEPARATE_MASK) {
+        qp2 = *reinterpret_cast<const int2*>(qpos + col);
+        qs2 = *reinterpret_cast<const int2*>(qseg + col);
+      }
       [[maybe_unused]] float2 d2;
       if constexpr (ONE_PASS) d2 = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
         const int i = 4 * j + 2 * half;
-        const int kp = half ? kvp1 : kvp0, ks = half ? kvs1 : kvs0;
         [[maybe_unused]] float capd[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int qs = e ? qs2.y : qs2.x, qp = e ? qp2.y : qp2.x;
-          bool keep = (qs == ks) & (qs != -1) & (not_causal | (kp <= qp));
-          if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
+          const bool keep = SEPARATE_MASK || kept(qp2, qs2, half, e);  // SEPARATE_MASK: -inf
           const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
           if constexpr (CAP) {
             const float th = tanh_of(st[i + e] * p.scale_over_cap);
@@ -1453,12 +1497,14 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 }
 
 // The feature sets built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
-// were measured and dropped), alone and with the soft cap and / or the window, each for bf16 and
-// fp16, at head dims 128 and 64; the head dim 256 and MLA kernels (their own layouts, "wide")
-// the same without DECOUPLE (32 kernels; ptxas takes about a second each).
+// were measured and dropped), alone and with the soft cap and / or the window, and with the mask
+// in the loop (MASK_IN_LOOP, alone and with the window), each for bf16 and fp16, at head dims
+// 128 and 64; the head dim 256 and MLA kernels (their own layouts, "wide") the first four
+// without DECOUPLE (40 kernels; ptxas takes about a second each).
 #define KVAX_SM90_V7 (STM | FRAG | EXP | DECOUPLE_BIT)
 #define KVAX_SM90_VARIANTS                                                                     \
-  KVAX_SM90_V7, KVAX_SM90_V7 | SOFTCAP, KVAX_SM90_V7 | WINDOW, KVAX_SM90_V7 | SOFTCAP | WINDOW
+  KVAX_SM90_V7, KVAX_SM90_V7 | SOFTCAP, KVAX_SM90_V7 | WINDOW, KVAX_SM90_V7 | SOFTCAP | WINDOW, \
+      KVAX_SM90_V7 | MASK_IN_LOOP, KVAX_SM90_V7 | MASK_IN_LOOP | WINDOW
 #define KVAX_SM90_V7_WIDE (STM | FRAG | EXP)
 #define KVAX_SM90_VARIANTS_WIDE                                                                \
   KVAX_SM90_V7_WIDE, KVAX_SM90_V7_WIDE | SOFTCAP, KVAX_SM90_V7_WIDE | WINDOW,                  \
@@ -1518,7 +1564,8 @@ static ffi::Error FusedBackwardImpl(
     ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse,
     ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> lower,
-    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal,
+    ffi::Buffer<ffi::S32> upper, ffi::Buffer<ffi::S32> full_lower,
+    ffi::Buffer<ffi::S32> full_upper, ffi::Buffer<ffi::S32> order, float scale, int32_t causal,
     int32_t variant, float soft_cap, int32_t window, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv,
     ffi::ResultBuffer<ffi::F32> dq_accum) {
@@ -1574,6 +1621,8 @@ static ffi::Error FusedBackwardImpl(
   p.delta = delta.typed_data();
   p.lower = lower.typed_data();
   p.upper = upper.typed_data();
+  p.full_lower = full_lower.typed_data();
+  p.full_upper = full_upper.typed_data();
   p.order = order.typed_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
@@ -1638,7 +1687,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 12; }
+extern "C" int KvaxSm90AbiVersion() { return 13; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
@@ -1655,6 +1704,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Arg<ffi::Buffer<ffi::S32>>()    // kv_seg
                                   .Arg<ffi::Buffer<ffi::S32>>()    // lower
                                   .Arg<ffi::Buffer<ffi::S32>>()    // upper
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_lower
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // full_upper
                                   .Arg<ffi::Buffer<ffi::S32>>()    // order
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")

@@ -41,8 +41,10 @@ Q_BLOCK = 64
 # module passes, or a host-side fix an older build must not stand in for (6: the per-device
 # shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
 # dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27; 11: head dim 64 in 128-row query
-# steps with DECOUPLE, 2026-11-27; 12: the launch order input, 2026-11-27). Bump both together.
-ABI_VERSION = 12
+# steps with DECOUPLE, 2026-11-27; 12: the launch order input, 2026-11-27; 13: the tiles' whole
+# query blocks (full_lower / full_upper: the mask pass skips them) and MASK_IN_LOOP, 2026-11-28).
+# Bump both together.
+ABI_VERSION = 13
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -137,16 +139,17 @@ def check_abi(lib, lib_path) -> None:
                        "python -m kvax_plugin.attention.kernels.cuda_sm90.build")
 
 
-def tile_bounds(mask) -> tuple[jax.Array, jax.Array]:
-  """(lower, upper) int32 [B, Skv / 128]: each 128-row kv tile's visited query rows, in 64-row
-  blocks, from the mask's dk/dv table (rows: kv blocks of 128; bounds: query blocks)."""
+def tile_bounds(mask) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(lower, upper, full_lower, full_upper) int32 [B, Skv / 128]: each 128-row kv tile's visited
+  query rows and those kept whole, in 64-row blocks, from the mask's dk/dv table (rows: kv
+  blocks of 128; bounds: query blocks)."""
   bq = mask.spec.bwd_params.query_block_size
   bkv = mask.spec.bwd_params.kv_block_size
   if bkv != KV_TILE or bq % Q_BLOCK:
     raise ValueError(f"mask: backward blocks {bq} x {bkv}; this kernel needs kv blocks of "
                      f"{KV_TILE} and query blocks a multiple of {Q_BLOCK}")
   f = bq // Q_BLOCK
-  return tuple((x * f).astype(jnp.int32) for x in mask.dkv[:2])
+  return tuple((x * f).astype(jnp.int32) for x in mask.dkv)
 
 
 # The kernel's feature bits (fused_backward.cu): STM stores dS with stmatrix .trans, FRAG stages
@@ -158,6 +161,10 @@ STM, FRAG, EXP, DECOUPLE = 2, 4, 16, 32
 # call (the library builds each variant with none, either and both of them): SOFTCAP, logits
 # cap * tanh(scale q.k / cap); WINDOW, the sliding-window test on each pair.
 SOFTCAP, WINDOW = 1024, 2048
+# The mask in the exponentials' loop rather than as a pass of its own that sets dropped logits to
+# -inf: needed when the scale is not > 0 (-inf times the scale would be +inf or NaN); the soft
+# cap's kernels always have it. Head dims 128 / 64 only (the other layouts mask in the loop).
+MASK_IN_LOOP = 64
 DTYPES = (jnp.bfloat16, jnp.float16)  # the 16-bit operand types built
 MAX_WINDOW = 2**31 - 1  # the kernel's window is int32; a wider one keeps every int32 pair
 # The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS): the variant choice is
@@ -216,21 +223,23 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   for name, x in given.items():
     if x.shape != expected[name]:
       raise ValueError(f"{name}: shape {x.shape}, expected {expected[name]}")
-  if len(bounds) != 2 or any(x.shape != (b, skv // KV_TILE) for x in bounds):
-    raise ValueError(f"bounds: expected tile_bounds(mask), 2 arrays of shape {(b, skv // KV_TILE)}; "
+  if len(bounds) != 4 or any(x.shape != (b, skv // KV_TILE) for x in bounds):
+    raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape {(b, skv // KV_TILE)}; "
                      f"got {[getattr(x, 'shape', x) for x in bounds]}")
   load()  # registers the FFI target (once per process): lowering needs it
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
+  if not scale > 0 and not soft_cap:
+    bits |= MASK_IN_LOOP
   if d not in (64, 128):
-    bits &= ~DECOUPLE  # the dS hand-over of head dims 128 / 64's layout (fused_backward.cu)
+    bits &= ~(DECOUPLE | MASK_IN_LOOP)  # head dims 128 / 64's layout (fused_backward.cu)
   # The CTAs' launch order: the kv tiles longest first. At head dims 64 / 128 each tile's kv
   # heads launch together; with a sliding window, and at head dims 256 and 192 / 128, one head's
   # tiles launch after another (the kernel's grid). Head dims 256 and 192 / 128 run 64-row kv
   # tiles, two per table row. Measured 2026-11-27 and 2026-11-28 (H200): docs/performance.md.
   cta_tile = KV_TILE if d in (64, 128) else KV_TILE // 2
-  order = longest_first(*map(i32, bounds), KV_TILE // cta_tile, skv // cta_tile)
+  order = longest_first(*map(i32, bounds[:2]), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
