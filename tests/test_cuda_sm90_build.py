@@ -268,8 +268,9 @@ def _real_nvcc() -> Path | None:
 def test_the_real_source_builds_without_a_gpu(tmp_path):
   """The shipped fused_backward.cu through the real nvcc into a fresh cache (a minute or so on
   2 cores): the kernels built (the v7 feature set without and with the soft cap and / or the
-  window, bf16 and fp16, at head dims 128 and 64, and the head dim 256 and MLA 192 / 128
-  kernels: 32), none spilling but the soft-cap kernels at head dim 64 (80-104 bytes;
+  window, and with the mask in the loop without and with the window, bf16 and fp16, at head
+  dims 128 and 64, and the head dim 256 and MLA 192 / 128 kernels without MASK_IN_LOOP: 40),
+  none spilling but the soft-cap kernels at head dim 64 (80-104 bytes;
   docs/performance.md, 2026-11-27), and none with serialized wgmma (C7512 / C7520),
   and a library that loads on a CPU machine and reports this module's interface version."""
   lib = build.ensure_library(tmp_path / "cache", prebuilt=None)
@@ -280,13 +281,15 @@ def test_the_real_source_builds_without_a_gpu(tmp_path):
   base = cuda_bwd.VARIANTS[cuda_bwd.DEFAULT_VARIANT]
   features = [0, cuda_bwd.SOFTCAP, cuda_bwd.WINDOW, cuda_bwd.SOFTCAP | cuda_bwd.WINDOW]
   want = set()
+  in_loop = [cuda_bwd.MASK_IN_LOOP, cuda_bwd.MASK_IN_LOOP | cuda_bwd.WINDOW]
   for half in (0, 1):
-    for f in features:
+    for f in features + in_loop:
       want.add(f"fused_backward_kernelILi{base | f}ELb{half}ELi128E")
       want.add(f"fused_backward_kernelILi{base | f}ELb{half}ELi64E")
+    for f in features:
       want.add(f"backward_d256_kernelILi{(base & ~cuda_bwd.DECOUPLE) | f}ELb{half}E")
       want.add(f"backward_mla_kernelILi{(base & ~cuda_bwd.DECOUPLE) | f}ELb{half}E")
-  assert len(kernels) == 32 and {w for w in want if any(w in k for k in kernels)} == want
+  assert len(kernels) == 40 and {w for w in want if any(w in k for k in kernels)} == want
   assert not [line for line in report if "C7512" in line or "C7520" in line]
   for i, line in enumerate(report):
     if line.startswith("ptxas info    : Function properties for "):
