@@ -55,7 +55,7 @@ CASES = {
 
 
 def attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, *, scale: float,
-              variant: str = "v2"):
+              variant: str = cuda_bwd.DEFAULT_VARIANT):
   """Attention with the Mosaic forward and the CUDA fused backward (differentiable in q, k, v):
   backend="hopper"'s custom VJP (kernels/hopper.py) with the given fused_backward variant, its
   argument checks left out (so Sq != Skv runs); variant="hopper": the public op itself."""
@@ -78,7 +78,7 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def check_case(name: str, variant: str = "v2") -> dict:
+def check_case(name: str, variant: str = cuda_bwd.DEFAULT_VARIANT) -> dict:
   """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
   build, h, kh, causal, *q_rows = CASES[name]
   pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
@@ -218,7 +218,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
-  ap.add_argument("--variants", default="v2,v6",
+  ap.add_argument("--variants", default=cuda_bwd.DEFAULT_VARIANT,
                   help="kernel variants (fused_backward.VARIANTS)")
   ap.add_argument("--epilogue", action="store_true",
                   help="also time the fixed cost outside the kernel (dq buffer zeroed, dq "
