@@ -103,8 +103,9 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
   return max(errors)
 
 
-# The backward computes every pair's exponential and zeroes the dropped ones afterwards; with a
-# negative scale a dropped pair's logit may be anything (a -inf stand-in would turn to +inf).
+# The backward's mask pass sets dropped logits to -inf before they are scaled: a negative scale
+# would turn them to +inf, so such calls take the kernels with the mask in the loop
+# (MASK_IN_LOOP), which these cases run.
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_hopper_takes_a_negative_scale(head_dim):
   assert _errors(512, 512, 4, 2, True, 2, 128, head_dim=head_dim, scale=-0.2) < 2e-2

@@ -42,9 +42,9 @@ def test_mosaic_nan_inf_follow_the_reference():
 
 
 def test_hopper_nan_inf_follow_the_reference():
-  """The CUDA backward computes every pair's exponential and zeroes dropped pairs afterwards
-  (on steps the table does not keep whole), so a NaN / inf logit on a dropped pair must not
-  reach P, dS or the gradients."""
+  """The CUDA backward masks in a pass of its own before the exponentials (dropped logits set to
+  -inf on steps the table does not keep whole) or, for a scale that is not > 0, in the loop: a
+  NaN / inf logit on a dropped pair must not reach P, dS or the gradients either way."""
   ok, why = availability("hopper")
   if not ok:
     pytest.skip(f"hopper backend: {why}")
