@@ -39,6 +39,19 @@ FORWARD_GRIDS = ("auto", "persistent", "per_tile")
 TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
 
 
+def producer_registers(consumer_registers, name: str = "consumer_registers") -> int:
+  """The producer warpgroup's registers per thread in the Mosaic kernels' CTA (two consumer
+  warpgroups and a producer, launched with 168 each: 504 to share) when both consumers take
+  `consumer_registers` (setmaxnreg): 504 - 2 x it. ValueError naming `name` unless that is an
+  int, a multiple of 8 and leaves the producer 24..256."""
+  regs = consumer_registers
+  if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
+      or not 24 <= 504 - 2 * regs <= 256):
+    raise ValueError(f"{name}={regs!r}: expected a multiple of 8 that leaves the producer "
+                     "24..256 registers (504 - 2 x it), e.g. 232 or 240")
+  return 504 - 2 * regs
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
   """Tuning options of the kernel backends; every default is the measured choice.
@@ -64,9 +77,9 @@ class KernelOptions:
   """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose table row visits
   at least this many kv blocks (of the kernel's kv tile, 128 rows at these head dims) runs
   FlashAttention-3's intra-warpgroup overlap: each consumer issues Q K^T of a block and P V of
-  the previous one back to back and computes the block's softmax while P V runs. Shorter rows run the two consumers' ping-pong
-  (one's softmax under the other's products), which costs less on a row of few blocks. 0: the
-  ping-pong everywhere. Both give bitwise the same output. Measured on an H200 (2026-11-28,
+  the previous one back to back and computes the block's softmax while P V runs. Shorter rows
+  run the two consumers' ping-pong (one's softmax under the other's products), which costs less
+  on a row of few blocks. 0: the ping-pong everywhere. Both give bitwise the same output. Measured on an H200 (2026-11-28,
   forward ms, same run; docs/performance.md, "late morning"): this default / 0 / 1 / tokamax
   Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k 58.59 / 61.38 / 59.17 / 59.40; 12
   documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 / 9.88 / 9.95."""
@@ -128,12 +141,7 @@ class KernelOptions:
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
     for name in ("mosaic_forward_registers", "mosaic_backward_registers"):
-      regs, default = getattr(self, name), self.__dataclass_fields__[name].default
-      if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
-          or not 24 <= 504 - 2 * regs <= 256):
-        raise ValueError(f"KernelOptions.{name}={regs!r}: expected a multiple of 8 that leaves "
-                         f"the producer 24..256 registers (504 - 2 x it), e.g. {default} "
-                         "(default), 232 or 240")
+      producer_registers(getattr(self, name), f"KernelOptions.{name}")
     if not isinstance(self.triton_tiles, str):
       raise TypeError(f"KernelOptions.triton_tiles={self.triton_tiles!r}: expected a string "
                       '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')
@@ -143,7 +151,7 @@ class KernelOptions:
   def mosaic_producer_registers(self) -> int:
     """The Mosaic backward's producer registers (504 - 2 x mosaic_backward_registers); the
     forward's producer gets 504 - 2 x mosaic_forward_registers."""
-    return 504 - 2 * self.mosaic_backward_registers
+    return producer_registers(self.mosaic_backward_registers)
 
 
 def triton_tile_parts(tiles: str) -> dict[str, str]:

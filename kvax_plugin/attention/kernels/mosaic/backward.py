@@ -38,6 +38,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.block_mask import longest_first_over_heads
+from kvax_plugin.attention.options import producer_registers
 from kvax_plugin.attention.kernels.mosaic.forward import (CONSUMERS, LOG2E, ROWS_PER_WG, _COL,
                                                           _ROW, _smem, accumulate, pair_keep,
                                                           produce_kv_ring, products_together,
@@ -108,14 +109,11 @@ class BwdConfig:
   #   (forward.py explains; the fused path waits for its dq reduce-adds).
 
   def __post_init__(self):
-    producer = 504 - 2 * self.consumer_regs
-    if self.consumer_regs % 8 or not 24 <= producer <= 256 or self.consumer_regs > 256:
-      raise ValueError(f"consumer_regs={self.consumer_regs}: expected a multiple of 8 that leaves "
-                       f"the producer 24..256 registers (504 - 2 x consumer_regs), e.g. 232, 240")
+    producer_registers(self.consumer_regs, "consumer_regs")  # the split is checked here
 
   @property
   def producer_regs(self) -> int:
-    return 504 - 2 * self.consumer_regs
+    return producer_registers(self.consumer_regs, "consumer_regs")
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:

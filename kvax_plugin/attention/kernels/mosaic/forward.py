@@ -45,6 +45,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kvax_plugin.attention.block_mask import longest_first
+from kvax_plugin.attention.options import producer_registers
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -595,7 +596,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
     @pl.when(wg == CONSUMERS)
     def producer():
       if not cfg.interpret:
-        plgpu.set_max_registers(504 - 2 * cfg.consumer_registers, action="decrease")
+        plgpu.set_max_registers(producer_registers(cfg.consumer_registers), action="decrease")
 
       def produce_item(i, base):
         bi, head, tile = coords(i)
