@@ -311,8 +311,8 @@ def _dense_kernel(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, boun
   """What fused_backward computes, densely in float32, with the kernel's own rules: whole
   128-row tiles only (checked); only the 64-row query blocks its tile's bounds list are visited;
   a pair kept by the package's dense_mask, or every pair on the blocks the bounds mark whole
-  (there the kernel skips the mask: a wrong table shows here); P = exp(z - lse) (lse +inf: 0) with z = scale s, or
-  cap tanh(scale s / cap) whose derivative 1 - tanh^2 multiplies dS."""
+  (there the kernel skips the mask: a wrong table shows here); P = exp(z - lse) (lse +inf: 0)
+  with z = scale s, or cap tanh(scale s / cap) whose derivative 1 - tanh^2 multiplies dS."""
   assert variant == hopper.VARIANT
   b, sq, h, _ = q.shape
   skv, kh = k.shape[1], k.shape[2]

@@ -489,9 +489,9 @@ def test_overlapped_forward_lowers_for_cuda(d, monkeypatch):
   """The forward lowered for CUDA (the CPU cases above run the interpreter, which has no wgmma
   pipeline): with the overlap, a step waits for its Q K^T product alone while P V stays in
   flight (a wgmma wait for "at most 1 in flight"), which the ping-pong never does."""
-  waits = {blocks: _lowered_forward(monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks),
-                                    d).count("wgmma.wait_group.sync.aligned 1;")
-           for blocks in (0, 1)}
+  lowered = lambda blocks: _lowered_forward(
+      monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks), d)
+  waits = {blocks: lowered(blocks).count("wgmma.wait_group.sync.aligned 1;") for blocks in (0, 1)}
   assert waits[0] == 0 and waits[1] > 0, waits
 
 

@@ -79,10 +79,11 @@ class KernelOptions:
   FlashAttention-3's intra-warpgroup overlap: each consumer issues Q K^T of a block and P V of
   the previous one back to back and computes the block's softmax while P V runs. Shorter rows
   run the two consumers' ping-pong (one's softmax under the other's products), which costs less
-  on a row of few blocks. 0: the ping-pong everywhere. Both give bitwise the same output. Measured on an H200 (2026-11-28,
-  forward ms, same run; docs/performance.md, "late morning"): this default / 0 / 1 / tokamax
-  Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k 58.59 / 61.38 / 59.17 / 59.40; 12
-  documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 / 9.88 / 9.95."""
+  on a row of few blocks. 0: the ping-pong everywhere. Both give bitwise the same output.
+  Measured on an H200 (2026-11-28, forward ms, same run; docs/performance.md, "late
+  morning"): this default / 0 / 1 / tokamax Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k
+  58.59 / 61.38 / 59.17 / 59.40; 12 documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 /
+  9.88 / 9.95."""
 
   mosaic_forward_registers: int = 240
   """Mosaic forward (also "hopper"'s): registers per thread of the two consumer warpgroups

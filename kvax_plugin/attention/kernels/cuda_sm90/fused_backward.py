@@ -224,8 +224,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     if x.shape != expected[name]:
       raise ValueError(f"{name}: shape {x.shape}, expected {expected[name]}")
   if len(bounds) != 4 or any(x.shape != (b, skv // KV_TILE) for x in bounds):
-    raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape {(b, skv // KV_TILE)}; "
-                     f"got {[getattr(x, 'shape', x) for x in bounds]}")
+    raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape "
+                     f"{(b, skv // KV_TILE)}; got {[getattr(x, 'shape', x) for x in bounds]}")
   load()  # registers the FFI target (once per process): lowering needs it
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
