@@ -6,8 +6,14 @@ backward (two kernels, 7 products) and cuDNN's, same run, interleaved.
 
 Timing is of the backward alone: jax.vjp runs the forward once, and the jitted vjp function
 (residuals passed in) is timed; every implementation gets the same q, k, v and cotangent
-(B=1, 32 query / 8 kv heads, head dim 128, bf16). The CUDA kernel's backward is timed with the
-Mosaic forward's residuals (its custom VJP), so the two rows differ only in the backward kernels.
+(B=1, 32 query / 8 kv heads, --head-dim 128 by default, bf16). The CUDA kernel's backward is timed
+with the Mosaic forward's residuals (its custom VJP), so the two rows differ only in the backward
+kernels. The Mosaic backward is timed up to head dim 128 (above, a one-stage ring: 0.31x cuDNN).
+
+A variant named NAME+in_loop (e.g. --variants v7,v7+in_loop) is NAME with the mask in the
+exponentials' loop (MASK_IN_LOOP, what a scale that is not > 0 gets): the A/B of the mask pass
+at head dims 128 and 64 (the head dim 256 layout has the mask in its loop only: there the two
+are one kernel).
 """
 
 from __future__ import annotations
@@ -78,11 +84,12 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
 
 
-def check_case(name: str, variant: str = cuda_bwd.DEFAULT_VARIANT) -> dict:
+def check_case(name: str, variant: str = cuda_bwd.DEFAULT_VARIANT,
+               d: int = cuda_bwd.HEAD_DIM) -> dict:
   """Relative errors of out, dq, dk, dv against the float32 reference (bf16 inputs)."""
   build, h, kh, causal, *q_rows = CASES[name]
   pos, seg = (jnp.asarray(x) for x in build(np.random.default_rng(sum(map(ord, name)))))
-  (b, s), d = pos.shape, cuda_bwd.HEAD_DIM
+  b, s = pos.shape
   sq = q_rows[0] if q_rows else s
   q_pos, q_seg = pos[:, s - sq:], seg[:, s - sq:]
   keys = jax.random.split(jax.random.PRNGKey(len(name)), 4)
@@ -110,12 +117,24 @@ def check_case(name: str, variant: str = cuda_bwd.DEFAULT_VARIANT) -> dict:
   theirs = jax.device_get(jax.jit(lambda *a: grads(ref, *a))(f32(q), f32(k), f32(v)))
   errs = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs)}
   finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in mine)
-  return dict(case=name, variant=variant, errors=errs, finite=finite)
+  return dict(case=name, variant=variant, head_dim=d, errors=errs, finite=finite)
 
 
-def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> list[dict]:
+def register_in_loop(variants) -> None:
+  """Adds each NAME+in_loop of `variants` to fused_backward.VARIANTS in this process: NAME's
+  bits with MASK_IN_LOOP (the kernels built for scales that are not > 0)."""
+  for name in variants:
+    base, _, suffix = name.partition("+")
+    if suffix == "in_loop":
+      cuda_bwd.VARIANTS[name] = cuda_bwd.VARIANTS[base] | cuda_bwd.MASK_IN_LOOP
+    elif suffix:
+      raise ValueError(f"variant {name!r}: expected NAME or NAME+in_loop")
+
+
+def time_backwards(seq: int, case: str, rounds: int, reps: int, variants,
+                   d: int = cuda_bwd.HEAD_DIM) -> list[dict]:
   import kvax_plugin as kvax
-  h, kh, d = 32, 8, 128
+  h, kh = 32, 8
   pos, seg, lengths = layout(case, seq, seed=seq)
   pos, seg = jnp.asarray(pos), jnp.asarray(seg)
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -125,10 +144,10 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   cot = jax.random.normal(keys[3], (1, seq, h, d), jnp.bfloat16)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   scale = d ** -0.5
-  impls = {
-      "mosaic": lambda q, k, v: kvax.flash_attention(q, k, v, pos, seg, pos, seg, mask,
-                                                     scale=scale, backend="mosaic"),
-  }
+  impls = {}
+  if d <= 128:
+    impls["mosaic"] = lambda q, k, v: kvax.flash_attention(q, k, v, pos, seg, pos, seg, mask,
+                                                           scale=scale, backend="mosaic")
   for variant in variants:
     impls[f"cuda_{variant}"] = (lambda var: lambda q, k, v: attention(
         q, k, v, pos, seg, pos, seg, mask, scale=scale, variant=var))(variant)
@@ -143,7 +162,7 @@ def time_backwards(seq: int, case: str, rounds: int, reps: int, variants) -> lis
   for _ in range(rounds):
     for name, (fn, args) in backward.items():
       rows[name].append(time_fn(fn, args, rounds=reps, inner=1))  # bench_attention's timer
-  pairs = kept_pairs(lengths)  # kept (q, kv) pairs: 5 products of 2 * 128 flops each
+  pairs = kept_pairs(lengths)  # kept (q, kv) pairs: 5 products of 2 * d flops each
   out = []
   for name, ms in rows.items():
     med = statistics.median(ms)
@@ -199,7 +218,8 @@ def plot(result: dict, path: Path) -> None:
   ax.set_xticklabels([f"{s // 1024}k {c}" for s, c in groups])
   ax.set_ylim(0, 1.18 * max(r["ms"] for r in rows))  # room for the labels
   ax.set_ylabel("backward ms (lower is better)")
-  ax.set_title(f"attention backward alone, B=1, 32 / 8 heads, D 128, bf16 - "
+  head_dim = result["conditions"].get("head_dim", 128)
+  ax.set_title(f"attention backward alone, B=1, 32 / 8 heads, D {head_dim}, bf16 - "
                f"{result['conditions']['device']}", fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()
@@ -219,7 +239,9 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--skip-check", action="store_true")
   ap.add_argument("--variants", default=cuda_bwd.DEFAULT_VARIANT,
-                  help="kernel variants (fused_backward.VARIANTS)")
+                  help="kernel variants (fused_backward.VARIANTS), each also as NAME+in_loop")
+  ap.add_argument("--head-dim", type=int, default=cuda_bwd.HEAD_DIM, choices=(64, 128, 256),
+                  help="q / k / v head dim of the checks and timings")
   ap.add_argument("--epilogue", action="store_true",
                   help="also time the fixed cost outside the kernel (dq buffer zeroed, dq "
                        "epilogue) once per length")
@@ -227,9 +249,12 @@ def main():
   if args.plot_from:
     plot(json.loads(args.plot_from.read_text()), args.out.with_suffix(".png"))
     return
+  variants = args.variants.split(",")
+  register_in_loop(variants)
   cuda_bwd.load(args.lib)
   result = dict(conditions=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                                argv=sys.argv[1:]), checks=[], timings=[])
+                                head_dim=args.head_dim, argv=sys.argv[1:]),
+                checks=[], timings=[])
   args.out.parent.mkdir(parents=True, exist_ok=True)
   log = open(args.out.with_suffix(".log"), "w")
 
@@ -240,8 +265,8 @@ def main():
 
   say(f"device {result['conditions']['device']}, jax {jax.__version__}")
   if not args.skip_check:
-    for name, variant in ((n, v) for v in args.variants.split(",") for n in CASES):
-      row = check_case(name, variant)
+    for name, variant in ((n, v) for v in variants for n in CASES):
+      row = check_case(name, variant, args.head_dim)
       result["checks"].append(row)
       ok = row["finite"] and max(row["errors"].values()) < 2e-2
       say(f"check {variant} {name:24s} {'ok' if ok else 'FAIL'} " +
@@ -254,7 +279,7 @@ def main():
         say(f"time {seq:6d} {row['case']:6s} {row['impl']:10s} {row['ms']:9.3f} ms  rounds "
             f"{[round(x, 3) for x in row['ms_rounds']]}")
     for case in args.cases.split(","):
-      for row in time_backwards(seq, case, args.rounds, args.reps, args.variants.split(",")):
+      for row in time_backwards(seq, case, args.rounds, args.reps, variants, args.head_dim):
         result["timings"].append(row)
         say(f"time {seq:6d} {case:6s} {row['impl']:10s} backward {row['ms']:9.3f} ms "
             f"{row['tflops']:6.1f} TF/s  rounds {[round(x, 3) for x in row['ms_rounds']]}")

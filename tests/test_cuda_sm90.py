@@ -205,6 +205,21 @@ def test_timing_plot_draws_from_saved_results(tmp_path):
   assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
+def test_timing_names_the_mask_in_the_loop_variant(monkeypatch):
+  """cuda_backward_check's NAME+in_loop (the mask pass's A/B): NAME's bits with MASK_IN_LOOP,
+  registered in this process only; any other suffix is refused by name."""
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+  import cuda_backward_check as check
+  monkeypatch.setattr(cuda_bwd, "VARIANTS", dict(cuda_bwd.VARIANTS))
+  check.register_in_loop(["v7", "v7+in_loop"])
+  assert cuda_bwd.VARIANTS["v7+in_loop"] == cuda_bwd.VARIANTS["v7"] | cuda_bwd.MASK_IN_LOOP
+  assert set(cuda_bwd.VARIANTS) == {"v7", "v7+in_loop"}
+  with pytest.raises(ValueError, match="v7\\+fast"):
+    check.register_in_loop(["v7+fast"])
+
+
 def test_fused_backward_registers_its_target_itself(monkeypatch):
   """The op loads the library (registering the FFI target) before it emits the call: a caller
   that never called load() (backend="hopper") must not meet "No FFI handler registered" (the first
@@ -277,6 +292,7 @@ def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
     (float("nan"), 0.0, 128, True),
     (-0.1, 3.0, 128, False),   # the soft cap's kernels mask in their loop anyway (no such bit)
     (-0.1, 0.0, 256, False),   # head dim 256's layout masks in its loop (no such bit)
+    (-0.1, 0.0, (192, 128), False),  # so does MLA's
 ])
 def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
     monkeypatch, scale, soft_cap, head_dim, in_loop):
@@ -295,8 +311,9 @@ def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
   x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   ids, lse = jnp.zeros((1, 256), jnp.int32), jnp.zeros((1, 4, 256), jnp.float32)
   bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
-  cuda_bwd.fused_backward(x(1, 256, 4, head_dim), x(1, 256, 2, head_dim), x(1, 256, 2, head_dim),
-                          x(1, 256, 4, head_dim), lse, lse, ids, ids, ids, ids, bounds,
+  d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+  cuda_bwd.fused_backward(x(1, 256, 4, d), x(1, 256, 2, d), x(1, 256, 2, dv),
+                          x(1, 256, 4, dv), lse, lse, ids, ids, ids, ids, bounds,
                           scale=scale, causal=True, soft_cap=soft_cap)
   assert bool(int(got["variant"]) & cuda_bwd.MASK_IN_LOOP) == in_loop
   assert bool(int(got["variant"]) & cuda_bwd.SOFTCAP) == bool(soft_cap)

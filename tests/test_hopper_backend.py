@@ -70,17 +70,17 @@ def test_auto_prefers_matches_the_performance_table():
   rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
           if line.startswith("| ") and not line.startswith("| head dims")]
   dims_of = {"128": (128, 128), "64": (64, 64), "256": (256, 256), "192 / 128 (MLA)": (192, 128)}
-  assert len(rows) == 12 and {r[0] for r in rows} == set(dims_of)
+  assert len(rows) == 14 and {r[0] for r in rows} == set(dims_of)
+  named = (("soft cap", "logits_soft_cap"), ("sinks", "sinks"), ("window", "sliding_window"))
   for row in rows:
     dims, what, runs = dims_of[row[0]], row[1], row[6]
     calls = ([(jnp.float16 if f == "fp16" else jnp.bfloat16, feats) for f, feats in
               (("bf16", ()), ("fp16", ()), ("soft cap", ("logits_soft_cap",)),
-               ("sinks", ("sinks",)), ("window", ("sliding_window",)))]
+               ("sinks", ("sinks",)), ("window", ("sliding_window",)),
+               ("window + soft cap", ("sliding_window", "logits_soft_cap")))]
              if what.startswith("any") else
              [(jnp.float16 if what == "fp16" else jnp.bfloat16,
-               ("logits_soft_cap",) if what.startswith("soft cap") else
-               ("sinks",) if what == "sinks" else
-               ("sliding_window",) if what.startswith("window") else ())])
+               tuple(feature for word, feature in named if word in what))])
     for dtype, feats in calls:
       ok, why = kernels.auto_prefers("hopper", dtype, *dims, ("causal", "gqa") + feats)
       assert ok == runs.startswith("hopper"), (row, feats, why)
@@ -99,22 +99,27 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
                                                                      kv_block_size=128))
   assert pick(m=kvax_bwd) == "hopper"
   # fp16, soft cap and sinks: measured faster than mosaic since the one-pass backward
-  # (2026-11-27); the sliding window: hopper runs it, but mosaic was measured faster (auto_check)
+  # (2026-11-27); the sliding window since the mask pass (2026-11-28), but not with the soft cap,
+  # whose kernels keep the mask in their loop
   assert pick(dtype=jnp.float16) == "hopper"
   for feature in ("logits_soft_cap", "sinks"):
     assert pick(features=("causal", feature)) == "hopper", feature
     assert pick(dtype=jnp.float16, features=("causal", "gqa", feature)) == "hopper", feature
-  assert pick(features=("causal", "sliding_window")) == "mosaic"
+  assert pick(features=("causal", "sliding_window")) == "hopper"
+  assert pick(features=("causal", "sliding_window", "sinks")) == "hopper"
   assert pick(features=("causal", "logits_soft_cap", "sliding_window")) == "mosaic"
-  ok, why = kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "sliding_window"))
-  assert not ok and "sliding_window" in why and 'backend="hopper"' in why
+  ok, why = kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128,
+                                 ("causal", "logits_soft_cap", "sliding_window"))
+  assert not ok and "sliding_window with logits_soft_cap" in why and 'backend="hopper"' in why
   assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
   assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
   # what it is not preferred for goes to mosaic (above head dim 128, mosaic's auto_check: triton)
   # head dim 64: 128-row query steps since 2026-11-27, measured faster than mosaic with fp16,
-  # soft cap and sinks too; the window stays with mosaic, as at 128
+  # soft cap and sinks too, the window since the mask pass; the window with the soft cap stays
+  # with mosaic, as at 128
   assert pick(dims=(64, 64)) == "hopper"
-  assert pick(dims=(64, 64), features=("causal", "sliding_window")) == "mosaic"
+  assert pick(dims=(64, 64), features=("causal", "sliding_window")) == "hopper"
+  assert pick(dims=(64, 64), features=("causal", "sliding_window", "logits_soft_cap")) == "mosaic"
   assert pick(dims=(64, 64), dtype=jnp.float16) == "hopper"
   for feature in ("logits_soft_cap", "sinks"):
     assert pick(dims=(64, 64), features=("causal", feature)) == "hopper", feature

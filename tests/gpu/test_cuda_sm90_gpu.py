@@ -105,8 +105,8 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
 
 # The backward's mask pass sets dropped logits to -inf before they are scaled: a negative scale
 # would turn them to +inf, so such calls take the kernels with the mask in the loop
-# (MASK_IN_LOOP), which these cases run.
-@pytest.mark.parametrize("head_dim", [128, 64])
+# (MASK_IN_LOOP), which these cases run (head dim 256 has the pass since 2026-11-28 too).
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 def test_hopper_takes_a_negative_scale(head_dim):
   assert _errors(512, 512, 4, 2, True, 2, 128, head_dim=head_dim, scale=-0.2) < 2e-2
 
@@ -148,6 +148,7 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
     ("float16", 256, 640, 640, 8, 2, True, 1, 128, 128, 30.0, True),     # 256: fp16, all three
     ("bfloat16", 256, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 256: one query (decode)
     ("bfloat16", 256, 256, 130, 2, 2, False, 1, 128, None, None, False), # 256: kv past a tile
+    ("bfloat16", 256, 1024, 1024, 4, 2, True, 1, 128, 300, None, False), # 256: whole steps, window
     # MLA's (192, 128): its own layout (64-row kv tiles, the consumers splitting the products)
     ("bfloat16", (192, 128), 777, 777, 8, 2, True, 2, 128, None, None, False),  # GQA, batch 2
     ("bfloat16", (192, 128), 200, 600, 4, 1, True, 1, 64, 128, None, True),     # window + sinks
@@ -166,8 +167,8 @@ def test_hopper_features_and_head_dims(dtype, d, sq, skv, heads, kv_heads, causa
 
 def test_auto_takes_hopper_and_deterministic_takes_mosaic():
   """Where the library is there (or buildable), "auto" runs hopper for a call it covers and
-  prefers, mosaic with a sliding window, and deterministic_backward=True runs mosaic, whose
-  backward is bitwise reproducible."""
+  prefers, mosaic with a sliding window and the soft cap together, and
+  deterministic_backward=True runs mosaic, whose backward is bitwise reproducible."""
   import jax.numpy as jnp
 
   from kvax_plugin.attention import kernels
@@ -177,14 +178,17 @@ def test_auto_takes_hopper_and_deterministic_takes_mosaic():
   assert _errors(384, 384, 4, 2, True, backend="auto") < 2e-2
   assert _errors(384, 384, 4, 2, True, backend="auto", deterministic_backward=True) < 2e-2
   # fp16, soft cap and sinks at head dim 128: hopper since 2026-11-27 (hopper.auto_prefers);
-  # the sliding window: mosaic
+  # the sliding window since 2026-11-28; the window with the soft cap: mosaic
   capped = (jnp.float16, 128, 128, ("causal", "gqa", "logits_soft_cap", "sinks", "backward"))
   assert kernels.resolve_backend_for("auto", *capped) == "hopper"
   assert _errors(384, 384, 4, 2, True, backend="auto", dtype="float16", cap=30.0,
                  with_sinks=True) < 1e-2
   windowed = (jnp.bfloat16, 128, 128, ("causal", "sliding_window", "backward"))
-  assert kernels.resolve_backend_for("auto", *windowed) == "mosaic"
+  assert kernels.resolve_backend_for("auto", *windowed) == "hopper"
   assert _errors(384, 384, 4, 2, True, backend="auto", window=128) < 2e-2
+  capped_window = (jnp.bfloat16, 128, 128, ("causal", "sliding_window", "logits_soft_cap"))
+  assert kernels.resolve_backend_for("auto", *capped_window) == "mosaic"
+  assert _errors(384, 384, 4, 2, True, backend="auto", window=128, cap=30.0) < 2e-2
 
 
 def test_the_library_is_the_one_for_this_source():

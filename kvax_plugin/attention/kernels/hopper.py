@@ -4,10 +4,11 @@ Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels
 5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
 (kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
 
-Why it is "auto"'s first choice where it runs (head dims 128 and 64 without a sliding window,
-every call at head dim 256: auto_prefers): it was measured fastest there, docs/performance.md's
-table "What "auto" runs on a Hopper GPU" (H200, 2026-11-27); e.g. 64k causal forward+backward
-238.8 ms against "mosaic"'s 252.0, 64k documents 39.76 against 42.63.
+Why it is "auto"'s first choice where it runs (head dims 128 and 64 but for a sliding window
+with a soft cap, every call at head dim 256: auto_prefers): it was measured fastest there,
+docs/performance.md's table "What "auto" runs on a Hopper GPU" (H200, 2026-11-27 and -28); e.g.
+64k causal forward+backward 238.8 ms against "mosaic"'s 252.0, 64k documents 39.76 against
+42.63.
 
 It covers fewer cases than "mosaic": head dim 64, 128 or 256 (one for query, key and value) or
 MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids,
@@ -89,17 +90,19 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" does not take hopper at head dims 128 and 64: with a sliding window "mosaic" was
-# measured 8-14% faster at 128 (H200, 2026-11-28, same run, hopper's windowed backward launching
-# one kv head at a time); at 64 the window was not timed, and "auto" does as at 128.
-AUTO_NOT_PREFERRED = ("sliding_window",)
+# Where "auto" does not take hopper at head dims 128 and 64: the sliding window with the soft cap
+# ("mosaic" 7-22% faster: those kernels keep the mask in their loop; H200, 2026-11-28,
+# docs/performance.md). The window alone is hopper's since the backward's mask pass: 9-14% ahead
+# of "mosaic" but on 16k documents (1% / 8% behind at 128 / 64).
+AUTO_NOT_PREFERRED = (("sliding_window", "logits_soft_cap"),)
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
   """(ok, reason): whether backend="auto" should pick hopper for a call it supports: where it
   was measured faster than what "auto" would take otherwise, the table "What "auto" runs on a
   Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
-  fp16, with soft cap and sinks, not with the sliding window ("mosaic" was 8-14% faster at 128).
+  fp16, with soft cap, sinks or the sliding window, not with the window and the soft cap
+  together (AUTO_NOT_PREFERRED).
   Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
   (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
   del dtype  # bf16 and fp16 alike: both measured
@@ -107,7 +110,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   if dims == (256, 256):
     return True, ""
   if dims in ((128, 128), (64, 64)):
-    slower = [f for f in features if f in AUTO_NOT_PREFERRED]
+    slower = [" with ".join(c) for c in AUTO_NOT_PREFERRED if set(c) <= set(features)]
   else:
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
