@@ -248,23 +248,30 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
   assert dq.shape == (1, 256, 4, 128) and dk.shape == dv.shape == (1, 512, 2, 128)
 
 
-@pytest.mark.parametrize("head_dims,cta_rows", [((128, 128), 128), ((64, 64), 128),
-                                                  ((256, 256), 64), ((192, 128), 64)])
-def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
-  """The `order` input (the CTAs' kv tiles, longest first; the kernel launches the kv heads of a
-  tile together, or with a sliding window one head's tiles after another): per batch row a
-  permutation of the kernel's kv tiles (64-row tiles at head dims 256 and 192 / 128, two per
-  table row), by descending visited blocks of the dk/dv table, ties in tile order."""
+@pytest.fixture
+def ffi_call(monkeypatch):
+  """fused_backward's FFI call recorded instead of run (no library needed): the dict gets the
+  call's inputs ("args") and attributes ("attrs"); the results are zeros of their shapes."""
   import jax
   monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
   got = {}
 
   def fake_ffi_call(target, results):
     def call(*args, **attrs):
-      got["order"] = np.asarray(args[14])
+      got.update(args=args, attrs=attrs)
       return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     return call
   monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+  return got
+
+
+@pytest.mark.parametrize("head_dims,cta_rows", [((128, 128), 128), ((64, 64), 128),
+                                                  ((256, 256), 64), ((192, 128), 64)])
+def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
+  """The `order` input (the CTAs' kv tiles, longest first; the kernel launches the kv heads of a
+  tile together, or with a sliding window one head's tiles after another): per batch row a
+  permutation of the kernel's kv tiles (64-row tiles at head dims 256 and 192 / 128, two per
+  table row), by descending visited blocks of the dk/dv table, ties in tile order."""
   d, dv_dim = head_dims
   b, s, h, kh = 2, 512, 4, 2
   x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
@@ -277,12 +284,13 @@ def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
   cuda_bwd.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, dv_dim), x(b, s, h, dv_dim),
                           lse, lse, ids, ids, ids, ids, (lower, upper, lower, lower), scale=0.1,
                           causal=True)
+  order = np.asarray(ffi_call["args"][-1])  # the handler's last input
   per_table_row = 128 // cta_rows
   expected_tables = [[0, 1, 2, 3], [1, 2, 0, 3]]  # row 1: counts 2, 3, 3, 1
   expected = np.array([[per_table_row * t + j for t in row for j in range(per_table_row)]
                        for row in expected_tables])
-  assert got["order"].shape == (b, s // cta_rows)
-  np.testing.assert_array_equal(got["order"], expected)
+  assert order.shape == (b, s // cta_rows)
+  np.testing.assert_array_equal(order, expected)
 
 
 @pytest.mark.parametrize("scale, soft_cap, head_dim, in_loop", [
@@ -295,19 +303,9 @@ def test_fused_backward_launch_order(monkeypatch, head_dims, cta_rows):
     (-0.1, 0.0, (192, 128), False),  # so does MLA's
 ])
 def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
-    monkeypatch, scale, soft_cap, head_dim, in_loop):
+    ffi_call, scale, soft_cap, head_dim, in_loop):
   """The kernel's mask pass sets dropped logits to -inf before they are scaled, which holds only
   for a scale > 0: for any other the JAX side asks for the kernels that mask in their loop."""
-  import jax
-  monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
-  got = {}
-
-  def fake_ffi_call(target, results):
-    def call(*args, **attrs):
-      got.update(attrs)
-      return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    return call
-  monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
   x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   ids, lse = jnp.zeros((1, 256), jnp.int32), jnp.zeros((1, 4, 256), jnp.float32)
   bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
@@ -315,8 +313,9 @@ def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
   cuda_bwd.fused_backward(x(1, 256, 4, d), x(1, 256, 2, d), x(1, 256, 2, dv),
                           x(1, 256, 4, dv), lse, lse, ids, ids, ids, ids, bounds,
                           scale=scale, causal=True, soft_cap=soft_cap)
-  assert bool(int(got["variant"]) & cuda_bwd.MASK_IN_LOOP) == in_loop
-  assert bool(int(got["variant"]) & cuda_bwd.SOFTCAP) == bool(soft_cap)
+  variant = int(ffi_call["attrs"]["variant"])
+  assert bool(variant & cuda_bwd.MASK_IN_LOOP) == in_loop
+  assert bool(variant & cuda_bwd.SOFTCAP) == bool(soft_cap)
 
 
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------
