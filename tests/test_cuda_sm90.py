@@ -104,20 +104,51 @@ def test_dq_staging_order_is_undone_by_the_jax_side():
   np.testing.assert_array_equal(back, block)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+def _vector_order(t: int, j: int):
+  """(row, col) of thread t's elements 4 j, 4 j + 1 (the first pair) in the wide kernels' dq
+  order (fused_backward.cu's red_add_part): elements 4 j + 2, 4 j + 3 are 8 rows below."""
+  return _fragment(t, 2 * j)
+
+
+def _write_vector_order(part):
+  """A 64 x 64 block as red_add_part writes it: thread t's 4 j .. 4 j + 3 at (j 128 + t) 4."""
+  out = np.zeros(64 * 64, part.dtype)
+  for t in range(128):
+    for j in range(8):
+      row, col = _vector_order(t, j)
+      off = (j * 128 + t) * 4
+      out[off:off + 2] = part[row, col:col + 2]
+      out[off + 2:off + 4] = part[row + 8, col:col + 2]
+  return out
+
+
+def test_vector_order_is_undone_by_the_jax_side():
+  """The wide kernels' 16-byte reduce-adds put every element of the block somewhere distinct,
+  and unpermute_vector_order gives the 64 x 64 block back."""
+  block = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  written = _write_vector_order(block)
+  assert sorted(written.tolist()) == sorted(block.reshape(-1).tolist())
+  back = np.asarray(cuda_bwd.unpermute_vector_order(jnp.asarray(written)[None]))[0]
+  np.testing.assert_array_equal(back, block)
+
+
+@pytest.mark.parametrize("head_dim", [128, 192, 256])
 @pytest.mark.parametrize("variant", sorted(cuda_bwd.VARIANTS))
 def test_dq_from_accum_places_every_block(variant, head_dim):
   """dq_accum[b, h, part, block] as the kernels write it (its order per 64 x 64 part: row-major,
-  or FRAG's fragment order) back to dq [B, Sq, H, D], scaled. Part k holds columns 64 k ..:
-  at head dim 128 consumer c's half (k = c); at 256 consumer c's two parts j = 0, 1 (k = 2 c + j,
-  columns 128 c + 64 j .., reduce-added from registers in FRAG's order)."""
+  or FRAG's fragment order at head dims 64 / 128; the vector order at 256 and 192) back to dq
+  [B, Sq, H, D], scaled. Part k holds columns 64 k ..: at head dim 128 consumer c's half (k = c);
+  at 256 consumer c's two parts j = 0, 1 (k = 2 c + j, columns 128 c + 64 j ..); at 192 consumer
+  1's three parts."""
   rng = np.random.default_rng(1)
   b, sq, h, parts = 2, 192, 3, head_dim // 64
   dq = rng.normal(size=(b, sq, h, head_dim)).astype(np.float32)
   accum = np.zeros((b, h, parts, sq // 64, 4096), np.float32)
   for bi, hi, k, blk in np.ndindex(b, h, parts, sq // 64):
     part = dq[bi, 64 * blk:64 * blk + 64, hi, 64 * k:64 * k + 64]
-    if cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG:
+    if head_dim > 128:
+      accum[bi, hi, k, blk] = _write_vector_order(part)
+    elif cuda_bwd.VARIANTS[variant] & cuda_bwd.FRAG:
       for t in range(128):
         for pr in range(16):
           row, col = _fragment(t, pr)

@@ -102,7 +102,8 @@ struct Params {
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
   float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
-                         // row-major, or in the consumers' fragment order (FRAG)
+                         // row-major, or in the consumers' fragment order (FRAG; the wide
+                         // kernels, head dims 256 and 192: red_add_part's vector order)
   int s_q, s_kv, heads, kv_heads;
   float scale;
   int causal;
@@ -336,9 +337,23 @@ __device__ __forceinline__ void wgmma_64x128_ss(float (&d)[64], uint64_t da, uin
   }
 }
 
-// *addr += (a, b) in global memory, as one 8-byte float32 vector reduction (sm_90).
-__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+// *addr += (a, b, c, d) in global memory, as one 16-byte float32 vector reduction (sm_90).
+__device__ __forceinline__ void red_add_f32x4(float* addr, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
+// A 64 x 64 float32 wgmma accumulator (32 per thread t of the warpgroup) reduce-added into a
+// dq_accum part at dst in the wide kernels' vector order: thread t's elements 4j .. 4j + 3 (rows
+// r0 and r0 + 8, columns 8j + 2 (lane % 4) + {0, 1}) at float offset (j * 128 + t) * 4, one
+// 16-byte reduction each (fused_backward.py's unpermute_vector_order undoes it). Half the
+// instructions of 8-byte pairs: head dim 256's backward was 3-5% faster (2026-11-28).
+__device__ __forceinline__ void red_add_part(float* dst, const float (&acc)[32], int t) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    red_add_f32x4(dst + (j * 128 + t) * 4, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+                  acc[4 * j + 3]);
 }
 
 // Two floats as one register of the 16-bit operand type (HALF: fp16, else bf16), rounded.
@@ -884,7 +899,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 // Then both: dV_c += P^T dO[:, half c] (P^T from registers), dK_c += dS^T Q[:, half c] (dS^T
 // from shared memory, so both run the same instructions) and dQ[:, half c] = dS K[:, half c]
 // in two 64-column parts (A = dS: dS^T's buffer read MN-major), each reduce-added into dq_accum
-// from registers (red.global.add.v2.f32, fragment order: no staging buffer fits next to the
+// from registers (red_add_part: 16-byte reductions; no staging buffer fits next to the
 // 64 KiB ring slots). Five products per tile pair, as at 128, and the same float32 dq_accum.
 // The P^T and dS^T buffers are single: named barriers P_FULL / P_FREE and DS_FULL / DS_FREE
 // (arrive by one consumer, sync by the other) order their reuse. (The FULL pairs alone already
@@ -1099,7 +1114,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     wg_commit();
     // dQ[:, 128c + 64j : + 64] = dS K[:, ...] for j = 0, 1 (M = 64 query rows, N = 64, K = 64 kv
     // rows; A = dS, the MN-major view of dS^T; B = K's column piece 2c + j, MN-major), each
-    // reduce-added into dq_accum[b, head, 2c + j, q0 / 64] in fragment order.
+    // reduce-added into dq_accum[b, head, 2c + j, q0 / 64] (red_add_part's order).
     // (Both parts in flight at once, each reduce-added as soon as it is done: 37.25 / 7.58 ms
     // against 37.77 / 7.87 for one part after the other, 16k causal / documents forward+backward,
     // same H200 call, 2026-11-27.)
@@ -1122,15 +1137,11 @@ __global__ void __launch_bounds__(THREADS, 1)
                        64;
       wg_wait<1>();
       if (t == 0) mbar_arrive(bar_empty + 8 * s);
-#pragma unroll
-      for (int i = 0; i < 32; i += 2)
-        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq0[i], dq0[i + 1]);
+      red_add_part(dst, dq0, t);
       wg_wait<0>();
       if (c == 0 && n + 1 < steps) named_arrive(BAR_DS_FREE, 256);
       dst += static_cast<size_t>(p.s_q) * 64;
-#pragma unroll
-      for (int i = 0; i < 32; i += 2)
-        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, dq1[i], dq1[i + 1]);
+      red_add_part(dst, dq1, t);
     }
   }
 
@@ -1404,31 +1415,24 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     // Consumer 1 reduce-adds each dQ part as it finishes: dq_accum[b, head, j, q0 / 64], in
-    // fragment order. The slot (Q, dO) is free once dV (consumer 1) / dK (consumer 0) are done.
+    // red_add_part's order. The slot (Q, dO) is free once dV (consumer 1) / dK (consumer 0) are
+    // done.
     float* dst = p.dq_accum +
                  ((((static_cast<size_t>(b) * p.heads + head) * QK_PIECES) * p.s_q) + q0) * 64;
     const size_t part = static_cast<size_t>(p.s_q) * 64;
     wg_wait<2>();
     if (c == 1) {
       if (t == 0) mbar_arrive(bar_empty + 8 * s);
-#pragma unroll
-      for (int i = 0; i < 32; i += 2)
-        red_add_f32x2(dst + ((i / 2) * 128 + t) * 2, acc3[0][i], acc3[0][i + 1]);
+      red_add_part(dst, acc3[0], t);
     }
     wg_wait<1>();
-    if (c == 1) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2)
-        red_add_f32x2(dst + part + ((i / 2) * 128 + t) * 2, acc3[1][i], acc3[1][i + 1]);
-    }
+    if (c == 1) red_add_part(dst + part, acc3[1], t);
     wg_wait<0>();
     if (c == 0) {
       if (t == 0) mbar_arrive(bar_empty + 8 * s);
       if (n + 1 < steps) named_arrive(BAR_DS_FREE, 256);
     } else {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2)
-        red_add_f32x2(dst + 2 * part + ((i / 2) * 128 + t) * 2, acc3[2][i], acc3[2][i + 1]);
+      red_add_part(dst + 2 * part, acc3[2], t);
     }
   }
 
@@ -1687,7 +1691,7 @@ static ffi::Error FusedBackwardImpl(
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 13; }
+extern "C" int KvaxSm90AbiVersion() { return 14; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

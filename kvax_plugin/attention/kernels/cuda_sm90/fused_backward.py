@@ -42,9 +42,10 @@ Q_BLOCK = 64
 # shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
 # dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27; 11: head dim 64 in 128-row query
 # steps with DECOUPLE, 2026-11-27; 12: the launch order input, 2026-11-27; 13: the tiles' whole
-# query blocks (full_lower / full_upper: the mask pass skips them) and MASK_IN_LOOP, 2026-11-28).
+# query blocks (full_lower / full_upper: the mask pass skips them) and MASK_IN_LOOP, 2026-11-28;
+# 14: head dims 256 and 192 / 128 write dq_accum in the vector order, 2026-11-28).
 # Bump both together.
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
 # Why this process could not get a library (the exception's type and message): said again on
@@ -188,6 +189,18 @@ def unpermute_fragment_order(accum):
   return x.reshape(*lead, 64, 64)
 
 
+def unpermute_vector_order(accum):
+  """[..., 4096] in the wide kernels' order (head dims 256 and 192 / 128: fused_backward.cu's
+  red_add_part) -> [..., 64, 64] row-major: thread t = 32 w + 4 a + b reduce-adds its elements
+  4 pj .. 4 pj + 3, rows 16 w + 8 ph + a (ph = 0, 1), columns 8 pj + 2 b + {0, 1}, at float
+  offset (pj * 128 + t) * 4 + 2 ph."""
+  lead = accum.shape[:-1]
+  x = accum.reshape(*lead, 8, 4, 8, 4, 2, 2)  # pj, w, a, b, ph, e
+  n = len(lead)
+  x = x.transpose(*range(n), n + 1, n + 4, n + 2, n + 0, n + 3, n + 5)  # w, ph, a, pj, b, e
+  return x.reshape(*lead, 64, 64)
+
+
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
@@ -254,9 +267,12 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
 
 def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
   """dq [B, Sq, H, D] from the kernel's float32 dq_accum [B, H, D / 64, Sq / 64, 4096]: per
-  64-column part and 64-row query block, dS K unscaled, row-major or (FRAG) in fragment order."""
+  64-column part and 64-row query block, dS K unscaled; at head dims 64 / 128 row-major or (FRAG)
+  in fragment order, at 256 and 192 (3 or 4 parts: the wide kernels) in the vector order."""
   b, h, parts, blocks, _ = dq_accum.shape
-  if VARIANTS[variant] & FRAG:
+  if parts > 2:
+    block = unpermute_vector_order(dq_accum)
+  elif VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)
   else:
     block = dq_accum.reshape(b, h, parts, blocks, Q_BLOCK, 64)
