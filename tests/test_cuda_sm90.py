@@ -104,18 +104,13 @@ def test_dq_staging_order_is_undone_by_the_jax_side():
   np.testing.assert_array_equal(back, block)
 
 
-def _vector_order(t: int, j: int):
-  """(row, col) of thread t's elements 4 j, 4 j + 1 (the first pair) in the wide kernels' dq
-  order (fused_backward.cu's red_add_part): elements 4 j + 2, 4 j + 3 are 8 rows below."""
-  return _fragment(t, 2 * j)
-
-
 def _write_vector_order(part):
-  """A 64 x 64 block as red_add_part writes it: thread t's 4 j .. 4 j + 3 at (j 128 + t) 4."""
+  """A 64 x 64 block as red_add_part writes it: thread t's elements 4 j .. 4 j + 3 (accumulator
+  pairs 2 j and 2 j + 1: the same columns, rows 8 apart) at float offset (j 128 + t) 4."""
   out = np.zeros(64 * 64, part.dtype)
   for t in range(128):
     for j in range(8):
-      row, col = _vector_order(t, j)
+      row, col = _fragment(t, 2 * j)
       off = (j * 128 + t) * 4
       out[off:off + 2] = part[row, col:col + 2]
       out[off + 2:off + 4] = part[row + 8, col:col + 2]

@@ -33,6 +33,9 @@ HEAD_DIM = 128  # the main layout's head dim (benchmarks/cuda_backward_check.py'
 # (backward_d256_kernel: kv tiles of 64 rows, the consumers splitting the head dim), MLA's 192 /
 # 128 in a third (backward_mla_kernel: the same tiles, the consumers splitting the products).
 HEAD_DIMS = ((128, 128), (64, 64), (256, 256), (192, 128))
+# The main layout's q / k head dims; the others (256, MLA's 192) run the wide kernels: 64-row kv
+# tiles, no DECOUPLE / MASK_IN_LOOP bits, dq_accum in the vector order.
+MAIN_LAYOUT_HEAD_DIMS = (64, 128)
 KV_TILE = 128
 Q_BLOCK = 64
 
@@ -245,13 +248,13 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
   if not scale > 0 and not soft_cap:
     bits |= MASK_IN_LOOP
-  if d not in (64, 128):
+  if d not in MAIN_LAYOUT_HEAD_DIMS:
     bits &= ~(DECOUPLE | MASK_IN_LOOP)  # head dims 128 / 64's layout (fused_backward.cu)
   # The CTAs' launch order: the kv tiles longest first. At head dims 64 / 128 each tile's kv
   # heads launch together; with a sliding window, and at head dims 256 and 192 / 128, one head's
   # tiles launch after another (the kernel's grid). Head dims 256 and 192 / 128 run 64-row kv
   # tiles, two per table row. Measured 2026-11-27 and 2026-11-28 (H200): docs/performance.md.
-  cta_tile = KV_TILE if d in (64, 128) else KV_TILE // 2
+  cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
   order = longest_first(*map(i32, bounds[:2]), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
@@ -270,7 +273,7 @@ def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
   64-column part and 64-row query block, dS K unscaled; at head dims 64 / 128 row-major or (FRAG)
   in fragment order, at 256 and 192 (3 or 4 parts: the wide kernels) in the vector order."""
   b, h, parts, blocks, _ = dq_accum.shape
-  if parts > 2:
+  if parts * 64 not in MAIN_LAYOUT_HEAD_DIMS:  # the wide kernels
     block = unpermute_vector_order(dq_accum)
   elif VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)
