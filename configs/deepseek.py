@@ -1,38 +1,9 @@
-"""DeepSeek V2/V3, multi-head latent attention (MLA) and MoE:
-MaxText's upstream configs, trained with attention=kvax on packed text.
+"""DeepSeek V2/V3, multi-head latent attention (MLA) and MoE, for the launcher in a checkout:
 
     python -m kvax_plugin.launch --config=configs/deepseek.py:tiny
-    python -m kvax_plugin.launch --config=configs/deepseek.py:tiny --config.attention=dot_product
-    python -m kvax_plugin.launch --config=configs/deepseek.py:v2-16b --config.seq_len=4096 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (MLA: query/key head dim 192 (128 +
-64 rope), value head dim 128, LoRA-compressed q and kv); the others are MaxText's
-configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+The config itself ships in the package (kvax_plugin/configs/deepseek.py), so an install runs
+`python -m kvax_plugin.launch --config=deepseek:tiny` from any directory.
 """
 
-import os
-import sys
-
-# config_flags loads this file by path: make `configs.common` importable from any directory.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from configs import common  # noqa: E402  pylint: disable=wrong-import-position
-
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
-VARIANTS = {
-    "tiny": ("deepseek3-tiny", dict(
-        # MaxText's deepseek3-tiny keeps V3's MLA (qk 128 + 64 rope = 192, v 128, LoRA ranks);
-        # 2 layers (1 dense + 1 MoE), 4 experts top 2, computed densely on CPU.
-        base_num_decoder_layers=2, first_num_dense_layers=1, num_experts=4,
-        num_experts_per_tok=2, sparse_matmul=False, capacity_factor=-1.0, **common.TINY_COMMON)),
-    "v2-16b": ("deepseek2-16b", {}),
-    "v3-671b": ("deepseek3-671b", {}),
-}
-
-
-def get_config(arg=None):
-  return common.family_config("deepseek", arg, VARIANTS)
+from kvax_plugin.configs.deepseek import VARIANTS, get_config  # noqa: F401

@@ -1,39 +1,9 @@
-"""Llama 3 (Meta):
-MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Llama 3 (Meta), for the launcher in a checkout:
 
     python -m kvax_plugin.launch --config=configs/llama3.py:tiny
-    python -m kvax_plugin.launch --config=configs/llama3.py:tiny --config.attention=dot_product
-    python -m kvax_plugin.launch --config=configs/llama3.py:8b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads in
-8b), global causal attention); the others are MaxText's configs/models/<model_name>.yml unchanged,
-for GPUs. Any field can be set with --config.<field>=..., and raw MaxText keys can follow as
-key=value (they win over the config).
+The config itself ships in the package (kvax_plugin/configs/llama3.py), so an install runs
+`python -m kvax_plugin.launch --config=llama3:tiny` from any directory.
 """
 
-import os
-import sys
-
-# config_flags loads this file by path: make `configs.common` importable from any directory.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from configs import common  # noqa: E402  pylint: disable=wrong-import-position
-
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
-VARIANTS = {
-    "tiny": ("llama3-8b", dict(
-        # 8 query / 2 kv heads keeps llama3's 4:1 GQA ratio and head dim 128.
-        base_emb_dim=256, base_mlp_dim=512, base_num_decoder_layers=2,
-        base_num_query_heads=8, base_num_kv_heads=2, **common.TINY_COMMON)),
-    "8b": ("llama3-8b", {}),
-    "3.1-8b": ("llama3.1-8b", {}),
-    "70b": ("llama3-70b", {}),
-    "3.1-405b": ("llama3.1-405b", {}),
-}
-
-
-def get_config(arg=None):
-  return common.family_config("llama3", arg, VARIANTS)
+from kvax_plugin.configs.llama3 import VARIANTS, get_config  # noqa: F401

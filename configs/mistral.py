@@ -1,36 +1,9 @@
-"""Mistral 7B:
-MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Mistral 7B, for the launcher in a checkout:
 
     python -m kvax_plugin.launch --config=configs/mistral.py:tiny
-    python -m kvax_plugin.launch --config=configs/mistral.py:tiny --config.attention=dot_product
-    python -m kvax_plugin.launch --config=configs/mistral.py:7b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 4:1 (32/8 heads);
-MaxText's mistral-7b.yml sets no sliding window); the others are MaxText's
-configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+The config itself ships in the package (kvax_plugin/configs/mistral.py), so an install runs
+`python -m kvax_plugin.launch --config=mistral:tiny` from any directory.
 """
 
-import os
-import sys
-
-# config_flags loads this file by path: make `configs.common` importable from any directory.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from configs import common  # noqa: E402  pylint: disable=wrong-import-position
-
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
-VARIANTS = {
-    "tiny": ("mistral-7b", dict(
-        # 8 query / 2 kv heads keeps mistral's 4:1 GQA ratio and head dim 128.
-        base_emb_dim=256, base_mlp_dim=512, base_num_decoder_layers=2,
-        base_num_query_heads=8, base_num_kv_heads=2, **common.TINY_COMMON)),
-    "7b": ("mistral-7b", {}),
-}
-
-
-def get_config(arg=None):
-  return common.family_config("mistral", arg, VARIANTS)
+from kvax_plugin.configs.mistral import VARIANTS, get_config  # noqa: F401

@@ -1,43 +1,9 @@
-"""Qwen3 (Alibaba), dense:
-MaxText's upstream configs, trained with attention=kvax on packed text.
+"""Qwen3 (Alibaba), dense, for the launcher in a checkout:
 
     python -m kvax_plugin.launch --config=configs/qwen3.py:tiny
-    python -m kvax_plugin.launch --config=configs/qwen3.py:tiny --config.attention=dot_product
-    python -m kvax_plugin.launch --config=configs/qwen3.py:0.6b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 2:1 (0.6b) to 8:1
-(32b), q/k RMS norms); the others are MaxText's configs/models/<model_name>.yml unchanged, for
-GPUs. Any field can be set with --config.<field>=..., and raw MaxText keys can follow as key=value
-(they win over the config).
+The config itself ships in the package (kvax_plugin/configs/qwen3.py), so an install runs
+`python -m kvax_plugin.launch --config=qwen3:tiny` from any directory.
 """
 
-import os
-import sys
-
-# config_flags loads this file by path: make `configs.common` importable from any directory.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from configs import common  # noqa: E402  pylint: disable=wrong-import-position
-
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
-VARIANTS = {
-    "tiny": ("qwen3-0.6b", dict(
-        # 4 query / 2 kv heads keeps qwen3-0.6b's 2:1 ratio, head dim 128 and q/k norms.
-        base_emb_dim=256, base_mlp_dim=512, base_num_decoder_layers=2,
-        base_num_query_heads=4, base_num_kv_heads=2,
-        # qwen3-0.6b ties its output to the embedding; with MaxText's unit-variance embedding
-        # init the tied logits start with std ~sqrt(emb_dim) (initial loss ~180). Dividing them
-        # by sqrt(emb_dim) starts near ln(vocab) instead; attention is untouched.
-        normalize_embedding_logits=True, **common.TINY_COMMON)),
-    "0.6b": ("qwen3-0.6b", {}),
-    "4b": ("qwen3-4b", {}),
-    "8b": ("qwen3-8b", {}),
-    "32b": ("qwen3-32b", {}),
-}
-
-
-def get_config(arg=None):
-  return common.family_config("qwen3", arg, VARIANTS)
+from kvax_plugin.configs.qwen3 import VARIANTS, get_config  # noqa: F401

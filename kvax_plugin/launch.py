@@ -1,11 +1,13 @@
 """Train an upstream model family in MaxText with attention=kvax on packed real text.
 
-    python -m kvax_plugin.launch --config=configs/llama3.py:tiny
-    python -m kvax_plugin.launch --config=configs/gemma2.py:tiny --config.attention=dot_product
-    python -m kvax_plugin.launch --config=configs/llama3.py:8b --config.seq_len=8192 \\
+    python -m kvax_plugin.launch --config=llama3:tiny
+    python -m kvax_plugin.launch --config=gemma2:tiny --config.attention=dot_product
+    python -m kvax_plugin.launch --config=llama3:8b --config.seq_len=8192 \\
         --config.kvax.backend=triton --config.mesh.ici_tensor=2  steps=200 log_period=10
 
-`--config` names a family file and a variant (configs/<family>.py:<variant>), `--config.<field>`
+`--config` names a family and a variant (<family>:<variant>: the configs shipped in
+kvax_plugin/configs/; a config file's path works too, e.g. a checkout's
+configs/<family>.py:<variant>), `--config.<field>`
 changes a field of it (a misspelt field is an error), and trailing `key=value` arguments are raw
 MaxText keys, applied last and checked like the flags they override. `--dry_run` prints the
 banner (stderr) and the MaxText keys (stdout) and exits.
@@ -20,7 +22,7 @@ What happens (the pieces live in kvax_plugin/integrations/maxtext/):
   5. summary.json, loss.png, mask.png next to MaxText's tensorboard/ (run_report.py).
 
 One run over several processes (one per host; distributed.py), on every process I = 0..N-1:
-    python -m kvax_plugin.launch --config=configs/llama3.py:8b \\
+    python -m kvax_plugin.launch --config=llama3:8b \\
         --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
 
 Exit status: 0 after a finished run, 2 for a bad flag or raw key (one line naming it, also when
@@ -53,7 +55,7 @@ from kvax_plugin.integrations.maxtext.training_hooks import (Progress, packed_co
                                                              progress_hook)
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "configs/<family>.py:<variant>, e.g. configs/llama3.py:tiny",
+    "config", None, "<family>:<variant> (e.g. llama3:tiny) or <config file>:<variant>",
     lock_config=True)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "check the config, print the MaxText keys it becomes, and exit")
@@ -83,8 +85,8 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
              if f not in cfg]
   if missing:
     raise FlagError(f"--config: the config has no {', '.join(missing)} field(s), so it is not a "
-                    "family config (configs/<family>.py builds one with "
-                    "configs.common.family_config)")
+                    "family config (kvax_plugin/configs/<family>.py builds one with "
+                    "kvax_plugin.configs.common.family_config)")
   checks.check_config(cfg)
   # From here on only the launcher's own lines reach the console (console.py).
   with console.Console(cfg.quiet) as con:
@@ -194,6 +196,7 @@ def _main(argv: Sequence[str]) -> None:
 def _parse_flags(argv: Sequence[str]) -> list[str]:
   # Errors while loading the config file or applying --config.<field> overrides name the flag
   # instead of ending in a traceback from ml_collections.
+  argv = checks.resolve_config_argv(argv)
   checks.check_config_path(argv)
   try:
     return flags.FLAGS(list(argv))

@@ -44,12 +44,12 @@ def load_family(family: str):
   return module
 
 
-def run_launcher(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def run_launcher(*args: str, timeout: int = 240, cwd: str = ROOT) -> subprocess.CompletedProcess:
   # One CPU device, as a user's machine has (tests/conftest.py simulates 8 for the sharding tests).
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                    if "xla_force_host_platform_device_count" not in f)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
-  return subprocess.run([sys.executable, "-m", "kvax_plugin.launch", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "kvax_plugin.launch", *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -102,7 +102,7 @@ def test_tiny_keeps_the_familys_attention(family):
 
 
 def test_unknown_variant_names_the_flag():
-  with pytest.raises(ValueError, match=r"--config=configs/llama3.py:huge.*tiny"):
+  with pytest.raises(ValueError, match=r"--config=llama3:huge.*tiny"):
     load_family("llama3").get_config("huge")
 
 
@@ -288,9 +288,58 @@ def test_context_parallel_order_flag():
 # ---------------------------------------------------------------------------------------------
 
 
+def test_family_names_resolve_to_the_packaged_configs(tmp_path):
+  from kvax_plugin.configs import config_file
+  from kvax_plugin.integrations.maxtext import launch_checks as checks
+  packaged = config_file("llama3")
+  assert os.path.dirname(packaged).endswith(os.path.join("kvax_plugin", "configs"))
+  # From a directory without configs/: a family name, or a checkout's path, finds the package's.
+  os.chdir(tmp_path)
+  try:
+    for value in ("llama3", "llama3.py", "configs/llama3.py"):
+      assert checks.resolve_config_path(value) == packaged, value
+    assert checks.resolve_config_argv(["p", "--config=configs/gemma2.py:tiny", "x=1"]) == [
+        "p", f"--config={config_file('gemma2')}:tiny", "x=1"]
+    assert checks.resolve_config_path("other/llama3.py") == "other/llama3.py"  # a path stays
+  finally:
+    os.chdir(ROOT)
+  # The checkout's configs/ files give the packaged configs.
+  for family in FAMILIES:
+    assert load_family(family).get_config("tiny").to_dict() == (
+        importlib.import_module(f"kvax_plugin.configs.{family}").get_config("tiny").to_dict())
+
+
+@needs_maxtext
+def test_remat_policy_defaults_to_maxtexts_gpu_recipe():
+  from kvax_plugin.integrations.maxtext.launch_keys import (GPU_DEFAULT_REMAT_POLICY, gpu_recipe,
+                                                            maxtext_keys)
+  c = load_family("llama3").get_config("8b")
+  assert c.remat_policy == "auto"
+  assert gpu_recipe("llama3-8b")["remat_policy"] == "minimal_with_context"  # MaxText's own yml
+  assert maxtext_keys(c, "gpu")["remat_policy"] == "minimal_with_context"
+  assert "remat_policy" not in maxtext_keys(c, "cpu")  # MaxText's default on CPU
+  assert gpu_recipe("llama3-70b")["remat_policy"] == "full"
+  c70 = load_family("llama3").get_config("70b")
+  assert maxtext_keys(c70, "gpu")["remat_policy"] == "full"
+  g = load_family("gemma2").get_config("tiny")  # no GPU recipe for gemma2-2b
+  assert gpu_recipe(g.model) == {}
+  assert maxtext_keys(g, "gpu")["remat_policy"] == GPU_DEFAULT_REMAT_POLICY
+  with c.unlocked():
+    c.remat_policy = "full"
+  assert maxtext_keys(c, "gpu")["remat_policy"] == "full"
+  assert maxtext_keys(c, "cpu")["remat_policy"] == "full"
+
+
+def test_launcher_runs_a_family_name_from_any_directory(tmp_path):
+  r = run_launcher("--config=llama3:tiny", "--dry_run", timeout=120, cwd=str(tmp_path))
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "model_name=llama3-8b" in r.stdout
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--config=configs/llama4.py:tiny"], "--config=configs/llama4.py:tiny"),
-    (["--config=configs/llama3.py:huge"], "--config=configs/llama3.py:huge"),
+    (["--config=llama3:huge"], "--config=llama3:huge"),
+    (["--config=llama4"], "--config=llama4"),
     (["--config=configs/llama3.py:tiny", "--config.kvax.blocks=3"], "--config.kvax.blocks"),
     (["--config=configs/llama3.py:tiny", "--config.attention=sdpa"], "--config.attention"),
     (["--config=configs/llama3.py:tiny", "--config.kvax.fwd_kv_block_size=48"],

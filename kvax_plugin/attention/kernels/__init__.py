@@ -44,6 +44,11 @@ class BackendUnavailableError(RuntimeError):
   """An explicitly requested backend cannot run here (never silently replaced)."""
 
 
+class IncompleteInstallError(ImportError):
+  """A backend module that ships with kvax-plugin cannot be imported: the installed package is
+  broken (a file missing from the wheel, a stale build), which no backend choice may hide."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelBackend:
   """One registry entry.
@@ -130,7 +135,17 @@ def _record(name: str) -> KernelBackend:
 
 
 def _module(record: KernelBackend):
-  return importlib.import_module(record.module)
+  """The backend's module. Its optional dependencies are imported inside its functions, so a
+  failure to import a kvax_plugin module here is a broken install: IncompleteInstallError."""
+  try:
+    return importlib.import_module(record.module)
+  except ImportError as e:
+    if (e.name or "").split(".")[0] == "kvax_plugin" or not e.name:
+      raise IncompleteInstallError(
+          f"kvax-plugin is installed incompletely: the {record.name} backend's module "
+          f"{record.module} does not import ({type(e).__name__}: {e}). Reinstall the package "
+          "(pip install --force-reinstall kvax-plugin) or report it.") from e
+    raise
 
 
 def capabilities(name: str) -> Capabilities:
@@ -141,6 +156,15 @@ def capabilities(name: str) -> Capabilities:
 def availability(name: str) -> tuple[bool, str]:
   """(available, reason): whether backend `name` can run in this process."""
   record = _record(name)
+  # Imported first, on every platform: a module missing from the install raises
+  # IncompleteInstallError here instead of reading as "unavailable".
+  try:
+    module = _module(record)
+  except IncompleteInstallError:
+    raise
+  except ImportError as e:
+    return False, (f"the {name} backend could not be imported ({e})"
+                   + (f"; {record.install_hint}" if record.install_hint else ""))
   if not record.platforms:
     return True, f"{name} runs on every JAX platform"
   try:
@@ -150,11 +174,6 @@ def availability(name: str) -> tuple[bool, str]:
   if not devices:
     return False, (f"no {'/'.join(p.upper() for p in record.platforms)} visible to JAX (default "
                    f"backend: {jax.default_backend()})")
-  try:
-    module = _module(record)
-  except ImportError as e:
-    return False, (f"the {name} backend could not be imported ({e})"
-                   + (f"; {record.install_hint}" if record.install_hint else ""))
   if record.device_check is None:
     return True, f"{devices[0]}"
   return getattr(module, record.device_check)(devices[0])
@@ -257,7 +276,7 @@ def backend_options(name: str, **options: Any) -> dict[str, Any]:
   return {k: v for k, v in options.items() if k in accepted}
 
 
-__all__ = ["BackendUnavailableError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
+__all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
            "AUTO_ORDER", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
            "auto_prefers",
            "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]

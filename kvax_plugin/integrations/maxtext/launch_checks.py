@@ -17,19 +17,45 @@ from collections.abc import Sequence
 import kvax_plugin
 from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.kernels import BACKENDS as KVAX_BACKENDS
+from kvax_plugin.configs import common as configs_common
+from kvax_plugin.configs.common import FAMILIES
 from kvax_plugin.errors import FlagError, SetupError
 from kvax_plugin.integrations.maxtext.launch_keys import KVAX_KEYS, maxtext_dir
 
-FAMILIES = ("llama3", "mistral", "gemma2", "qwen3", "gpt_oss", "deepseek")
 ATTENTIONS = ("kvax", "dot_product", "flash", "cudnn_flash_te", "cudnn_flash_jax", "autoselected")
 
 
 def _configs_dir() -> str:
-  # This file is kvax_plugin/integrations/maxtext/launch_checks.py; configs/ is at the repo root.
-  here = os.path.abspath(__file__)
-  for _ in range(4):
-    here = os.path.dirname(here)
-  return os.path.join(here, "configs")
+  return os.path.dirname(os.path.abspath(configs_common.__file__))
+
+
+def resolve_config_path(path: str) -> str:
+  """The config file `path` names: an existing file as is; else a family name ("llama3") or a
+  checkout's path to one ("configs/llama3.py") as the file shipped in the package, so the
+  README's commands run from an install too. Other paths come back unchanged."""
+  if os.path.isfile(path):
+    return path
+  name = os.path.basename(path)
+  family = name[:-3] if name.endswith(".py") else name
+  in_checkout_layout = path in (family, f"{family}.py", os.path.join("configs", f"{family}.py"))
+  if family in FAMILIES and in_checkout_layout:
+    return os.path.join(_configs_dir(), f"{family}.py")
+  return path
+
+
+def resolve_config_argv(argv: Sequence[str]) -> list[str]:
+  """argv with its --config value's file resolved (resolve_config_path)."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg == "--config" and i + 1 < len(out):
+      path, sep, variant = out[i + 1].partition(":")
+      out[i + 1] = resolve_config_path(path) + sep + variant
+      break
+    if arg.startswith("--config="):
+      path, sep, variant = arg.split("=", 1)[1].partition(":")
+      out[i] = "--config=" + resolve_config_path(path) + sep + variant
+      break
+  return out
 
 
 def check_config_path(argv: Sequence[str]) -> None:
@@ -43,16 +69,16 @@ def check_config_path(argv: Sequence[str]) -> None:
       value = arg.split("=", 1)[1]
     else:
       continue
-    path = value.split(":", 1)[0]
+    path = resolve_config_path(value.split(":", 1)[0])
     family = os.path.splitext(os.path.basename(path))[0]
-    families = (f"Families: {', '.join(FAMILIES)}, as configs/<family>.py:<variant> (in "
-                f"{_configs_dir()})")
+    families = (f"Families: {', '.join(FAMILIES)}, as <family>:<variant> (files in "
+                f"{_configs_dir()}) or a config file's path")
     if not os.path.isfile(path):
       raise FlagError(f"--config={value}: no config file {path!r} (unknown family {family!r}?). "
                       + families)
     check_family_file(value, path, families)
     return
-  raise FlagError("--config is required, e.g. --config=configs/llama3.py:tiny")
+  raise FlagError("--config is required, e.g. --config=llama3:tiny")
 
 
 def check_family_file(value: str, path: str, families: str) -> None:
@@ -65,7 +91,10 @@ def check_family_file(value: str, path: str, families: str) -> None:
   except (SyntaxError, UnicodeDecodeError, ValueError) as e:
     raise FlagError(f"--config={value}: {path!r} is not a Python config file ({e}). "
                     + families) from e
-  if not any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body):
+  defines = any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body)
+  imports = any(isinstance(n, ast.ImportFrom) and any(
+      (a.asname or a.name) == "get_config" for a in n.names) for n in tree.body)
+  if not (defines or imports):
     raise FlagError(f"--config={value}: {path!r} is not a family config (it defines no "
                     "get_config(variant)). " + families)
 
@@ -86,6 +115,9 @@ def check_config(cfg) -> None:
     raise FlagError(f"--config: family {cfg.family!r} is not one of {FAMILIES}")
   if cfg.attention not in ATTENTIONS:
     raise FlagError(f"--config.attention={cfg.attention!r}: choose one of {ATTENTIONS}")
+  if not isinstance(cfg.remat_policy, str) or not cfg.remat_policy:
+    raise FlagError(f"--config.remat_policy={cfg.remat_policy!r}: \"auto\" or a MaxText "
+                    "remat_policy name (e.g. minimal_with_context, full)")
   if cfg.kvax.backend not in KVAX_BACKENDS:
     raise FlagError(f"--config.kvax.backend={cfg.kvax.backend!r}: choose one of {KVAX_BACKENDS}")
   for key in KVAX_KEYS[:4]:

@@ -1,4 +1,4 @@
-"""The launcher's config (configs/<family>.py) as MaxText keys, and checks on MaxText's result.
+"""The launcher's config (kvax_plugin/configs/<family>.py) as MaxText keys, and checks on MaxText's result.
 
 `maxtext_keys` translates a checked launcher config into MaxText key -> value,
 `maxtext_argv` into the argv of MaxText's train entry point, and `check_maxtext_config` checks
@@ -65,6 +65,7 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
     keys.update(hardware=platform, skip_jax_distributed_system=True)
   else:
     keys.update(hardware=cfg.hardware)
+  keys.update(remat_keys(cfg, platform))
   for field, key in MESH_KEYS.items():
     keys[key] = cfg.mesh[field]
   keys["kvax_backend"] = cfg.kvax.backend
@@ -72,6 +73,41 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
     keys[f"kvax_{field}"] = cfg.kvax[field]
   keys.update(cfg.model_overrides.to_dict())
   return keys
+
+
+# MaxText's remat policy where its GPU recipe for a model sets none.
+GPU_DEFAULT_REMAT_POLICY = "minimal_with_context"
+
+
+def gpu_recipe(model: str) -> dict[str, Any]:
+  """The training keys of MaxText's GPU recipe for `model` (its configs/gpu/models/*.yml whose
+  model_name is `model`): remat_policy and scan_layers where it sets them; {} when there is
+  none."""
+  import yaml
+  folder = os.path.join(maxtext_dir(), "configs", "gpu", "models")
+  if not os.path.isdir(folder):
+    return {}
+  # The recipe named after the model first (llama3-8b: llama3_8b.yml): shrunk recipes of other
+  # sizes can name the same model_name with their own overrides.
+  named = model.replace("-", "_") + ".yml"
+  names = sorted(n for n in os.listdir(folder) if n.endswith(".yml"))
+  for name in sorted(names, key=lambda n: n != named):
+    with open(os.path.join(folder, name), encoding="utf-8") as f:
+      recipe = yaml.safe_load(f) or {}
+    if recipe.get("model_name") == model:
+      return {k: recipe[k] for k in ("remat_policy", "scan_layers") if k in recipe}
+  return {}
+
+
+def remat_keys(cfg, platform: str) -> dict[str, Any]:
+  """MaxText keys for cfg.remat_policy. "auto" on GPU: MaxText's GPU recipe for the model
+  (gpu_recipe), with GPU_DEFAULT_REMAT_POLICY where the recipe sets no policy; "auto" on CPU:
+  none (MaxText's default). Another value is MaxText's remat_policy as given."""
+  if cfg.remat_policy != "auto":
+    return {"remat_policy": cfg.remat_policy}
+  if platform != "gpu":
+    return {}
+  return {"remat_policy": GPU_DEFAULT_REMAT_POLICY, **gpu_recipe(cfg.model)}
 
 
 # Stands in for a data path: MaxText validates that one is set, but the launcher replaces
