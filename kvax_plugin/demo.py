@@ -11,8 +11,8 @@ Steps:
   3. q/k/v: the tokens' byte embeddings times random projections (nothing is trained; the
      point is that q/k/v depend on the real text, so padding and document edges are real).
      Embedding and projection weights are drawn from --seed.
-  4. Time the forward and forward+backward of the best available backend
-     (kvax_plugin.resolve_backend("auto"): Triton on a supported GPU, else the JAX blockwise path),
+  4. Time the forward and forward+backward of --backend (default "auto": the fastest backend
+     that runs the call here; `python -m kvax_plugin.info` says which and why),
      compare outputs and gradients with the float32 dense reference, and print a table.
   5. Write the block-mask PNGs and summary.json under --out.
 
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvax_plugin
+from kvax_plugin.attention.kernels import AUTO_DESCRIPTION, BACKENDS, resolve_backend_for
 from kvax_plugin.data import ByteTokenizer, PackedBatch, batch_iterator, load_documents, to_kvax
 
 # Relative L2 error allowed against the float32 reference, per input dtype. float32 differs only
@@ -58,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--heads", type=int, default=8, help="query heads H")
   p.add_argument("--kv_heads", type=int, default=2, help="key/value heads K (H %% K == 0)")
   p.add_argument("--head_dim", type=int, default=64, help="head dim D (multiple of 16, <= 256)")
-  p.add_argument("--backend", default="auto", choices=["auto", "jax", "triton", "reference"],
-                 help="attention backend; auto = Triton on a supported GPU, else jax")
+  p.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                 help=f"attention backend; {AUTO_DESCRIPTION}")
   p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                 help="q/k/v dtype; auto = bfloat16 with Triton, float32 otherwise")
+                 help="q/k/v dtype; auto = bfloat16 on a GPU, float32 otherwise")
   p.add_argument("--sliding_window", type=int, default=None, help="optional sliding window")
   p.add_argument("--min_doc_chars", type=int, default=64,
                  help="shortest target document length in characters (see kvax_plugin.data)")
@@ -173,10 +174,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser = build_parser()
   args = parser.parse_args(argv)
   _check_args(parser, args)
-  backend = kvax_plugin.resolve_backend(args.backend)
   dtype_name = args.dtype if args.dtype != "auto" else (
-      "bfloat16" if backend == "triton" else "float32")
+      "bfloat16" if jax.default_backend() == "gpu" else "float32")
   dtype = DTYPES[dtype_name]
+  features = ("causal", "gqa") + (("sliding_window",) if args.sliding_window else ())
+  backend = resolve_backend_for(args.backend, dtype, args.head_dim, args.head_dim, features)
   os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
   print(f"kvax_plugin {kvax_plugin.__version__} demo | jax {jax.__version__} | device "

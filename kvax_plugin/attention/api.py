@@ -156,8 +156,9 @@ def flash_attention(query: jax.Array,
       "llama3" or "balanced"; the op never permutes the query itself); must match the mask's.
       Neither given: the order the (sharded) mask was built for, else "llama3".
       See kvax_plugin.attention.context_parallel.
-    backend: "auto" (the first of kernels.AUTO_ORDER that runs here and supports the call:
-      Mosaic on Hopper for 16-bit inputs, Triton on other supported GPUs, else JAX), or a name
+    backend: "auto" (the fastest backend that runs the call here: "hopper" or "mosaic" on a
+      Hopper GPU, whichever is measured faster for the call, "triton" on other CUDA GPUs,
+      "jax" elsewhere; `python -m kvax_plugin.info` shows the choice), or a name
       of kernels.KERNEL_BACKENDS ("mosaic", "hopper", "triton", "jax", "reference"); an
       explicit name that cannot run raises BackendUnavailableError.
     deterministic_backward: None (default): each backend's own - Mosaic's deterministic

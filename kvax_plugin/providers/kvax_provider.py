@@ -25,8 +25,10 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 class KvaxOptions:
   """Static settings of the kvax provider (hashable: they live in the pytree's aux data).
 
-  backend: flash_attention's kernel backend ("auto", "jax", "triton", "reference"); an
-    explicit request that cannot run raises, it is never replaced.
+  backend: flash_attention's kernel backend: "auto" (the fastest that runs the call here:
+    "hopper" or "mosaic" on a Hopper GPU, "triton" on other CUDA GPUs, "jax" elsewhere), or
+    "hopper", "mosaic", "triton", "jax", "reference"; an explicit request that cannot run
+    raises, it is never replaced.
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
   memory_optimized_gqa_backward: Triton only: always accumulate dk/dv over a GQA group in place
     (False: in place when the grid is large enough, see flash_attention).

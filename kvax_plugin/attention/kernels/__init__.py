@@ -127,6 +127,11 @@ AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
 
+# What "auto" means, in the words every option that offers it uses.
+AUTO_DESCRIPTION = ('"auto" takes the fastest backend that runs the call here: "hopper" or '
+                    '"mosaic" on a Hopper GPU (whichever is measured faster for the call), '
+                    '"triton" on other CUDA GPUs, "jax" elsewhere')
+
 
 def _record(name: str) -> KernelBackend:
   if name not in KERNEL_BACKENDS:
@@ -277,6 +282,6 @@ def backend_options(name: str, **options: Any) -> dict[str, Any]:
 
 
 __all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
-           "AUTO_ORDER", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
+           "AUTO_ORDER", "AUTO_DESCRIPTION", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
            "auto_prefers",
            "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]

@@ -13,14 +13,13 @@ from typing import Any
 
 import kvax_plugin
 from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
-from kvax_plugin.attention.kernels import BACKENDS
+from kvax_plugin.attention.kernels import AUTO_DESCRIPTION, BACKENDS
 from kvax_plugin.providers.kvax_provider import KvaxOptions
 
 # name -> (type, default, description). Block sizes: powers of two >= 16.
 KVAX_CONFIG_FIELDS: dict[str, tuple[type, Any, str]] = {
-    "kvax_backend": (str, "auto", 'kvax kernel backend: "auto" (Mosaic on Hopper, Triton on '
-                     'other supported GPUs, else JAX), "mosaic", "triton", "jax" or '
-                     '"reference"; an explicit choice never falls back'),
+    "kvax_backend": (str, "auto", f"kvax kernel backend, one of {', '.join(BACKENDS)}: "
+                     f"{AUTO_DESCRIPTION}; an explicit choice never falls back"),
     "kvax_fwd_query_block_size": (int, 128, "kvax forward query block size"),
     "kvax_fwd_kv_block_size": (int, 128, "kvax forward key/value block size"),
     "kvax_bwd_query_block_size": (int, 128, "kvax backward query block size"),
