@@ -271,7 +271,7 @@ def test_the_real_source_builds_without_a_gpu(tmp_path):
   window, and with the mask in the loop without and with the window, bf16 and fp16, at head
   dims 128 and 64, and the head dim 256 and MLA 192 / 128 kernels without MASK_IN_LOOP: 40),
   none spilling but the soft-cap kernels at head dim 64 (80-104 bytes;
-  docs/performance.md, 2026-11-27), and none with serialized wgmma (C7512 / C7520),
+  docs/history/performance-2026-11.md, 2026-11-27), and none with serialized wgmma (C7512 / C7520),
   and a library that loads on a CPU machine and reports this module's interface version."""
   lib = build.ensure_library(tmp_path / "cache", prebuilt=None)
   info = json.loads(build.info_path(lib).read_text())

@@ -61,11 +61,11 @@ def _with_spec(mask, **spec):
 
 
 def test_auto_prefers_matches_the_performance_table():
-  """docs/performance.md's table "What "auto" runs on a Hopper GPU" (the measurements) and
+  """docs/status.md's table "What "auto" runs on a Hopper GPU" (the measurements) and
   hopper.auto_prefers (the code) say the same for every row: hopper where the table says so,
   the other backend elsewhere."""
   from pathlib import Path
-  text = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+  text = (Path(__file__).resolve().parents[1] / "docs" / "status.md").read_text()
   section = text.split('## What "auto" runs on a Hopper GPU')[1].split("\n## ")[0]
   rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
           if line.startswith("| ") and not line.startswith("| head dims")]

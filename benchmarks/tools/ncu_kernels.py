@@ -7,8 +7,9 @@ Same cases, shapes and implementations as benchmarks/bench_attention.py (B=1, 32
 heads, head dim 128, bf16): jax.grad of <out, cotangent> is compiled, then run --steps times and
 waited for. Nothing is timed here; ncu replays each selected kernel launch once per counter pass
 and reports its duration and counters (benchmarks/tools/ncu_summary.py turns the raw CSV into the
-table of docs/performance.md). XLA's command buffers are turned off (set below, before jax is
-imported) so every kernel is a launch of its own, as in the timed benchmarks' steady state.
+tables of docs/history/performance-2026-11.md). XLA's command buffers are turned off (set below,
+before jax is imported) so every kernel is a launch of its own, as in the timed benchmarks'
+steady state.
 """
 
 from __future__ import annotations

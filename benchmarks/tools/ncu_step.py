@@ -11,8 +11,8 @@ name). With one, it is everything after XLA's last buffer check (its redzone and
 which end the compile's autotuning); that also takes in the benchmark's random inputs when
 nothing was autotuned after them (cuDNN's process: four multiply fusions, 1.4 / 0.36 / 0.36 /
 1.4 ms at 64k, q / k / v / the cotangent). Kernels shorter than --min-ms (XLA's small fusions)
-are left out. Prints one line per kernel and the total; docs/performance.md's per-kernel tables
-come from it.
+are left out. Prints one line per kernel and the total; the per-kernel tables of
+docs/history/performance-2026-11.md come from it.
 """
 
 from __future__ import annotations
