@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
-import io
 import os
 import re
 import sys
@@ -27,6 +25,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
+import race_reports  # noqa: E402  (tests/race_reports.py)
 
 # "  read of <key>[<range>] from <thread>, <frame>" / "  write of ..." (the detector's format)
 _ACCESS = re.compile(r"^\s+(read|write) of .* from (.*?), (\S+:\d+(?: \(\S+\))?)\s*$")
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
                   help="turn off the interpreter-only commit after each ring `free` wait")
   args = ap.parse_args(argv)
 
-  plgpu.InterpretGPUParams = functools.partial(plgpu.InterpretGPUParams, detect_races=True)
+  plgpu.InterpretGPUParams = race_reports.detector_params()
   from kvax_plugin.attention.kernels.mosaic import backward, forward
   for name in ("dkv_call", "dq_call"):
     setattr(backward, name, _with_kernel_source_lines(getattr(backward, name)))
@@ -87,8 +86,7 @@ def main(argv=None) -> int:
 
   found = False
   for name in args.cases:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    with race_reports.captured_reports() as buf:
       test_mosaic_interpret.test_kernels_in_interpreter_match_reference(name)
     pairs = summarise(buf.getvalue())
     # (the detector's races_found flag is per kernel launch; its printed reports are not)

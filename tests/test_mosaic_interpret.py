@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import io
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,7 @@ from kvax_plugin.attention.params import FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
 
 import layouts
+import race_reports
 
 
 def _rel(a, b):
@@ -102,7 +101,7 @@ def _wgmma_with_visible_reads(acc, a, b, **kwargs):
 def race_detection():
   """Kernels traced inside run under the interpreter's race detector, wgmma reads visible."""
   real_params, real_wgmma = plgpu.InterpretGPUParams, plgpu.wgmma
-  plgpu.InterpretGPUParams = functools.partial(real_params, detect_races=True)
+  plgpu.InterpretGPUParams = race_reports.detector_params()
   plgpu.wgmma = _wgmma_with_visible_reads
   try:
     yield
@@ -218,9 +217,8 @@ def case_run(name: str, **changes) -> Run:
     fw.forward_call = lambda cfg, *a: (forward.append(cfg), real[0](cfg, *a))[1]
     bk.dkv_call = lambda cfg, *a: (backward.append(("dkv", cfg)), real[1](cfg, *a))[1]
     bk.dq_call = lambda cfg, *a: (backward.append(("dq", cfg)), real[2](cfg, *a))[1]
-    printed = io.StringIO()
     try:
-      with race_detection(), contextlib.redirect_stdout(printed):
+      with race_detection(), race_reports.captured_reports() as printed:
         mine = jax.block_until_ready(_outputs_and_grads(ours, q, k, v, sinks, cot, ints, mask))
     finally:
       fw.forward_call, bk.dkv_call, bk.dq_call = real

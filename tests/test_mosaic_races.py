@@ -32,9 +32,6 @@ than ring slots, so every ring wraps around.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +44,7 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 import jax.experimental.pallas as pl  # noqa: E402
 import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
+import race_reports  # noqa: E402
 import test_mosaic_interpret as kernels_in_interpreter  # noqa: E402
 
 _WGMMA = kernels_in_interpreter._WGMMA  # plgpu.wgmma itself
@@ -56,8 +54,7 @@ _wgmma_with_visible_reads = kernels_in_interpreter._wgmma_with_visible_reads  # 
 @pytest.fixture
 def race_detector(monkeypatch):
   """Interpreted kernels run with the race detector on and wgmma reads visible."""
-  monkeypatch.setattr(plgpu, "InterpretGPUParams",
-                      functools.partial(plgpu.InterpretGPUParams, detect_races=True))
+  monkeypatch.setattr(plgpu, "InterpretGPUParams", race_reports.detector_params())
   monkeypatch.setattr(plgpu, "wgmma", _wgmma_with_visible_reads)
 
 
@@ -144,8 +141,7 @@ def _ring(x, a, *, consumers=2, fill="tma", read="load", commit=False, early_rel
                   plgpu.Barrier(num_barriers=consumers),
                   collective_axes="wg")
 
-  printed = io.StringIO()
-  with contextlib.redirect_stdout(printed):
+  with race_reports.captured_reports() as printed:
     out = plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((consumers, TILE, TILE), jnp.float32),
                        num_threads=consumers + 1, thread_name="wg",
                        interpret=plgpu.InterpretGPUParams())(x, a)

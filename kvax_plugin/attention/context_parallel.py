@@ -451,12 +451,12 @@ def ambient_mesh():
     mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty:
     return mesh
-  import warnings
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)  # kvax's `with mesh:` is deprecated
-    from jax.interpreters import pxla
-    legacy = pxla.thread_resources.env.physical_mesh
-  return None if legacy.empty else legacy
+  # kvax's `with mesh:` context has no public reader; jax.interpreters.pxla's alias of it is
+  # deprecated, so read the context where jax keeps it (absent: no such context).
+  from jax._src import mesh as mesh_lib
+  resources = getattr(mesh_lib, "thread_resources", None)
+  legacy = None if resources is None else resources.env.physical_mesh
+  return None if legacy is None or legacy.empty else legacy
 
 
 def mesh_for_call(mesh, mask, query_specs=None, kv_specs=None) -> tuple[Any, Any, Any]:
