@@ -1,31 +1,13 @@
 """The block mask: which key/value blocks each query block must visit, and which are full.
 
-Token q may attend token kv iff (shared/DESIGN.md section 2)
-    seg[q] == seg[kv] != PADDING_SEGMENT_ID
-    and (causal: pos[kv] <= pos[q])
-    and (sliding window w: pos[q] - pos[kv] < w; without causal also pos[kv] - pos[q] < w).
+Token q attends kv iff seg[q] == seg[kv] != PADDING_SEGMENT_ID, and (causal) pos[kv] <= pos[q],
+and (window w) pos[q] - pos[kv] < w (without causal also pos[kv] - pos[q] < w).
 
-A *block table* describes one view of the [outer blocks x inner blocks] grid. For every outer
-block it stores four int32 indices, lower <= full_lower <= full_upper <= upper:
-
-    inner blocks [lower, upper)            may hold attending pairs: visit them,
-    inner blocks [full_lower, full_upper)  every pair attends: visit them without mask math.
-
-Everything outside [lower, upper) is skipped. Memory is 4 ints per outer block, O(B * S / block).
-
-The tables are built from per-block summaries (min/max segment id, min/max position, padding):
-  * "may attend" is a conservative test on those summaries, so a block that holds a kept pair is
-    always inside [lower, upper); blocks inside the range with no kept pair are merely wasted work
-    (they are masked element-wise by the kernels).
-  * "full" demands a single segment on both sides, no padding, and the causal / window test
-    passing for the extreme positions. That is exact for any positions and segment ids (documents
-    need not be contiguous, positions need not increase); when a layout breaks the usual
-    assumptions the tables mark *fewer* blocks full, never a wrong one.
-For contiguous documents with increasing positions the ranges are tight.
-
-Three views are built: `fwd` (outer = query blocks of the forward block sizes), `dq` (outer =
-query blocks of the backward sizes) and `dkv` (outer = kv blocks of the backward sizes, inner =
-query blocks).
+A block table holds, per outer block, int32 lower <= full_lower <= full_upper <= upper: inner
+blocks [lower, upper) may hold kept pairs (visited), [full_lower, full_upper) keep every pair
+(no mask math). Built from per-block summaries (segment / position min and max, padding):
+"may attend" is conservative, "full" exact, so a layout breaking the usual assumptions only
+marks fewer blocks full. Views: `fwd` and `dq` (outer: query blocks), `dkv` (outer: kv blocks).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The custom VJP shared by the kernel backends that bring their own backward kernels (Triton,
-Mosaic GPU): residuals, the missing-backward-tables error, zero cotangents for the integer
-inputs and the mask, and the sinks' gradient, which needs no kernel.
+"""The custom VJP shared by the kernel backends with their own backward kernels (Triton, Mosaic
+GPU): residuals, zero cotangents for the integer inputs and the mask, the sinks' gradient.
 
-It also hands out a backend's kernels *as parts* (`KernelParts`: the forward returning out and
-lse, the backward taking them) for callers that merge several attention calls themselves (the
-context-parallel overlap: kvax_plugin.attention.split_kv_attention). A backend's public function
-called inside `capture_kernel_parts()` returns its KernelParts instead of running, after its own
-validation and launch configuration, so the parts see exactly what a normal call would.
+It also hands out a backend's kernels as `KernelParts` (forward returning out and lse, backward
+taking them) for callers merging several attention calls (split_kv_attention): a backend's
+public function called inside `capture_kernel_parts()` returns its parts instead of running.
 """
 
 from __future__ import annotations

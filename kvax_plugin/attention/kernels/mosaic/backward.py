@@ -1,28 +1,12 @@
 """Backward kernels for Hopper in Pallas Mosaic GPU, over the `dkv` and `dq` block tables.
 
-dk/dv kernel (one CTA = 128 kv rows of one kv head; consumers own 64 rows each):
-
-    warpgroup 2 (producer)   TMA-loads, for every query head of the GQA group and every query
-                             block of the CTA's `dkv` table row, Q + lse and dO + delta into a
-                             ring of shared-memory slots.
-    warpgroups 0, 1          per query block of 64 rows (FlashAttention-2, Algorithm 2, seen from
-                             the kv side):  S^T = K Q^T,  P^T = exp(S^T - lse),
-                             dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T o (dP^T - delta),
-                             dK += dS^T Q.
-                             With `with_dq`, also dQ_part = dS K (dS^T staged in shared memory
-                             and read transposed) and an asynchronous bulk reduce-add of dQ_part
-                             into a float32 dq buffer in global memory: 5 matrix products per
-                             tile pair instead of the 7 of a separate dq pass, at the price of an
-                             order-dependent float32 summation (not bitwise reproducible).
-
-The whole GQA group is walked inside the CTA, so dK / dV are summed over the group in registers
-(no per-query-head buffers, deterministic). With `with_dq=False` the dq kernel below computes dq
-deterministically: one CTA = 128 query rows of one query head walking its `dq` table row, as the
-forward does (S = Q K^T, P, dP = dO V^T, dS, dQ += dS K).
-
-Logits follow the forward: z = scale * q.k, or cap * tanh(scale * q.k / cap) with a soft cap
-(then dz/d(q.k) = scale * (1 - tanh^2)). lse is natural-log [B, H, Sq] (+inf for rows with
-nothing, whose probabilities are then 0); delta = rowsum(dO * O) [B, H, Sq].
+dk/dv kernel: one CTA per 128 kv rows of one kv head; a producer warpgroup TMA-loads Q + lse and
+dO + delta for each query head of the GQA group and each query block of the `dkv` row; two
+consumers (64 kv rows each) compute S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T,
+dK += dS^T Q (the group summed in registers: deterministic). With `with_dq` also dQ_part = dS K,
+bulk reduce-added into a float32 buffer (5 products instead of 7, not bitwise reproducible);
+otherwise the dq kernel walks the `dq` table like the forward. Logits, lse and delta follow the
+forward (lse natural-log [B, H, Sq], +inf for empty rows). Design: docs/kernels.md.
 """
 
 from __future__ import annotations

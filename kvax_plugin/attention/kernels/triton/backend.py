@@ -1,21 +1,10 @@
 """backend="triton": the FlashAttention-2 kernels of this package called through jax-triton.
 
-Forward: one launch (forward.py) writes the output and the log-sum-exp.
-Backward (custom VJP): delta = rowsum(dO * O), then dq per query tile over the mask's `dq` table
-and dk / dv per kv tile over its `dkv` table (backward.py); no atomics, so the
-gradients are bitwise reproducible. dsinks is a small reduction in JAX.
-
-Launch settings. The mask fixes the *table* block sizes; the kernels may use smaller tiles that
-divide them (a table block is then walked as several tiles), so tile shapes, warps and stages can
-follow the GPU and head dim without rebuilding the mask:
-  * a mask built with the library defaults (params.DEFAULT_FWD_PARAMS / DEFAULT_BWD_PARAMS, i.e. the
-    caller passed none) gets the tuned per-GPU tiles of `_TUNED` below;
-  * a mask built with explicit FlashAttentionParamsConfig runs with exactly those block sizes,
-    warps and stages (the caller's override).
-`default_params(device_kind, head_dim)` returns the tuned settings as configs, for callers who
-want to build their masks with them.
-
-Triton and jax-triton are imported lazily: importing kvax_plugin never needs them.
+Forward: one launch (forward.py) writes the output and lse. Backward (custom VJP): delta, then
+dq over the `dq` table and dk / dv over the `dkv` table (backward.py); no atomics, so bitwise
+reproducible. Kernel tiles may be smaller than the mask's table blocks: a mask built with the
+library defaults gets the tuned per-GPU tiles (`_TUNED`), one built with explicit
+FlashAttentionParamsConfig runs exactly those. Triton and jax-triton are imported lazily.
 """
 
 from __future__ import annotations
