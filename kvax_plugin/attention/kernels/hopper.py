@@ -68,9 +68,7 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
 
 
 # Where "auto" does not take hopper at head dims 128 and 64: the sliding window with the soft cap
-# ("mosaic" 7-22% faster: those kernels keep the mask in their loop; H200, 2026-11-28,
-# docs/performance.md). The window alone is hopper's since the backward's mask pass: 9-14% ahead
-# of "mosaic" but on 16k documents (1% / 8% behind at 128 / 64).
+# ("mosaic" is faster there: those kernels keep the mask in their loop; docs/performance.md).
 AUTO_NOT_PREFERRED = (("sliding_window", "logits_soft_cap"),)
 
 
@@ -80,8 +78,8 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
   fp16, with soft cap, sinks or the sliding window, not with the window and the soft cap
   together (AUTO_NOT_PREFERRED).
-  Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
-  (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
+  Head dim 256: always ("mosaic"'s backward is a one-stage ring there). MLA's (192, 128):
+  never, the Mosaic backward is faster."""
   del dtype  # bf16 and fp16 alike: both measured
   dims = (qk_head_dim, v_head_dim)
   if dims == (256, 256):
@@ -92,7 +90,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
-                   '2026-11-27 and -28, docs/performance.md); pass backend="hopper" to use this '
+                   'docs/performance.md); pass backend="hopper" to use this '
                    "one anyway")
   return True, ""
 
