@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
   // The mask as a pass of its own, setting dropped logits to -inf (below). Not with the soft cap
   // (cap tanh(-inf) is finite) nor MASK_IN_LOOP (set for a scale that is not > 0, which would
-  // turn -inf into +inf or NaN).
+  // make -inf +inf or NaN).
   constexpr bool SEPARATE_MASK = !CAP && !(F & MASK_IN_LOOP);
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
