@@ -3,21 +3,10 @@
     python -m kvax_plugin.demo            # the defaults below: ~30 s of CPU time on 2 cores
     python -m kvax_plugin.demo --seq_len 4096 --batch 1 --backend jax --out outputs/demo4k
 
-Steps:
-  1. Pack one batch of the shipped public-domain corpus (kvax_plugin/data, byte-level tokens)
-     into [batch, seq_len] rows by first-fit decreasing: MaxText-style segment ids (1..n, 0 =
-     padding) and per-document positions, converted to kvax's convention (padding -1).
-  2. Build the block mask once with create_attention_mask(calc_bwd_mask=True).
-  3. q/k/v: the tokens' byte embeddings times random projections (nothing is trained; the
-     point is that q/k/v depend on the real text, so padding and document edges are real).
-     Embedding and projection weights are drawn from --seed.
-  4. Time the forward and forward+backward of --backend (default "auto": the fastest backend
-     that runs the call here; `python -m kvax_plugin.info` says which and why),
-     compare outputs and gradients with the float32 dense reference, and print a table.
-  5. Write the block-mask PNGs and summary.json under --out.
-
-The exit status is 0 when every output and gradient agrees with the reference within the
-tolerance of its dtype, 1 otherwise, 2 for a bad flag or an unavailable backend.
+Packs the shipped corpus, builds the mask, runs --backend (default "auto") against the float32
+dense reference and writes the mask PNGs and summary.json under --out. Exit status: 0 when every
+output and gradient agrees within its dtype's tolerance, 1 otherwise, 2 for a bad flag or an
+unavailable backend.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Train an upstream model family in MaxText with attention=kvax on packed real text.
 
     python -m kvax_plugin.launch --config=llama3:tiny
-    python -m kvax_plugin.launch --config=gemma2:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=llama3:8b --config.seq_len=8192 \\
         --config.kvax.backend=triton --config.mesh.ici_tensor=2  steps=200 log_period=10
 
-`--config` names a family and a variant (<family>:<variant>: the configs shipped in
-kvax_plugin/configs/; a config file's path works too, e.g. a checkout's
-configs/<family>.py:<variant>), `--config.<field>`
-changes a field of it (a misspelt field is an error), and trailing `key=value` arguments are raw
-MaxText keys, applied last and checked like the flags they override. `--dry_run` prints the
-banner (stderr) and the MaxText keys (stdout) and exits.
-
-What happens (the pieces live in kvax_plugin/integrations/maxtext/):
-  1. Flags and raw keys are checked (launch_checks.py); a bad value is one line naming it.
-  2. attention=kvax is installed as a MaxText kernel, the config becomes MaxText's keys
-     (launch_keys.py), and MaxText's own trainer runs them (maxtext.trainers.pre_train.train).
-  3. For the run, MaxText's data iterator yields the shipped corpus, packed (training_hooks.py).
-  4. The console shows the banner, one line per step (loss, tokens/s, blocks skipped) and the
-     summary; all else MaxText prints goes to <output>/maxtext.log (console.py).
-  5. summary.json, loss.png, mask.png next to MaxText's tensorboard/ (run_report.py).
-
-One run over several processes (one per host; distributed.py), on every process I = 0..N-1:
-    python -m kvax_plugin.launch --config=llama3:8b \\
-        --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
-
-Exit status: 0 after a finished run, 2 for a bad flag or raw key (one line naming it, also when
-MaxText's own config loader rejects a combination), 1 otherwise.
+`--config` names a family and variant (<family>:<variant>, the configs in kvax_plugin/configs/;
+or a config file's path:<variant>, e.g. a checkout's configs/llama3.py:tiny), `--config.<field>`
+changes a field, trailing `key=value` arguments are raw MaxText keys; `--dry_run` prints the
+keys and exits. The pieces live in kvax_plugin/integrations/maxtext/ (checks, keys, hooks,
+console, report, distributed). Exit status: 0 after a finished run, 2 for a bad flag or raw key,
+1 otherwise.
 """
 
 from __future__ import annotations

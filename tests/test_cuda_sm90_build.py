@@ -56,7 +56,7 @@ def _runs(log: Path) -> int:
 def source(tmp_path) -> Path:
   src = tmp_path / "src" / "fused_backward.cu"
   src.parent.mkdir()
-  src.write_text("// a kernel\n")
+  src.write_text("__global__ void kernel() {}  // a kernel\n")
   return src
 
 
@@ -67,7 +67,7 @@ def test_key_follows_source_flags_jaxlib_and_arch(source, monkeypatch):
   assert parts["arch"] == build.ARCH == "sm_90a" and "code=sm_90a" in parts["flags"]
   import jaxlib
   assert parts["jaxlib"] == jaxlib.__version__
-  source.write_text("// another kernel\n")
+  source.write_text("__global__ void another_kernel() {}\n")
   changed = {build.build_key(source)}
   monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-lineinfo",))
   changed.add(build.build_key(source))
@@ -76,6 +76,55 @@ def test_key_follows_source_flags_jaxlib_and_arch(source, monkeypatch):
   assert len(changed | {key}) == 4
   # the shipped source has one key, computed without nvcc
   assert len(build.build_key()) == 16
+
+
+KERNEL = """\
+#include <cstdint>  // for int32_t
+/* The kernel. */
+__global__ void k(int32_t* x) {
+  x[0] = 1'000;  // one thousand
+}
+"""
+
+
+def test_a_comment_edit_keeps_the_key_and_a_code_edit_changes_it(source):
+  source.write_text(KERNEL)
+  key = build.build_key(source)
+  for commented in (
+      KERNEL.replace("// one thousand", "// a thousand, said otherwise"),
+      KERNEL.replace("/* The kernel. */", "/* The kernel,\n   over two lines. */\n\n"),
+      KERNEL.replace("// for int32_t", "") + "\n\n// a trailing note   \n",
+      KERNEL.replace("  x[0]", "      x[0]").replace("{\n", "{   \n\n")):
+    source.write_text(commented)
+    assert build.build_key(source) == key, commented
+  for changed in (KERNEL.replace("1'000", "1'001"), KERNEL.replace("x[0]", "x[1]"),
+                  KERNEL.replace("int32_t* x", "int32_t *x, int y")):
+    source.write_text(changed)
+    assert build.build_key(source) != key, changed
+
+
+def test_comment_looking_text_in_literals_is_kept():
+  text = ('const char* s = "a // b /* c */";  // gone\n'
+          "char q = '\"'; char r = '/'; // gone\n"
+          'auto raw = R"x(// kept )" /* kept */)x";\n')
+  assert build.compiled_text(text) == (
+      'const char* s = "a // b /* c */";\n'
+      "char q = '\"'; char r = '/';\n"
+      'auto raw = R"x(// kept )" /* kept */)x";\n')
+  assert build.compiled_text('s = "x // y";') != build.compiled_text('s = "x // z";')
+  assert build.compiled_text("a/**/b  c") == "a b c\n"  # a comment still separates tokens
+  # a line splice keeps the line after it, blank or not, and the space before its text
+  assert build.compiled_text("#define A 1 \\\n    + 2\n\n#define B \\\n\nint z;\n") == (
+      "#define A 1 \\\n + 2\n#define B \\\n\nint z;\n")
+  # a // comment ending in a line splice continues on the next line
+  assert build.compiled_text("// note \\\n still the note\nint y;\n") == "int y;\n"
+
+
+def test_the_shipped_source_strips_to_its_code():
+  code = build.compiled_text(build.SOURCE.read_text())
+  assert build.compiled_text(code) == code  # stripping stripped code changes nothing
+  assert not [line for line in code.splitlines() if line.startswith(("//", "/*")) or not line]
+  assert code.startswith("#include <cuda.h>\n")
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
@@ -104,7 +153,7 @@ def test_builds_once_into_the_cache_under_the_key(source, tmp_path):
   assert not [p for p in lib.parent.iterdir() if p.suffix == ".tmp"]  # no temporary left
   assert [a for a in log.read_text().split() if a.startswith("arch=")] == [
       "arch=compute_90a,code=sm_90a"]
-  source.write_text("// edited\n")  # a new source is a new key: built again, beside the old
+  source.write_text("__global__ void edited() {}\n")  # new code is a new key: built again, beside the old
   lib2 = build.ensure_library(cache, nvcc, source=source, prebuilt=None)
   assert lib2.parent != lib.parent and lib.exists() and _runs(log) == 2
 
@@ -118,7 +167,7 @@ def test_a_prebuilt_library_is_used_when_its_key_matches(source, tmp_path):
   assert build.ensure_library(cache, nvcc, source=source, prebuilt=prebuilt) == prebuilt
   assert _runs(log) == 1 and not cache.exists()
   # a prebuilt library of another source (or without its record) is not used: the cache is
-  source.write_text("// edited\n")
+  source.write_text("__global__ void edited() {}\n")
   assert build.cached_library(cache, source, prebuilt) is None
   lib = build.ensure_library(cache, nvcc, source=source, prebuilt=prebuilt)
   assert lib.parent.parent == cache and _runs(log) == 2

@@ -1,31 +1,13 @@
 """The block mask: which key/value blocks each query block must visit, and which are full.
 
-Token q may attend token kv iff (shared/DESIGN.md section 2)
-    seg[q] == seg[kv] != PADDING_SEGMENT_ID
-    and (causal: pos[kv] <= pos[q])
-    and (sliding window w: pos[q] - pos[kv] < w; without causal also pos[kv] - pos[q] < w).
+Token q attends kv iff seg[q] == seg[kv] != PADDING_SEGMENT_ID, and (causal) pos[kv] <= pos[q],
+and (window w) pos[q] - pos[kv] < w (without causal also pos[kv] - pos[q] < w).
 
-A *block table* describes one view of the [outer blocks x inner blocks] grid. For every outer
-block it stores four int32 indices, lower <= full_lower <= full_upper <= upper:
-
-    inner blocks [lower, upper)            may hold attending pairs: visit them,
-    inner blocks [full_lower, full_upper)  every pair attends: visit them without mask math.
-
-Everything outside [lower, upper) is skipped. Memory is 4 ints per outer block, O(B * S / block).
-
-The tables are built from per-block summaries (min/max segment id, min/max position, padding):
-  * "may attend" is a conservative test on those summaries, so a block that holds a kept pair is
-    always inside [lower, upper); blocks inside the range with no kept pair are merely wasted work
-    (they are masked element-wise by the kernels).
-  * "full" demands a single segment on both sides, no padding, and the causal / window test
-    passing for the extreme positions. That is exact for any positions and segment ids (documents
-    need not be contiguous, positions need not increase); when a layout breaks the usual
-    assumptions the tables mark *fewer* blocks full, never a wrong one.
-For contiguous documents with increasing positions the ranges are tight.
-
-Three views are built: `fwd` (outer = query blocks of the forward block sizes), `dq` (outer =
-query blocks of the backward sizes) and `dkv` (outer = kv blocks of the backward sizes, inner =
-query blocks).
+A block table holds, per outer block, int32 lower <= full_lower <= full_upper <= upper: inner
+blocks [lower, upper) may hold kept pairs (visited), [full_lower, full_upper) keep every pair
+(no mask math). Built from per-block summaries (segment / position min and max, padding):
+"may attend" is conservative, "full" exact, so a layout breaking the usual assumptions only
+marks fewer blocks full. Views: `fwd` and `dq` (outer: query blocks), `dkv` (outer: kv blocks).
 """
 
 from __future__ import annotations
@@ -61,14 +43,9 @@ _KVAX_FIELDS = ("lower_bounds", "upper_bounds", "lower_full_bounds", "upper_full
 
 
 class BlockTable(_BlockTableFields):
-  """One view of the block grid; every field is int32 [B, num_outer_blocks].
-
-  kvax 0.1.0 calls a view an AttentionMask with fields lower_bounds, upper_bounds,
-  lower_full_bounds, upper_full_bounds (in this order) and flatten() / unflatten(); those names
-  read the same arrays here, and a table can be built with them too
-  (`BlockTable(lower_bounds=..., upper_bounds=..., lower_full_bounds=..., upper_full_bounds=...)`),
-  so code written against kvax's views runs unchanged. Either spelling, not both.
-  """
+  """One view of the block grid; every field is int32 [B, num_outer_blocks]. kvax 0.1.0's
+  field names (lower_bounds, upper_bounds, lower_full_bounds, upper_full_bounds) and
+  flatten() / unflatten() read and build the same arrays (either spelling, not both)."""
 
   __slots__ = ()
 
@@ -130,23 +107,14 @@ class MaskSpec:
 class AttentionMask:
   """Block tables for the forward pass and, optionally, the two backward passes.
 
-  A registered pytree: the tables are leaves, `spec` is static, so a mask passes through
-  jit, lax.scan and jax.checkpoint and can be built once per step and reused in every layer.
-
-  It also reads like the tuple kvax 0.1.0's create_attention_mask returns: len() is 1 without
-  backward tables and 3 with them, and indexing / unpacking gives the views in kvax's order,
-  (fwd,) or (fwd, dq, dkv), each with kvax's field names (see BlockTable). The object itself
-  stays one pytree, so pass it (not a rebuilt tuple) to flash_attention.
-
-  `fingerprint` (uint32 [B, 4], see `mask_fingerprint`) identifies the positions / segment ids
-  the mask was built from, and their order; flash_attention compares it with its own inputs
-  when input checks are on (kvax_plugin.check_mask_inputs, or debug=True).
+  A registered pytree (tables are leaves, `spec` static): built once per step, it passes through
+  jit, scan and checkpoint. It also reads like kvax 0.1.0's tuple: (fwd,) or (fwd, dq, dkv) by
+  len / indexing / unpacking (pass the object itself to flash_attention). `fingerprint` (uint32
+  [B, 4], mask_fingerprint) identifies the positions / segment ids it was built from.
   """
 
-  # The fingerprint columns flash_attention compares (mask_fingerprint): all four here, as a
-  # one-device mask's tables index query and kv tokens by buffer position, so the same tokens
-  # in another order (e.g. load-balanced) give wrong attention. A ShardedAttentionMask, which
-  # records its token order, narrows this. A class attribute, not a dataclass field.
+  # Fingerprint columns flash_attention compares: all four, as a one-device mask's tables index
+  # tokens by buffer position (ShardedAttentionMask, which records its order, narrows this).
   checked_fingerprint_columns = (0, 1, 2, 3)
 
   spec: MaskSpec
@@ -190,15 +158,10 @@ class AttentionMask:
 
 
 class _BlockSummary(NamedTuple):
-  """Per-block statistics of three token groups, each [B, num_blocks, 3].
-
-  Group 0 holds the tokens of the block's first real segment, group 1 those of its last real
-  segment (when it differs), group 2 every other real token. With contiguous documents groups 0
-  and 1 are the pieces of documents that cross the block's edges and group 2 holds documents
-  wholly inside it, so testing group against group keeps the visit ranges tight; a group's
-  segment test is a [min, max] overlap, which is exact for groups 0 and 1 (one id each) and
-  conservative for group 2.
-  """
+  """Per-block statistics of three token groups, each [B, num_blocks, 3]: group 0 the block's
+  first real segment, group 1 its last (when it differs), group 2 every other real token. With
+  contiguous documents groups 0 and 1 are the documents crossing the block's edges, which keeps
+  the visit ranges tight; the segment test is a [min, max] overlap (exact for groups 0 and 1)."""
 
   seg_min: jax.Array  # INT32_MAX for an empty group
   seg_max: jax.Array  # INT32_MIN for an empty group
@@ -245,8 +208,8 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
   nonempty = jnp.any(groups, axis=-1)
   uniform = (jnp.all(real, axis=-1) & ~jnp.any(in_last | in_other, axis=-1))[..., None]
   if not skip_pad_tokens:
-    # Compatibility mode: blocks holding padding are visited (masked) like any other by turning
-    # their third group into a wildcard. Padding tokens still attend nothing; this costs time.
+    # Compatibility mode: blocks holding padding are visited (masked) by making their third
+    # group a wildcard.
     has_pad = ~jnp.all(real, axis=-1)
     wild = has_pad[..., None] & (jnp.arange(3) == 2)
     seg_min = jnp.where(wild, _INT32_MIN, seg_min)
@@ -259,11 +222,8 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
 
 def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
               window: int | None) -> tuple[jax.Array, jax.Array]:
-  """(may_attend, full) for broadcastable query-block and kv-block summaries.
-
-  Every query group is tested against every kv group (3 x 3); a block pair may attend if any
-  group pair may. "full" uses group 0, which holds every token of a uniform block.
-  """
+  """(may_attend, full) for broadcastable query-block and kv-block summaries: every group pair
+  tested (3 x 3); "full" uses group 0, which holds every token of a uniform block."""
   qg = jax.tree.map(lambda x: x[..., :, None], q)  # [..., 3, 1]
   kg = jax.tree.map(lambda x: x[..., None, :], kv)  # [..., 1, 3]
   may = (qg.nonempty & kg.nonempty & (qg.seg_min <= kg.seg_max) & (kg.seg_min <= qg.seg_max))
@@ -288,11 +248,8 @@ def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
 
 
 def diff_below(a: jax.Array, b: jax.Array, w: int) -> jax.Array:
-  """a - b < w, exactly, for int32 a, b and a window 1 <= w < 2**32 (no int32 overflow).
-
-  When a >= b the difference lies in [0, 2**32 - 1] and is exact in uint32 arithmetic (the
-  subtraction wraps modulo 2**32); when a < b the difference is negative and below any w.
-  """
+  """a - b < w, exactly, for int32 a, b and 1 <= w < 2**32: with a >= b the difference is exact
+  in wrapping uint32 arithmetic; with a < b it is below any w."""
   a, b = a.astype(jnp.int32), b.astype(jnp.int32)
   u = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
   return (a < b) | (u(a) - u(b) < jnp.uint32(w))
@@ -318,11 +275,8 @@ def _ranges(may: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
 
 def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: bool,
                  causal: bool, window: int | None) -> BlockTable:
-  """Table of `inner` blocks for every `outer` block, built in chunks of outer blocks.
-
-  The [outer x inner] classification never exists whole: lax.map walks chunks of outer blocks,
-  so the transient memory is bounded by _BUILD_CHUNK_ELEMENTS and the result is O(B * n_outer).
-  """
+  """Table of `inner` blocks for every `outer` block, built in chunks of outer blocks (lax.map),
+  so the [outer x inner] classification never exists whole (_BUILD_CHUNK_ELEMENTS)."""
   n_outer = outer.seg_min.shape[1]
   n_inner = inner.seg_min.shape[1]
 
@@ -436,24 +390,16 @@ def create_attention_mask(query_positions: jax.Array,
 
 def token_fingerprint(positions: jax.Array, segment_ids: jax.Array, *,
                       ordered: bool = False) -> jax.Array:
-  """uint32 [B]: a cheap hash of each row's (position, segment id) pairs, O(B * S).
-
-  ordered=False: a sum of mixed per-token hashes, so it does not depend on token order (a
-  permutation of the row gives the same value). ordered=True: each token's hash is first mixed
-  with its index in the row, so the same tokens in another order give another value (with
-  overwhelming probability; swapping two identical tokens changes nothing, and changes no
-  attention either). Positions / segment ids of another batch give another value with
-  overwhelming probability; this is a guard against mixing up batches and orders, not a
-  cryptographic hash.
-  """
+  """uint32 [B]: a cheap hash of each row's (position, segment id) pairs, O(B * S); a guard
+  against mixing up batches and orders, not a cryptographic hash. ordered=False: order-free (a
+  sum of per-token hashes); ordered=True: each token's hash mixed with its index first."""
   u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
   h = (u(positions) * jnp.uint32(0x9E3779B1)) ^ (u(segment_ids) * jnp.uint32(0x85EBCA77)
                                                  + jnp.uint32(0x27D4EB2F))
   h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)  # spread the bits before the sum
   h = (h ^ (h >> 12)) * jnp.uint32(0x297A2D39)
   if ordered:
-    # The index enters before another multiply-xorshift round: the round is not linear in the
-    # xor, so moving a token to another index changes its term in a way the sum cannot cancel.
+    # The index enters before a nonlinear mixing round, so a moved token cannot cancel out.
     idx = jnp.arange(positions.shape[1], dtype=jnp.uint32)[None, :]
     h = (h ^ (idx * jnp.uint32(0xCC9E2D51) + jnp.uint32(0x165667B1))) * jnp.uint32(0x1B873593)
     h = (h ^ (h >> 13)) * jnp.uint32(0x85EBCA6B)
@@ -462,13 +408,8 @@ def token_fingerprint(positions: jax.Array, segment_ids: jax.Array, *,
 
 @jax.jit
 def mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
-  """uint32 [B, 4]: token_fingerprint of the query side and of the kv side, order-free
-  (columns 0, 1), then order-sensitive (columns 2, 3).
-
-  The order-free pair tells "another batch" from "the same tokens in another order"; the
-  ordered pair catches the latter, e.g. a one-device mask built in natural order and called
-  with the tokens in load-balanced order (its tables would then describe other blocks).
-  """
+  """uint32 [B, 4]: token_fingerprint of the query and kv sides, order-free (columns 0, 1) then
+  order-sensitive (2, 3): the first pair tells another batch, the second another order."""
   return jnp.stack([token_fingerprint(query_positions, query_segment_ids),
                     token_fingerprint(kv_positions, kv_segment_ids),
                     token_fingerprint(query_positions, query_segment_ids, ordered=True),
@@ -515,11 +456,8 @@ def _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_i
 
 def token_keep(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool,
                sliding_window: int | None) -> jax.Array:
-  """The token rule of section 2 on broadcastable arrays: does query token attend kv token?
-
-  The one definition shared by the dense mask (reference) and the JAX backend's masked blocks.
-  Window tests are exact for any int32 positions (no wrap-around), see `diff_below`.
-  """
+  """The token rule on broadcastable arrays: does query token attend kv token? Shared by the
+  dense reference and the JAX backend's masked blocks; window tests exact (diff_below)."""
   qp, kp = q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
   keep = (q_seg == kv_seg) & (q_seg != PADDING_SEGMENT_ID)
   if causal:
@@ -546,30 +484,18 @@ def _blocks_per_tile(lower, upper, tiles_per_row: int, n_tiles: int):
 
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
-  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (upper -
-  lower of each tile's table row; ties in tile order): the Mosaic persistent forward's deal and
-  the CUDA backward's tile order (its kv heads launch fastest, or slowest with a sliding window).
-
-  A long tile started last keeps its SM busy while the others have run dry (the launch tail).
-  Under a causal mask the reversed tile order is already longest-first (the per-tile grid's
-  order); with packed documents it is not: the natural order ends with the long last tiles of
-  the last document.
-  """
+  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (ties in
+  tile order), so a long tile does not start last and run alone (the launch tail): the Mosaic
+  persistent forward's deal and the CUDA backward's tile order."""
   counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
 
 
 def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
-  """int32 [B, n_heads * n_tiles]: for each launch position p of a backward kernel's grid, the
-  (head, tile) it runs, coded tile * n_heads + head: every head's tiles by descending visited
-  blocks, the heads interleaved (ties in tile, then head, order). tiles_per_row: the kernel's
-  tiles per table row (2 when its tiles are half the table's blocks).
-
-  A tile's work does not depend on the head, so the heads' copies of the longest tile start
-  first, together, and the short ones fill the last waves. In the Mosaic backward's own grid
-  order (head-major: its last axis launches fastest) the last head's long tiles would start in
-  the last waves.
-  """
+  """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position of a backward kernel's
+  grid runs, coded tile * n_heads + head: tiles by descending visited blocks, heads interleaved
+  (ties in tile, then head, order), so the heads' copies of the longest tile start together.
+  tiles_per_row: the kernel's tiles per table row."""
   counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
   per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
   return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)

@@ -1,101 +1,25 @@
 """Sharding and context parallelism (Llama 3 style) for the attention op.
 
-Layering: above the mask tables (block_mask) and the kernel backends (kernels/), below the
-public op (api.py), which calls `create_attention_mask_sharded` / `flash_attention_sharded` when
-it is given a mesh.
+Design: docs/context-parallelism.md. Specs: a 4-sequence (batch, sequence, heads, head_dim)
+of mesh axis names (or tuples, or None) per BSHD array, from query_specs= / kv_specs= or the innermost `attention_specs(...)`. The
+query's sequence entry is the context axis (size cp); kv_specs[1] is None: key, value and kv
+positions / segment ids arrive sharded over the context axis and are all-gathered inside
+shard_map. Heads: tensor parallelism; when kv heads are not sharded like the query heads,
+key / value enter whole and each shard takes the kv heads its query heads read (_kv_head_plan).
 
-Layout and specs
-----------------
-A *spec* describes how one BSHD array is laid out over a `jax.sharding.Mesh`: a 4-sequence
-(batch, sequence, heads, head_dim) whose entries are a mesh axis name, a tuple of names, or None.
+Positions and segment ids, never buffer indices, decide which pairs attend, so any token order
+is exact; `token_order` ("natural", "llama3", "balanced": token_order.py) only declares the
+order the inputs arrive in, and the mask and the call must agree on it. With "balanced" the
+gathered kv is put in document order by a gather (`kv_arrangement`, carried by the mask).
 
-    query_specs  e.g. (("data", "fsdp"), "context", "tensor", None)
-    kv_specs     e.g. (("data", "fsdp"), None,      "tensor", None)
+The sharded mask (ShardedAttentionMask) holds per-shard tables as global int32 [B, cp * n_local]
+arrays sharded (batch axes, context axes); it is only meaningful to flash_attention with the same
+mesh, specs and order.
 
-* batch: any number of axes (data / FSDP / HSDP); query and kv must use the same ones.
-* sequence: the query's entry is the *context axis* (one name or several); `cp` is its size.
-  kv_specs[1] must be None: it describes what attention sees, every query shard reading all of
-  key/value (the MaxText logical rules map kv sequence to no axis). The op itself takes key,
-  value, kv positions and kv segment ids *sharded over the query's context axis* and all-gathers
-  them inside shard_map, so arrays that are already context-sharded (the usual case after the
-  k/v projections) cross the network once, in the all-gather, and nowhere else.
-* heads: tensor parallelism. kv_specs[2] either names the query's head axes or is None (kv
-  heads replicated, as kvax runs MQA / GQA under tensor parallelism). Query head h reads kv head
-  h // (H / K), so a shard needs the kv heads of its own query heads: with kv heads sharded like
-  the query heads and K a multiple of the shard count, those are exactly its own kv shard;
-  otherwise (kv_specs[2] None, or fewer kv heads than shards) key / value enter whole over the
-  head axes and each shard takes the kv heads its query heads read (`_kv_head_plan`): K / tp
-  consecutive heads, the one head shared by tp / K shards, or, when neither divides the other
-  (e.g. 3 kv heads over 4 shards), one kv head per local query head.
-* head_dim: never sharded.
-
-Specs come from explicit `query_specs=` / `kv_specs=` arguments or, when those are None, from the
-innermost `attention_specs(...)` context (a contextvar: per thread / per asyncio task). When only
-query specs are known, kv specs default to (query batch, None, query heads, None).
-
-Context parallelism
--------------------
-Inside `jax.shard_map` every device holds Sq / cp query tokens and, after the all-gather, all
-Skv key/value tokens with their positions and segment ids. Positions and segment ids, never
-buffer indices, decide which pairs attend, so the kernels are correct for any token order.
-
-Load balance: with a causal mask and contiguous shards, rank r's queries see r+1 shards of keys,
-so the last rank does about 2*cp-1 times the work of the first (7x at cp=4). The op never
-permutes the query itself; the caller (an input pipeline: MaxText's, or
-kvax_plugin.attention.token_order) permutes the batch, and `token_order` on
-`create_attention_mask` / `flash_attention` declares the order the inputs *arrive* in:
-
-    "natural"   as they are; the gathered key/value are used as gathered.
-    "llama3"    `to_load_balanced_order` (kvax's spelling, `permute_tokens_context_parallelism(
-                inputs, mesh)`, reads cp from the mesh and the specs): 2*cp chunks, rank r holds
-                chunks r and 2*cp-1-r (balances one causal document). The op restores natural
-                order for the gathered key/value by a static reshuffle of the 2*cp chunks.
-    "balanced"  a per-batch order (token_order.balanced_order, computed from the batch's
-                positions and segment ids) that gives every rank equal kept pairs and visited
-                blocks on packed documents. The gathered key/value are put in document order
-                (token_order.document_order: padding last, then segment id, then position) by
-                a gather; the mask computes that arrangement once per step from the gathered
-                kv positions and segment ids and carries it (`kv_arrangement`), so no
-                permutation travels with the batch. For the usual packing document order is the
-                natural order.
-
-`permute_tokens_for_load_balance=True / False` is kvax's spelling of "llama3" / "natural".
-The order is a performance statement, not a correctness one: results are exact in any order
-(positions decide), but the mask and the attention call must agree on it (the mask records it;
-a mismatch raises). `context_parallel_balance` and benchmarks/cp_balance.py measure the work per
-rank (one 128k document at cp=4, max / min kept pairs: natural 7.0, llama3 1.00; two documents
-of 3/4 and 1/4: llama3 4.0, balanced 1.00).
-
-The sharded mask
-----------------
-`create_attention_mask(..., mesh=mesh)` returns a `ShardedAttentionMask`: an `AttentionMask`
-whose `spec` describes the global problem and whose tables are *per shard*. Each device builds
-the tables for its local queries against the gathered kv, so the table indices are local query
-blocks and blocks of the gathered kv. Every table is a global int32 array [B, cp * n_local]
-sharded (batch axes, context axes): the shard at context rank c holds its own [B_local, n_local]
-table (fwd and dq: n_local = local query blocks; dkv: n_local = kv blocks of the gathered kv).
-With the balanced order the mask also holds `kv_arrangement`, int32 [B, cp * Skv] sharded the same
-way: every context shard's copy of the permutation that puts its gathered key/value in document
-order. Such a mask is only meaningful to `flash_attention` with the same mesh, specs and order.
-
-Gradients
----------
-The kv-side gradients are summed over the context axis by the transpose of the all-gather
-(psum_scatter); with the balanced order they first go back through the inverse of the kv
-arrangement (a gather, not a scatter-add). Each shard's partial dk / dv comes out of the backend
-in the input dtype (the kernels accumulate in float32). With more than two context shards the
-sum over shards is done in float32 and rounded to the input dtype once. With exactly two, every
-element of the sum is one addition of two input-dtype values, and a correctly rounded 16-bit
-addition gives the same bits as adding in float32 and rounding (float32 has at least 2p + 2
-significand bits for bfloat16's and float16's p, so the double rounding is innocuous): the sum is
-done in the input dtype, half the bytes on the wire (2 x H200, 128k packed documents,
-forward+backward 73.1 -> 71.5 ms). create_attention_mask's kv_grad_reduce_dtype ("float32" /
-"input") overrides this rule. Sinks are passed to the backend in float32, so their gradient,
-summed over the batch and context shards by shard_map, is reduced in float32 too.
-When key / value enter whole over the head axes (kv_specs[2] None, or fewer kv heads than head
-shards), each shard's kv gradient is zero outside the heads it took, and shard_map's transpose
-of the replicated input sums the shards' gradients over the head axes in the input dtype (the
-shards reading one kv head, after the float32 context reduction).
+Gradients: kv gradients are summed over the context axis by the all-gather's transpose
+(psum_scatter). With two context shards the sum is done in the input dtype (one correctly
+rounded 16-bit addition equals float32-then-round: float32 has >= 2p + 2 significand bits),
+else in float32; kv_grad_reduce_dtype overrides. Sinks' gradients reduce in float32.
 """
 
 from __future__ import annotations

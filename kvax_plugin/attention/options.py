@@ -1,15 +1,9 @@
 """The kernels' tuning options (`KernelOptions`), and the environment variables kvax reads.
 
-Every tuning choice a caller may change lives in `KernelOptions`, passed as
-`flash_attention(..., kernel_options=KernelOptions(...))` (None: the defaults). The defaults
-are what the measurements in docs/performance.md chose; each field's docstring gives the
-numbers. Options of one backend are ignored by the others (like memory_optimized_gqa_backward),
-so one object can serve a whole model whichever backend "auto" picks. Switches that were
-measured and settled are no longer options: docs/tuning-history.md lists them.
-
-Environment variables. kvax reads no environment variable that tunes a kernel. The ones it
-does read pass settings into a stack whose configuration kvax does not own (Levanter's parser
-rejects unknown keys) or turn on checks and reports. This table is all of them
+Options of one backend are ignored by the others, so one object serves whichever backend "auto"
+picks; the measurements behind each default are in docs/performance.md and
+docs/tuning-history.md. No environment variable tunes a kernel; the ones kvax reads pass
+settings into stacks it does not own or enable checks. This table is all of them
 (tests/test_options.py compares it with the reads in kvax_plugin/):
 
     KVAX_CHECK_MASK_INPUTS    attention/validation.py: 1 makes every flash_attention call
@@ -25,10 +19,8 @@ rejects unknown keys) or turn on checks and reports. This table is all of them
                               there (a launch detail; the float32 summation order, hence the
                               rounding, follows it).
 
-Names that look alike but are not environment variables: KVAX_PATCHED (an attribute the MaxText
-patch sets on its attention module), KVAX_SM90_VARIANTS (a macro of the CUDA source), and the
-Python constants KVAX_PROVIDER, KVAX_CONFIG_FIELDS, KVAX_KEYS, KVAX_BACKENDS,
-KVAX_PADDING_SEGMENT_ID.
+Names that look alike but are not environment variables: KVAX_PATCHED, KVAX_SM90_VARIANTS (a
+CUDA macro), KVAX_PROVIDER, KVAX_CONFIG_FIELDS, KVAX_KEYS, KVAX_BACKENDS, KVAX_PADDING_SEGMENT_ID.
 """
 
 from __future__ import annotations
@@ -40,10 +32,9 @@ TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
 
 
 def producer_registers(consumer_registers, name: str = "consumer_registers") -> int:
-  """The producer warpgroup's registers per thread in the Mosaic kernels' CTA (two consumer
-  warpgroups and a producer, launched with 168 each: 504 to share) when both consumers take
-  `consumer_registers` (setmaxnreg): 504 - 2 x it. ValueError naming `name` unless that is an
-  int, a multiple of 8 and leaves the producer 24..256."""
+  """The Mosaic producer warpgroup's registers when both consumers take `consumer_registers`
+  (setmaxnreg; 3 warpgroups x 168 = 504 to share): 504 - 2 x it. ValueError naming `name`
+  unless it is an int, a multiple of 8, leaving the producer 24..256."""
   regs = consumer_registers
   if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
       or not 24 <= 504 - 2 * regs <= 256):
@@ -54,74 +45,49 @@ def producer_registers(consumer_registers, name: str = "consumer_registers") -> 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-  """Tuning options of the kernel backends; every default is the measured choice.
-
-  Hashable (it is part of the compiled function's static key): a changed option means a new
-  trace, never a stale compiled kernel. Fields are checked when the object is made.
-  """
+  """Tuning options of the kernel backends; every default is the measured choice. Hashable
+  (part of the compiled function's static key); fields are checked on construction."""
 
   mosaic_forward_grid: str = "auto"
-  """Mosaic: the forward kernel's grid. "persistent": one CTA per SM, each taking (tile, head)
-  items dealt longest first as a snake draft, the next item's Q and K / V loaded behind the
-  current one; "per_tile": one CTA per (batch, query tile, head). "auto": persistent up to
-  mosaic.backend.PERSISTENT_MAX_KV (65536) padded kv rows, per-tile above, and per-tile where
-  the persistent kernel's second Q buffer would cost the kv tile (MLA 192 / 128). Measured on an
-  H200 (2026-11-24, persistent vs per-tile, ms): documents forward 16k 0.778 vs 0.835, 64k 9.64
-  vs 9.83, 128k 28.9 vs 29.7; causal 128k 268.4 vs 236.6 (per-tile 13% faster); 64k causal
-  flips between two modes either way; MLA 64k causal 88.4 vs 70.9 (2026-11-24). Left open: a
-  persistent kernel holds every SM until its last item, so a collective launched beside it
-  (context parallelism's k / v exchange) may prefer "per_tile". "persistent" where its shared
-  memory does not fit (head dim 256) raises."""
+  """Mosaic: the forward kernel's grid. "persistent": one CTA per SM taking (tile, head) items
+  longest first (snake draft), prefetching the next item's Q and K / V; "per_tile": one CTA per
+  (batch, query tile, head). "auto": persistent up to mosaic.backend.PERSISTENT_MAX_KV padded
+  kv rows, per-tile above it and where the second Q buffer would cost the kv tile (MLA
+  192 / 128). A persistent kernel holds every SM until its last item, so a collective beside it
+  (context parallelism) may prefer "per_tile". "persistent" raises where it does not fit (head
+  dim 256)."""
 
   mosaic_forward_overlap_blocks: int = 16
-  """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose table row visits
-  at least this many kv blocks (of the kernel's kv tile, 128 rows at these head dims) runs
-  FlashAttention-3's intra-warpgroup overlap: each consumer issues Q K^T of a block and P V of
-  the previous one back to back and computes the block's softmax while P V runs. Shorter rows
-  run the two consumers' ping-pong (one's softmax under the other's products), which costs less
-  on a row of few blocks. 0: the ping-pong everywhere. Both give bitwise the same output.
-  Measured on an H200 (2026-11-28, forward ms, same run; docs/performance.md, "late
-  morning"): this default / 0 / 1 / tokamax Mosaic, causal 16k 3.65 / 3.79 / 3.67 / 3.77, 64k
-  58.59 / 61.38 / 59.17 / 59.40; 12 documents 16k 0.81 / 0.80 / 0.83 / 0.82, 64k 9.84 / 9.94 /
-  9.88 / 9.95."""
+  """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose row visits at
+  least this many kv blocks runs FlashAttention-3's intra-warpgroup overlap (Q K^T of a block
+  issued with P V of the previous one, softmax under P V); shorter rows run the two consumers'
+  ping-pong, cheaper on few blocks. 0: ping-pong everywhere. Bitwise the same output."""
 
   mosaic_forward_registers: int = 240
   """Mosaic forward (also "hopper"'s): registers per thread of the two consumer warpgroups
   (setmaxnreg); the producer gets 504 - 2 x this (240 -> 24, FlashAttention 3's split; 232 ->
-  40). A multiple of 8 leaving the producer 24..256. At 240 the overlapped kernels spill 4-20
-  bytes instead of 96-116, with bitwise the same output. Measured on an H200 (2026-11-28,
-  forward ms, 240 / 232 / tokamax Mosaic, same run; docs/performance.md, "afternoon"): causal
-  16k 3.79 / 3.70 / 3.79, 64k 57.30 / 58.86 / 60.01; 12 documents 16k 0.78 / 0.81 / 0.81, 64k
-  9.53 / 9.83 / 9.91. 232 is faster on short causal rows (16k causal 2-7% in two runs)."""
+  40). A multiple of 8 leaving the producer 24..256. 240 keeps the overlapped kernels' spills
+  small; bitwise the same output either way."""
 
   dq_after_dkv: bool = False
-  """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel (its
-  query input passes a barrier with dk / dv) instead of before. Same gradients. Meant for
-  context parallelism, where the dk / dv reduce-scatter (2.04 ms at 128k on 2 x H200,
-  2026-11-23) could then run behind the dq kernel; not yet measured on GPUs."""
+  """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel
+  instead of before (same gradients), so that context parallelism's dk / dv reduce-scatter can
+  run behind the dq kernel."""
 
   mosaic_backward_registers: int = 232
   """Mosaic backward: registers per thread of the two consumer warpgroups (setmaxnreg); the
-  producer gets 504 - 2 x this (232 -> 40, 240 -> 24, FlashAttention 3's split). A multiple of
-  8 leaving the producer 24..256. 240 measured (2026-11-23, H200, 64k causal, kernels alone,
-  ms): dk/dv 111.7 vs 111.8, dq 76.9 vs 76.6, fused dk/dv + dq 201.5 vs 209.3; 2026-11-25 (H100,
-  16k fwd+bwd): causal 15.54 vs 15.90, documents 3.896 vs 3.748. Mixed: the default stays."""
+  producer gets 504 - 2 x this (232 -> 40, 240 -> 24). A multiple of 8 leaving the producer
+  24..256."""
 
   mosaic_paired_products: bool = True
   """Mosaic backward: issue two independent matrix products together and await them once (one
-  wgmma wait for two). False awaits each alone; the deterministic dk/dv kernel's two-pair step
-  needs pairing, so False also runs its products in their plain order. Measured on an H200:
-  the fused backward (deterministic_backward=False) was faster unpaired, 16k fwd+bwd 16.84 vs
-  17.77 ms (2026-11-23, called noise then) and 64k kernel alone at 240 registers 197.8 vs 201.5
-  (2026-11-23); the deterministic default was timed paired only."""
+  wgmma wait for two). False awaits each alone, and runs the deterministic dk/dv kernel's
+  products in their plain order (its two-pair step needs pairing)."""
 
   mosaic_backward_id_rings: bool = False
-  """Mosaic backward: the producers TMA-load each ring block's positions and segment ids with it
-  (q blocks in the dk/dv kernel, kv blocks in the dq kernel), so masked steps read them from
-  shared memory instead of global memory. Measured with the forward's twin (removed: no change)
-  on an H200 (2026-11-24, 64k fwd+bwd, interleaved, ms): documents 41.46 vs 43.26 (alone 41.61
-  vs 42.57), causal 253.4 vs 249.2 (the producer copies ids for every block, masked or not).
-  Off: it helps packed documents and costs causal attention."""
+  """Mosaic backward: the producers TMA-load each ring block's positions and segment ids with
+  it, so masked steps read them from shared memory. Off: it helps packed documents and costs
+  causal attention (the ids are copied for every block, masked or not)."""
 
   triton_tiles: str = ""
   """Triton: the kernels' tiles, taken exactly as given instead of the tuned per-GPU choice:

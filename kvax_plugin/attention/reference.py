@@ -1,18 +1,11 @@
 """Dense reference attention: the semantics of shared/DESIGN.md section 2, read as math.
 
-O(S^2) memory; meant for tests and for checking other backends, not for training.
-Imports nothing beyond JAX.
-
-It also defines what non-finite inputs do (README, "NaN and inf"); every backend follows it:
-  * a row (query token, head) with nothing to attend is 0 whatever the inputs hold: masked
-    pairs and padding carry no NaN, and "nothing" includes rows whose kept logits are all -inf;
-  * otherwise a NaN or +inf logit among the row's kept pairs makes the whole row NaN (as
-    softmax does), and a non-finite value in v reaches exactly the rows that attend its token,
-    as NaN in that feature (a kept pair whose probability is 0 still counts: 0 * NaN);
-  * a NaN sink makes its head's non-empty rows NaN.
-The dense products here never mix masked pairs into a row, so this is the exact per-pair rule;
-block kernels may additionally spread a non-finite value to rows that share a visited block with
-it (0 * NaN inside a matrix product): more NaN, never less.
+O(S^2) memory, for tests and checks; imports nothing beyond JAX. It defines what non-finite
+inputs do (README, "NaN and inf"), which every backend follows: a row with nothing to attend is
+0 whatever the inputs hold; otherwise a NaN or +inf kept logit makes the row NaN, a non-finite
+v reaches exactly the rows attending its token, a NaN sink makes its head's non-empty rows NaN.
+Block kernels may spread a non-finite value to rows sharing a visited block: more NaN, never
+less.
 """
 
 from __future__ import annotations

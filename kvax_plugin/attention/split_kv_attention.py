@@ -1,35 +1,17 @@
 """Attention over key / value given in two parts, merged by log-sum-exp.
 
-The context-parallel overlap (create_attention_mask's overlap_kv_gather) splits each shard's
-attention into a *local* part, its queries against its own key / value shard (no
-communication), and a *remote* part, against the other shards' key / value (which arrive by a
-collective). Because the local part does not depend on the collective, XLA can run the
-collective behind it; in the backward the remote part's dk / dv go back by a collective that
-can run behind the local part's backward. This module holds the exact merge and its custom VJP;
-context_parallel.py holds the tables and the collectives.
+The context-parallel overlap splits a shard's attention into a local part (its own kv shard)
+and a remote part (kv arriving by a collective), so XLA can run the collective behind the local
+part. Forward: each part gives out_p [B, Sq, H, Dv] and lse_p [B, H, Sq] (+inf: nothing
+attended); with w_p = lse_p, -inf where +inf:
 
-Forward. Each part is one call of a backend's forward kernel (custom_vjp.KernelParts, no sinks):
-out_p [B, Sq, H, Dv] and lse_p [B, H, Sq], natural-log softmax denominators with +inf meaning
-"nothing attended" (out_p is 0 there). With w_p = lse_p where finite-or-NaN, -inf where +inf:
-
-    lse = logaddexp(w_a, w_b [, sink_h])     (+inf again where both parts are empty)
+    lse = logaddexp(w_a, w_b [, sink_h])                    (+inf where both are empty)
     out = out_a * exp(w_a - lse) + out_b * exp(w_b - lse)   (0 where both are empty)
 
-Sinks join the merge, not a part: a part that attends nothing would otherwise drop the sink from
-a row the other part attends (the reference counts a sink only in rows with something to
-attend). A NaN lse (a row whose logits hold NaN / +inf) keeps the merged row NaN.
-
-Backward. softmax(S) over the whole row has P = exp(S - lse) and dS = P * (dP - delta) with
-delta = rowsum(dO * out), both from the MERGED out and lse. Each part's backward kernels take
-(out, lse) as arguments, so giving them the merged ones makes every part's dq / dk / dv exact
-for the pairs it holds: dk / dv per part, dq = dq_a + dq_b (summed in float32, one rounding).
-The sinks' gradient is -sum_rows exp(sink - lse) * delta (custom_vjp.sinks_gradient).
-
-Order. The forward runs part a first and part b after it (an optimization barrier ties b's
-inputs to a's results), the backward the reverse: with a = local and b = remote, the collective
-bringing b's key / value has a's forward to hide behind, and the one taking b's dk / dv back has
-a's backward. Nothing else orders the two (they are independent), and the barriers change no
-value.
+Sinks join the merge, not a part. Backward: each part's kernels take the MERGED out and lse, so
+every part's gradients are exact for its pairs; dq = dq_a + dq_b in float32. Optimization
+barriers order a before b forward and the reverse backward, so each collective has work to
+hide behind; they change no value.
 """
 
 from __future__ import annotations

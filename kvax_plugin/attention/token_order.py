@@ -1,93 +1,27 @@
 """Token orders for context parallelism: natural, Llama 3, and a per-batch balanced order.
 
-Under context parallelism `cp`, rank r holds query tokens [r*S/cp, (r+1)*S/cp) of the row *as it
-arrives* and attends them against all S key/value tokens. A token order is a permutation of
-each row applied before sharding; it decides which tokens each rank owns. Positions and segment
-ids, never buffer indices, decide which pairs attend, so attention is exact in any order: the
-order only moves work between ranks, and the slowest rank sets the step time.
+Rank r holds query tokens [r S / cp, (r + 1) S / cp) of the row as it arrives; an order is a
+permutation applied before sharding. Attention is exact in any order (positions decide); the
+order only moves work between ranks. "natural": contiguous slices; "llama3": chunks r and
+2 cp - 1 - r of 2 cp (one causal document); "balanced": computed per row, below.
 
-    natural   rank r holds the r-th contiguous slice: a causal document puts most work on the
-              last ranks (rank r of one long document does 2r+1 units of work).
-    llama3    rank r holds chunks r and 2*cp-1-r of 2*cp chunks: perfect for one causal document
-              filling the row, blind to packed documents (two documents of 3/4 and 1/4 of the
-              row are 4x unbalanced at every cp).
-    balanced  computed per batch row from its positions and segment ids, below.
+Cost model: a rank pays kept (q, kv) pairs and visited kv blocks (sum of upper - lower over its
+query blocks). Both are additive over units of `block` consecutive natural-order tokens; the
+balanced order moves whole units, keeps each rank's units ascending, and the op sorts the
+gathered kv into document order (document_order: padding last, then segment id, position), so
+a unit's table row does not depend on its rank. Per token the attended kv set is one range
+[lo, hi) in document order; kept(unit) sums the range lengths, visited(unit) counts the kv
+blocks between its first and last attended key (exact when the tables are tight).
 
-Cost model
-----------
-What a rank pays is what its kernels do. The kernels walk, per query block, a contiguous range
-of kv blocks [lower, upper) of the gathered key/value (kvax_plugin.attention.block_mask), doing
-matrix work on every visited block (full blocks without mask math); flops are proportional to
-kept (q, kv) pairs only inside partially masked blocks. So a rank has two costs, and the order
-balances both:
+Assignment (n units, n / cp per rank): 1. deal units heaviest first (combined normalised cost)
+in rounds of cp, each to the least-loaded rank; 2. 4 cp swap steps between the heaviest and
+lightest ranks of the cost with the larger spread. The result is compared with the natural and
+Llama 3 orders in the same model and the best worst-rank ratio is returned, so "balanced" is
+never worse than either by that measure. jit-able, vmapped over the batch.
 
-    kept pairs      exact (q, kv) pairs the mask keeps for the rank's queries, and
-    visited blocks  sum over the rank's query blocks of upper - lower.
-
-Both are additive over *units*: runs of `block` consecutive natural-order tokens, with `block`
-the query block size of the kernels (or a multiple of it). The balanced order moves whole units
-and keeps every rank's units in ascending natural order. The sharded op, for this order, sorts
-the gathered key/value into *document order* (document_order: padding last, then by segment
-id, then position); for rows packed the usual way (contiguous documents, ids increasing along
-the row, padding at the end; MaxText's packing) that is simply the natural order. Then every
-query block of a rank is a natural-order block whose table row does not depend on which rank
-holds it: the per-rank cost is the sum of its units' costs, and the tables stay tight
-(documents are contiguous in the kv buffer, and a rank's units of one document stay adjacent
-in its local query buffer, which keeps the backward dkv ranges tight). Moving single tokens
-instead would mix distant documents inside one query block, whose kv range would then span
-everything between them. Because the op finds the kv arrangement from positions and segment
-ids alone, no permutation has to travel with the batch.
-
-Per unit, both costs come from each token's attended kv set, which in document order is one
-range [lo, hi): lo is the start of the token's segment (with a sliding window, a binary search
-for position - window + 1 inside it), hi the end of its run of equal keys (causal) or of its
-segment; the run boundaries come from O(S) scans after one sort.
-    kept(unit)    = sum of the range lengths (exact for any layout);
-    visited(unit) = kv blocks from the one holding the unit's first attended key to the one
-                    holding its last (exact whenever the block tables are tight, as for
-                    contiguous documents with increasing positions; an estimate otherwise:
-                    the order stays exact, only its balance is approximate).
-
-The assignment
---------------
-Each rank must hold exactly n/cp of the n = S/block units (equal shards), and both costs must be
-even. Two steps, both on unit costs normalised by their totals:
-
-1. Dealing. Units are sorted by the combined cost kept / total_kept + visited / total_visited,
-   heaviest first, and dealt in rounds of cp: in every round the heaviest unit goes to the rank
-   with the least combined load so far, the next to the next, and so on (longest-processing-
-   time per round, which keeps the counts equal). For one causal document this is the Llama 3
-   idea with n chunks instead of 2*cp: each rank gets one unit of every cp-wide band of costs,
-   heavy late units paired with light early ones, so a long document is cut into block-aligned
-   pieces spread over all ranks, while short documents (units of small, similar cost) are dealt
-   whole, by cost.
-2. Swaps. Dealing evens the *sum* of the two costs; a rank can still be high in kept pairs and
-   low in visited blocks (units of long documents carry many pairs per block, units of tiny
-   documents few). 4*cp swap steps follow: each takes the cost with the larger spread, its
-   heaviest and lightest ranks, and scores the swaps that move load out of the heaviest or into
-   the lightest rank (per unit, the partner units of every other rank whose cost is nearest
-   half the load gap: a searchsorted in that rank's sorted costs) by the worse spread of the two
-   costs plus a small variance term, applying the best swap if it improves the score.
-
-On the layouts of benchmarks/cp_balance.py (one document, two documents of 3/4 and 1/4,
-power-law lengths with padding, tiny documents, one long plus many short, 12 random documents)
-both max / min ratios stay within 1.02 at S = 32k and 128k, cp = 2, 4, 8, block 128
-(benchmarks/results/cp_balance_*.json), and within 1.04 with only 16 units per rank; what
-remains is granularity (a unit's cost against a rank's load; visited blocks are integers).
-
-Finally the result is compared, in the same cost model, with the natural and the Llama 3 orders
-(the latter when S is a multiple of 2*cp*block), and the order with the smallest worst rank
-(max over both costs of max load / min load) is returned, so "balanced" is never worse than the
-better of the two fixed orders by that measure (exactly so where the model is exact).
-
-Complexity per row: sorting S tokens and, per swap step, n units; O(S) scans (plus log2(S)
-gather passes with a sliding window); n/cp dealing rounds that sort cp loads; 4*cp swap steps
-of O(n log n + n*cp). jit-able (static shapes), vmapped over the batch. At S = 128k one row
-took 16-120 ms on a shared 2-core CPU (benchmarks/cp_balance.py prints it).
-
-Conventions: an order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]], and its
-inverse satisfies natural[b, j] = permuted[b, inverse[b, j]] (apply_token_order /
-undo_token_order). This module imports only numpy, jax and params (a leaf).
+Conventions: an order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]]; its inverse
+satisfies natural[b, j] = permuted[b, inverse[b, j]] (apply_token_order / undo_token_order).
+A leaf: imports only numpy, jax and params.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The public-domain text shipped with the package, split into documents of varied length.
 
-The files live next to this module (kvax_plugin/data/*.txt, listed with their origin and licence
-in SOURCES.md) and are read through importlib.resources, so they work from a wheel or an
-editable install and nothing is ever downloaded.
-
-Splitting happens in two steps:
-  1. `split_entries`: natural units of the text. For a dictionary (The Devil's Dictionary) an
-     entry starts at a line that follows a blank line, begins at column 0 and whose first word is
-     in capitals ("ABASEMENT, n.  ..."); text before the first entry (a preface) is one unit.
-     A text without such lines falls back to blank-line separated paragraphs.
-  2. `group_documents`: consecutive units are joined into documents whose target lengths are
-     drawn log-uniformly between `min_chars` and `max_chars` with a seeded generator. Packed
-     attention is only interesting with a mix of short and long documents (many small diagonal
-     blocks plus some that span whole sequences and must be split), which single entries alone
-     (a few hundred bytes each) would not give.
+The files (kvax_plugin/data/*.txt, origins in SOURCES.md) are read through importlib.resources;
+nothing is downloaded. `split_entries` cuts natural units (dictionary entries, else paragraphs);
+`group_documents` joins consecutive units into documents of log-uniform target lengths (seeded),
+so packed rows mix short and long documents.
 """
 
 from __future__ import annotations

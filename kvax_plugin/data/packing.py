@@ -1,21 +1,9 @@
 """Packing tokenized documents into fixed-length rows: first-fit decreasing, with segment ids.
 
-Conventions (MaxText's, so a batch can be fed to its trainer as is):
-  tokens       int32 [num_seqs, seq_len]  token ids, PAD_ID (0) on padding;
-  segment_ids  int32 [num_seqs, seq_len]  1..n for the n pieces of a row, in order; 0 = padding;
-  positions    int32 [num_seqs, seq_len]  0, 1, ... restarting at every piece; 0 on padding.
-Padding is always a suffix of the row. kvax (and kvax_plugin.flash_attention) marks padding
-with PADDING_SEGMENT_ID = -1 instead: `to_kvax` converts.
-
-A *piece* is a contiguous slice of one document. Documents longer than seq_len are cut into
-seq_len-sized pieces (the last one shorter); each piece is its own segment with positions from
-0, because a packed row cannot hold the earlier context anyway and positions beyond seq_len would
-reach rotary angles the model never sees at this length.
-
-Packing is first-fit decreasing (FFD): pieces sorted by length (longest first, ties in arrival
-order), each put into the first row with room. FFD never needs more than 11/9 of the optimal
-number of rows plus one; on the shipped corpus at seq_len 2048 its rows are over 99% full.
-Everything is deterministic for a given seed.
+MaxText's conventions: tokens, segment_ids (1..n per row, 0 = padding) and positions (restarting
+per piece) int32 [num_seqs, seq_len], padding a suffix; `to_kvax` converts to kvax's
+PADDING_SEGMENT_ID = -1. Documents longer than seq_len are cut into pieces, each its own segment
+with positions from 0. Deterministic for a given seed.
 """
 
 from __future__ import annotations

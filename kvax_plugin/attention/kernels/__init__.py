@@ -1,31 +1,16 @@
 """The kernel backends of the attention op, registered in one place.
 
-A *kernel backend* (the `backend=` argument of flash_attention) is a single-device
-implementation with one calling convention:
+A kernel backend (flash_attention's `backend=`) is a single-device implementation
 
     fn(query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
        mask, *, scale, logits_soft_cap, sinks, **options) -> [B, Sq, H, Dv]
 
-over inputs already validated by the public op (shapes, dtypes, head dims, mask). Each backend
-is a leaf module or package under this folder that imports only the mask tables
-(attention.block_mask), the params and tuning options (attention.params, attention.options),
-the dense reference, capabilities.py, custom_vjp.py (the custom VJP shared by backends with
-backward kernels) and its own files; tests/test_layering.py enforces that. The leaf's module
-declares what it supports as `CAPABILITIES` (a `Capabilities`). This module holds one
-`KernelBackend` record per name: where the implementation lives (imported on first use), which
-devices it needs and how to check one, and which extra options it takes. Everything that picks a backend asks here.
-
-Adding a backend = one new leaf + one entry in `KERNEL_BACKENDS` (+ its place in `AUTO_ORDER`).
-A leaf's module must import without its optional dependencies (Triton, a Mosaic toolchain):
-import those inside functions, so the registry can read CAPABILITIES and run the device check
-on any machine.
-
-"auto" walks `AUTO_ORDER` and takes the first backend that can run on this process's devices
-*and* supports the call (dtype, head dims, features). A backend that must be preferred only on
-some GPUs (say a Hopper-only kernel ahead of the portable Triton one) goes earlier in the order
-and says no in its `device_check` elsewhere, or in its `Capabilities` for the cases it lacks;
-"auto" then moves on to the next. An explicit name never moves: it runs or raises
-`BackendUnavailableError` naming why.
+over validated inputs, in a leaf module that declares `CAPABILITIES` and imports its optional
+dependencies lazily (tests/test_layering.py). This module holds one `KernelBackend` record per
+name (implementation, device check, options). "auto" walks `AUTO_ORDER` and takes the first
+backend that runs here and supports the call; an explicit name runs or raises
+`BackendUnavailableError` naming why. Adding a backend: a leaf plus an entry in
+`KERNEL_BACKENDS` (and `AUTO_ORDER`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The custom VJP shared by the kernel backends that bring their own backward kernels (Triton,
-Mosaic GPU): residuals, the missing-backward-tables error, zero cotangents for the integer
-inputs and the mask, and the sinks' gradient, which needs no kernel.
+"""The custom VJP shared by the kernel backends with their own backward kernels (Triton, Mosaic
+GPU): residuals, zero cotangents for the integer inputs and the mask, the sinks' gradient.
 
-It also hands out a backend's kernels *as parts* (`KernelParts`: the forward returning out and
-lse, the backward taking them) for callers that merge several attention calls themselves (the
-context-parallel overlap: kvax_plugin.attention.split_kv_attention). A backend's public function
-called inside `capture_kernel_parts()` returns its KernelParts instead of running, after its own
-validation and launch configuration, so the parts see exactly what a normal call would.
+It also hands out a backend's kernels as `KernelParts` (forward returning out and lse, backward
+taking them) for callers merging several attention calls (split_kv_attention): a backend's
+public function called inside `capture_kernel_parts()` returns its parts instead of running.
 """
 
 from __future__ import annotations
@@ -38,13 +35,10 @@ def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arra
   minimal_with_context), JAX stacks them with a dynamic-update-slice per layer, and XLA's GPU
   dynamic-slice fusion then builds a fusion of "kernel custom call + that update" so the kernel
   writes straight into the stacked buffer. The custom call also feeds the rest of the layer, so
-  XLA keeps it there as well and CLONES it into the fusion: the forward kernel ran twice per
-  layer (2026-11-25, H200, llama3-8b in MaxText: 12 Mosaic forward/dq launches per step instead
-  of 8; XLA's optimized HLO held 4 Mosaic custom calls where the jaxpr had 3). The barrier
-  stands between the kernel and the update, so the pattern no longer matches and the update is
-  an ordinary copy of out: 4 Mosaic forwards per step instead of 8 in the same MaxText run
-  (benchmarks/tools/remat_clone_check.py shows the clone on a toy decoder;
-  tests/gpu/test_remat_gpu.py checks the compiled GPU step).
+  XLA keeps it there as well and CLONES it into the fusion: the forward kernel runs twice per
+  layer. The barrier stands between the kernel and the update, so the pattern no longer matches
+  and the update is an ordinary copy of out (benchmarks/tools/remat_clone_check.py,
+  tests/gpu/test_remat_gpu.py).
   """
   out, lse = jax.lax.optimization_barrier((out, lse))
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
@@ -58,9 +52,8 @@ def as_stored(x: jax.Array, dtype=jnp.float32) -> jax.Array:
   a narrowing (the float32 gradient rounded to the output's bf16 / fp16), so d_out.astype(float32)
   can read the float32 values from before the rounding, while the kernels read the rounded
   d_out. delta = rowsum(dO * O) then no longer matches the kernels' dP = dO V: on a row that
-  sees one key dS = P (dP - delta) is 0 in exact arithmetic and held bf16's rounding of dO V
-  instead (dq / dk up to 2.0e-2 where the reference has 2e-6: H200, 2026-11-27, with the
-  cotangent a jit argument; a constant cotangent is rounded at compile time and hid it).
+  sees one key dS = P (dP - delta) is 0 in exact arithmetic and would hold bf16's rounding of
+  dO V instead (a constant cotangent is rounded at compile time and hides this).
   Rounding to x's format again is idempotent on x's values and survives that rewrite.
   """
   wide = x.astype(dtype)

@@ -1,35 +1,12 @@
 """backend="hopper": the Mosaic GPU forward with the CUDA C++ fused backward (Hopper only).
 
-Not a leaf: it composes two leaves, the Mosaic backend's forward kernel (kernels/mosaic) and the
-5-product fused backward written in CUDA C++ (kernels/cuda_sm90), under the shared custom VJP
-(kernels/custom_vjp). tests/test_layering.py places it above the leaves and below the registry.
-
-Why it is "auto"'s first choice where it runs (head dims 128 and 64 but for a sliding window
-with a soft cap, every call at head dim 256: auto_prefers): it was measured fastest there,
-docs/performance.md's table "What "auto" runs on a Hopper GPU" (H200, 2026-11-27 and -28); e.g.
-64k causal forward+backward 238.8 ms against "mosaic"'s 252.0, 64k documents 39.76 against
-42.63.
-
-It covers fewer cases than "mosaic": head dim 64, 128 or 256 (one for query, key and value) or
-MLA's 192 / 128 (query and key, value), in bfloat16 or float16; causal or not, segment ids,
-sliding window, soft cap, sinks, GQA / MQA, batch > 1, Sq != Skv, any lengths (padded here to
-the kernel's 128-row tiles), mask backward blocks of 128 kv rows and query blocks of a
-power of two >= 64 rows (the default (128, 128) and kvax's (64, 128)). "auto"
-moves on to "mosaic" for everything else (and for MLA, measured faster: auto_prefers), and an
-explicit backend="hopper" raises instead of running another backward (BackendUnavailableError
-from the registry, ValueError here).
-
-Reproducibility: the backward reduce-adds dq in float32 from many thread blocks in no fixed
-order, so its gradients are not bitwise reproducible from run to run. deterministic_backward=
-True is the way to get bitwise-reproducible gradients: with backend="auto" it routes to
-"mosaic" (whose default backward is deterministic); with backend="hopper" it raises.
-
-The shared object is built the first time the backend is asked for on a Hopper GPU
-(device_supported, which "auto" asks too; cuda_sm90/build.py: nvcc >= 13 from kvax-plugin[gpu],
-into ~/.cache/kvax_plugin/sm90/<key>/, once per source and jaxlib version, one process building
-while the others wait; a prebuilt one next to fused_backward.py is used when its recorded key
-matches). Without one and without nvcc, device_supported says what to install and "auto" takes
-"mosaic".
+Composes two leaves (kernels/mosaic's forward, kernels/cuda_sm90's 5-product backward) under
+the shared custom VJP. Covers head dims 64, 128, 256 and MLA's 192 / 128, bf16 / fp16, any
+lengths (padded to 128-row tiles); "auto" prefers it where docs/performance.md measured it
+fastest (auto_prefers) and moves on to "mosaic" otherwise. Its dq reduce-add has no fixed order,
+so deterministic_backward=True routes "auto" to "mosaic" and raises with backend="hopper". The
+shared object is built on first use (cuda_sm90/build.py); without it and without nvcc
+device_supported says what to install.
 """
 
 from __future__ import annotations
@@ -91,9 +68,7 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
 
 
 # Where "auto" does not take hopper at head dims 128 and 64: the sliding window with the soft cap
-# ("mosaic" 7-22% faster: those kernels keep the mask in their loop; H200, 2026-11-28,
-# docs/performance.md). The window alone is hopper's since the backward's mask pass: 9-14% ahead
-# of "mosaic" but on 16k documents (1% / 8% behind at 128 / 64).
+# ("mosaic" is faster there: those kernels keep the mask in their loop; docs/performance.md).
 AUTO_NOT_PREFERRED = (("sliding_window", "logits_soft_cap"),)
 
 
@@ -103,8 +78,8 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
   fp16, with soft cap, sinks or the sliding window, not with the window and the soft cap
   together (AUTO_NOT_PREFERRED).
-  Head dim 256: always (1.4x Triton, "mosaic"'s backward being a one-stage ring there). MLA's
-  (192, 128): never, the Mosaic backward is 1.17-1.21x faster at 16k."""
+  Head dim 256: always ("mosaic"'s backward is a one-stage ring there). MLA's (192, 128):
+  never, the Mosaic backward is faster."""
   del dtype  # bf16 and fp16 alike: both measured
   dims = (qk_head_dim, v_head_dim)
   if dims == (256, 256):
@@ -115,7 +90,7 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
     slower = [f"head dims ({qk_head_dim}, {v_head_dim})"]
   if slower:
     return False, (f"{', '.join(slower)}: the Mosaic backward was measured faster (H200, "
-                   '2026-11-27 and -28, docs/performance.md); pass backend="hopper" to use this '
+                   'docs/performance.md); pass backend="hopper" to use this '
                    "one anyway")
   return True, ""
 

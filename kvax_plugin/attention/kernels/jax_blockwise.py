@@ -1,19 +1,10 @@
 """backend="jax": blockwise FlashAttention-2 in pure JAX (CPU, TPU, any GPU).
 
-It walks the same block tables as the Triton kernels: every query block visits only the kv
-blocks in [lower, upper), skips the mask math on full blocks, and keeps an online softmax
-(FlashAttention-2, Dao 2023, Algorithm 1). The custom VJP recomputes probabilities block by
-block from the saved log-sum-exp (Algorithm 2): dq per query block over the `dq` table,
-dk / dv per kv block over the `dkv` table, so no [Sq x Skv] array is ever stored.
-
-Arithmetic is float32 (float64 for float64 inputs); outputs take the input dtypes. Index
-arithmetic is int32 throughout, so it also runs with JAX_ENABLE_X64=1.
-Layout inside: query blocks [bq, K, G, D] with H = K * G (query head h = k * G + g).
-
-Non-finite inputs follow the reference (reference.py): a row is empty, and gives 0, exactly
-when its running sum l is 0; a NaN logit makes l NaN, so the test is `l == 0`, never `l > 0`
-(which reads NaN as "empty" and would return 0 for a diverged row). The sink joins the row
-after the loop, so it does not hide emptiness either.
+Walks the same block tables as the other backends (online softmax, FlashAttention-2 Algorithm
+1; custom VJP recomputing probabilities from the saved lse, Algorithm 2), so no [Sq x Skv] array
+is stored. float32 arithmetic (float64 for float64 inputs), int32 indices. Query blocks are laid
+out [bq, K, G, D] with H = K * G. Non-finite inputs follow reference.py: a row is empty iff
+l == 0 (never `l > 0`, which would read NaN as empty); the sink joins after the loop.
 """
 
 from __future__ import annotations

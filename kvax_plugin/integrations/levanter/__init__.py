@@ -4,12 +4,8 @@
     kvax_levanter.install()     # then any Levanter model config takes attn_backend: kvax
     kvax_levanter.configure(kernel="triton")   # optional: kernel, block size (settings.py)
 
-or run Levanter's training entry point with the plugin installed:
-
-    python -m kvax_plugin.integrations.levanter.train_lm --config_path ... --model.attn_backend kvax
-
-install() is idempotent, version-guarded (SUPPORTED_LEVANTER_VERSIONS) and reversible
-(uninstall()). Levanter's own source is untouched: see _install.py for what is wrapped.
+install() is idempotent, version-guarded and reversible (uninstall()); Levanter's source is
+untouched (_install.py lists what is wrapped).
 """
 
 from kvax_plugin.integrations.levanter._install import (DECODER_ENTRIES, install, is_installed,

@@ -1,32 +1,14 @@
 """The seam between Levanter and kvax: one block mask per step, read by every layer.
 
-Two functions, both installed by install():
+`decoder_entry` wraps each family's Transformer.__call__: while jit traces it, it builds kvax's
+block masks from the AttentionMask's segment ids and exposes them through a ContextVar; the
+layers (inside fold / scan / remat) close over them, so the tables are computed once per step.
+`dot_product_attention` sends attn_backend=kvax calls to kvax and the rest to Levanter.
 
-* `decoder_entry` wraps each model family's Transformer.__call__ (LlamaTransformer, ...), the
-  point just before the layers' fold / scan. While jit traces it, it derives per-document
-  positions from the AttentionMask's segment ids, builds kvax's block masks (one per causal /
-  window combination the model's layers use) and exposes them through a ContextVar. Layers run
-  inside haliax's fold / scan (and remat); their bodies are traced within the same call and
-  close over these arrays like any outer value, so the tables are computed once per step,
-  outside the layer loop, never recomputed by remat, and shared by every layer. Nothing
-  outlives the call, so no tracer leaks into a later trace.
-* `dot_product_attention` replaces levanter.layers.attention.dot_product_attention: calls with
-  attn_backend=kvax go to kvax (reading the prepared masks); others go to Levanter unchanged;
-  what kvax cannot serve goes to Levanter's default path with a logged note.
-
-Masks follow Levanter's AttentionMask: token q attends token k iff they share a segment id and
-(causal) k is not after q and (sliding window w) fewer than w tokens separate them. Levanter
-measures causality and windows in row indices, so the kvax positions are the row indices: the
-masks are Levanter's for any layout, contiguous documents or not.
-
-Padding. Levanter's packers pad with segment id -1, and its mask is plain segment equality: a
-padding token attends every earlier padding token, like a document of its own. Those rows are
-not inert: the cross entropy weights them 0, but the MoE router losses (load balancing, router
-z-loss) average over every token, padding included, and backpropagate through the padding rows'
-attention. So the seam gives every negative id a segment of its own (a non-negative id above the
-row's largest, kvax_tokens), never kvax's PADDING_SEGMENT_ID, whose rows attend nothing: the
-loss and every gradient then equal Levanter's own attention's. The padding blocks are computed,
-as Levanter computes them.
+Positions are row indices, as Levanter measures causality and windows. Padding (segment id -1)
+attends earlier padding in Levanter and feeds the MoE router losses, so every negative id gets
+a segment of its own here (kvax_tokens), never kvax's PADDING_SEGMENT_ID: losses and gradients
+equal Levanter's own attention's.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """The context-parallel token order of MaxText batches with attention=kvax.
 
-MaxText permutes every training (and eval) batch in its input pipeline when context parallelism
-is load-balanced (context_parallel_load_balance and a context axis of size cp > 1:
-max_utils.reordered_cp_size): setup_train_loop wraps the data iterators with the callable
-maxtext_utils.get_reorder_callable returns (the Llama 3 "dual chunk swap": rank r holds chunks
-r and 2*cp-1-r). With attention=kvax, the MaxText key `kvax_context_parallel_order` chooses
-what that callable does instead:
-
-    "auto"      "balanced" when MaxText reorders batches, else "natural" (the default)
-    "balanced"  per batch row, the document-aware order of kvax_plugin.attention.token_order,
-                from the row's positions and segment ids (balanced_order; unit = the larger
-                kvax query block size, balanced for the global causal mask)
-    "llama3"    MaxText's own reorder, unchanged
-    "natural"   no reorder at all
-
-The order is applied to the keys MaxText reorders (inputs, targets, their positions and
-segmentations, corruption_mask, targets_loss_mask) and the kvax op is told which order arrives
-(mesh_rules.mesh_and_specs -> KvaxOptions.token_order). Nothing in MaxText's training step has
-to be undone: the loss is a per-token sum over tokens and targets permuted alike, RoPE reads the
-positions, and the layers routed back to MaxText's dot_product build their causal masks from
-positions whenever MaxText reorders. Where natural order is needed (e.g. to read per-token
-outputs of a reordered batch), `to_natural_order` restores it from the permuted batch's own
-positions and segment ids (document order, which is the natural order of MaxText's packing).
-
-Wiring: install() wraps train_utils.setup_train_loop so that, during it, get_reorder_callable
-answers through `reorder_callable` (patches/maxtext/<version>/0004 does the same in the source).
+When MaxText load-balances context parallelism it permutes each batch in its input pipeline
+(get_reorder_callable: Llama 3's dual chunk swap). With attention=kvax the key
+`kvax_context_parallel_order` chooses the order instead: "auto" ("balanced" when MaxText
+reorders, else "natural"), "balanced" (token_order.balanced_order per row), "llama3" (MaxText's
+own), "natural" (none). The kvax op is told which order arrives; nothing in the step needs
+undoing (per-token loss, RoPE reads positions). `to_natural_order` restores natural order.
+install() wraps train_utils.setup_train_loop so get_reorder_callable answers through
+`reorder_callable` (patches/maxtext/<version>/0004 does the same in the source).
 """
 
 from __future__ import annotations

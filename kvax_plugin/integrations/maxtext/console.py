@@ -1,22 +1,10 @@
 """The launcher's console: its own lines on the terminal, everything else in maxtext.log.
 
-With cfg.quiet (the default) the console shows the banner, the model line, one line per step,
-the summary and errors. Everything else printed while the launcher drives MaxText goes to
-<output dir>/maxtext.log: MaxText's stub notices and print()s, absl / JAX / transformers
-logging, Python warnings, and the C++ runtime's (XLA's) writes to file descriptor 2. The last
-cannot be caught in Python, so file descriptors 1 and 2 themselves point at the log for the
-run, and the launcher writes its own lines to duplicates of the original descriptors
-(Console.out / Console.err).
-
-The log's place is known only after the launcher's checks (raw keys may move the output
-directory), and a rejected flag should leave no directory behind; until open_log() the output
-is held in an anonymous temporary file, copied to the head of maxtext.log when it opens, or
-replayed on the console if the run fails before that (nothing is lost).
-
-An exception leaving a quiet run after the log opened has its traceback written to the log and
-carries the log's path in `log_path_attr`, so the launcher prints one line and says where the
-traceback is. Without cfg.quiet nothing is redirected: the log gets Python logging's records
-(INFO and up) and the console shows everything, as MaxText would.
+With cfg.quiet (the default) the terminal shows the banner, the model line, one line per step,
+the summary and errors; file descriptors 1 and 2 point at <output dir>/maxtext.log for the run
+(XLA writes to fd 2 directly) and the launcher writes through duplicates (Console.out / .err).
+Until open_log() output is held in a temporary file, copied to the log or replayed on failure.
+A failing quiet run's traceback goes to the log, whose path the exception carries.
 """
 
 from __future__ import annotations

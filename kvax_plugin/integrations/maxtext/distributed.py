@@ -1,45 +1,15 @@
 """Several processes, one training run: jax.distributed for MaxText with attention=kvax.
 
-MaxText runs multi-host as one JAX process per host, joined by jax.distributed into one global
-device mesh; every process runs the same program on its own devices and feeds its share of each
-global batch. MaxText 0.2.5 starts jax.distributed itself only from environment variables its
-schedulers set (XPK, SLURM: max_utils.maybe_initialize_jax_distributed_system, which does
-nothing when jax.distributed is already up), so the launcher takes the three facts as flags and
-initializes before MaxText (or anything else) touches a device. On every host, I = 0 .. N-1,
-the same coordinator (process 0's host and a free port):
+MaxText starts jax.distributed itself only from scheduler environment variables, so the launcher
+takes the coordinator, process count and id as flags and initializes before anything touches a
+device (on each host I = 0 .. N-1):
 
-    python -m kvax_plugin.launch --config=configs/llama3.py:8b --config.seq_len=8192 \\
-        --config.mesh.ici_context=2 \\
+    python -m kvax_plugin.launch --config=llama3:8b \\
         --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
 
-To try it on one machine with simulated CPU devices (2 processes x 4 devices, fsdp 2 x
-context 4; the losses equal those of one process with 8 devices):
-
-    for i in 0 1; do
-      JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
-      python -m kvax_plugin.launch --config=configs/llama3.py:tiny --config.steps=3 \\
-          --config.seq_len=256 --config.per_device_batch_size=1 \\
-          --config.mesh.ici_fsdp=2 --config.mesh.ici_context=4 \\
-          --coordinator_address=localhost:12345 --num_processes=2 --process_id=$i &
-    done; wait
-
-The mesh is MaxText's: with one slice (always on CPU; on GPUs unless the devices report
-several slices) the ici_* axes multiply to the devices of all processes together (dcn_* stay
-1), laid out in process order, with MaxText's later mesh axes innermost (fsdp, then context,
-then tensor). So a context or tensor axis that divides one process's device count stays inside
-a process, and fsdp / data span the processes. The kvax op's collectives work across processes
-too: integration/test_maxtext_multiprocess.py puts context before fsdp (MaxText's mesh_axes key)
-so that each context group spans two processes, and tests/test_multiprocess.py runs the op
-alone that way. Process 0 writes the run's files; process I > 0 writes its own under
-<output dir>/process_I.
-
-On CPU the cross-process collectives go through gloo, which initialize() selects (gloo waits
-at most 30 s for a late process at a first collective: barrier_before_first_batch lines the
-processes up). On GPUs the launcher passes no local_device_ids: a process uses every GPU it
-sees, so one process per host sees all of its GPUs, and several processes on one host each get
-their own with CUDA_VISIBLE_DEVICES. On 4 x H200, 2 processes x 2 GPUs (context 2 x fsdp 2)
-trained at 1.008x the speed of one process with the same mesh, losses within 0.021 over 10
-steps (2026-11-26, benchmarks/maxtext_scaling.py, docs/context-parallelism.md).
+The mesh is MaxText's (ici_* axes over all processes' devices, later axes innermost). On CPU
+the collectives go through gloo; on GPUs a process uses every GPU it sees. Process 0 writes the
+run's files, process I > 0 its own under <output dir>/process_I. docs/context-parallelism.md.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ REMAT_FULL_NOTE = (
     "attention kernel); remat_policy=minimal_with_context (MaxText's own GPU llama3-8b policy) "
     "keeps kvax's output and log-sum-exp instead. Measured on one H100, 64k rows of one "
     "document each: kvax 1.08-1.09x cudnn_flash_jax with minimal_with_context, 0.93x with full "
-    "(docs/performance.md, 2026-11-25)")
+    "(docs/performance.md)")
 
 
 # Printed (and kept in summary.json) when a GPU run uses MaxText's flash past what its mask
@@ -156,8 +156,8 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
   setup_timing.SetupTimer.breakdown's parts of wall["setup_and_compile"]."""
   recs = progress.records
   # Step 1 carries dispatch warm-up. The next interval is not a step either when the first
-  # result was received late: with cudnn_flash_te on one H200 (2026-11-27) steps 1 and 2
-  # arrived 0.017 s apart, then every 1.5 s. From 4 steps on, timing starts at step 3.
+  # result was received late (steps 1 and 2 may arrive together). From 4 steps on, timing starts
+  # at step 3.
   timed = recs[2:] if len(recs) >= 4 else recs[1:] if len(recs) > 1 else recs
   mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
   remat_policy = getattr(config, "remat_policy", None)

@@ -1,33 +1,14 @@
 """The seam between MaxText and the kvax provider: one mask per step, read by every layer.
 
-Why a context variable. MaxText runs its decoder layers under jax.checkpoint and lax.scan and
-passes each layer only the keyword arguments its signature declares, so a new argument (the
-prepared mask) would be dropped before it reached AttentionOp. Instead `decoder_entry` wraps
-NNXDecoder.__call__: while MaxText *traces* the decoder it builds the prepared state once from
-the decoder's positions and segment ids, sets it in a ContextVar, and resets it on exit.
-`apply_attention`, traced inside the same call (inside scan and remat bodies), reads it there.
-The prepared arrays are tracers of the decoder's trace; scan and checkpoint bodies close over
-them like any other outer value, so the tables are computed once per step, outside the layer
-loop, never recomputed by remat, and shared by all layers. Nothing is kept past the call, so no
-tracer leaks into a later trace.
+MaxText passes each decoder layer only the arguments its signature declares, so
+`decoder_entry` wraps NNXDecoder.__call__ and, while MaxText traces the decoder, builds the
+prepared state once into a ContextVar that `apply_attention` reads inside scan / remat bodies
+(computed once per step, shared by all layers, reset on exit).
 
-Padding. MaxText's own attention (dot_product, and its flash / splash kernels) keeps the pair
-(q, kv) iff they share a segment id (and kv's id is >= 0), causally. Its padding segment 0 is
-therefore an ordinary segment: padding tokens attend earlier padding tokens, and their outputs
-feed everything computed per token, padding included (MoE routing and its load-balance loss
-average over every token). So segment id 0 stays a segment of its own here, never kvax's
-PADDING_SEGMENT_ID: the kvax rows of padding equal MaxText's and the loss and every gradient
-match MaxText's own attention; the padding blocks are computed, as MaxText computes them.
-
-Causality and windows. MaxText measures them in row indices (its packed rows hold contiguous
-documents), except under load-balanced context parallelism, where the rows arrive permuted and
-it reads segment_positions instead (AttentionOp._load_balanced_context_parallel). The kvax
-positions follow the same rule: row indices, or MaxText's positions exactly when MaxText reads
-them. (With row indices, padding attends earlier padding whatever positions the pipeline wrote
-on it.)
-
-Both install() (monkeypatching) and the patched MaxText (patches/maxtext/) call these two
-functions, so the behaviour is the same either way.
+MaxText's padding segment 0 is an ordinary segment (padding attends earlier padding and feeds
+per-token losses), so it stays a segment here, never kvax's PADDING_SEGMENT_ID. Positions are
+row indices, or MaxText's positions exactly where it reads them (load-balanced context
+parallelism). install() and the patched MaxText (patches/maxtext/) both call these functions.
 """
 
 from __future__ import annotations

@@ -1,43 +1,11 @@
 """Where a launcher run's setup+compile seconds go (summary.json "compile_breakdown").
 
-setup+compile is the wall time from the start of `launch.run` to the start of MaxText's first
-training_loop_iteration: the launcher's checks, importing MaxText and its config, model/state
-init, tracing and compiling the train step, MaxText's pre-run hooks. (Until this module it was
-the run's wall time minus MaxText's step clocks; but MaxText's step clock stops when a step is
-dispatched, so that number also held the execution of the last steps: about two steps of
-compute, seconds for a slow kernel at 64k. It is kept as wall_seconds["run_less_step_clocks"].)
-
-`SetupTimer` splits setup+compile into parts that do not overlap and add up to it exactly:
-
-  jax_trace            tracing Python functions to jaxprs (kernels' Python included)
-  jax_lower            jaxpr -> StableHLO module, incl. kernel lowering rules (Pallas -> Triton or
-                       Mosaic GPU IR; jax-triton compiles its Triton kernels to a binary here)
-  xla_compile          XLA's backend compile (incl. Triton IR -> binary for Pallas-Triton
-                       kernels, and reading / writing the persistent compilation cache)
-  launcher_checks      non-JAX seconds of the launcher's checks (incl. starting JAX's backend)
-  imports_and_config   non-JAX seconds of importing MaxText, installing the plugin, MaxText's
-                       config (pyconfig) and initialize()
-  model_state_init     non-JAX seconds of MaxText's setup_train_loop (model, optimizer, state
-                       init, checkpoint manager, data iterator)
-  remainder            the rest: non-JAX seconds between those phases (jit set-up, memory stats,
-                       TensorBoard set-up info, MaxText's pre-run hooks)
-
-The three JAX parts are measured with jax.monitoring's listeners on the events JAX itself
-records (jax/_src/dispatch.py, jax 0.11.2): "/jax/core/compile/jaxpr_trace_duration",
-"/jax/core/compile/jaxpr_to_mlir_module_duration", "/jax/core/compile/backend_compile_duration".
-They nest (an eager op run while tracing is traced, lowered and compiled inside the outer
-trace), so each moment is counted once, for the innermost event open at that moment (the one
-that started last, from the events' time spans); the per-event sums as JAX reports them are
-kept too ("jax_events", all threads). Only the launcher's thread's events are parts; JAX work
-in other threads overlaps it and is listed apart ("other_threads_jax"). Events after the first step starts (a recompile in a step, eager ops
-of the metrics) are listed apart ("training_loop_jax"), not in setup+compile.
-
-Work a kernel does at its first execution (loading or compiling kernels inside the executable
-on the first run) is not setup+compile: it is in the first step (wall_seconds "first_step",
-MaxText's clock, which stops at dispatch, and "first_step_result", until the first step's loss
-reached the host).
-
-Phases are timed on time.time(), the clock of JAX's time spans.
+setup+compile: wall time from `launch.run`'s start to MaxText's first training_loop_iteration.
+`SetupTimer` splits it into parts that add up exactly: jax_trace, jax_lower, xla_compile (from
+jax.monitoring's duration events, each moment counted once for the innermost open event, the
+launcher's thread only), launcher_checks, imports_and_config, model_state_init and remainder
+(non-JAX seconds). JAX events in other threads or after the first step are listed apart. Work a
+kernel does at its first execution belongs to the first step. Clock: time.time(), as JAX's.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
     packed_corpus_pipeline   MaxText's create_data_iterator returns kvax_plugin.data's packed
                              corpus (wrapped in MaxText's own MultiHostDataLoadIterator); with
                              attention=kvax it builds each batch's mask on the CPU for the
-                             blocks-skipped report (KVAX_FEED_MASK_STATS=0 turns that off: a
-                             diagnostic, 2026-11-25)
+                             blocks-skipped report (KVAX_FEED_MASK_STATS=0 turns it off)
     progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
                              which prints one line per step and adds TensorBoard scalars
 
@@ -81,9 +80,8 @@ class StepRecord:
   step_seconds: the time between this step's result and the previous step's (`received`), so
   the device's throughput; the first step (no previous result) has MaxText's clock, which holds
   its compilation. MaxText's own clock (maxtext_step_seconds) is the time between two step
-  dispatches: the host runs up to a step ahead of the device, so single clocks swing (0.03 s,
-  then 3 s, measured on one H200 2026-11-26) and their mean over a short run leaves out the
-  device time of the steps still queued at the end (~15% at 8 steps of 1.5 s).
+  dispatches: the host runs up to a step ahead of the device, so single clocks swing and their
+  mean over a short run leaves out the device time of the steps still queued at the end.
   """
   step: int
   loss: float

@@ -4,8 +4,8 @@ nvidia-cuda-nvcc, nvidia-cuda-cccl; both in kvax-plugin's `gpu` extra), the XLA 
 the installed jaxlib, cudart linked statically (so only the driver is needed where it runs).
 
 The backend builds it itself on first use (ensure_library, called by fused_backward.load) into
-a cache keyed by what the binary depends on (build_key: the source, the flags, the jaxlib
-version, the architecture):
+a cache keyed by what the binary depends on (build_key: the source as the compiler sees it,
+comments and blank lines stripped, the flags, the jaxlib version, the architecture):
 
     $XDG_CACHE_HOME/kvax_plugin/sm90/<key>/libkvax_sm90_bwd.so   (default ~/.cache/...)
 
@@ -101,11 +101,101 @@ def _jaxlib_version() -> str:
   return jaxlib.__version__
 
 
+_RAW_PREFIX = re.compile(r"(?:u8|[uUL])?R$")
+_LITERAL_PREFIX = re.compile(r"(?:u8|[uUL])?$")
+
+
+def compiled_text(text: str) -> str:
+  """`text` (C++ source) as the compiler's tokens see it: comments removed (a /* */ comment
+  becomes one space, as in translation phase 3), runs of spaces and tabs outside literals
+  collapsed to one space, leading and trailing blanks of each line and blank lines dropped.
+  String, character and raw string literals are kept byte for byte (a "//" inside one is no
+  comment), and so are line splices (a backslash ending a line): the line after one keeps a
+  space where it had leading blanks, and a blank line after one is kept. Digit separators
+  (1'000) are part of their number, not a character literal."""
+  out: list[str] = []
+  pending_space = False  # blanks (or a comment) seen since the last token on this line
+  i, n = 0, len(text)
+
+  def line_start() -> bool:
+    return not out or out[-1].endswith("\n")
+
+  def spliced() -> bool:  # the line just ended with a backslash (a line splice)
+    return "".join(out[-2:]).endswith("\\\n")
+
+  def emit(token: str) -> None:
+    nonlocal pending_space
+    if pending_space and (not line_start() or spliced()):
+      out.append(" ")
+    pending_space = False
+    out.append(token)
+
+  while i < n:
+    c = text[i]
+    if c == "\n":
+      pending_space = False
+      if not line_start() or spliced():
+        out.append("\n")  # a blank line is dropped unless a splice joins it to the last
+      i += 1
+    elif c in " \t\f\v\r":
+      pending_space = True
+      i += 1
+    elif text.startswith("//", i):
+      while i < n and text[i] != "\n":  # a backslash before the newline continues the comment
+        i += 2 if text.startswith("\\\n", i) else 1
+    elif text.startswith("/*", i):
+      end = text.find("*/", i + 2)
+      i = n if end < 0 else end + 2
+      pending_space = True
+    elif c == '"' or c == "'":
+      emit(_literal(text, i, c))
+      i += len(out[-1])
+    elif c.isalpha() or c == "_":
+      j = i
+      while j < n and (text[j].isalnum() or text[j] == "_"):
+        j += 1
+      word = text[i:j]
+      if j < n and text[j] == '"' and _RAW_PREFIX.match(word):  # R"delim( ... )delim"
+        paren = text.find("(", j + 1)
+        end = -1 if paren < 0 else text.find(")" + text[j + 1:paren] + '"', paren)
+        j = n if end < 0 else end + paren - j + 1
+      elif j < n and text[j] in "\"'" and _LITERAL_PREFIX.match(word):
+        j += len(_literal(text, j, text[j]))
+      emit(text[i:j])
+      i = j
+    elif c.isdigit() or (c == "." and i + 1 < n and text[i + 1].isdigit()):
+      j = i + 1  # a preprocessing number, with its digit separators and exponent signs
+      while j < n and (text[j].isalnum() or text[j] in "_.'" or
+                       (text[j] in "+-" and text[j - 1] in "eEpP")):
+        j += 1
+      emit(text[i:j])
+      i = j
+    elif c == "\\" and text.startswith("\n", i + 1):
+      emit("\\")
+      i += 1
+    else:
+      emit(c)
+      i += 1
+  return "".join(out).rstrip("\n") + "\n"
+
+
+def _literal(text: str, start: int, quote: str) -> str:
+  """The string or character literal opening at text[start] (a quote), escapes and all; an
+  unterminated one ends at its line's end."""
+  j = start + 1
+  while j < len(text) and text[j] != quote and text[j] != "\n":
+    j += 2 if text[j] == "\\" else 1
+  return text[start:min(j + 1, len(text))] if j < len(text) and text[j] == quote else text[start:j]
+
+
 def key_parts(source: Path = SOURCE) -> dict[str, str]:
-  """What the binary depends on: the source, the flags, the jaxlib whose FFI headers it is
-  compiled against (and whose runtime calls it), the GPU architecture. Not nvcc's version: the
-  key must be computable where no nvcc is installed (the GPU image loading a prebuilt one)."""
-  return {"source_sha256": hashlib.sha256(Path(source).read_bytes()).hexdigest(),
+  """What the binary depends on: the source as the compiler sees it (compiled_text: a comment
+  or blank-line edit keeps the key), the flags, the jaxlib whose FFI headers it is compiled
+  against (and whose runtime calls it), the GPU architecture. Not nvcc's version: the key must
+  be computable where no nvcc is installed (the GPU image loading a prebuilt one)."""
+  text = Path(source).read_text(encoding="utf-8", errors="surrogateescape")
+  code = compiled_text(text).encode("utf-8", errors="surrogateescape")
+  return {"code_sha256": hashlib.sha256(code).hexdigest(),
           "flags": " ".join(FLAGS), "jaxlib": _jaxlib_version(), "arch": ARCH}
 
 

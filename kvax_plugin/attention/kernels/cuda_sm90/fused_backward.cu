@@ -1,7 +1,7 @@
 // A 5-product attention backward for Hopper (sm_90a) in CUDA C++, called from JAX through XLA FFI.
 //
 // Why C++: every 5-product backward written in Pallas Mosaic GPU spilled or had its setmaxnreg
-// split ignored by ptxas (docs/performance.md, 2026-11-23 to 2026-11-25). Here the register
+// split ignored by ptxas (docs/performance.md). Here the register
 // budget of each warpgroup is set by hand and checked offline (nvcc -Xptxas -v) before a GPU
 // minute is spent.
 //
@@ -162,10 +162,8 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 // Waits for the barrier's phase `phase` to complete. The suspend-time hint (10 ms, an upper
 // bound: the thread wakes when the phase completes) makes ptxas sleep between polls
-// (NANOSLEEP.SYNCS) instead of spinning: without it the producer's wait for a released slot
-// polled ~140 times per step (73 M polls in one 16k causal backward, Nsight Compute), issue
-// slots taken from the consumer warps of its SM sub-partition. With it: 64k forward+backward
-// 0.5-2% faster, 16k within the spread (H200, 2026-11-28, docs/performance.md).
+// (NANOSLEEP.SYNCS) instead of spinning, so the producer's wait for a released slot does not
+// take issue slots from the consumer warps of its SM sub-partition.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
   asm volatile(
       "{\n .reg .pred p;\n WAIT_%=:\n"
@@ -347,8 +345,8 @@ __device__ __forceinline__ void red_add_f32x4(float* addr, float a, float b, flo
 // A 64 x 64 float32 wgmma accumulator (32 per thread t of the warpgroup) reduce-added into a
 // dq_accum part at dst in the wide kernels' vector order: thread t's elements 4j .. 4j + 3 (rows
 // r0 and r0 + 8, columns 8j + 2 (lane % 4) + {0, 1}) at float offset (j * 128 + t) * 4, one
-// 16-byte reduction each (fused_backward.py's unpermute_vector_order undoes it). Half the
-// instructions of 8-byte pairs: head dim 256's backward was 3-5% faster (2026-11-28).
+// 16-byte reduction each (fused_backward.py's unpermute_vector_order undoes it): half the
+// instructions of 8-byte pairs.
 __device__ __forceinline__ void red_add_part(float* dst, const float (&acc)[32], int t) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -504,8 +502,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
 //         (the JAX side sets it when the scale is not > 0; the soft cap implies it).
 constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, MASK_IN_LOOP = 64, SOFTCAP = 1024,
               WINDOW = 2048;
-// (bits 1, 8, 128, 256 and 512, and 64 before MASK_IN_LOOP: FULL, PIPE, SCHED, PREP, DESC and
-// OFFSET, measured and removed: fused_backward.py's VARIANTS comment has their numbers)
+// (bits 1, 8, 128, 256 and 512 are unused: switches removed, docs/tuning-history.md)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
@@ -525,7 +522,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
   // The mask as a pass of its own, setting dropped logits to -inf (below). Not with the soft cap
   // (cap tanh(-inf) is finite) nor MASK_IN_LOOP (set for a scale that is not > 0, which would
-  // turn -inf into +inf or NaN).
+  // make -inf +inf or NaN).
   constexpr bool SEPARATE_MASK = !CAP && !(F & MASK_IN_LOOP);
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
@@ -534,8 +531,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int KSTEPS = HD / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by pointer arithmetic on the shared array: through an integer cast the compiler
-  // loses the address space and every shared access becomes a generic LD.E / ST.E (measured
-  // 2026-11-25).
+  // loses the address space and every shared access becomes a generic LD.E / ST.E.
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
   const Ring ring{base + L::OFF_K,   base + L::OFF_V,
@@ -593,8 +589,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + L::OFF_K + 64 * c * 128, v_c = base + L::OFF_V + 64 * c * 128;
 
-  // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step (stepping
-  // them from a base, DESC, measured no faster, 2026-11-26).
+  // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step.
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
     return desc_sw128(addr + off, lbo, 1024);
   };
@@ -697,11 +692,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
     // values of a column pair come as one 8-byte load each. The mask is a pass of its own before
     // the loop (SEPARATE_MASK: a dropped pair's logit becomes -inf, so its exponential is 0),
-    // skipped on steps the table keeps whole, which are nearly all of a causal row's. In the
-    // loop it cost 7.5% at 64k causal (backward 175.6 ms against 162.4, cuDNN's 165.5; H200,
-    // 2026-11-28, docs/performance.md). Slower: a second copy of the loop without the mask for
-    // whole steps (docs/tuning-history.md), the mask after the loop zeroing P and dS (186.7 ms),
-    // guarding each element by the block's kind (2026-11-25: FULL 18.2 ms against v2's 14.4).
+    // skipped on steps the table keeps whole, which are nearly all of a causal row's (the
+    // alternatives, slower, are in docs/tuning-history.md).
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + QB;
     const float* lse = ids + 2 * QB;
@@ -734,11 +726,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     uint32_t pa[QB / 4], dsa[QB / 4];
     // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
-    // converted: at head dim 128 (the soft-cap kernels' 24-28 spilled bytes gone; 16k causal
-    // forward+backward 2-3% faster, with the soft cap 5%), and at 64 with the soft cap or the
-    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled 136 bytes with the
-    // window; one pass: 5-12% faster). H200, 2026-11-27, performance.md. Head dim 64's plain
-    // kernel keeps two passes: in one it spills 12 bytes.
+    // converted: at head dim 128 (no soft-cap spills), and at 64 with the soft cap or the
+    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled with the window).
+    // Head dim 64's plain kernel keeps two passes: in one it spills.
     constexpr bool ONE_PASS = HD == 128 || CAP || WIN;
 #pragma unroll
     for (int j = 0; j < QB / 8; ++j) {
@@ -1114,10 +1104,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     wg_commit();
     // dQ[:, 128c + 64j : + 64] = dS K[:, ...] for j = 0, 1 (M = 64 query rows, N = 64, K = 64 kv
     // rows; A = dS, the MN-major view of dS^T; B = K's column piece 2c + j, MN-major), each
-    // reduce-added into dq_accum[b, head, 2c + j, q0 / 64] (red_add_part's order).
-    // (Both parts in flight at once, each reduce-added as soon as it is done: 37.25 / 7.58 ms
-    // against 37.77 / 7.87 for one part after the other, 16k causal / documents forward+backward,
-    // same H200 call, 2026-11-27.)
+    // reduce-added into dq_accum[b, head, 2c + j, q0 / 64] (red_add_part's order). Both parts
+    // are in flight at once, each reduce-added as soon as it is done.
     {
       float dq0[32], dq1[32];
       const uint32_t k_piece = base + OFF_K + 2 * c * PIECE;
@@ -1173,13 +1161,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 //     over the steps), consumer 1 dQ[:, 64j :] = dS K[:, 64j :] (fresh each step, reduce-added
 //     into dq_accum from registers as each finishes).
 // A wgmma on a path only one consumer takes makes ptxas serialize them all (C7520; a loop whose
-// trip count depends on the consumer does too: all 8 kernels, 2026-11-27), so the first
+// trip count depends on the consumer does too), so the first
 // products have the same trip count: consumer 1's dP^T contracts over 128 columns, S^T
 // over 192, and consumer 1 runs its last 4 k steps on a zero piece (the tensor cores' work per
 // step grows from 52 to 56 wgmma k steps of 64 x 64 x 16).
 // The P^T and dS^T element loops repeat head dim 256's: one shared device function gave the
-// same PTX up to operand order but made ptxas spill (4 / 16 bytes) in head dim 256's plain
-// kernels, 2026-11-27.
+// same PTX up to operand order but made ptxas spill in head dim 256's plain kernels.
 namespace mla {
 constexpr int DQK = 192, DV = 128;
 constexpr int KV_TILE = 64;
@@ -1500,8 +1487,7 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
-// The feature sets built: v7, the one measured fastest (fused_backward.py's VARIANTS; the others
-// were measured and dropped), alone and with the soft cap and / or the window, and with the mask
+// The feature sets built: v7 (fused_backward.py's VARIANTS), alone and with the soft cap and / or the window, and with the mask
 // in the loop (MASK_IN_LOOP, alone and with the window), each for bf16 and fp16, at head dims
 // 128 and 64; the head dim 256 and MLA kernels (their own layouts, "wide") the first four
 // without DECOUPLE (40 kernels; ptxas takes about a second each).
@@ -1516,7 +1502,7 @@ static int make_map(CUtensorMap* map, const void* data, int64_t rows, int64_t he
 
 // The dynamic shared-memory limit is a per-device attribute of each kernel: set once per device
 // and variant (a process driving several GPUs calls the handler from one thread per device;
-// setting it for the first device only left the others' launches failing, 2026-11-26).
+// set for the first device only, the others' launches fail).
 constexpr int MAX_DEVICES = 64;
 
 template <int F, bool HALF, int HD>
@@ -1656,8 +1642,7 @@ static ffi::Error FusedBackwardImpl(
   // first: packed documents' launch tail). At head dims 64 / 128 the heads launch fastest, so the
   // heads' copies of a long tile start together. With a sliding window, and at head dims 256 and
   // 192, they launch slowest, so the CTAs in flight are one head's neighbouring tiles, whose dq
-  // reduce-adds meet in L2 (window: 9% faster at 64k, 2026-11-27; head dim 256: 6% faster at
-  // 16k causal, 2026-11-28; docs/performance.md). The plain kernel reads the layout from its
+  // reduce-adds meet in L2 (docs/performance.md). The plain kernel reads the layout from its
   // WINDOW bit, the wide kernels always read it as heads slowest (cta_tile).
   const bool heads_slowest = (variant & WINDOW) != 0 || hd >= 192;
   const unsigned n_pos = static_cast<unsigned>(skv / kv_tile), n_kh = static_cast<unsigned>(kh);

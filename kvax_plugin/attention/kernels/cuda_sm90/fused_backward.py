@@ -1,15 +1,7 @@
 """JAX side of fused_backward.cu: find or build the shared object, register its FFI target, call it.
 
-    dq, dk, dv = fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
-                                tile_bounds(mask), scale=..., causal=True)
-    # the first call loads libkvax_sm90_bwd.so, building it first if needed (build.py's
-    # ensure_library: a prebuilt one next to this file whose key matches, else the cache,
-    # else nvcc into the cache), once per process
-
-kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper");
-benchmarks/cuda_backward_check.py does the same, to check it against the float32 reference and
-time it against the Mosaic backward and cuDNN. This module imports no other kernel backend (a
-leaf, tests/test_layering.py).
+kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper"); the build and
+its cache are build.py's. A leaf: it imports no other kernel backend (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -29,9 +21,8 @@ from kvax_plugin.attention.kernels.cuda_sm90 import build
 PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
 TARGET = "kvax_sm90_fused_backward"
 HEAD_DIM = 128  # the main layout's head dim (benchmarks/cuda_backward_check.py's)
-# The (q / k, v / d_out) head dims built: 128 and 64 in one layout, 256 in its own
-# (backward_d256_kernel: kv tiles of 64 rows, the consumers splitting the head dim), MLA's 192 /
-# 128 in a third (backward_mla_kernel: the same tiles, the consumers splitting the products).
+# The (q / k, v / d_out) head dims built: 128 and 64 in one layout, 256 and MLA's 192 / 128 in
+# their own (backward_d256_kernel, backward_mla_kernel: kv tiles of 64 rows).
 HEAD_DIMS = ((128, 128), (64, 64), (256, 256), (192, 128))
 # The main layout's q / k head dims; the others (256, MLA's 192) run the wide kernels: 64-row kv
 # tiles, no DECOUPLE / MASK_IN_LOOP bits, dq_accum in the vector order.
@@ -41,18 +32,11 @@ Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
-# module passes, or a host-side fix an older build must not stand in for (6: the per-device
-# shared-memory attribute; 7: fp16, soft cap and window; 8: head dim 64, 2026-11-26; 9: head
-# dim 256, 2026-11-27; 10: head dims 192 / 128, 2026-11-27; 11: head dim 64 in 128-row query
-# steps with DECOUPLE, 2026-11-27; 12: the launch order input, 2026-11-27; 13: the tiles' whole
-# query blocks (full_lower / full_upper: the mask pass skips them) and MASK_IN_LOOP, 2026-11-28;
-# 14: head dims 256 and 192 / 128 write dq_accum in the vector order, 2026-11-28).
-# Bump both together.
+# module passes, or a host-side fix an older build must not stand in for. Bump both together.
 ABI_VERSION = 14
 
 _LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
-# Why this process could not get a library (the exception's type and message): said again on
-# every later ask instead of looking for nvcc or compiling again.
+# Why this process could not get a library, said again on every later ask.
 _FAILED: list[tuple[type, str]] = []
 _LOCK = threading.Lock()  # one loader per process (threads tracing on several GPUs at once)
 
@@ -77,9 +61,8 @@ def library_status(cache_dir: str | os.PathLike | None = None) -> tuple[bool, st
 def prepare(cache_dir: str | os.PathLike | None = None,
             nvcc: str | os.PathLike | None = None) -> tuple[bool, str]:
   """(ok, reason): load(cache_dir=..., nvcc=...), building the library first if needed, and say
-  why not instead of raising. backend="hopper"'s device check calls it on a Hopper GPU, so
-  "auto" takes hopper only once its backward is really there; the build (about a minute, said
-  on stderr) happens once per source and jaxlib version, a failure once per process."""
+  why not instead of raising. backend="hopper"'s device check calls it, so "auto" takes hopper
+  only once its backward is really there; a failure is tried once per process."""
   try:
     load(cache_dir=cache_dir, nvcc=nvcc)
   except (OSError, RuntimeError) as e:  # ToolchainMissing is an OSError (FileNotFoundError)
@@ -171,12 +154,9 @@ SOFTCAP, WINDOW = 1024, 2048
 MASK_IN_LOOP = 64
 DTYPES = (jnp.bfloat16, jnp.float16)  # the 16-bit operand types built
 MAX_WINDOW = 2**31 - 1  # the kernel's window is int32; a wider one keeps every int32 pair
-# The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS): the variant choice is
-# settled, so the library holds v7 alone (a third of the compile time of three). The name stays
-# an argument of fused_backward so benchmarks/cuda_backward_check.py can keep naming it. v7 was
-# the fastest in every case measured (H200, backward alone, 2026-11-26: 16k causal 11.08 ms
-# against cuDNN's 10.93); the variants measured against it and removed, with their numbers, are
-# in docs/tuning-history.md ("The CUDA backward's variants").
+# The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS); the name stays an argument
+# of fused_backward for benchmarks/cuda_backward_check.py. The variants measured against it and
+# removed are in docs/tuning-history.md ("The CUDA backward's variants").
 VARIANTS = {"v7": STM | FRAG | EXP | DECOUPLE}
 DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
 
@@ -253,7 +233,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   # The CTAs' launch order: the kv tiles longest first. At head dims 64 / 128 each tile's kv
   # heads launch together; with a sliding window, and at head dims 256 and 192 / 128, one head's
   # tiles launch after another (the kernel's grid). Head dims 256 and 192 / 128 run 64-row kv
-  # tiles, two per table row. Measured 2026-11-27 and 2026-11-28 (H200): docs/performance.md.
+  # tiles, two per table row.
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
   order = longest_first(*map(i32, bounds[:2]), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(

@@ -65,20 +65,16 @@ def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str
 
 
 # "auto" takes these kernels up to this head dim. Above it the dk/dv kernel runs a one-stage
-# ring and the dq kernel 64-row kv steps, and the Triton kernels train faster: 16k, one H200,
-# head dim 256, forward+backward causal 112.2 ms (Mosaic, 2026-11-23) vs 53.8 (Triton,
-# 2026-11-22), documents 22.4 vs 10.8, with cuDNN within 5% in both runs (35.2 / 36.9 causal);
-# benchmarks/results/mosaic/s7_bench_16k_dims.*, benchmarks/results/bench_16k_dims.*.
+# ring and the dq kernel 64-row kv steps, and the Triton kernels train faster
+# (docs/performance.md).
 AUTO_MAX_HEAD_DIM = 128
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
   """(ok, reason): whether backend="auto" should pick these kernels. They run up to head dim
-  256; auto takes them up to AUTO_MAX_HEAD_DIM and for MLA (query / key <= 192, value <= 128:
-  16k causal forward+backward 33.7 vs Triton 44.2 ms, documents 7.9 vs 8.3, same run on an
-  H200, before the MLA changes of 2026-11-24 took Mosaic to 25.2 / 6.0). At head dim 256 the Triton
-  kernels were measured ~2x faster forward+backward; dk = dv = 192 is not measured. features:
-  the call's (kernels.FEATURES entries); no choice here depends on them."""
+  256; auto takes them up to AUTO_MAX_HEAD_DIM and for MLA (query / key <= 192, value <= 128),
+  where they were measured faster than Triton. features: the call's (kernels.FEATURES
+  entries); no choice here depends on them."""
   if max(qk_head_dim, v_head_dim) <= AUTO_MAX_HEAD_DIM:
     return True, ""
   if qk_head_dim <= 192 and v_head_dim <= AUTO_MAX_HEAD_DIM:
@@ -198,7 +194,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   if (grid == "auto" and launch is not None and per_tile is not None
       and launch[0] < per_tile[0]):
     # Not when the second Q buffer costs the kv tile (MLA 192 / 128: 64 rows persistent, 128
-    # per-tile): 64k causal forward 88.4 vs 70.9 ms, 16k documents 1.127 vs 0.940 (2026-11-24).
+    # per-tile).
     launch = None
   if launch is None and grid == "persistent":
     raise ValueError(f"KernelOptions.mosaic_forward_grid='persistent': head dims "

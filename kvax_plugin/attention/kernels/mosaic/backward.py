@@ -1,28 +1,12 @@
 """Backward kernels for Hopper in Pallas Mosaic GPU, over the `dkv` and `dq` block tables.
 
-dk/dv kernel (one CTA = 128 kv rows of one kv head; consumers own 64 rows each):
-
-    warpgroup 2 (producer)   TMA-loads, for every query head of the GQA group and every query
-                             block of the CTA's `dkv` table row, Q + lse and dO + delta into a
-                             ring of shared-memory slots.
-    warpgroups 0, 1          per query block of 64 rows (FlashAttention-2, Algorithm 2, seen from
-                             the kv side):  S^T = K Q^T,  P^T = exp(S^T - lse),
-                             dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T o (dP^T - delta),
-                             dK += dS^T Q.
-                             With `with_dq`, also dQ_part = dS K (dS^T staged in shared memory
-                             and read transposed) and an asynchronous bulk reduce-add of dQ_part
-                             into a float32 dq buffer in global memory: 5 matrix products per
-                             tile pair instead of the 7 of a separate dq pass, at the price of an
-                             order-dependent float32 summation (not bitwise reproducible).
-
-The whole GQA group is walked inside the CTA, so dK / dV are summed over the group in registers
-(no per-query-head buffers, deterministic). With `with_dq=False` the dq kernel below computes dq
-deterministically: one CTA = 128 query rows of one query head walking its `dq` table row, as the
-forward does (S = Q K^T, P, dP = dO V^T, dS, dQ += dS K).
-
-Logits follow the forward: z = scale * q.k, or cap * tanh(scale * q.k / cap) with a soft cap
-(then dz/d(q.k) = scale * (1 - tanh^2)). lse is natural-log [B, H, Sq] (+inf for rows with
-nothing, whose probabilities are then 0); delta = rowsum(dO * O) [B, H, Sq].
+dk/dv kernel: one CTA per 128 kv rows of one kv head; a producer warpgroup TMA-loads Q + lse and
+dO + delta for each query head of the GQA group and each query block of the `dkv` row; two
+consumers (64 kv rows each) compute S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T,
+dK += dS^T Q (the group summed in registers: deterministic). With `with_dq` also dQ_part = dS K,
+bulk reduce-added into a float32 buffer (5 products instead of 7, not bitwise reproducible);
+otherwise the dq kernel walks the `dq` table like the forward. Logits, lse and delta follow the
+forward (lse natural-log [B, H, Sq], +inf for empty rows). Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -83,30 +67,15 @@ class BwdConfig:
   ids_tma: bool = False
 
   # Settled choices, no longer options (docs/tuning-history.md):
-  # - With with_dq and a head dim that is a multiple of 128 the two consumers share their dS
-  #   tiles and each computes HALF the columns of the tile's dq over all 128 kv rows (a 64 x Dk/2
-  #   accumulator, one reduce-add per column half) instead of a whole 64 x Dk partial over its own
-  #   64 kv rows (splits_dq; 64k causal fwd+bwd 267.5 vs 277.1 ms, H200, 2026-11-23).
-  # - The deterministic dk/dv step's products go in two pairs instead of 1 + 2 + 1: S^T = K Q^T
-  #   and dP^T = V dO^T issued together (both only need the ring slot), then P^T and dS^T, then
-  #   dV += P^T dO and dK += dS^T Q together. Two wgmma waits per step instead of three, and the
-  #   element-wise work in one stretch (the other consumer's pair fills the tensor cores then):
-  #   1.7-3% off fwd+bwd on an H200 (2026-11-25).
-  # - Those two-pair steps start the products' accumulators from the per-query terms instead of
-  #   0: S^T from -lse / scale and dP^T from -delta, so P^T = exp2(log2(e) scale S'^T) and
-  #   dS^T = P^T o dP'^T (lse only without a soft cap, whose logit is not linear in the
-  #   product). In the S^T orientation lse and delta are per-COLUMN vectors, 16 registers per
-  #   thread each in the wgmma layout, live beside dK, dV, S^T and dP^T at the step's peak;
-  #   folded, they die before the products are issued (ptxas: spills 192 -> 140 bytes). H200
-  #   16k causal fwd+bwd 15.92 vs 16.11 ms, 64k 252.2 vs 257.3, 16k documents 3.76 vs 3.84
-  #   (2026-11-25).
-  # - Both kernels' launch order interleaves the heads, longest tile first over all (head, tile)
-  #   pairs (block_mask.longest_first_over_heads). The grid's slowest axis is the head, so in the
-  #   grid's own order the last head's tiles all start in the last waves; with packed documents
-  #   their long tiles then ran alone: Nsight Compute saw the dk/dv kernel's SMs idle 31% of its
-  #   time at 16k documents. H100 16k documents fwd+bwd 3.27 vs 3.75 ms (2026-11-25).
-  # - The kernels' last wait on their output stores waits for the shared-memory reads only
-  #   (forward.py explains; the fused path waits for its dq reduce-adds).
+  # - with_dq, head dim a multiple of 128: the consumers share their dS tiles and each computes
+  #   HALF the columns of the tile's dq over all 128 kv rows (splits_dq).
+  # - The deterministic dk/dv step issues its products in two pairs (S^T with dP^T, then dV
+  #   with dK): two wgmma waits per step, the element-wise work in one stretch.
+  # - Those steps start S^T from -lse / scale and dP^T from -delta (lse only without a soft
+  #   cap), so the per-column lse / delta vectors die before the products (fewer spills).
+  # - The launch order interleaves the heads, longest tile first over all (head, tile) pairs
+  #   (block_mask.longest_first_over_heads), so long tiles of the last head do not run alone.
+  # - The last wait on the output stores waits for their shared-memory reads only.
 
   def __post_init__(self):
     producer_registers(self.consumer_regs, "consumer_regs")  # the split is checked here
@@ -653,10 +622,8 @@ def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_
   itemsize = jnp.dtype(q.dtype).itemsize
   ids = cfg.ids_tma
   if cfg.dq_after_dkv:
-    # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv):
-    # under context parallelism the reduce-scatter of dk / dv (2.04 ms at 128k on 2 x H200,
-    # 2026-11-23: half the gap to a 2x speed-up, not overlapped today) could then run while
-    # the dq kernel does. One GPU: nothing to overlap (one stream either way).
+    # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv), so
+    # context parallelism's dk / dv reduce-scatter can run while the dq kernel does.
     q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
   # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
   # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without

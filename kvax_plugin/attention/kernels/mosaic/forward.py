@@ -1,36 +1,9 @@
 """Forward kernel for Hopper in Pallas Mosaic GPU: FlashAttention over the block table.
 
-Structure (one CTA = one query tile of 2 x 64 rows of one query head):
-
-    warpgroup 2  (producer)  TMA-loads the K / V blocks of the tile's table row into a ring of
-                             `stages` shared-memory slots; it waits on a slot's "consumed"
-                             barrier before refilling it.
-    warpgroups 0, 1          (consumers) each own 64 query rows. Per kv block: S = Q K^T (wgmma),
-                             online softmax in base 2, O += P V (wgmma, P from registers).
-                             Rows of few blocks: a schedule barrier makes the two consumers
-                             alternate, so one runs its softmax while the other's matrix
-                             products occupy the tensor cores (FlashAttention-3's ping-pong).
-                             Rows of many blocks (FwdConfig.overlap_min_blocks): each consumer
-                             issues S of a block and P V of the previous one together and runs
-                             the softmax under its own P V (FlashAttention-3's intra-warpgroup
-                             overlap). Both give bitwise the same output.
-
-Both consumers read the SAME row of the `fwd` table (the table's query block is a multiple of
-the 128-row tile), so they run the same number of steps and the barriers stay in lockstep. A
-table row lists kv blocks [lower, upper) with a full sub-range [full_lower, full_upper); the
-kernel walks the masked blocks first (both masked runs as one loop, `visit_order`), then the
-full ones; only the masked steps read positions and segment ids (straight from global memory,
-as row / column vectors in the wgmma layout). Blocks outside [lower, upper) are never loaded.
-
-Numerics follow the Triton kernel (kernels/triton/): logits in base 2, the running max starts at
-a finite -1e30, so a row that sees only masked entries keeps l = 0 and its output is 0 and its
-lse +inf; the sink joins the softmax after the loop; lse is stored in natural-log units,
-[B, H, Sq] float32, so both backends' residuals mean the same thing. NaN / inf inputs follow the
-reference (README, "NaN and inf"; tests/nonfinite_cases.py).
-
-The same kernel runs on the CPU through Pallas' Mosaic GPU interpreter (`interpret=True`),
-which is how the CPU test suite checks it; the only difference there is how the P V product
-is accumulated (the interpreter has no `run_state`, so it adds a fresh product instead).
+One CTA per query tile (2 x 64 rows, one head): a producer warpgroup TMA-loads K / V into a ring,
+two consumer warpgroups run the online softmax (ping-pong or intra-warpgroup overlap). Numerics
+match the Triton kernel (base-2 logits, finite M_INIT, lse in natural log). Design:
+docs/kernels.md ("mosaic"). Runs on the CPU through the Mosaic GPU interpreter (`interpret=True`).
 """
 
 from __future__ import annotations
@@ -53,8 +26,7 @@ M_INIT = -1.0e30  # finite "minus infinity" for the running max: exp2(M_INIT - m
 ROWS_PER_WG = 64  # query rows per consumer warpgroup (one wgmma M tile)
 CONSUMERS = 2
 TILE_Q = ROWS_PER_WG * CONSUMERS
-# q_seg of padding query rows is rewritten to this id, which no kv token carries (real ids are
-# >= 0, padding -1), so the in-kernel test is a plain equality.
+# q_seg of padding query rows becomes this id, which no kv token carries (real ids >= 0).
 NO_SEGMENT = -2
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a wgmma tile
@@ -75,21 +47,13 @@ class FwdConfig:
   causal: bool
   window: int  # 0: none
   interpret: bool
-  # 0: one CTA per (batch, query tile, head). N > 0: a persistent kernel of N CTAs (the
-  # backend's choice up to 64k kv rows: KernelOptions.mosaic_forward_grid has the numbers).
-  # Between two items of a CTA the producer loads the next item's first kv blocks and the
-  # consumers its Q (a second Q buffer) while the current one finishes, which hides the per-CTA
-  # start (table reads, Q / K / V latency) and end that a short documents tile pays in full
-  # (~5-7 us per CTA at 16k documents on an H200, 2026-11-24). The items are dealt like a snake
-  # draft: tiles in longest-first order (longest_first), CTA c taking item c of every even round
-  # of N items and item N - 1 - c of every odd one. Plain round robin gave CTA 0 the longest
-  # item of every round, so the CTAs drifted apart over a long row and a few long items ran
-  # alone at the end (16k documents forward 0.736 vs 0.789 ms with the round robin, H100,
-  # 2026-11-25).
+  # 0: one CTA per (batch, query tile, head). N > 0: a persistent kernel of N CTAs; between two
+  # items the next item's Q and first kv blocks load behind the current one, hiding the per-CTA
+  # start and end. Items are dealt like a snake draft (longest first; CTA c takes item c of even
+  # rounds and N - 1 - c of odd ones) so the CTAs do not drift apart over a long row.
   num_ctas: int = 0
-  # Work items of at least this many kv blocks run FlashAttention-3's intra-warpgroup overlap
-  # (forward_call, `overlapped_step`), shorter ones the two consumers' ping-pong; 0: always
-  # the ping-pong (and head dims above 128, where the overlap's registers do not fit).
+  # Items of at least this many kv blocks run the intra-warpgroup overlap, shorter ones the
+  # ping-pong; 0: always the ping-pong (and head dims above 128, where it does not fit).
   overlap_min_blocks: int = 0
   # Registers per consumer thread (setmaxnreg; KernelOptions.mosaic_forward_registers); the
   # producer warpgroup gets 504 - 2 x this.
@@ -97,18 +61,16 @@ class FwdConfig:
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
-  """Whether the output tile is staged in Q's shared memory: always when Dv == Dk (the same
-  buffer); with Dv < Dk (MLA, 192 / 128) in the per-tile kernel through a RefUnion of the Q and O
-  buffers, both consumers past their last Q K^T product before either writes O. That frees
-  32 KiB, so MLA's forward fits 128-row kv blocks (216,576 of 232,448 bytes instead of 249,344)."""
+  """Whether the output tile is staged in Q's shared memory: always when Dv == Dk; with Dv < Dk
+  (MLA) in the per-tile kernel through a RefUnion, both consumers past their last Q K^T before
+  either writes O (frees 32 KiB so MLA fits 128-row kv blocks)."""
   return dv == dk or (dv < dk and q_buffers == 1)
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                q_buffers: int = 1) -> int:
-  """Shared memory of one CTA: Q (and O when Dv != Dk) per consumer (q_buffers Q buffers: 2 in
-  the persistent kernel), the K/V ring, lse. O shares Q's memory where it fits there (Dv <=
-  Dk, one Q buffer: o_in_q)."""
+  """Shared memory of one CTA: Q (and O unless o_in_q) per consumer, times q_buffers, the K/V
+  ring, lse."""
   q = q_buffers * CONSUMERS * ROWS_PER_WG * dk * itemsize
   o = 0 if o_in_q(dk, dv, q_buffers) else CONSUMERS * ROWS_PER_WG * dv * itemsize
   ring = stages * block_kv * (dk + dv) * itemsize
@@ -135,10 +97,8 @@ def accumulate(acc, a, b, interpret: bool):
 
 
 def accumulate_then(acc, a, b, interpret: bool, then):
-  """accumulate(acc, a, b), with `then()` (e.g. a barrier wait for the next step's operands)
-  run while the product is in flight: it is awaited after `then`, so the wait's latency hides
-  behind the tensor cores instead of sitting between two steps. The interpreter runs `then`
-  after the product (same order of waits)."""
+  """accumulate(acc, a, b) with `then()` run while the product is in flight, so a barrier wait
+  hides behind the tensor cores. The interpreter runs `then` after the product."""
   if interpret:
     acc = accumulate(acc, a, b, True)
     then()
@@ -151,12 +111,9 @@ def accumulate_then(acc, a, b, interpret: bool, then):
 
 
 def products_together(first, second, interpret: bool):
-  """Two tensor-core products issued back to back and awaited once.
-
-  Each of `first` / `second` is (acc, a, b) and yields acc + a @ b; acc None means a fresh
-  float32 product of shape (a rows, b cols) given as (None, a, b, shape). Awaiting both at once
-  saves one wgmma wait per pair on the GPU (the two are independent).
-  """
+  """Two independent tensor-core products issued back to back and awaited once. Each of
+  `first` / `second` is (acc, a, b) -> acc + a @ b, or (None, a, b, shape) for a fresh float32
+  product."""
   def init(spec):
     acc = spec[0]
     if acc is None:
@@ -192,14 +149,10 @@ def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
 
 
 def visit_order(lower, full_lower, full_upper, upper):
-  """(masked, block): how the kernels walk a table row. Its masked blocks come first, [lower,
-  full_lower) then [full_upper, upper), as ONE loop, then the full blocks [full_lower,
-  full_upper): each kernel traces its masked step once instead of once per masked run (a
-  quarter less code to compile per kernel). `masked` is the number of masked blocks and
-  block(n) the n-th block visited (n < upper - lower), which is also the order the producer
-  loads them in. The online softmax and the gradient sums are order-free up to rounding.
-  Needs the tables' invariant lower <= full_lower <= full_upper <= upper.
-  """
+  """(masked, block): the walk of a table row: the masked blocks [lower, full_lower) and
+  [full_upper, upper) as ONE loop (traced once), then the full ones. `masked`: their count;
+  block(n): the n-th block visited, also the producer's load order. Needs lower <= full_lower <=
+  full_upper <= upper."""
   before = full_lower - lower
   masked = before + (upper - full_upper)
 
@@ -211,14 +164,8 @@ def visit_order(lower, full_lower, full_upper, upper):
 
 def released_for_tma(interpret: bool) -> None:
   """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
-
-  On the GPU nothing is needed: the consumers' reads of the slot complete before their arrive
-  (release), the producer's wait acquires them, and only then is the TMA write issued (the
-  pattern CUTLASS's TMA pipelines use, with no proxy fence). Pallas' interpreter race detector
-  orders a TMA write only after the issuing thread's *async-proxy* clock, which a barrier wait
-  does not advance, so it reports every such reuse as a race; there the producer commits its
-  clock (commit_smem, a proxy fence on the GPU) so the detector sees the ordering the hardware
-  gives, and a real missing barrier still shows."""
+  Nothing on the GPU (the barrier orders it, as in CUTLASS's TMA pipelines); in the interpreter
+  a proxy fence so its race detector sees that ordering (docs/kernels.md)."""
   if interpret:
     plgpu.commit_smem()
 
@@ -226,14 +173,11 @@ def released_for_tma(interpret: bool) -> None:
 def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, count,
                     block, block_kv: int, stages: int, interpret: bool = False, ids=None,
                     base=0, drain: bool = True):
-  """The producer warpgroup's loop: TMA-load the `count` kv blocks block(0), block(1), ... of
-  one kv head (k_rows / v_rows: [Skv, D] views; `block` from visit_order) into a ring of
-  `stages` slots; the n-th goes to slot n % stages once the consumers have released that
-  slot's previous block. ids: None, or (pos_rows, seg_rows, pos_smem, seg_smem), [Skv] int32
-  views and [stages, block_kv] rings loaded with K (on k_ready; the dq kernel's
-  KernelOptions.mosaic_backward_id_rings). base: ring position of the
-  first block (blocks loaded before, by a persistent kernel's earlier work items); drain: also
-  wait for the consumers' release of the last blocks (drain_kv_ring) at the end."""
+  """The producer's loop: TMA-load kv blocks block(0) .. block(count - 1) of one kv head
+  (k_rows / v_rows: [Skv, D] views) into a ring of `stages` slots, the n-th into slot n % stages
+  once released. ids: None or (pos_rows, seg_rows, pos_smem, seg_smem), loaded with K. base: the
+  ring position of the first block (a persistent kernel's earlier items); drain: wait for the
+  consumers' release of the last blocks at the end."""
 
   @pl.loop(0, count)
   def _(n):
@@ -261,9 +205,8 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
 
 
 def drain_kv_ring(k_free, v_free, total, stages: int):
-  """Observe the consumers' release of the last loads of a ring that has had `total` blocks, so
-  every phase of its barriers is waited on once (the interpreter checks this; on the GPU it is
-  free, the producer has nothing else to do)."""
+  """Observe the consumers' release of a ring's last loads (`total` blocks so far), so every
+  barrier phase is waited on once, as the interpreter checks."""
 
   @pl.loop(lax.max(0, total - stages), total)
   def _(n):
@@ -297,10 +240,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
              q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
-      # Persistent: the B x tiles x heads items (heads fastest, tiles longest-first) dealt to
-      # G = cfg.num_ctas CTAs as a snake draft (FwdConfig.num_ctas). This CTA takes the full
-      # rounds, plus one item of the last (partial) round if its slot there, mirrored in odd
-      # rounds, is one of its first n_work % G.
+      # Persistent: the items (heads fastest, tiles longest first) dealt to cfg.num_ctas CTAs as
+      # a snake draft; this CTA takes its full rounds and maybe one item of the last.
       sm = lax.axis_index("sm")
       full, part = divmod(n_work, cfg.num_ctas)
       slot = sm if full % 2 == 0 else cfg.num_ctas - 1 - sm
@@ -365,12 +306,9 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[buf * CONSUMERS + wg])
       if cfg.num_ctas:
-        # The next item's Q into the other buffer now, behind this item's work (that buffer
-        # staged the previous item's output, whose store has read it: see the end).
+        # The next item's Q into the other buffer, behind this item's work.
         pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
-      # The first block's K is awaited here, every later one behind the previous step's P V
-      # product: at the top of a step the wait sat between two products (64k causal forward,
-      # H200, 2026-11-23: 57.3 vs 62.5 ms interleaved, 57.9 vs 60.0 alone).
+      # The first block's K is awaited here, every later one behind the previous P V product.
 
       @pl.when(count > 0)
       def _():
@@ -453,16 +391,11 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
-      # The overlapped schedule (rows of at least cfg.overlap_min_blocks blocks): step n issues
-      # S_n = Q K_n^T and then O += P_{n-1} V_{n-1}, and computes S_n's softmax while P V runs,
-      # so a consumer's element-wise work hides behind its own products (FlashAttention-3's
-      # intra-warpgroup overlap). It runs without the schedule barrier: with it, the same
-      # kernel was 1.5x slower (64k causal, 80.3 vs 52.6 ms, 2026-11-28). Block 0 only issues
-      # S_0 (first_block); the last P V runs after the loop (last_pv). Nothing between a step's
-      # first product and its last wait writes a register a product reads (ptxas serializes
-      # the products then, C7513, as a first version that rescaled O between the two did): P
-      # is packed and O rescaled by the step's alpha once P_{n-1} V_{n-1} has retired. The
-      # same sums in the same order as `step`: the output is bitwise the ping-pong's.
+      # The overlapped schedule: step n issues S_n = Q K_n^T then O += P_{n-1} V_{n-1}, and
+      # computes S_n's softmax while P V runs; no schedule barrier. Block 0 only issues S_0, the
+      # last P V runs after the loop. Nothing between a step's first product and its last wait
+      # writes a register a product reads (else ptxas serializes them, C7513). Same sums in the
+      # same order as `step`: bitwise the ping-pong's output.
       def first_block(m_i, l_i):
         slot = lax.rem(base, stages)
         ids = kv_ids(block(0), True)  # a full block 0 keeps every pair: the mask is a no-op
@@ -546,10 +479,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       else:
         acc, m_i, l_i = ping_pong_blocks()
 
-      # The NaN / inf contract (README, "NaN and inf"): a row is empty iff l == 0 (l > 0 would
-      # read NaN as empty); empty rows are exactly 0 with lse +inf; the sink joins after the
-      # loop, so an empty row stays empty and a NaN sink reaches every other row; a non-empty
-      # row whose log-sum-exp overflows stores NaN, never the +inf that means "empty".
+      # NaN / inf (README, "NaN and inf"): a row is empty iff l == 0; empty rows are 0 with lse
+      # +inf; the sink joins after the loop; an overflowing log-sum-exp stores NaN, never +inf.
       empty = l_i == 0.0
       if cfg.has_sinks:
         sink = sinks_ref[head] * LOG2E
@@ -574,12 +505,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
-      # (Persistent: the next item reuses the O / lse staging and, one item later, this Q
-      # buffer; the stores must have read them, which even the read-only wait ensures.)
-      # Waiting until the stores have READ shared memory (not until their global writes land,
-      # which the kernel's end makes visible anyway; CUTLASS's TMA store epilogues do the same)
-      # lets the SM start its next CTA sooner: 16k documents forward 0.829 vs 0.850 ms, H200,
-      # 2026-11-24.
+      # Wait until the stores have READ shared memory (the next item reuses the staging), not
+      # until their writes land: the SM can start its next CTA sooner.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + count
 

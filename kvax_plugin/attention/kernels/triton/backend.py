@@ -1,21 +1,10 @@
 """backend="triton": the FlashAttention-2 kernels of this package called through jax-triton.
 
-Forward: one launch (forward.py) writes the output and the log-sum-exp.
-Backward (custom VJP): delta = rowsum(dO * O), then dq per query tile over the mask's `dq` table
-and dk / dv per kv tile over its `dkv` table (backward.py); no atomics, so the
-gradients are bitwise reproducible. dsinks is a small reduction in JAX.
-
-Launch settings. The mask fixes the *table* block sizes; the kernels may use smaller tiles that
-divide them (a table block is then walked as several tiles), so tile shapes, warps and stages can
-follow the GPU and head dim without rebuilding the mask:
-  * a mask built with the library defaults (params.DEFAULT_FWD_PARAMS / DEFAULT_BWD_PARAMS, i.e. the
-    caller passed none) gets the tuned per-GPU tiles of `_TUNED` below;
-  * a mask built with explicit FlashAttentionParamsConfig runs with exactly those block sizes,
-    warps and stages (the caller's override).
-`default_params(device_kind, head_dim)` returns the tuned settings as configs, for callers who
-want to build their masks with them.
-
-Triton and jax-triton are imported lazily: importing kvax_plugin never needs them.
+Forward: one launch (forward.py) writes the output and lse. Backward (custom VJP): delta, then
+dq over the `dq` table and dk / dv over the `dkv` table (backward.py); no atomics, so bitwise
+reproducible. Kernel tiles may be smaller than the mask's table blocks: a mask built with the
+library defaults gets the tuned per-GPU tiles (`_TUNED`), one built with explicit
+FlashAttentionParamsConfig runs exactly those. Triton and jax-triton are imported lazily.
 """
 
 from __future__ import annotations
@@ -37,11 +26,9 @@ from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
 
-# float32 inputs: the Triton kernels need float32-accurate products. Above head dim 128 neither
-# way ran on an H200: exact "ieee" products were impractically slow (a 400-token test past
-# 230 s, a MaxText gemma2 step past 340 s) and "tf32x3" asked for 262144 B of shared memory
-# even at 64x64 / 64x32 tiles with one stage (docs/performance.md). bf16 / fp16 run at every
-# head dim.
+# float32 inputs: the Triton kernels need float32-accurate products, which above head dim 128
+# were impractically slow ("ieee") or did not fit shared memory ("tf32x3") on Hopper
+# (docs/performance.md). bf16 / fp16 run at every head dim.
 FLOAT32_MAX_HEAD_DIM = 128
 
 # What the registry (kernels/__init__.py) checks before choosing or accepting this backend.
@@ -115,15 +102,10 @@ class _Launch:
 
 
 def _tuned(family: str, head_dim: int) -> _Launch:
-  """Tuned tiles per GPU family and (largest) head dim.
-
-  Hopper numbers are the best of the sweeps recorded in docs/performance.md (H200, 16k causal,
-  B=1, 32/8 heads, bf16); the H100 shares them (same SM, untested there). Rules the sweeps
-  showed: 8 warps only where a dot's M dimension gives each warpgroup 64 rows; more pipeline
-  stages pay at small head dims; at head dim 256 the dk/dv accumulators limit the kv tile to 64;
-  at head dims 128 and 256 the dq kernel is fastest on 128-row tiles (two warpgroups share each
-  k/v tile), which is why the default backward tables use 128-token query blocks.
-  """
+  """Tuned tiles per GPU family and (largest) head dim, from the sweeps in docs/performance.md
+  (the H100 shares Hopper's). 8 warps only where a dot's M dimension gives each warpgroup 64
+  rows; at head dim 256 the dk/dv accumulators limit the kv tile to 64; at head dims 128 and 256
+  the dq kernel prefers 128-row tiles (hence the default 128-token backward query blocks)."""
   if family in ("h100", "h200"):
     if head_dim <= 64:
       return _Launch(fwd=_Tiles(128, 64, 4, 4), dq=_Tiles(64, 64, 4, 4),
@@ -144,14 +126,10 @@ _SM_COUNT = {"h100": 132, "h200": 132, "fallback": 108}
 
 def gqa_inplace(memory_optimized: bool, batch: int, kv_heads: int, group: int, kv_tiles: int,
                 sm_count: int) -> bool:
-  """Whether the dk/dv launch accumulates a GQA group in place (one program per kv head).
-
-  In place needs no float32 per-query-head buffers and measured faster on an H200 (16k, 32/8
-  heads: dk/dv 8.25 vs 8.60 ms causal, 1.67 vs 1.81 ms documents), but it launches `group`
-  times fewer programs; below a few programs per SM the per-head launch keeps more SMs busy.
-  memory_optimized=True asks for in place regardless; sm_count 0 (the CPU interpreter) keeps
-  the caller's choice exactly, so both paths stay testable there.
-  """
+  """Whether the dk/dv launch accumulates a GQA group in place (one program per kv head): no
+  float32 per-query-head buffers and faster, but `group` times fewer programs, so below a few
+  programs per SM the per-head launch keeps more SMs busy. memory_optimized=True asks for in
+  place regardless; sm_count 0 (the CPU interpreter) keeps the caller's choice."""
   if memory_optimized or group == 1:
     return True
   if sm_count <= 0:
@@ -175,16 +153,10 @@ def shared_memory_limit(device_kind: str) -> int:
 
 
 def shared_memory_bytes(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int) -> int:
-  """Estimated shared memory of one program of `kernel` ("fwd", "dq" or "dkv").
-
-  The operands a program keeps for its whole life (its own q / k,v tile) once, the operands its
-  loop streams (k,v for fwd and dq; q,dO for dk/dv) once per pipeline stage, and, for float32
-  inputs (exact "ieee" products, no wgmma), one [block_m, block_n] staging buffer per product
-  whose left operand comes from registers. Deliberately conservative: Triton 3.6 on an H200
-  refused the float32 head-dim-256 forward at 64x64, 3 stages, asking 345344 B, which matches
-  one buffer fewer than the stages; this counts one per stage (475136 B), and every tuned
-  16-bit configuration still fits (the tightest, head dim 128 forward 128x128x3: 229376 B).
-  """
+  """Estimated shared memory of one program of `kernel` ("fwd", "dq" or "dkv"): the operands it
+  keeps (its own tile) once, the streamed operands once per pipeline stage, and for float32
+  inputs one [block_m, block_n] staging buffer per stage and product with a register operand.
+  Deliberately conservative; every tuned 16-bit configuration still fits."""
   dk, dv = _pow2(dk), _pow2(dv)
   bm, bn = t.block_m, t.block_n
   if kernel == "fwd":
@@ -201,11 +173,8 @@ def shared_memory_bytes(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int)
 
 def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
                       limit: int) -> _Tiles:
-  """`t` with fewer pipeline stages, then smaller tiles, until its estimate fits `limit`.
-
-  Only launch details change: the tiles still divide the mask's blocks (halving powers of
-  two), so the result is the same attention. Shrinks the streamed (loop) dimension first.
-  """
+  """`t` with fewer pipeline stages, then smaller tiles (streamed dimension first), until its
+  estimate fits `limit`; the tiles still divide the mask's blocks, so the result is the same."""
   loop_dim = "block_m" if kernel == "dkv" else "block_n"
   other_dim = "block_n" if kernel == "dkv" else "block_m"
   while shared_memory_bytes(kernel, t, itemsize, dk, dv) > limit:
@@ -293,13 +262,9 @@ def _as_params(t: _Tiles) -> FlashAttentionParamsConfig:
 
 def default_params(device_kind: str, head_dim: int
                    ) -> tuple[FlashAttentionParamsConfig, FlashAttentionParamsConfig]:
-  """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200").
-
-  The fwd config is the forward kernel's tiles; the bwd config gives blocks both backward
-  kernels' tiles divide (the dq and dk/dv kernels then use their own tuned tiles inside them).
-  A mask built with the library defaults (no params) gets the same tiles chosen automatically
-  whenever they divide the default blocks; at head dim 128 the two coincide.
-  """
+  """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200"): the
+  forward kernel's tiles, and backward blocks both backward kernels' tiles divide. A mask with
+  the library defaults gets the same tiles whenever they divide the default blocks."""
   t = _tuned(_gpu_family(device_kind), head_dim)
   return _as_params(t.fwd), _bwd_table_params(t)
 
@@ -311,11 +276,10 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
                    ) -> tuple[str, dict[str, float]]:
   """Opt-in autotune: time tile candidates on these inputs; return (best, {candidate: ms}).
 
-  Candidates use the KernelOptions.triton_tiles format ("fwd=BM,BN,warps,stages;dq=...;
-  dkv=...", "" meaning the built-in choice) and must divide the mask's blocks. Apply the winner
-  with `flash_attention(..., kernel_options=KernelOptions(triton_tiles=best))`. Each candidate
-  is compiled and timed as a fresh jitted forward (+ backward when `backward`), median of
-  `rounds` calls.
+  Candidates use the KernelOptions.triton_tiles format ("" meaning the built-in choice) and must
+  divide the mask's blocks; each is compiled as a fresh jitted forward (+ backward when
+  `backward`) and timed as the median of `rounds` calls. Apply the winner with
+  `KernelOptions(triton_tiles=best)`.
   """
   import statistics
   import time
@@ -512,9 +476,8 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   delta = _bwd_delta(out, d_out)
   ints = (q_pos, q_seg, kv_pos, kv_seg)
   if cfg.dq_after_dkv:
-    # dk / dv first, and the dq kernel's q through a barrier with them: under context
-    # parallelism the dk / dv reduce-scatter can then run behind the dq kernel
-    # (KernelOptions.dq_after_dkv, shared with the Mosaic backend; not yet measured).
+    # dk / dv first, and the dq kernel's q through a barrier with them, so context
+    # parallelism's dk / dv reduce-scatter can run behind the dq kernel.
     dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
     q, dk_out, dv_out = jax.lax.optimization_barrier((q, dk_out, dv_out))
     dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)

@@ -4,14 +4,10 @@
   dq:    one program per (query tile, head) over the `dq` table:  dq = scale * sum_j dS_ij k_j;
   dk/dv: one program per (kv tile, head) over the `dkv` table: dv = sum_i P_ij dO_i,
          dk = scale * sum_i dS_ij q_i.
-Each program owns its output tile, so there are no atomics and the result is bitwise
-reproducible. With GQA, dk/dv are either written per query head (float32 buffers the caller
-reduces over the group) or, with GQA_INPLACE, one program per kv head loops over the group and
-accumulates in registers (less memory, fewer programs).
-
-P is recomputed from the saved lse: P = exp2(s2 - lse * log2 e). A row with lse = +inf (nothing
-to attend, padding) gives P = 0 and thus zero gradients. dS = P * (dP - D) (times 1 - tanh^2 with
-a soft cap: d(cap * tanh(x / cap)) / dx).
+Each program owns its output tile: no atomics, bitwise reproducible. GQA dk/dv: per query head
+(float32 buffers reduced by the caller) or, with GQA_INPLACE, one program per kv head looping
+over the group. P = exp2(s2 - lse * log2 e) (lse = +inf gives P = 0); dS = P * (dP - D), times
+1 - tanh^2 with a soft cap.
 """
 
 import triton

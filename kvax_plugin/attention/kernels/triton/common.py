@@ -1,12 +1,8 @@
 """Pieces shared by the forward and backward kernels: logits and the token-level mask.
 
-Conventions (every kernel):
-  * arrays are row-major: q [B, Sq, H, DK], k [B, Skv, KH, DK], v [B, Skv, KH, DV], positions and
-    segment ids [B, S] int32, lse / delta [B, H, Sq] float32;
-  * sizes, strides and options are tl.constexpr (JAX shapes are static, and constant strides let
-    Triton prove 16-byte alignment and vectorise loads);
-  * logits are carried in base 2: s2 = log2(e) * softcap(scale * q.k), so exp2 replaces exp
-    (FlashAttention-2 practice); lse is stored in natural-log units to match the JAX backend.
+Arrays are row-major (q [B, Sq, H, DK], k [B, Skv, KH, DK], v [B, Skv, KH, DV], ids [B, S] int32,
+lse / delta [B, H, Sq] float32); sizes and strides are tl.constexpr (static shapes let Triton
+prove alignment); logits in base 2, s2 = log2(e) * softcap(scale * q.k); lse in natural log.
 """
 
 import triton

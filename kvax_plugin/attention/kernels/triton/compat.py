@@ -1,16 +1,9 @@
 """Version shim between our kernels and jax-triton / Triton.
 
-Two pairings exist in the wild (shared/DESIGN.md section 6):
-  * jax-triton 0.3.x + triton 3.6: `triton_call(..., out_shape=...)`;
-  * jax-triton 0.4.x + triton >= 3.7: the same argument is called `out_type`.
-Anything else (0.3 with triton 3.7, 0.4 with triton 3.6) imports but fails at the first launch
-with an obscure error, so `check()` refuses it up front with a message that says what to install.
-
-Nothing here imports Triton at module import time: importing kvax_plugin must work without it.
-
-For CPU development, `TRITON_INTERPRET=1` (set before Triton is imported) runs the very same
-kernels in Triton's interpreter through `jax.pure_callback` on numpy buffers; slow, for small
-shapes in tests only. jax-triton is not needed in that mode.
+jax-triton 0.3.x pairs with triton 3.6 (`triton_call(..., out_shape=...)`), 0.4.x with triton
+>= 3.7 (`out_type`); a mixed pair fails obscurely at the first launch, so `check()` refuses it
+up front. Triton is never imported at module import time. `TRITON_INTERPRET=1` runs the same
+kernels in Triton's interpreter through `jax.pure_callback` (CPU tests; no jax-triton needed).
 """
 
 from __future__ import annotations

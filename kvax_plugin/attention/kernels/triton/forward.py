@@ -1,21 +1,11 @@
 """Forward kernel: FlashAttention-2 (Dao 2023, Algorithm 1) over the block table.
 
-One program computes one query tile of one query head. It reads its row of the `fwd` table and
-walks three runs of kv tiles:
-    [lower, full_lower)        partial: mask by segment / position / bounds,
-    [full_lower, full_upper)   full: no mask math at all (the table guarantees every pair attends,
-                               so these tiles are also entirely in bounds),
-    [full_upper, upper)        partial again.
-Everything else is skipped. The kernel's tiles may be smaller than the table's blocks (BLOCK_M
-divides TABLE_M, BLOCK_N divides TABLE_N), so tile shapes can be tuned per GPU and head dim
-without rebuilding the mask.
-
-Online softmax in base 2, running max starting at the lowest finite float32, so a row that sees
-only masked entries (or -inf logits) keeps l = 0 and never computes inf - inf: its output is 0 and
-its lse +inf, as in the JAX backend. Non-finite inputs follow the reference (reference.py): a NaN
-logit makes l NaN, so emptiness is tested as l == 0 (l > 0 would read NaN as "empty" and hide a
-diverged row behind a 0); the sink joins after the loop for the same reason. The kernel never
-relies on max() propagating NaN (GPU max returns the non-NaN operand): NaN reaches l through p.
+One program per (query tile, head) walks its `fwd` table row: [lower, full_lower) and
+[full_upper, upper) with the mask, [full_lower, full_upper) without (every pair attends, all in
+bounds). Tiles may be smaller than the table's blocks. Online softmax in base 2 from the lowest
+finite float32, so an empty row keeps l = 0 (output 0, lse +inf). Non-finite inputs follow
+reference.py: emptiness is l == 0 (a NaN l is not empty), the sink joins after the loop, and NaN
+reaches l through p, never through max() (GPU max drops NaN).
 """
 
 import triton
