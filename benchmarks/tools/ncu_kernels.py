@@ -30,7 +30,7 @@ from benchmarks.impls import make_impls  # noqa: E402
 from benchmarks.tools.profile_kernels import environment  # noqa: E402
 
 
-def main():
+def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--impl", required=True, help="an implementation name of benchmarks/impls.py")
   ap.add_argument("--case", default="causal", choices=("causal", "docs"))
@@ -38,7 +38,7 @@ def main():
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--window", type=int, default=None, help="sliding window (our backends only)")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   h, kh, d = 32, 8, args.head_dim
   pos, seg, _ = layout(args.case, args.seq, args.seq)
   features = dict(NO_FEATURES, window=args.window)
