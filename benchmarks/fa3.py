@@ -49,25 +49,31 @@ class Varlen:
 
 
 def varlen_layout(pos, seg) -> Varlen:
-  """The documents of packed rows (positions, segment ids [B, S], host arrays): a document is a
-  run of one non-padding segment id with positions counting up by one (a new run starts where
-  the id changes or the positions restart); padding tokens (segment id PAD) are dropped."""
+  """The documents of packed rows (positions, segment ids [B, S], host arrays) as FA3's
+  sequences: a document is a run of one non-padding segment id; padding tokens (segment id PAD)
+  are dropped. FA3 is causal in token order, ours in positions: a document whose positions do
+  not count up by one, or a segment id met again after another (one document to our mask, two
+  sequences to FA3), is refused (ValueError)."""
   pos, seg = np.asarray(pos), np.asarray(seg)
   if pos.shape != seg.shape or pos.ndim != 2:
     raise ValueError(f"positions {pos.shape} and segment ids {seg.shape}: expected both [B, S]")
   batch, seq = seg.shape
   index, lengths = [], []
   for b in range(batch):
-    start = None
-    for s in range(seq + 1):
-      end = s == seq or seg[b, s] == PAD
-      new = (not end and s > 0 and (seg[b, s] != seg[b, s - 1] or pos[b, s] != pos[b, s - 1] + 1))
-      if start is not None and (end or new):
-        index.extend(range(b * seq + start, b * seq + s))
-        lengths.append(s - start)
-        start = None
-      if not end and start is None:
-        start = s
+    starts = [s for s in range(seq) if seg[b, s] != PAD and (s == 0 or seg[b, s] != seg[b, s - 1])]
+    ids = [int(seg[b, s]) for s in starts]
+    if len(set(ids)) != len(ids):
+      raise ValueError(f"row {b}: a segment id comes back after another ({ids}): FA3's "
+                       "sequences cannot hold such a document")
+    for s0 in starts:
+      s1 = s0 + 1
+      while s1 < seq and seg[b, s1] == seg[b, s0]:
+        s1 += 1
+      if np.any(np.diff(pos[b, s0:s1]) != 1):
+        raise ValueError(f"row {b}, segment {seg[b, s0]}: positions do not count up by one; "
+                         "FA3 is causal in token order")
+      index.extend(range(b * seq + s0, b * seq + s1))
+      lengths.append(s1 - s0)
   cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
   return Varlen(index=np.asarray(index, np.int32), cu_seqlens=cu,
                 max_seqlen=int(max(lengths, default=0)), batch=batch, seq=seq)
