@@ -187,6 +187,9 @@ def main(argv=None) -> int:
   base.add_argument("--base-tree", metavar="PATH", help="the base, already extracted")
   ap.add_argument("--candidate", default=None, metavar="PATH|COMMIT",
                   help="the candidate: a folder or a commit (default: this working tree)")
+  ap.add_argument("--base-name", help="what the base is (recorded; e.g. its commit when "
+                  "--base-tree has no git history)")
+  ap.add_argument("--candidate-name", help="what the candidate is (recorded)")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--calls", type=int, default=10, help="timed calls per case and process")
   ap.add_argument("--threshold", type=float, default=0.03)
@@ -217,6 +220,9 @@ def main(argv=None) -> int:
     else:
       cand_tree = extract_commit(args.candidate, work / "candidate")
       cand_desc = describe(cand_tree, args.candidate)
+    for desc, label in ((base_desc, args.base_name), (cand_desc, args.candidate_name)):
+      if label:
+        desc["name"] = label
     for name, tree in (("base", base_tree), ("candidate", cand_tree)):
       if not (tree / "kvax_plugin" / "__init__.py").exists():
         raise SystemExit(f"{name} tree {tree} has no kvax_plugin/__init__.py")

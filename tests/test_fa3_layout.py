@@ -150,3 +150,19 @@ def test_benchmark_rows_record_fa3_unavailable():
                             head_dims=(128, 128))
   assert callable(fns["jax"]) and fns["fa3"].startswith("unavailable: ")
   assert "fa3" in impls.PEERS and impls.PEER_NAMES["fa3"] == "FA3"
+
+
+def test_the_installed_package_takes_these_calls():
+  """With flash-attn3-jax installed (the GPU runs carry its wheel), its forward and gradient
+  trace with the arguments the benchmark gives, shapes and dtypes as ours (abstract evaluation:
+  no GPU needed)."""
+  mod = pytest.importorskip(fa3.MODULE)
+  pos, seg, _ = cases.layout("docs", 2048, seed=0, num_docs=12, pad=100)
+  q = jax.ShapeDtypeStruct((1, 2048, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
+  for fn in (fa3.documents_fn(mod.flash_mha_varlen, pos, seg, 128 ** -0.5),
+             lambda q, k, v: mod.flash_mha(q, k, v, softmax_scale=128 ** -0.5, is_causal=True)):
+    assert jax.eval_shape(fn, q, kv, kv) == q
+    grads = jax.eval_shape(jax.grad(lambda q, k, v, fn=fn: jnp.sum(
+        fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)), q, kv, kv)
+    assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]

@@ -84,6 +84,7 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
       if "xla_force_host_platform_device_count" not in f))
   done = subprocess.run([sys.executable, "-m", "benchmarks.gate", "--base-tree", str(base),
                          "--backend", "jax", "--smoke", "--rounds", "2", "--threshold", "10",
+                         "--base-name", "da03dbb (a copy)",
                          "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -100,6 +101,7 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
   assert cond["base"]["kvax_plugin_file"] == str(base / "kvax_plugin" / "__init__.py")
   assert cond["candidate"]["kvax_plugin_file"] == str(ROOT / "kvax_plugin" / "__init__.py")
   assert cond["base"]["commit"] == "unknown (no git history)"
+  assert cond["base"]["name"] == "da03dbb (a copy)" and "name" not in cond["candidate"]
   assert cond["gpu"] == "cpu" and cond["jax"] and cond["jaxlib"] and cond["rounds"] == 2
   assert cond["shapes"]["head_dim"] == 32 and cond["smoke"] and cond["threshold"] == 10
   assert "verdict: PASS" in done.stdout and "| 256-docs/fwd_bwd |" in done.stdout
