@@ -7,8 +7,8 @@
         --variant 'pertile=mosaic:mosaic_forward_grid=per_tile'            # a KernelOptions field
 
 Cases (benchmarks/cases.py): "causal" (one causal document) and "docs" (12 random-length causal
-documents followed by 1000 padding tokens), B=1, 32 query heads, 8 kv heads, bf16, head dim 128 by default. Each
-implementation is timed forward and forward+backward (jax.grad of <out, cotangent> w.r.t.
+documents followed by 1000 padding tokens), B=1, 32 query heads, 8 kv heads, bf16, head dim 128
+by default. Each implementation is timed forward and forward+backward (jax.grad of <out, cotangent> w.r.t.
 q, k, v, which includes the forward it needs), as the median over timed rounds of back-to-back
 calls after warm-up; --interleave then times every implementation again round-robin, so a drift
 of the GPU's clocks cannot favour whoever ran first (the medians of those rounds are reported).

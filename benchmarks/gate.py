@@ -23,8 +23,8 @@ the forward+backward with the prebuilt mask as a jit argument.
 First one warm-up process per tree (backend "hopper" compiles its CUDA library with nvcc on
 first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two libraries; and the
 processes share a JAX persistent compilation cache of this run, which the warm-ups fill, unless
---no-compilation-cache), then --rounds rounds, each one process of the base then one of the candidate (A, B, A, B, ...).
-Per case: ratio = the candidate's median over rounds / the base's; the gate fails (exit 1) when
+--no-compilation-cache), then --rounds rounds, each one process of the base then one of the
+candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's; the gate fails (exit 1) when
 any forward or forward+backward case is slower by more than --threshold (the mask build's ratio
 is reported, not gated). Exit 2: a process failed.
 
@@ -136,7 +136,8 @@ def table(v: dict) -> str:
     lines.append(f"| {key} | {c['base_ms']:.3f} | {c['candidate_ms']:.3f} | {c['ratio']:.3f} "
                  f"| {mark} |")
   lines.append(f"\nverdict: {'PASS' if v['passed'] else 'FAIL'} (threshold "
-               f"{v['threshold']:.1%}{'; slower: ' + ', '.join(v['failed']) if v['failed'] else ''})")
+               f"{v['threshold']:.1%}"
+               + (f"; slower: {', '.join(v['failed'])})" if v["failed"] else ")"))
   return "\n".join(lines)
 
 

@@ -14,8 +14,8 @@ MaxText end to end against MaxText's own GPU kernels, on the GPU it finds.
    takes documents as a dense S x S mask, so only at 16k), tokamax's Mosaic GPU kernel and
    FlashAttention-3 for JAX (fa3: flash-attn3-jax, sm_90 and head dim 128 only, documents as
    separate sequences through its varlen call; "unavailable: <reason>" in the results where it
-   cannot run; benchmarks/fa3.py), all in one process, timed round-robin. Effective TFLOP/s count only the (q, kv) pairs the mask
-   keeps (forward 4 * H * D per pair, forward+backward 3.5x that), so a kernel that skips
+   cannot run; benchmarks/fa3.py), all in one process, timed round-robin. Effective TFLOP/s
+   count only the (q, kv) pairs the mask keeps (forward 4 * H * D per pair, forward+backward 3.5x that), so a kernel that skips
    masked blocks is not credited with work it did not need to do.
 2. MaxText table (benchmarks/maxtext_e2e.py): llama3-8b shrunk to 4 layers and a 512-token
    vocabulary, bf16, MaxText's own training loop on the shipped packed corpus, each run a fresh

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.cases import NO_FEATURES, layout, random_inputs  # noqa: E402
+from benchmarks.cases import NO_FEATURES, layout  # noqa: E402
 from benchmarks.impls import make_impls  # noqa: E402
 from benchmarks.tools.profile_kernels import environment  # noqa: E402
 
@@ -46,7 +46,8 @@ def main(argv=None) -> None:
                         heads=h, head_dims=(d, d))
   fn = impls.get(args.impl)
   if fn is None or isinstance(fn, str):
-    raise SystemExit(f"--impl {args.impl!r}: {fn or 'not an implementation of benchmarks/impls.py'}")
+    raise SystemExit(f"--impl {args.impl!r}: "
+                     f"{fn or 'not an implementation of benchmarks/impls.py'}")
   key = jax.random.split(jax.random.PRNGKey(0), 4)
   q = jax.random.normal(key[0], (1, args.seq, h, d), jnp.bfloat16)
   k = jax.random.normal(key[1], (1, args.seq, kh, d), jnp.bfloat16)
