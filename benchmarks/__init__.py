@@ -1,3 +1,5 @@
-"""Benchmarks: `python -m benchmarks.run --preset quick|full` regenerates the README's tables.
-The programs beside it (bench_attention, maxtext_e2e, bench_context_parallel, cpu_fwd_bwd, ...)
+"""Benchmarks: `python -m benchmarks.run --preset quick|full` regenerates the README's tables;
+`python -m benchmarks.gate --base <commit>` compares a tree's speed with a commit's
+(docs/benchmarks.md). The modules of the command: cases, timing, impls, fa3, bench_attention,
+results, run. The programs beside it (maxtext_e2e, bench_context_parallel, cpu_fwd_bwd, ...)
 also run on their own; benchmarks/tools/ holds the maintainers' profiling helpers."""

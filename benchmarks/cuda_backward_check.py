@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import layouts  # noqa: E402
-from bench_attention import kept_pairs, layout, time_fn  # noqa: E402
+from benchmarks.cases import kept_pairs, layout  # noqa: E402
+from benchmarks.timing import time_fn  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd  # noqa: E402
 from kvax_plugin.attention.reference import reference_attention  # noqa: E402

@@ -37,10 +37,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvax_plugin  # noqa: E402
-from bench_attention import documents_layout  # noqa: E402
+from benchmarks.cases import documents_layout  # noqa: E402
 
 
 def make_loss(impl: str, pos, seg):

@@ -85,7 +85,7 @@ def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
   """Without maxtext the MaxText table is skipped, and the reason (how to install it) is what
   the results and the printed table say."""
   import importlib.util
-  from benchmarks import maxtext_e2e, run
+  from benchmarks import maxtext_e2e, results, run
   installed = importlib.util.find_spec("maxtext") is not None
   assert (maxtext_e2e.maxtext_missing() is None) == installed
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -93,7 +93,7 @@ def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
   assert reason.startswith("maxtext is not installed (pip install 'kvax-plugin[maxtext]'")
   result = run.run_e2e(run.PRESETS["smoke"]["e2e"], tmp_path, keep_runs=False)
   assert result == {"skipped": reason} and not list(tmp_path.iterdir())
-  assert run.e2e_table(result) == f"MaxText table not run: {reason}"
+  assert results.e2e_table(result) == f"MaxText table not run: {reason}"
 
 
 def test_benchmarks_run_redraws_the_saved_h200_results(tmp_path):
@@ -113,11 +113,11 @@ def test_benchmarks_run_redraws_the_saved_h200_results(tmp_path):
 
 
 def test_gpu_names_become_folder_names():
-  from benchmarks import run
-  assert run.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
-  assert run.gpu_slug("NVIDIA H200") == "h200"
-  assert run.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
-  assert run.gpu_slug("cpu") == "cpu"
+  from benchmarks import results
+  assert results.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert results.gpu_slug("NVIDIA H200") == "h200"
+  assert results.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+  assert results.gpu_slug("cpu") == "cpu"
 
 
 def test_bench_context_parallel_smoke(tmp_path):
@@ -154,7 +154,7 @@ def test_bench_context_parallel_smoke(tmp_path):
 
 def test_bench_attention_interleave_times_every_implementation_round_robin():
   import jax.numpy as jnp
-  from benchmarks import bench_attention
+  from benchmarks import timing
 
   calls = []
 
@@ -166,7 +166,7 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
   x = jnp.ones((64,), jnp.float32)
   rows = {n: dict(ms=1.0) for n in ("a", "b", "c")}
   timed = {"fwd": [(n, make(n, i + 1), 2, rows[n]) for i, n in enumerate(rows)]}
-  bench_attention.interleave(timed, (x,), rounds=3, flops_fwd=1e6)
+  timing.interleave(timed, (x,), rounds=3, flops_fwd=1e6)
   # round r starts at entry r: a b c | b c a | c a b, each `inner` = 2 calls in a row
   assert calls == [n for n in "aabbcc" "bbccaa" "ccaabb"]
   for n, row in rows.items():
@@ -368,33 +368,31 @@ def test_maxtext_e2e_timeout_is_an_error_row(tmp_path):
 def test_bench_attention_head_dims_take_a_value_head_dim():
   """--head-dims 192:128 (MLA) times query / key head dim 192 with value head dim 128; a plain
   D means both; anything else is refused by name."""
-  from benchmarks import bench_attention
-  assert bench_attention.parse_head_dims("128") == (128, 128)
-  assert bench_attention.parse_head_dims("192:128") == (192, 128)
+  from benchmarks import cases
+  assert cases.parse_head_dims("128") == (128, 128)
+  assert cases.parse_head_dims("192:128") == (192, 128)
   for bad in ("192:", "a", "1:2:3"):
     with pytest.raises(ValueError, match="--head-dims entry"):
-      bench_attention.parse_head_dims(bad)
+      cases.parse_head_dims(bad)
 
 
 def test_bench_attention_variants_set_kernel_options():
   """--variant 'LABEL=BACKEND:FIELD=VALUE,...' runs one of our backends with
   kvax_plugin.KernelOptions fields (typed from their text); a malformed one is refused by name."""
-  import numpy as np
-  from benchmarks import bench_attention as bench
-  label, backend, fields = bench.parse_variant(
+  from benchmarks import cases, impls
+  label, backend, fields = impls.parse_variant(
       "pertile=mosaic:mosaic_forward_grid=per_tile,mosaic_backward_registers=240,dq_after_dkv=true")
   assert (label, backend) == ("pertile", "mosaic")
   assert fields == {"mosaic_forward_grid": "per_tile", "mosaic_backward_registers": 240,
                     "dq_after_dkv": True}
   for bad in ("pertile", "x=cudnn:a=1", "x=mosaic:grid"):
     with pytest.raises(ValueError, match="--variant"):
-      bench.parse_variant(bad)
-  pos, seg, _ = bench.layout("docs", 256, seed=0, num_docs=3, pad=16)
-  fns, _ = bench.make_impls("docs", pos, seg, 0.125, ("jax",), [(label, backend, fields)])
+      impls.parse_variant(bad)
+  pos, seg, _ = cases.layout("docs", 256, seed=0, num_docs=3, pad=16)
+  fns, _ = impls.make_impls("docs", pos, seg, 0.125, ("jax",), [(label, backend, fields)])
   assert set(fns) == {"jax", "pertile"} and fns["pertile"].kernel_options == fields
   rows = [dict(impl=n, **{"pass": "fwd"}) for n in ("pertile", "cudnn", "jax")]
-  assert bench.impl_order(rows) == ["jax", "cudnn", "pertile"]
-  del np
+  assert impls.impl_order(rows) == ["jax", "cudnn", "pertile"]
 
 
 def test_profile_kernels_summarize_counts_overlaps_once():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks import bench_attention
+from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
+
 
 def main() -> None:
-  from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
   fused_backward.load(sys.argv[1])  # later loads (the backend's own) return this library
   sys.argv = [sys.argv[0]] + sys.argv[2:]
-  from benchmarks import bench_attention
   bench_attention.main()
 
 

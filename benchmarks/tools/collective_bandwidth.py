@@ -1,6 +1,7 @@
 """Bus bandwidth of the collectives context parallelism uses, alone on an idle host.
 
     python -m benchmarks.tools.collective_bandwidth --out collectives.json
+    python -m benchmarks.tools.collective_bandwidth --lengths 1024 --repeats 2   # a dry run
 
 Times jax.lax.all_gather (bf16, the key / value exchange) and psum_scatter (float32 and bf16,
 the dk / dv sum) over all GPUs, at the sizes of one llama3-8b layer's key or value
@@ -35,12 +36,12 @@ def _time(fn, x, repeats: int) -> float:
   return float(np.median(times))
 
 
-def main():
+def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="collectives.json")
   ap.add_argument("--lengths", default="131072,262144", help="tokens S of [1, S, 8, 128]")
   ap.add_argument("--repeats", type=int, default=10)
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   devices = jax.devices()
   n = len(devices)
   mesh = Mesh(np.array(devices), ("context",))
@@ -74,6 +75,7 @@ def main():
                 repeats=args.repeats, rows=rows)
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
+  return result
 
 
 if __name__ == "__main__":

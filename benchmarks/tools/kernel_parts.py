@@ -1,5 +1,7 @@
 """Each of our kernels timed alone (bench_attention.py --split): where a backend's time goes.
 
+    python benchmarks/bench_attention.py --seq 65536 --impls mosaic,triton --split
+
 The Mosaic parts: the forward, the deterministic backward's dk/dv and dq kernels, and the fused
 dk/dv kernel that also reduce-adds dq; the Triton parts: forward, delta, dq, dk/dv. These call
 the backends' private functions, so this file changes with the kernels. With interpret=True
@@ -13,7 +15,10 @@ import dataclasses as dc
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_attention import time_fn
+from benchmarks.timing import time_fn
+from kvax_plugin.attention.kernels.mosaic import backend as mb
+from kvax_plugin.attention.kernels.mosaic import backward as bk
+from kvax_plugin.attention.kernels.triton import backend as tb
 
 
 def _ms(rounds):
@@ -24,7 +29,6 @@ def _ms(rounds):
 def time_parts_triton(mask, pos, seg, q, k, v, cot, scale, rounds,
                       memory_optimized_gqa_backward=False):
   """ms of each Triton kernel alone: forward, delta, dq, dk/dv (with the GQA group sum)."""
-  from kvax_plugin.attention.kernels.triton import backend as tb
   cfg = tb.static_config(mask, scale=scale, logits_soft_cap=None, has_sinks=False,
                          memory_optimized_gqa_backward=memory_optimized_gqa_backward)
   ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
@@ -46,8 +50,6 @@ def time_parts_mosaic(mask, pos, seg, q, k, v, cot, scale, rounds, interpret=Fal
   """ms of each Mosaic GPU kernel alone (causal / documents as the mask says): forward, the dk/dv
   kernel of the deterministic backward, its dq kernel, and the fused dk/dv kernel that also
   reduce-adds dq."""
-  from kvax_plugin.attention.kernels.mosaic import backend as mb
-  from kvax_plugin.attention.kernels.mosaic import backward as bk
   ints = (jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(seg))
   sinks = jnp.zeros((q.shape[2],), jnp.float32)
   st = mb.Static(scale=float(scale), soft_cap=0.0, has_sinks=False, causal=bool(mask.spec.causal),

@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_attention import layout  # noqa: E402  (the benchmark's own layouts)
+from benchmarks.cases import layout  # noqa: E402  (the benchmark's own layouts)
 
 
 def makespan(works, sms: int, overhead: float) -> float:

@@ -26,26 +26,29 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import bench_attention as bench  # noqa: E402
+from benchmarks.cases import NO_FEATURES, layout  # noqa: E402
+from benchmarks.impls import make_impls  # noqa: E402
 from benchmarks.tools.profile_kernels import environment  # noqa: E402
 
 
-def main():
+def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--impl", required=True, help="a bench_attention.py implementation name")
+  ap.add_argument("--impl", required=True, help="an implementation name of benchmarks/impls.py")
   ap.add_argument("--case", default="causal", choices=("causal", "docs"))
   ap.add_argument("--seq", type=int, default=16384)
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--window", type=int, default=None, help="sliding window (our backends only)")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   h, kh, d = 32, 8, args.head_dim
-  pos, seg, _ = bench.layout(args.case, args.seq, args.seq)
-  features = dict(bench.NO_FEATURES, window=args.window)
-  impls, _ = bench.make_impls(args.case, pos, seg, d ** -0.5, (args.impl,), features=features)
+  pos, seg, _ = layout(args.case, args.seq, args.seq)
+  features = dict(NO_FEATURES, window=args.window)
+  impls, _ = make_impls(args.case, pos, seg, d ** -0.5, (args.impl,), features=features,
+                        heads=h, head_dims=(d, d))
   fn = impls.get(args.impl)
   if fn is None or isinstance(fn, str):
-    raise SystemExit(f"--impl {args.impl!r}: {fn or 'not an implementation of bench_attention'}")
+    raise SystemExit(f"--impl {args.impl!r}: "
+                     f"{fn or 'not an implementation of benchmarks/impls.py'}")
   key = jax.random.split(jax.random.PRNGKey(0), 4)
   q = jax.random.normal(key[0], (1, args.seq, h, d), jnp.bfloat16)
   k = jax.random.normal(key[1], (1, args.seq, kh, d), jnp.bfloat16)

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import bench_attention as bench  # noqa: E402
+from benchmarks.bench_attention import versions  # noqa: E402
+from benchmarks.cases import layout  # noqa: E402
+from benchmarks.impls import make_impls  # noqa: E402
 from benchmarks.tools import profile_e2e  # noqa: E402
 
 
@@ -100,12 +102,13 @@ def main():
   args = ap.parse_args()
   h, kh, d = 32, 8, args.head_dim
   scale = d ** -0.5
-  results = {"conditions": {"argv": sys.argv, **bench.versions(), "seq": args.seq, "heads": h,
+  results = {"conditions": {"argv": sys.argv, **versions(), "seq": args.seq, "heads": h,
                             "kv_heads": kh, "head_dim": d, "dtype": "bfloat16",
                             "steps": args.steps}, "runs": {}}
   for case in args.cases.split(","):
-    pos, seg, _ = bench.layout(case, args.seq, args.seq)  # bench_attention's seed
-    impls, _ = bench.make_impls(case, pos, seg, scale, args.impls.split(","))
+    pos, seg, _ = layout(case, args.seq, args.seq)  # bench_attention's seed
+    impls, _ = make_impls(case, pos, seg, scale, args.impls.split(","), heads=h,
+                          head_dims=(d, d))
     key = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(key[0], (1, args.seq, h, d), jnp.bfloat16)
     k = jax.random.normal(key[1], (1, args.seq, kh, d), jnp.bfloat16)

@@ -1,0 +1,64 @@
+"""How the benchmarks time a compiled call: rounds of back-to-back calls, medians, and the
+round-robin that interleaves implementations so a drift of the GPU's clocks favours none.
+
+    time_fn(f, args, rounds, inner)      median ms per call over rounds of `inner` calls
+    call_times(f, args, warmup, calls)   ms of each of `calls` single calls, each waited for
+    interleave(timed, args, rounds, ...) the round-robin of bench_attention --interleave
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+from benchmarks.cases import FLOPS_FWD_BWD
+
+
+def round_ms(fn, args, inner: int) -> float:
+  """ms per call of one round: `inner` back-to-back calls, waited for at the end."""
+  t0 = time.perf_counter()
+  for _ in range(inner):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) * 1e3 / inner
+
+
+def time_fn(fn, args, rounds: int, inner: int) -> float:
+  """Median ms per call over `rounds` rounds of `inner` back-to-back calls (after warm-up)."""
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  return statistics.median([round_ms(fn, args, inner) for _ in range(rounds)])
+
+
+def call_times(fn, args, warmup: int, calls: int) -> list[float]:
+  """ms of each of `calls` calls after `warmup` untimed ones, each call waited for."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return times
+
+
+def interleave(timed, args, rounds: int, flops_fwd: float) -> None:
+  """Times the compiled implementations of each pass round-robin: per round one `inner`-call
+  round of each, in an order rotated every round; rows get ms (median of these rounds),
+  ms_sequential (their one-by-one median) and tflops from the new ms."""
+  for p, entries in timed.items():
+    if len(entries) < 2:
+      continue
+    times = {name: [] for name, *_ in entries}
+    for r in range(rounds):
+      for name, f, inner, _ in entries[r % len(entries):] + entries[:r % len(entries)]:
+        times[name].append(round_ms(f, args, inner))
+    flops = flops_fwd * (1.0 if p == "fwd" else FLOPS_FWD_BWD)
+    for name, _, _, row in entries:
+      ms = statistics.median(times[name])
+      row.update(ms_sequential=row["ms"], ms=ms, tflops=flops / ms / 1e9, interleaved=True,
+                 ms_rounds=times[name])
+      print(f"  {name:15s} {p:8s} {ms:9.3f} ms  {row['tflops']:7.1f} TF/s  (interleaved; "
+            f"alone {row['ms_sequential']:.3f})", flush=True)

@@ -1,0 +1,129 @@
+"""benchmarks/tools/: every helper is a documented program (a docstring with its command line)
+that a test runs, here or in tests/test_benchmark_programs.py / test_fatbin_keep_arch.py; the
+ones below are the Nsight Compute readers (on made-up CSVs), the collective bandwidth timer (a
+dry run on the simulated CPU devices), ncu_kernels' one step (on CPU, backend "jax") and the
+remat clone check (which must say it needs a Hopper GPU rather than fail elsewhere)."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
+  sys.path.insert(0, str(ROOT))
+TOOLS = ROOT / "benchmarks" / "tools"
+TESTS_OF_TOOLS = ("test_benchmark_tools.py", "test_benchmark_programs.py",
+                  "test_fatbin_keep_arch.py")
+
+
+def test_every_tool_is_documented_and_tested():
+  tested = "".join((ROOT / "tests" / name).read_text() for name in TESTS_OF_TOOLS)
+  tools = sorted(p for p in TOOLS.iterdir() if p.name != "__init__.py"
+                 and (p.suffix == ".py" or p.is_dir()) and p.name != "__pycache__")
+  assert len(tools) >= 14, tools
+  for tool in tools:
+    module = tool / "__init__.py" if tool.is_dir() else tool
+    doc = ast.get_docstring(ast.parse(module.read_text())) or ""
+    # a usage line: how to run it
+    assert f"benchmarks.tools.{tool.stem}" in doc or f"tools/{tool.name}" in doc or (
+        "bench_attention.py" in doc and "--split" in doc), f"{tool.name}: no usage in docstring"
+    assert f"benchmarks.tools.{tool.stem}" in tested or f"benchmarks/tools/{tool.name}" in tested \
+        or f"tools import {tool.stem}" in tested, f"{tool.name}: no test runs it"
+
+
+def test_ncu_summary_tabulates_launches_by_metric(tmp_path, capsys):
+  from benchmarks.tools import ncu_summary
+  header = '"ID","Kernel Name","gpu__time_duration.sum","launch__grid_size","dram__bytes.sum"'
+  units = '"","","ms","","byte"'
+  csv = "\n".join(["==PROF== Connected", header, units,
+                   '"0","void kvax_sm90::fused_backward_kernel<54>(kvax_sm90::Params)","1,234.5",'
+                   '"132","9"',
+                   '"1","entry_mosaic_gpu_kernel","0.5","264","n/a"'])
+  path = tmp_path / "ncu_hopper_causal.csv"
+  path.write_text(csv + "\n")
+  out = tmp_path / "table.md"
+  ncu_summary.main([str(path), "--out", str(out)])
+  text = out.read_text()
+  assert text == capsys.readouterr().out
+  lines = text.splitlines()
+  assert lines[0] == ("| metric | hopper/causal/0:kvax_sm90::fused_backward_kernel<54> | "
+                      "hopper/causal/1:entry |")
+  # the default metrics only (dram__bytes.sum is not one), thousands separators dropped
+  assert lines[2:] == ["| gpu__time_duration.sum | 1234.5 | 0.5 |",
+                       "| launch__grid_size | 132 | 264 |"]
+  (tmp_path / "other.csv").write_text("not ncu\n")
+  assert ncu_summary.table([tmp_path / "other.csv"], [".*"]) == "no kernel rows found\n"
+
+
+def test_ncu_sass_summary_counts_opcodes_and_stalls(tmp_path, capsys):
+  from benchmarks.tools import ncu_sass_summary as sass
+  rows = ['"Kernel: fused_backward_kernel"',
+          '"Address","Source","Instructions Executed","Warp Stall Sampling (All Samples)",'
+          '"stall_wait","stall_barrier","stall_Not Issued"',
+          '"0x10","@!P0 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24","3000000","30","20","1","9"',
+          '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24","1000000","10","5","0","9"',
+          '"0x30","@UP1 BAR.SYNC.DEFER_BLOCKING 0x1, 0x100","500000","60","0","50","9"']
+  path = tmp_path / "hopper.sass.csv.gz"
+  with gzip.open(path, "wt") as f:
+    f.write("\n".join(rows) + "\n")
+  s = sass.summarise(path)
+  assert s["executed"] == {"HGMMA": 4_000_000, "BAR": 500_000}
+  assert s["sampled"] == {"HGMMA": 40, "BAR": 60}
+  assert s["stalls"] == {"wait": 25, "barrier": 51}  # "Not Issued" is not a stall reason
+  assert sass.main([str(path), "--top", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "4.5 M warp instructions executed, 100 samples" in out
+  assert "executed (M): HGMMA 4.0" in out and "BAR 0.5" not in out.split("samples at")[0]
+
+
+def test_collective_bandwidth_dry_run_on_simulated_devices(tmp_path):
+  """The timer's every collective on conftest's simulated CPU devices, at one small length:
+  the bytes moved as NCCL's tests count them and a bandwidth from a positive time."""
+  import jax
+  from benchmarks.tools import collective_bandwidth as cb
+  n = len(jax.devices())
+  assert n > 1  # conftest's simulated devices
+  out = tmp_path / "c.json"
+  result = cb.main(["--out", str(out), "--lengths", "256", "--repeats", "2"])
+  assert json.loads(out.read_text()) == result
+  rows = result["rows"]
+  assert [(r["op"], r["dtype"]) for r in rows] == [("all_gather", "bfloat16"),
+                                                   ("psum_scatter", "float32"),
+                                                   ("psum_scatter", "bfloat16")]
+  assert [r["bytes"] for r in rows] == [256 * 8 * 128 * 2, 256 * 8 * 128 * 4, 256 * 8 * 128 * 2]
+  assert all(r["ms"] >= 0 and r["tokens"] == 256 for r in rows)
+  assert result["device"] == f"{n} x {jax.devices()[0].device_kind}"
+
+
+def test_ncu_kernels_runs_one_step_and_refuses_what_cannot_run(monkeypatch, capsys):
+  """ncu_kernels compiles and runs one forward+backward (here backend "jax" at a tiny length);
+  an implementation that cannot run here is refused with its reason. Importing it turns XLA's
+  command buffers off in XLA_FLAGS; monkeypatch puts the variable back afterwards."""
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  from benchmarks.tools import ncu_kernels
+  assert "--xla_gpu_enable_command_buffer=" in os.environ["XLA_FLAGS"]
+  ncu_kernels.main(["--impl", "jax", "--case", "causal", "--seq", "128", "--head-dim", "32"])
+  assert "ran jax causal 128 x1" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="cuDNN needs a CUDA GPU"):
+    ncu_kernels.main(["--impl", "cudnn", "--seq", "128", "--head-dim", "32"])
+  with pytest.raises(SystemExit, match="not an implementation"):
+    ncu_kernels.main(["--impl", "nope", "--seq", "128", "--head-dim", "32"])
+
+
+def test_remat_clone_check_says_it_needs_a_hopper_gpu(capsys):
+  import jax
+  from benchmarks.tools import remat_clone_check
+  with pytest.raises(SystemExit) as help_exit:
+    remat_clone_check.main(["--help"])
+  assert help_exit.value.code == 0 and "--no-barrier" in capsys.readouterr().out
+  if any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("a GPU is here: the check itself is tests/gpu/test_remat_gpu.py's")
+  with pytest.raises(SystemExit, match="needs the Mosaic GPU backend"):
+    remat_clone_check.main([])

@@ -1,0 +1,112 @@
+"""benchmarks/gate.py, the speed gate, on CPU: the verdict's arithmetic on made-up medians
+(median over rounds, candidate / base, fail above 1 + threshold, the mask build reported but not
+gated), and a dry run end to end (--smoke, backend "jax", 2 rounds) against a copy of this
+tree's kvax_plugin: each tree's processes import their own kvax_plugin, and the results file
+holds the conditions, every round and a ratio for every case."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import cases, gate  # noqa: E402
+
+
+def _rounds(**medians):
+  """Rounds of medians: name -> list of per-round ms."""
+  n = len(next(iter(medians.values())))
+  return [{k.replace("__", "/"): v[i] for k, v in medians.items()} for i in range(n)]
+
+
+def test_verdict_thresholds():
+  base = _rounds(c__fwd=[10.0, 10.0, 10.0], c__fwd_bwd=[20.0, 20.0, 20.0], c__mask=[1.0] * 3)
+  # 2% slower passes at 3%; 4% slower fails; the mask build, 50% slower, is not gated
+  cand = _rounds(c__fwd=[10.2, 10.2, 10.2], c__fwd_bwd=[20.8, 20.8, 20.8], c__mask=[1.5] * 3)
+  v = gate.verdict(base, cand, threshold=0.03)
+  assert v["cases"]["c/fwd"]["ratio"] == pytest.approx(1.02) and not v["cases"]["c/fwd"]["slower"]
+  assert v["cases"]["c/fwd_bwd"]["slower"] and v["failed"] == ["c/fwd_bwd"] and not v["passed"]
+  assert v["cases"]["c/mask"]["ratio"] == pytest.approx(1.5) and not v["cases"]["c/mask"]["gated"]
+  assert gate.verdict(base, cand, threshold=0.05)["passed"]
+  # the median over rounds: one slow round of the candidate (a clock dip) does not fail it
+  cand = _rounds(c__fwd=[10.0, 13.0, 10.1], c__fwd_bwd=[19.9, 20.0, 30.0], c__mask=[1.0] * 3)
+  v = gate.verdict(base, cand, threshold=0.03)
+  assert v["passed"] and v["cases"]["c/fwd"]["candidate_ms"] == pytest.approx(10.1)
+  # exactly at the threshold passes; faster always passes
+  at = gate.verdict(_rounds(c__fwd=[100.0]), _rounds(c__fwd=[103.0]), threshold=0.03)
+  assert at["passed"] and at["cases"]["c/fwd"]["ratio"] == pytest.approx(1.03)
+  assert gate.verdict(_rounds(c__fwd=[10.0]), _rounds(c__fwd=[5.0]), 0.0)["passed"]
+  assert "FAIL" in gate.table(gate.verdict(base, _rounds(c__fwd=[11.0] * 3,
+                                                             c__fwd_bwd=[20.0] * 3,
+                                                             c__mask=[1.0] * 3), 0.03))
+
+
+def test_gate_documents_layout_is_the_specified_one(tmp_path):
+  """The documents row: rng = default_rng(0), 11 cuts of 1..S-1001, 12 documents with segment
+  ids 0..11 and positions from 0, then 1000 padding tokens (segment -1, positions 0..999)."""
+  spec = json.loads(gate.write_spec(tmp_path, "quick", False, "auto", 10).read_text())
+  assert [c["name"] for c in spec["cases"]] == ["16k-causal", "16k-docs"]
+  assert (spec["heads"], spec["kv_heads"], spec["head_dim"], spec["dtype"]) == (
+      32, 8, 128, "bfloat16")
+  docs = np.load(spec["cases"][1]["layout"])
+  pos, seg = docs["positions"][0], docs["segment_ids"][0]
+  s = 16384
+  rng = np.random.default_rng(0)
+  cuts = sorted(rng.choice(np.arange(1, s - 1000), 11, replace=False))
+  bounds = [0, *cuts, s - 1000]
+  for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+    assert (seg[a:b] == i).all() and (pos[a:b] == np.arange(b - a)).all()
+  assert (seg[s - 1000:] == cases.PAD).all() and (pos[s - 1000:] == np.arange(1000)).all()
+  causal = np.load(spec["cases"][0]["layout"])
+  assert (causal["positions"][0] == np.arange(s)).all() and (causal["segment_ids"] == 0).all()
+  assert [c["name"] for c in json.loads(gate.write_spec(tmp_path, "full", False, "auto", 10)
+                                        .read_text())["cases"]][2:] == ["64k-causal", "64k-docs"]
+
+
+def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
+  base = tmp_path / "base"
+  shutil.copytree(ROOT / "kvax_plugin", base / "kvax_plugin",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  out = tmp_path / "gate.json"
+  # one CPU device; CPU timings of two equal trees differ by noise: a loose threshold
+  env = dict(os.environ, XLA_FLAGS=" ".join(
+      f for f in os.environ.get("XLA_FLAGS", "").split()
+      if "xla_force_host_platform_device_count" not in f))
+  done = subprocess.run([sys.executable, "-m", "benchmarks.gate", "--base-tree", str(base),
+                         "--backend", "jax", "--smoke", "--rounds", "2", "--threshold", "10",
+                         "--base-name", "da03dbb (a copy)",
+                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  keys = {f"256-{c}/{p}" for c in ("causal", "docs") for p in ("mask", "fwd", "fwd_bwd")}
+  assert set(result["ratios"]) == keys and all(r > 0 for r in result["ratios"].values())
+  assert len(result["rounds"]["base"]) == len(result["rounds"]["candidate"]) == 2
+  assert all(set(r) == keys for r in result["rounds"]["base"] + result["rounds"]["candidate"])
+  v = result["verdict"]
+  assert v["passed"] and not v["failed"]
+  assert {k for k, c in v["cases"].items() if c["gated"]} == {k for k in keys if "mask" not in k}
+  cond = result["conditions"]
+  # each tree's processes imported that tree's kvax_plugin
+  assert cond["base"]["kvax_plugin_file"] == str(base / "kvax_plugin" / "__init__.py")
+  assert cond["candidate"]["kvax_plugin_file"] == str(ROOT / "kvax_plugin" / "__init__.py")
+  assert cond["base"]["commit"] == "unknown (no git history)"
+  assert cond["base"]["name"] == "da03dbb (a copy)" and "name" not in cond["candidate"]
+  assert cond["gpu"] == "cpu" and cond["jax"] and cond["jaxlib"] and cond["rounds"] == 2
+  assert cond["shapes"]["head_dim"] == 32 and cond["smoke"] and cond["threshold"] == 10
+  assert "verdict: PASS" in done.stdout and "| 256-docs/fwd_bwd |" in done.stdout
+
+
+def test_gate_refuses_a_tree_without_kvax_plugin(tmp_path):
+  with pytest.raises(SystemExit, match="has no kvax_plugin"):
+    gate.main(["--base-tree", str(tmp_path), "--smoke", "--rounds", "1"])
