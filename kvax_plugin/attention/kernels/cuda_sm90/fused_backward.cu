@@ -498,8 +498,14 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
 //         the cap's derivative 1 - tanh^2 (folded into P's float copy once the 16-bit P is
 //         packed, so no register stays live for it).
 //   WINDOW    the sliding-window test on each pair (two more compares per element).
-//   MASK_IN_LOOP  the mask in the exponentials' loop instead of a pass of its own before it
-//         (the JAX side sets it when the scale is not > 0; the soft cap implies it).
+//   MASK_IN_LOOP  the mask tested on every step, also those the table keeps whole (the JAX side
+//         sets it when the scale is not > 0; the soft cap implies it).
+// A compile-time bool passed to a generic lambda, so one body serves both cases of a branch.
+template <bool V>
+struct BoolTag {
+  static constexpr bool value = V;
+};
+
 constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, MASK_IN_LOOP = 64, SOFTCAP = 1024,
               WINDOW = 2048;
 // (bits 1, 8, 128, 256 and 512 are unused: switches removed, docs/tuning-history.md)
@@ -520,10 +526,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   static_assert(HD == 128 || HD == 64, "HD: 128 or 64");
   constexpr bool USE_STM = F & STM, USE_FRAG = F & FRAG, FAST_EXP = F & EXP;
   constexpr bool DECOUPLE = F & DECOUPLE_BIT, CAP = F & SOFTCAP, WIN = F & WINDOW;
-  // The mask as a pass of its own, setting dropped logits to -inf (below). Not with the soft cap
-  // (cap tanh(-inf) is finite) nor MASK_IN_LOOP (set for a scale that is not > 0, which would
-  // make -inf +inf or NaN).
-  constexpr bool SEPARATE_MASK = !CAP && !(F & MASK_IN_LOOP);
+  // The mask tested only on steps the table does not keep whole (below); MASK_IN_LOOP and the
+  // soft cap's kernels test it on every step.
+  constexpr bool SKIP_WHOLE = !CAP && !(F & MASK_IN_LOOP);
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -690,10 +695,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // P^T (in place over S^T, float32) and its bf16 A fragments. Element i of the accumulator:
     // row r0 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (lane % 4) + i % 2. The query-side
-    // values of a column pair come as one 8-byte load each. The mask is a pass of its own before
-    // the loop (SEPARATE_MASK: a dropped pair's logit becomes -inf, so its exponential is 0),
-    // skipped on steps the table keeps whole, which are nearly all of a causal row's (the
-    // alternatives, slower, are in docs/tuning-history.md).
+    // values of a column pair come as one 8-byte load each. A step the table keeps whole (nearly
+    // all of a causal row's) runs the loop without the mask test (SKIP_WHOLE); any other step
+    // tests each pair in the loop (or in MASK_PASS's pass), its dropped pairs' exponentials taken
+    // of -inf, so 0.
     const int* qpos = reinterpret_cast<const int*>(ids);
     const int* qseg = qpos + QB;
     const float* lse = ids + 2 * QB;
@@ -706,8 +711,17 @@ __global__ void __launch_bounds__(THREADS, 1)
       if constexpr (WIN) keep &= (qp - kp < p.window) & (!not_causal | (kp - qp < p.window));
       return keep;
     };
-    if constexpr (SEPARATE_MASK) {
-      if (qb < full_lo || qb >= full_hi) {  // a step the table does not keep whole
+    // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
+    // converted: at head dim 128 (no soft-cap spills), and at 64 with the soft cap or the
+    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled with the window).
+    // Head dim 64's plain kernel keeps two passes: in one it spills.
+    constexpr bool ONE_PASS = HD == 128 || CAP || WIN;
+    // Head dim 64's plain kernel masks a step the table does not keep whole in a pass of its own
+    // (its dropped logits set to -inf) rather than in a second copy of the loop, which spills.
+    constexpr bool MASK_PASS = SKIP_WHOLE && !ONE_PASS;
+    const bool whole = qb >= full_lo && qb < full_hi;
+    if constexpr (MASK_PASS) {
+      if (!whole) {
 #pragma unroll
         for (int j = 0; j < QB / 8; ++j) {
           const int col = 8 * j + 2 * (lane % 4);
@@ -725,47 +739,53 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     uint32_t pa[QB / 4], dsa[QB / 4];
-    // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
-    // converted: at head dim 128 (no soft-cap spills), and at 64 with the soft cap or the
-    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled with the window).
-    // Head dim 64's plain kernel keeps two passes: in one it spills.
-    constexpr bool ONE_PASS = HD == 128 || CAP || WIN;
+    // MASKED: whether this step tests the mask (a compile-time tag, so each case is its own loop).
+    auto p_and_ds = [&](auto masked) {
+      constexpr bool MASKED = decltype(masked)::value;
 #pragma unroll
-    for (int j = 0; j < QB / 8; ++j) {
-      const int col = 8 * j + 2 * (lane % 4);
-      const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
-      int2 qp2{}, qs2{};
-      if constexpr (!SEPARATE_MASK) {
-        qp2 = *reinterpret_cast<const int2*>(qpos + col);
-        qs2 = *reinterpret_cast<const int2*>(qseg + col);
-      }
-      [[maybe_unused]] float2 d2;
-      if constexpr (ONE_PASS) d2 = *reinterpret_cast<const float2*>(delta + col);
+      for (int j = 0; j < QB / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        const float2 l2 = *reinterpret_cast<const float2*>(lse + col);
+        int2 qp2{}, qs2{};
+        if constexpr (MASKED) {
+          qp2 = *reinterpret_cast<const int2*>(qpos + col);
+          qs2 = *reinterpret_cast<const int2*>(qseg + col);
+        }
+        [[maybe_unused]] float2 d2;
+        if constexpr (ONE_PASS) d2 = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
-        const int i = 4 * j + 2 * half;
-        [[maybe_unused]] float capd[2];
+        for (int half = 0; half < 2; ++half) {  // accumulator rows r0 (half 0) and r0 + 8
+          const int i = 4 * j + 2 * half;
+          [[maybe_unused]] float capd[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const bool keep = SEPARATE_MASK || kept(qp2, qs2, half, e);  // SEPARATE_MASK: -inf
-          const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
-          if constexpr (CAP) {
-            const float th = tanh_of(st[i + e] * p.scale_over_cap);
-            st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(th, p.cap_log2e, neg_lse2) : -INFINITY);
-            capd[e] = fmaf(-th, th, 1.f);  // d cap tanh(y / cap) / dy
-          } else {
-            st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(st[i + e], sl2, neg_lse2) : -INFINITY);
+          for (int e = 0; e < 2; ++e) {
+            const bool keep = !MASKED || kept(qp2, qs2, half, e);
+            const float neg_lse2 = (e ? l2.y : l2.x) * -1.4426950408889634f;
+            if constexpr (CAP) {
+              const float th = tanh_of(st[i + e] * p.scale_over_cap);
+              st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(th, p.cap_log2e, neg_lse2) : -INFINITY);
+              capd[e] = fmaf(-th, th, 1.f);  // d cap tanh(y / cap) / dy
+            } else {
+              st[i + e] = exp2_of<FAST_EXP>(keep ? fmaf(st[i + e], sl2, neg_lse2) : -INFINITY);
+            }
+          }
+          pa[i / 2] = pack2<HALF>(st[i], st[i + 1]);
+          if constexpr (CAP) {  // P's float copy becomes P (1 - tanh^2): dS^T below needs only it
+            st[i] *= capd[0];
+            st[i + 1] *= capd[1];
+          }
+          if constexpr (ONE_PASS) {
+            dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
           }
         }
-        pa[i / 2] = pack2<HALF>(st[i], st[i + 1]);
-        if constexpr (CAP) {  // P's float copy becomes P (1 - tanh^2): dS^T below needs only it
-          st[i] *= capd[0];
-          st[i + 1] *= capd[1];
-        }
-        if constexpr (ONE_PASS) {
-          dsa[i / 2] = pack2<HALF>(st[i] * (dpt[i] - d2.x), st[i + 1] * (dpt[i + 1] - d2.y));
-        }
       }
+    };
+    if constexpr (MASK_PASS) {
+      p_and_ds(BoolTag<false>{});
+    } else if (!SKIP_WHOLE || !whole) {
+      p_and_ds(BoolTag<true>{});
+    } else {
+      p_and_ds(BoolTag<false>{});
     }
     // Two passes: dS^T = P^T (dP^T - delta), bf16 A fragments, after all of P^T.
     if constexpr (!ONE_PASS) {
