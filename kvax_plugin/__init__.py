@@ -9,8 +9,13 @@ Two doors to the same op:
     when query specs are known, as kvax does. README.md, "Migrating from kvax".
 """
 
-from kvax_plugin import ops, utils
-from kvax_plugin._version import __version__
+import jax as _jax
+
+from kvax_plugin._version import __version__, check_jax
+
+check_jax(_jax.__version__)
+
+from kvax_plugin import ops, utils  # noqa: E402  (after the version check)
 from kvax_plugin.attention.api import (BackendUnavailableError, attention,
                                        create_attention_mask, flash_attention,
                                        positions_from_segment_ids, resolve_backend)

@@ -264,3 +264,26 @@ def test_errors_name_the_argument():
     to.apply_token_order(np.zeros((1, 95, 2)), tok)
   with pytest.raises(ValueError, match="must name a sequence axis after the batch axis"):
     to.apply_token_order(np.zeros((1, 96)), tok, axis=0)
+
+
+def test_orders_apply_to_arrays_sharded_under_an_explicit_mesh():
+  # jax.set_mesh: the gather of a sharded array must name its output sharding (it did not, and
+  # raised ShardingTypeError); the result keeps the input's sharding and is exact.
+  from jax.sharding import PartitionSpec as P
+  if jax.device_count() < 8:
+    pytest.fail("tests/conftest.py simulates 8 CPU devices")
+  b, s = 2, 512
+  seg = np.repeat(np.arange(4, dtype=np.int32), s // 4)[None].repeat(b, 0)
+  pos = np.tile(np.arange(s // 4, dtype=np.int32), 4)[None].repeat(b, 0)
+  x = np.random.default_rng(0).standard_normal((b, s, 3, 4)).astype(np.float32)
+  tok = to.token_order(jnp.asarray(pos), jnp.asarray(seg), cp=4, order="balanced")
+  mesh = jax.make_mesh((2, 4), ("fsdp", "context"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("fsdp", "context", None, None))
+    permuted = to.apply_token_order(xs, tok)
+    back = to.undo_token_order(permuted, tok)
+    assert jax.typeof(permuted).sharding.spec == P("fsdp", "context", None, None)
+  expected = np.take_along_axis(x, np.asarray(tok.order)[:, :, None, None], axis=1)
+  np.testing.assert_array_equal(np.asarray(permuted), expected)
+  np.testing.assert_array_equal(np.asarray(back), x)

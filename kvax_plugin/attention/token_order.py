@@ -481,9 +481,22 @@ def _take(x, index: jax.Array, axis: int, name: str):
   if x.shape[0] != b or x.shape[ax] != s:
     raise ValueError(f"{name} of shape {tuple(x.shape)} does not match the order [{b}, {s}] "
                      f"(batch on axis 0, sequence on axis {axis})")
-  idx = index.reshape((b,) + (1,) * (ax - 1) + (s,) + (1,) * (ndim - ax - 1))
-  xp = np if isinstance(x, np.ndarray) and isinstance(index, np.ndarray) else jnp
-  return xp.take_along_axis(x, idx, axis=ax)
+  if isinstance(x, np.ndarray) and isinstance(index, np.ndarray):
+    idx = index.reshape((b,) + (1,) * (ax - 1) + (s,) + (1,) * (ndim - ax - 1))
+    return np.take_along_axis(x, idx, axis=ax)
+  # Under an explicit mesh (jax.set_mesh) a gather of a sharded array needs its output sharding
+  # named: the same as the input's, the sequence staying where the caller sharded it.
+  moved = jnp.moveaxis(x, ax, 1)
+  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+  sharding = getattr(jax.typeof(moved), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  explicit = spec is not None and not getattr(sharding.mesh, "empty", True) and any(
+      t == jax.sharding.AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
+  if explicit:
+    out = moved.at[rows, index].get(out_sharding=spec)
+  else:
+    out = moved[rows, index]
+  return jnp.moveaxis(out, 1, ax)
 
 
 def _map(fn, tree, label: str):
