@@ -769,3 +769,14 @@ def test_feeder_mask_statistics_switch(monkeypatch):
   monkeypatch.setenv("KVAX_FEED_MASK_STATS", "no")
   with pytest.raises(FlagError, match="KVAX_FEED_MASK_STATS='no'"):
     training_hooks._mask_stats_on()
+
+
+@needs_maxtext
+def test_maxtexts_trainer_gets_its_base_config_unless_one_is_given():
+  from kvax_plugin.integrations.maxtext.launch_keys import maxtext_dir
+  from kvax_plugin.integrations.maxtext.train import with_config_file
+  base = os.path.join(maxtext_dir(), "configs", "base.yml")
+  assert os.path.isfile(base)
+  assert with_config_file(["train", "attention=kvax"]) == ["train", base, "attention=kvax"]
+  assert with_config_file(["train"]) == ["train", base]
+  assert with_config_file(["train", "my.yml", "steps=2"]) == ["train", "my.yml", "steps=2"]
