@@ -74,7 +74,16 @@ def test_wheel_holds_every_tracked_file_of_the_package(wheel):
   names = set(zipfile.ZipFile(wheel).namelist())
   tracked = _tracked("kvax_plugin")
   assert len(tracked) > 50
-  assert [t for t in tracked if t not in names] == []
+  files = []
+  for t in tracked:
+    path = os.path.join(ROOT, t)
+    if os.path.islink(path) and os.path.isdir(path):  # a linked folder: the files under it
+      for dirpath, _, found in os.walk(path):
+        files += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in found]
+    else:
+      files.append(t)
+  assert any("upstream_patches" in f for f in files)  # MaxText's patches, linked from patches/
+  assert [f for f in files if f not in names] == []
 
 
 def test_every_module_imports_from_the_install(installed, tmp_path):
@@ -90,13 +99,17 @@ for name in names:
     importlib.import_module(name)
   except Exception as e:
     failed[name] = f"{type(e).__name__}: {e}"
-print(json.dumps({"file": kvax_plugin.__file__, "modules": names, "failed": failed}))
+from kvax_plugin.integrations.maxtext import patching
+manifest = os.path.join(patching.patches_dir(), "MANIFEST.json")
+print(json.dumps({"file": kvax_plugin.__file__, "modules": names, "failed": failed,
+                  "patches": manifest if os.path.isfile(manifest) else None}))
 """
   r = _run(installed, "-c", code, cwd=str(tmp_path))
   assert r.returncode == 0, r.stderr[-3000:]
   got = json.loads(r.stdout.strip().splitlines()[-1])
   assert ROOT not in got["file"] and "site-packages" in got["file"], got["file"]
   assert got["failed"] == {}
+  assert got["patches"] and "site-packages" in got["patches"]  # the patches ship in the wheel
   for backend in ("hopper", "mosaic.backend", "mosaic.forward", "mosaic.backward",
                   "triton.backend", "cuda_sm90.fused_backward", "jax_blockwise"):
     assert f"kvax_plugin.attention.kernels.{backend}" in got["modules"], backend

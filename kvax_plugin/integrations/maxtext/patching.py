@@ -26,13 +26,10 @@ class PatchError(RuntimeError):
 
 
 def patches_dir(version: str | None = None) -> str:
-  """patches/maxtext/<version> of this checkout (the patches ship with the repository)."""
+  """The patches for MaxText `version`: upstream_patches/<version> beside this file, shipped in
+  the package (in a checkout, a link to the repository's patches/maxtext)."""
   version = version or SUPPORTED_MAXTEXT_VERSIONS[-1]
-  here = os.path.abspath(__file__)  # <repo>/kvax_plugin/integrations/maxtext/patching.py
-  repo = here
-  for _ in range(4):
-    repo = os.path.dirname(repo)
-  path = os.path.join(repo, "patches", "maxtext", version)
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_patches", version)
   if not os.path.isfile(os.path.join(path, "MANIFEST.json")):
     raise PatchError(f"no patches for MaxText {version} at {path} (supported: "
                      f"{', '.join(SUPPORTED_MAXTEXT_VERSIONS)})")
@@ -118,7 +115,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("command", choices=("check", "apply", "revert"))
   parser.add_argument("--root", help="directory holding the maxtext package (default: installed)")
-  parser.add_argument("--patches", help="patch directory (default: this checkout's, for the "
+  parser.add_argument("--patches", help="patch directory (default: the package's, for the "
                       "supported version)")
   parser.add_argument("--dry-run", action="store_true")
   args = parser.parse_args(argv)
