@@ -158,6 +158,12 @@ def describe(tree: Path, commit: str | None) -> dict:
   """The tree's path and commit (as asked, or HEAD of a checkout with its dirty state)."""
   if commit:
     return dict(path=str(tree), commit=commit)
+  # Only a tree that is itself a checkout's top: an extracted tree inside another checkout (such
+  # as .gate/base) would otherwise report that checkout's HEAD.
+  top = subprocess.run(["git", "-C", str(tree), "rev-parse", "--show-toplevel"],
+                       capture_output=True, text=True)
+  if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(tree).resolve():
+    return dict(path=str(tree), commit="unknown (not a git checkout: name it with --*-name)")
   head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True,
                         text=True)
   if head.returncode != 0:

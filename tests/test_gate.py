@@ -110,3 +110,19 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
 def test_gate_refuses_a_tree_without_kvax_plugin(tmp_path):
   with pytest.raises(SystemExit, match="has no kvax_plugin"):
     gate.main(["--base-tree", str(tmp_path), "--smoke", "--rounds", "1"])
+
+
+def test_an_extracted_tree_is_not_given_its_enclosing_checkouts_commit(tmp_path):
+  from pathlib import Path
+
+  from benchmarks import gate
+  root = Path(gate.ROOT)
+  inside = root / ".gate" / "describe-test"
+  inside.mkdir(parents=True, exist_ok=True)
+  try:
+    assert gate.describe(inside, None)["commit"].startswith("unknown")
+    assert gate.describe(inside, "abc1234")["commit"] == "abc1234"
+    head = gate.describe(root, None)["commit"]
+    assert len(head) == 40 and all(c in "0123456789abcdef" for c in head)
+  finally:
+    inside.rmdir()
