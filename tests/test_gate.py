@@ -100,7 +100,7 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
   # each tree's processes imported that tree's kvax_plugin
   assert cond["base"]["kvax_plugin_file"] == str(base / "kvax_plugin" / "__init__.py")
   assert cond["candidate"]["kvax_plugin_file"] == str(ROOT / "kvax_plugin" / "__init__.py")
-  assert cond["base"]["commit"] == "unknown (no git history)"
+  assert cond["base"]["commit"].startswith("unknown")
   assert cond["base"]["name"] == "da03dbb (a copy)" and "name" not in cond["candidate"]
   assert cond["gpu"] == "cpu" and cond["jax"] and cond["jaxlib"] and cond["rounds"] == 2
   assert cond["shapes"]["head_dim"] == 32 and cond["smoke"] and cond["threshold"] == 10
