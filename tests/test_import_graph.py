@@ -20,6 +20,8 @@ import textwrap
 
 import pytest
 
+from test_layering import find_cycle  # the same search over this wider graph
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Directories the repository's programs put on sys.path for bare-name imports, after their own.
 SEARCH_DIRS = ("", "tests", os.path.join("tests", "gpu"), "integration",
@@ -97,35 +99,6 @@ def import_graph(root: str, search_dirs=SEARCH_DIRS) -> dict[str, set[str]]:
             targets.add(sub if sub and sub != whole else whole)
     graph[path] = {t for t in targets if t and t != path}
   return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  """One cycle as [a, b, ..., a], or None (iterative depth-first search, three colours)."""
-  white, grey, black = 0, 1, 2
-  color = {n: white for n in graph}
-  for start in sorted(graph):
-    if color[start] != white:
-      continue
-    stack = [(start, iter(sorted(graph[start])))]
-    path = [start]
-    color[start] = grey
-    while stack:
-      node, it = stack[-1]
-      nxt = next(it, None)
-      if nxt is None:
-        color[node] = black
-        stack.pop()
-        path.pop()
-        continue
-      if nxt not in color:
-        continue
-      if color[nxt] == grey:
-        return path[path.index(nxt):] + [nxt]
-      if color[nxt] == white:
-        color[nxt] = grey
-        stack.append((nxt, iter(sorted(graph[nxt]))))
-        path.append(nxt)
-  return None
 
 
 @pytest.fixture(scope="module")
