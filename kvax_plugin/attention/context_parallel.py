@@ -218,7 +218,7 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
 @dataclasses.dataclass(frozen=True)
 class _KvHeadPlan:
   """Which kv heads tensor-parallel shard t takes from key / value that enter whole: it holds
-  query heads [t * local_heads, (t + 1) * local_heads), and query head h reads kv head h // group."""
+  query heads [t * local_heads, (t + 1) * local_heads); query head h reads kv head h // group."""
 
   head_axis: Any
   local_heads: int
