@@ -75,7 +75,7 @@ def family_config(family: str, arg: str | None,
   c.seq_len = 2048
   c.per_device_batch_size = 1
   c.steps = 1000
-  c.learning_rate = 3e-4
+  c.learning_rate = 3e-4  # peak of the warmup + cosine schedule
   c.warmup_steps_fraction = 0.1
   # Activations: "auto" = bfloat16 on GPU, float32 on CPU; weights are float32.
   c.dtype = "auto"
