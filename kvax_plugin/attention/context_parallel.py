@@ -196,7 +196,6 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
   tp = _axes_size(mesh, specs.head_axes)
   _check_divisible("batch", batch, "query_specs[0]", dp, specs.batch_axes)
   _check_divisible("query sequence length", q_len, "query_specs[1]", cp, specs.context_axes)
-  # key/value travel context-sharded into the op (then all-gathered), so they divide too.
   _check_divisible("key/value sequence length", kv_len, "query_specs[1] (the all-gather of key/"
                    "value)", cp, specs.context_axes)
   if token_order == "llama3" and cp > 1:
@@ -227,7 +226,6 @@ class _KvHeadPlan:
   shards: int
 
   def take(self, x: jax.Array) -> jax.Array:
-    """[B, S, K, D] -> the kv heads this shard's query heads read, along axis 2."""
     t = jax.lax.axis_index(self.head_axis)
     if self.kv_heads % self.shards == 0:
       # Whole groups per shard: its K / tp kv heads, consecutive (a GQA problem locally).
@@ -243,8 +241,7 @@ class _KvHeadPlan:
 
 
 def _kv_head_plan(mesh, specs: AttentionSpecs, heads: int, kv_heads: int) -> _KvHeadPlan | None:
-  """None when key / value enter sharded as kv_specs[2] says (or tp is 1); else the plan by which
-  each shard takes its kv heads from whole key / value."""
+  """None when key / value enter sharded as kv_specs[2] says (or tp is 1), else the plan."""
   tp = _axes_size(mesh, specs.head_axes)
   if tp == 1 or (specs.kv[2] and kv_heads % tp == 0):
     return None
@@ -325,8 +322,8 @@ def from_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
 
 
 def ambient_mesh():
-  """The mesh of the surrounding context, or None: `with jax.set_mesh(mesh)` (inside jit its
-  abstract mesh), else the older `with mesh:` context that kvax 0.1.0 reads."""
+  """The surrounding mesh (`with jax.set_mesh(mesh)`, abstract inside jit, else the older
+  `with mesh:`), or None."""
   try:
     mesh = jax.sharding.get_mesh()
   except ValueError:  # inside jit: only the abstract mesh is known there
@@ -365,8 +362,7 @@ def mesh_for_mask(mesh, query_specs=None) -> Any:
 
 
 def context_size(mesh, query_specs: Any = None) -> int:
-  """The number of context-parallel ranks: the size of the query's sequence axes (explicit
-  query_specs, else the attention_specs context) on `mesh`."""
+  """The size of the query's sequence axes (query_specs, else the context's) on `mesh`."""
   specs = resolve_specs(query_specs)
   check_specs(specs, mesh)
   return _axes_size(mesh, specs.context_axes)
@@ -389,8 +385,7 @@ def permute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = 
 
 
 def unpermute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = None):
-  """kvax 0.1.0's inverse permutation (load-balanced order -> natural order) along axis 1;
-  arguments as permute_tokens_context_parallelism."""
+  """Inverse of permute_tokens_context_parallelism."""
   cp = _context_size_for(mesh, query_specs, "unpermute_tokens_context_parallelism")
   return from_load_balanced_order(inputs, cp, axis=1)
 
@@ -450,12 +445,10 @@ class ShardedAttentionMask(AttentionMask):
 
   def local(self, fwd: BlockTable, dq: BlockTable | None,
             dkv: BlockTable | None) -> AttentionMask:
-    """The mask one shard's backend sees, from that shard's slices of the tables."""
     return AttentionMask(self.layout.local_spec, fwd, dq, dkv)
 
   def remote_part(self, fwd: BlockTable, dq: BlockTable | None,
                   dkv: BlockTable | None) -> AttentionMask:
-    """The remote part's mask one shard's backend sees (overlap_kv_gather masks only)."""
     return AttentionMask(self.layout.remote_spec, fwd, dq, dkv)
 
 
@@ -540,15 +533,13 @@ class _SplitKv:
 
 
 def _take_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
-  """x[b, index[b, i], ...] for [B, S, ...] x and int32 [B, S] index."""
   idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
   return jnp.take_along_axis(x, idx, axis=1)
 
 
 @jax.custom_vjp
 def _arrange(x: jax.Array, index: jax.Array) -> jax.Array:
-  """Permute the token axis of x by `index` (a permutation per row); its transpose is the
-  gather by the inverse permutation, so the backward needs no scatter-add."""
+  """Permute the token axis by `index`; the transpose gathers by the inverse (no scatter-add)."""
   return _take_tokens(x, index)
 
 
@@ -568,9 +559,8 @@ _arrange.defvjp(_arrange_fwd, _arrange_bwd)
 
 def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad: bool,
                arrangement: jax.Array | None = None, reduce_choice: str = "auto"):
-  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...], arranged so the
-  per-shard tables are contiguous ranges: natural order back from "llama3" (static chunks),
-  document order for "balanced" (`arrangement`, int32 [B_local, S])."""
+  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...] in natural order
+  ("llama3") or document order ("balanced", by `arrangement`)."""
   if cp == 1:
     return arrays
   axis_name = axes if len(axes) > 1 else axes[0]
@@ -676,13 +666,12 @@ def create_attention_mask_sharded(query_positions: jax.Array,
     kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, gathered, float_grad=False)
     arrangement = None
     if order == "balanced":
-      # Document order of the gathered kv: computed once here, carried in the mask.
       arrangement = orders.document_order(kp, ks)
       kp, ks = _take_tokens(kp, arrangement), _take_tokens(ks, arrangement)
     m = bm.create_attention_mask(qp, qs, kp, ks, fwd_params=fwd_params, bwd_params=bwd_params,
                                  calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=skip_pad_tokens,
                                  causal=causal, sliding_window=sliding_window)
-    local_specs.append(m.spec)  # static: read back after tracing
+    local_specs.append(m.spec)
     return m.fwd, m.dq, m.dkv, arrangement
 
   tok = P(_entry(specs.batch_axes), _entry(specs.context_axes))
@@ -707,7 +696,6 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                        context_axes=specs.context_axes, context_size=cp, token_order=order,
                        local_spec=local, mesh=mesh, specs=specs, overlap_kv_gather=overlap,
                        remote_spec=remote_spec, kv_grad_reduce_dtype=kv_grad_reduce_dtype)
-  # Global, over the tokens in arrival order.
   fingerprint = bm.mask_fingerprint(*ints)
   return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
                               kv_arrangement=arrangement, remote=remote)
@@ -772,7 +760,6 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   reduce_choice = mask.layout.kv_grad_reduce_dtype
 
   def per_shard_split(q, k, v, qp, qs, kp, ks, tables, arrangement, remote_tables, s):
-    # The remote k / v arrive by a collective XLA can overlap with the local part.
     k, v = pick_kv_head(k), pick_kv_head(v)
     split = _SplitKv.make(specs.context_axes, cp, reduce_choice)
     (k_loc, k_rem), (v_loc, v_rem) = split(k), split(v)

@@ -47,8 +47,7 @@ MISSING_TOOLCHAIN = (
     f"nvcc >= 13 for it: {INSTALL_HINT}. Or build it on another machine with the same jaxlib "
     "(python -m kvax_plugin.attention.kernels.cuda_sm90.build; no GPU needed) and copy "
     f"{LIB_NAME} and {LIB_NAME}.json next to {HERE / 'fused_backward.py'}")
-# The report keeps ptxas's lines and anything about the source or an error, not the FFI
-# headers' own warnings.
+# The report keeps ptxas's lines and source or error lines, not the FFI headers' warnings.
 _PTXAS_DETAIL = re.compile(r"^\s+\d+ bytes stack frame")
 _ERROR = re.compile(r"\berror\b", re.IGNORECASE)
 
@@ -165,8 +164,7 @@ def compiled_text(text: str) -> str:
 
 
 def _literal(text: str, start: int, quote: str) -> str:
-  """The string or character literal opening at text[start]; an unterminated one ends at its
-  line's end."""
+  """The string or character literal opening at text[start] (unterminated: to line end)."""
   j = start + 1
   while j < len(text) and text[j] != quote and text[j] != "\n":
     j += 2 if text[j] == "\\" else 1
@@ -189,8 +187,7 @@ def build_key(source: Path = SOURCE) -> str:
 
 
 def default_cache_dir() -> Path:
-  """$XDG_CACHE_HOME/kvax_plugin/sm90, or ~/.cache/kvax_plugin/sm90 (XDG_CACHE_HOME unset, empty
-  or relative)."""
+  """$XDG_CACHE_HOME/kvax_plugin/sm90 (if absolute), else ~/.cache/kvax_plugin/sm90."""
   base = os.environ.get("XDG_CACHE_HOME", "")
   root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
   return root / "kvax_plugin" / "sm90"
@@ -221,10 +218,8 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def build(source: Path = SOURCE, out: Path = OUTPUT, nvcc: str | os.PathLike | None = None,
           *, verbose: bool = True) -> Path:
-  """Compile `source` into `out` and record its key in out.json; returns `out`. The library is
-  compiled into a temporary file and renamed into place after its record is written. verbose:
-  print ptxas's report. Raises ToolchainMissing without nvcc, RuntimeError when nvcc fails.
-  """
+  """Compile `source` into `out` (a temporary file renamed into place after its key is recorded
+  in out.json); returns `out`. Raises ToolchainMissing without nvcc, RuntimeError on failure."""
   import jax.ffi
   source, out = Path(source), Path(out)
   compiler = find_nvcc(nvcc)
@@ -284,13 +279,9 @@ def cached_library(cache_dir: str | os.PathLike | None = None, source: Path = SO
 def ensure_library(cache_dir: str | os.PathLike | None = None,
                    nvcc: str | os.PathLike | None = None, *, source: Path = SOURCE,
                    prebuilt: Path | None = OUTPUT) -> Path:
-  """The path of a library built from `source`, building it into the cache if needed.
-
-  cache_dir: the cache's root (default default_cache_dir()); nvcc: as find_nvcc; prebuilt: a
-  library that stands in when its recorded key matches (None: none). Concurrent callers build
-  once, under a file lock. Raises ToolchainMissing when there is nothing to load and no nvcc,
-  RuntimeError when nvcc fails.
-  """
+  """The path of a library built from `source`, building it into <cache_dir>/<key>/ if needed
+  (concurrent callers build once, under a file lock). prebuilt stands in when its recorded key
+  matches. Raises ToolchainMissing (nothing to load, no nvcc) or RuntimeError (nvcc failed)."""
   found = cached_library(cache_dir, source, prebuilt)
   if found is not None:
     return found

@@ -90,8 +90,7 @@ def accumulate(acc, a, b, interpret: bool):
 
 
 def accumulate_then(acc, a, b, interpret: bool, then):
-  """accumulate(acc, a, b) with `then()` run while the product is in flight (the interpreter
-  runs it after)."""
+  """accumulate(acc, a, b), running `then()` while the product is in flight."""
   if interpret:
     acc = accumulate(acc, a, b, True)
     then()
@@ -122,8 +121,7 @@ def products_together(first, second, interpret: bool):
 
 
 def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
-  """keep[i, j] of a tile: queries along dimension q_dim (0: rows, _ROW; 1: columns, _COL, as
-  in the dk/dv kernel's S^T), kv tokens along the other."""
+  """keep[i, j] of a tile: queries along dimension q_dim (0: rows, 1: columns), kv the other."""
   kv_dim = 1 - q_dim
   qp = lax.broadcast_in_dim(q_pos, shape, [q_dim])
   qs = lax.broadcast_in_dim(q_seg, shape, [q_dim])
@@ -191,8 +189,7 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
 
 
 def drain_kv_ring(k_free, v_free, total, stages: int):
-  """Wait for the consumers' release of a ring's last loads, so every barrier phase is waited
-  on once (the interpreter checks)."""
+  """Wait for the release of a ring's last loads (the interpreter checks every phase)."""
 
   @pl.loop(lax.max(0, total - stages), total)
   def _(n):
@@ -269,7 +266,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
                               q_ready.at[buf * CONSUMERS + wg])
 
     def consume_item(i, base):
-      """Work item i with the kv ring at position `base`."""
       bi, head, tile = coords(i)
       count, masked_count, block, full_lower = item_table(bi, tile)
       q_base = tile * TILE_Q + wg * ROWS_PER_WG
@@ -332,7 +328,6 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
 
       def logits(slot, then=lambda: None):
-        """S = Q K^T [64, bk] float32, `then()` run while the product is in flight."""
         def product(ref):
           issue_logits(ref, slot)
           then()
