@@ -37,8 +37,9 @@ def create_attention_mask(query_positions: jax.Array,
                           token_order: str | None = None,
                           overlap_kv_gather: bool = False,
                           kv_grad_reduce_dtype: str = "auto") -> AttentionMask:
-  """Build the block mask once per step; pass it to `flash_attention` in every layer. The
-  parameters up to `mesh` are kvax 0.1.0's, in its order; the rest are keyword-only.
+  """Build the block mask (an AttentionMask pytree of O(B * S / block) int32 tables) once per
+  step; pass it to `flash_attention` in every layer. The parameters up to `mesh` are kvax
+  0.1.0's, in its order; the rest are keyword-only.
 
   Args:
     query_positions, query_segment_ids: int32 [B, Sq]; kv_positions, kv_segment_ids: int32 [B, Skv].
@@ -50,8 +51,7 @@ def create_attention_mask(query_positions: jax.Array,
     mesh: build per-shard tables (a ShardedAttentionMask recording mesh and specs) for
       flash_attention on that mesh. None: the surrounding mesh when specs are known
       (query_specs= or attention_specs), else one device.
-    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
-      `attention_specs` context).
+    query_specs, kv_specs: with a mesh, the BSHD specs (None: from `attention_specs`).
     token_order: with context parallelism, the order the tokens arrive in: "natural", "llama3"
       or "balanced"; must match the flash_attention call. None: from the flag below, else "llama3".
     permute_tokens_for_load_balance: older spelling of token_order (True "llama3", False
@@ -61,9 +61,6 @@ def create_attention_mask(query_positions: jax.Array,
       "mosaic", "triton" or "jax").
     kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv are summed in:
       "auto", "float32" or "input" (see context_parallel.kv_grad_reduce_dtype).
-
-  Returns:
-    An `AttentionMask` pytree holding O(B * S / block) int32 tables.
   """
   options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
@@ -117,8 +114,9 @@ def flash_attention(query: jax.Array,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
-  """Attention over packed documents, visiting only the blocks the mask lists. The parameters
-  up to `mesh` are kvax 0.1.0's, in its order and with its defaults; the rest are keyword-only.
+  """Attention over packed documents, visiting only the blocks the mask lists; returns
+  [B, Sq, H, Dv] in query.dtype. The parameters up to `mesh` are kvax 0.1.0's, in its order and
+  with its defaults; the rest are keyword-only.
 
   Args:
     query: [B, Sq, H, Dqk]; key: [B, Skv, K, Dqk]; value: [B, Skv, K, Dv]; H a multiple of K.
@@ -132,9 +130,8 @@ def flash_attention(query: jax.Array,
     sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
     fwd_params, bwd_params: must equal the mask's when given.
     assume_sequential_positions: accepted for kvax compatibility; ignored.
-    memory_optimized_gqa_backward: Triton only. True: always accumulate dk/dv over a GQA group in
-      place; False: in place when the launch still fills the GPU, else float32 per-head buffers.
-      Both are deterministic.
+    memory_optimized_gqa_backward: Triton only. True: accumulate a GQA group's dk/dv in place;
+      False: in place when the launch still fills the GPU, else per-head buffers. Deterministic.
     permute_tokens_for_load_balance: True: inputs arrive in the Llama 3 order, False: natural;
       None defers to token_order. Contradicting token_order raises ValueError.
     token_order: with context parallelism, the order the inputs arrive in ("natural", "llama3",
@@ -151,11 +148,7 @@ def flash_attention(query: jax.Array,
     mesh: a jax.sharding.Mesh to run sharded; the mask must come from create_attention_mask with
       the same mesh and specs. None: the mask's mesh (and specs unless given), else the
       surrounding mesh when specs are known, else one device.
-    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
-      `attention_specs` context).
-
-  Returns:
-    [B, Sq, H, Dv] in query.dtype.
+    query_specs, kv_specs: with a mesh, the BSHD specs (None: from `attention_specs`).
   """
   del assume_sequential_positions
   validation.check_bias(bias)

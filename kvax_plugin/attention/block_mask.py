@@ -574,9 +574,8 @@ _PRINT_MAX_ROWS, _PRINT_MAX_COLUMNS = 32, 64
 
 def print_mask(mask: "AttentionMask | BlockTable", num_inner_blocks: int,
                print_only_first_in_batch: bool = True, fit_in_screen: bool = True) -> str:
-  """kvax's print_mask: draw a view as text ("██" full, "░░" masked, "  " skipped), log it at
-  INFO on the `kvax_plugin` logger and return it. num_inner_blocks: columns. fit_in_screen:
-  average down to at most 32 x 64 cells."""
+  """kvax's print_mask: a view as text ("██" full, "░░" masked, "  " skipped), logged at INFO
+  on the `kvax_plugin` logger and returned; fit_in_screen averages down to 32 x 64 cells."""
   table = _as_table(mask, "mask")
   grid = table_to_grid(table, int(num_inner_blocks))
   rows = grid[:1] if print_only_first_in_batch else grid

@@ -41,11 +41,9 @@ class KernelOptions:
   (part of the compiled function's static key); fields are checked on construction."""
 
   mosaic_forward_grid: str = "auto"
-  """Mosaic forward grid: "persistent" (one CTA per SM, (tile, head) items longest first,
-  prefetching the next item), "per_tile" (one CTA per (batch, query tile, head)), or "auto"
-  (persistent up to mosaic.backend.PERSISTENT_MAX_KV padded kv rows and where it fits). A
-  persistent kernel holds every SM, so a collective beside it may prefer "per_tile".
-  "persistent" raises where it does not fit (head dim 256)."""
+  """Mosaic forward grid: "persistent" (one CTA per SM taking (tile, head) items longest first;
+  raises where it does not fit, head dim 256), "per_tile", or "auto" (persistent up to
+  mosaic.backend.PERSISTENT_MAX_KV padded kv rows and where it fits)."""
 
   mosaic_forward_overlap_blocks: int = 16
   """Mosaic forward (also "hopper"'s), head dims up to 128: rows visiting at least this many kv
@@ -73,10 +71,8 @@ class KernelOptions:
   packed documents, costs causal attention)."""
 
   triton_tiles: str = ""
-  """Triton tiles taken exactly as given instead of the tuned ones:
-  "fwd=BM,BN,warps,stages;dq=...;dkv=..." (any subset; tiles must divide the mask's blocks) and
-  "gqa=inplace" / "gqa=perhead". "": the tuned tiles. triton.backend.autotune_tiles returns this
-  format."""
+  """Triton tiles taken exactly as given ("": the tuned ones): "fwd=BM,BN,warps,stages;dq=...;
+  dkv=..." (any subset; tiles must divide the mask's blocks) and "gqa=inplace" / "gqa=perhead"."""
 
   def __post_init__(self):
     if self.mosaic_forward_grid not in FORWARD_GRIDS:
