@@ -3,8 +3,8 @@
     python -m kvax_plugin.demo            # the defaults below: ~30 s of CPU time on 2 cores
     python -m kvax_plugin.demo --seq_len 4096 --batch 1 --backend jax --out outputs/demo4k
 
-Packs the shipped corpus, builds the mask, runs --backend (default "auto") against the float32
-dense reference and writes the mask PNGs and summary.json under --out. Exit status: 0 when every
+Runs --backend (default "auto") against the float32 dense reference on a packed batch of the
+shipped corpus and writes the mask PNGs and summary.json under --out. Exit status: 0 when every
 output and gradient agrees within its dtype's tolerance, 1 otherwise, 2 for a bad flag or an
 unavailable backend.
 """
@@ -30,11 +30,9 @@ import kvax_plugin
 from kvax_plugin.attention.kernels import AUTO_DESCRIPTION, BACKENDS, resolve_backend_for
 from kvax_plugin.data import ByteTokenizer, PackedBatch, batch_iterator, load_documents, to_kvax
 
-# Relative L2 error allowed against the float32 reference, per input dtype. float32 differs only
-# by summation order; bf16/fp16 inputs round q/k/v and p before the matmuls.
+# Relative L2 error allowed against the float32 reference, per input dtype.
 REL_L2_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Width of the byte embeddings the projections start from.
 EMBED_DIM = 256
 
 
@@ -81,14 +79,11 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 def project_qkv(tokens: np.ndarray, heads: int, kv_heads: int, head_dim: int, dtype,
                 seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Random byte embeddings of `tokens` [B, S], projected to q [B,S,H,D], k and v [B,S,K,D].
-
-  The projections are scaled by 1/sqrt(EMBED_DIM) so q/k/v entries have unit variance, as in a
-  freshly initialised transformer layer; the attention scale 1/sqrt(D) is applied by the op.
-  """
+  """Random byte embeddings of `tokens` [B, S], projected (scaled to unit variance) to q
+  [B, S, H, D], k and v [B, S, K, D]."""
   ke, kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 4)
   embed = jax.random.normal(ke, (ByteTokenizer.vocab_size, EMBED_DIM), jnp.float32)
-  x = embed[jnp.asarray(tokens)]  # [B, S, E]
+  x = embed[jnp.asarray(tokens)]
   b, s = tokens.shape
 
   def proj(key, n):
@@ -99,11 +94,8 @@ def project_qkv(tokens: np.ndarray, heads: int, kv_heads: int, head_dim: int, dt
 
 
 def kept_pairs(batch: PackedBatch, sliding_window: int | None) -> int:
-  """(query, key) pairs the causal mask keeps, summed over rows (per head).
-
-  Each piece is a contiguous segment with positions 0..L-1, so it keeps L(L+1)/2 causal pairs
-  (fewer with a window: query i sees min(i + 1, w) keys).
-  """
+  """(query, key) pairs the causal mask keeps, summed over rows (per head): L(L+1)/2 per piece
+  (query i sees min(i + 1, w) keys with a window)."""
   total = 0
   for row in batch.pieces:
     for piece in row:
@@ -130,13 +122,13 @@ def _median_seconds(fn, args, repeats: int) -> tuple[float, float]:
 
 
 def describe_rows(batch: PackedBatch, documents: Sequence[str]) -> list[dict[str, Any]]:
-  """Per row: its pieces (document index, start byte, length, first words) and its padding."""
+  """Per row: its pieces (document, start byte, length, first words) and its padding."""
   tok = ByteTokenizer()
   rows = []
   for r, row in enumerate(batch.pieces):
     pieces = []
     for piece in row:
-      # Token 0 of a document is BOS; token t >= 1 is byte t-1 of its UTF-8 text.
+      # Token 0 of a document is BOS; token t >= 1 is byte t-1.
       text = documents[piece.document].encode("utf-8")
       first = max(0, piece.start - 1)
       snippet = " ".join(text[first:first + 120].decode("utf-8", "replace").split())[:48]
@@ -173,7 +165,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"kvax_plugin {kvax_plugin.__version__} demo | jax {jax.__version__} | device "
         f"{dev.platform}:{getattr(dev, 'device_kind', '?')} | backend {backend} | {dtype_name}")
 
-  # 1. One packed batch of real text.
   documents = load_documents(seed=args.seed, min_chars=args.min_doc_chars,
                              max_chars=args.max_doc_chars)
   batch = next(batch_iterator(args.seq_len, args.batch, seed=args.seed, documents=documents))
@@ -186,10 +177,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       cont = f" (from token {p['start_token']})" if p["start_token"] else ""
       print(f"    doc {p['document']:4d} {p['tokens']:6d} tokens{cont}: {p['snippet']!r}")
 
-  # 2. The block mask, once, in kvax's convention (padding -1).
   positions, segment_ids = (jnp.asarray(x) for x in to_kvax(batch))
-  # Jitted as a training step would (built once per step, reused by every layer); the first
-  # call is mostly compilation, later calls are the per-step cost.
+  # Jitted as in a training step; the first call is mostly compilation.
   build_mask = jax.jit(functools.partial(kvax_plugin.create_attention_mask, calc_bwd_mask=True,
                                          sliding_window=args.sliding_window))
   mask_first_s, mask_s = _median_seconds(build_mask, (positions, segment_ids, positions,
@@ -205,7 +194,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{sparsity['skipped']:.1%} skipped;\n  the mask keeps {pairs / dense_causal:.1%} of the "
         "pairs of a plain causal mask")
 
-  # 3-4. Forward and forward+backward, timed.
   scale = args.head_dim ** -0.5
   q, k, v = project_qkv(batch.tokens, args.heads, args.kv_heads, args.head_dim, dtype,
                         args.seed)
@@ -221,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fwd_first, fwd_s = _median_seconds(fwd, (q, k, v), args.repeats)
   bwd_first, fwd_bwd_s = _median_seconds(fwd_bwd, (q, k, v), args.repeats)
   flops_fwd = 4 * args.heads * args.head_dim * pairs
-  flops_fwd_bwd = flops_fwd * 3.5  # backward = 2.5x forward (shared/DESIGN.md section 6)
+  flops_fwd_bwd = flops_fwd * 3.5
   print(f"\ntiming (median of {args.repeats}, after a first call incl. compilation):")
   _print_table(["pass", "first call s", "median ms", "effective GFLOP/s"], [
       ["forward", f"{fwd_first:.2f}", f"{fwd_s * 1e3:.1f}", f"{flops_fwd / fwd_s / 1e9:.1f}"],
@@ -245,7 +233,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"\nagreement with the float32 dense reference ({compare_s:.1f} s):")
   _print_table(["tensor", "max |diff|", "rel L2", "tolerance", ""], table)
 
-  # 5. Pictures and summary.
   pngs = [kvax_plugin.draw_mask(mask, os.path.join(args.out, f"mask_fwd_row{r}.png"),
                                 batch_index=r,
                                 title=f"forward block mask, row {r}: {rows[r]['documents']} "

@@ -4,8 +4,7 @@
     python -m kvax_plugin.info --dtype bfloat16 --head-dim 128  # auto's choice for a call
     python -m kvax_plugin.info --head-dim 192 --v-head-dim 128 --features sliding_window --json
 
-Exit status 1 when a backend module that ships with the package does not import (a broken
-install), else 0.
+Exit status 1 when a shipped backend module does not import (a broken install), else 0.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import platform
 import sys
 from typing import Any
 
-# Distributions whose versions decide what runs (import name -> distribution name).
 PACKAGES = {
     "jax": "jax", "jaxlib": "jaxlib", "triton": "triton", "jax_triton": "jax-triton",
     "maxtext": "maxtext", "levanter": "marin-levanter", "flax": "flax",
@@ -27,7 +25,6 @@ PACKAGES = {
 
 
 def versions() -> dict[str, str | None]:
-  """Installed version of each of PACKAGES (None: not installed), and nvcc's."""
   out: dict[str, str | None] = {"python": platform.python_version()}
   from kvax_plugin._version import __version__
   out["kvax-plugin"] = __version__
@@ -68,8 +65,7 @@ def devices() -> list[str]:
 
 
 def backends() -> tuple[dict[str, dict[str, Any]], list[str]]:
-  """Per backend: whether its module imports, whether it can run here and why; and the list of
-  defects (shipped modules that do not import)."""
+  """Per backend: whether its module imports and can run here, and why; and the defects."""
   from kvax_plugin.attention import kernels
   out: dict[str, dict[str, Any]] = {}
   defects: list[str] = []
@@ -90,8 +86,8 @@ def backends() -> tuple[dict[str, dict[str, Any]], list[str]]:
 
 def auto_choice(dtype: str, qk_head_dim: int, v_head_dim: int, features: tuple[str, ...],
                 deterministic_backward: bool | None) -> dict[str, Any]:
-  """What backend="auto" takes for a call of these inputs here, and why each backend before it
-  in AUTO_ORDER was passed over (the mask's block sizes are the defaults, checked at the call)."""
+  """What backend="auto" takes for these inputs here, and why each earlier backend was passed
+  over (default block sizes)."""
   from kvax_plugin.attention import kernels
   passed_over = {}
   for name in kernels.AUTO_ORDER:

@@ -4,12 +4,10 @@
     python -m kvax_plugin.launch --config=llama3:8b --config.seq_len=8192 \\
         --config.kvax.backend=triton --config.mesh.ici_tensor=2  steps=200 log_period=10
 
-`--config` names a family and variant (<family>:<variant>, the configs in kvax_plugin/configs/;
-or a config file's path:<variant>, e.g. a checkout's configs/llama3.py:tiny), `--config.<field>`
-changes a field, trailing `key=value` arguments are raw MaxText keys; `--dry_run` prints the
-keys and exits. The pieces live in kvax_plugin/integrations/maxtext/ (checks, keys, hooks,
-console, report, distributed). Exit status: 0 after a finished run, 2 for a bad flag or raw key,
-1 otherwise.
+`--config` names <family>:<variant> (kvax_plugin/configs/) or a config file's path:<variant>,
+`--config.<field>` changes a field, trailing `key=value` arguments are raw MaxText keys;
+`--dry_run` prints the keys and exits. Exit status: 0 after a finished run, 2 for a bad flag or
+raw key, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "check the config, print the MaxText keys it becomes, and exit")
-# One run over several processes (integrations/maxtext/distributed.py has the command): MaxText
-# starts jax.distributed only from its schedulers' environment variables, so these flags do it.
+# Several processes (integrations/maxtext/distributed.py): MaxText starts jax.distributed only
+# from its schedulers' environment variables, so these flags do it.
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0, for a run over several processes")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes of the run (one per host), "
@@ -52,10 +50,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process: 0 .. num_proc
 
 
 def run(cfg, raw: dict[str, str], *, dry_run: bool = False) -> dict[str, Any] | None:
-  """Check, translate and train; returns the summary (None for a dry run).
-
-  JAX's compile events are recorded for the whole call (setup_timing.SetupTimer), so the
-  summary can say where setup+compile went ("compile_breakdown")."""
+  """Check, translate and train; returns the summary (None for a dry run)."""
   timer = SetupTimer()
   with timer.listening():
     return _run(cfg, raw, dry_run, timer)
@@ -71,7 +66,7 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
                     "family config (kvax_plugin/configs/<family>.py builds one with "
                     "kvax_plugin.configs.common.family_config)")
   checks.check_config(cfg)
-  # From here on only the launcher's own lines reach the console (console.py).
+
   with console.Console(cfg.quiet) as con:
     platform = checks.detect_platform() if cfg.hardware == "auto" else cfg.hardware
     checks.check_attention(cfg.attention, platform, f"--config.attention={cfg.attention}")
@@ -83,7 +78,7 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     replaced = {k: (keys[k], v) for k, v in raw.items()
                 if k in keys and argv_value(keys[k]) != v}
     keys.update(raw)
-    keys.update(te_packing_keys(cfg, keys, raw))  # cudnn_flash_te: rows are packed
+    keys.update(te_packing_keys(cfg, keys, raw))
     argv = maxtext_argv(keys)
     if replaced:
       print("raw MaxText overrides replace config-derived keys: " + ", ".join(
@@ -104,12 +99,10 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     log_path = os.path.join(out, "maxtext.log")
     con.open_log(log_path)
     holder: dict[str, Any] = {}
-    # MaxText's own initialisation: its config (our keys + raw overrides), validated by it.
     try:
       config, recorder = mt_train.initialize(argv)
     except (ValueError, TypeError, KeyError, AssertionError) as e:
-      # pydantic's ValidationError is a ValueError. The keys were checked above, so this is a
-      # rule across keys that MaxText enforces; say it in one line, naming the raw keys given.
+      # A rule across keys that MaxText enforces (pydantic's ValidationError is a ValueError).
       given = " ".join(f"{k}={v}" for k, v in raw.items()) or "none"
       raise FlagError(f"MaxText rejected the configuration: {checks.one_line(e)} "
                       f"(raw keys: {given})") from e
@@ -125,12 +118,11 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     print(banner, file=con.out, flush=True)
     can_draw = importlib.util.find_spec("matplotlib") is not None
     if not can_draw:
-      # A bare GPU image may lack it (kvax-plugin's own install requires it): train anyway,
-      # and say now, not after the run, that there will be no pictures.
+      # Train anyway, and say now that there will be no pictures.
       print("warning: matplotlib is not installed, so no mask.png / loss.png will be drawn "
             "(pip install matplotlib)", file=con.err, flush=True)
     if importlib.util.find_spec("tensorboardX") is None:
-      # MaxText's summary writer is tensorboardX; without it MaxText silently writes nothing.
+      # Without tensorboardX MaxText silently writes nothing.
       print("warning: tensorboardX is not installed, so MaxText writes no TensorBoard logs "
             "(pip install tensorboardX)", file=con.err, flush=True)
     progress = Progress(cfg, holder, total_steps=config.steps, stream=con.out,
@@ -143,15 +135,14 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
           + (", MLA" if str(config.attention_type) in ("mla", "AttentionType.MLA") else "")
           + f"; batch {config.global_batch_size_to_train_on} x {config.max_target_length}; "
           "compiling ...", file=con.out, flush=True)
-    # An explicit raw dataset_type is the user choosing MaxText's own pipeline: honour it (and
-    # say so) instead of replacing it with the corpus.
+    # An explicit raw dataset_type chooses MaxText's own pipeline.
     data = (contextlib.nullcontext() if "dataset_type" in raw
             else packed_corpus_pipeline(cfg, holder))
     if "dataset_type" in raw:
       print(f"data: MaxText dataset_type={raw['dataset_type']} (the shipped corpus is not used; "
             "no mask statistics)", file=con.out, flush=True)
     with data, progress_hook(progress), timer.maxtext_hooks(), \
-        distributed.barrier_before_first_batch():  # several processes: see there
+        distributed.barrier_before_first_batch():
       mt_train.record_goodput(recorder, mt_train.RECORD_JOB_START_TIME)
       train_func = mt_train.get_train_func(config, recorder, argv)
       with mt_train.maybe_monitor_goodput(config):
@@ -159,7 +150,7 @@ def _run(cfg, raw: dict[str, str], dry_run: bool, timer: SetupTimer) -> dict[str
     t_end = time.time()
     if not progress.records:
       raise RuntimeError(f"MaxText ran no training step (steps={config.steps}); see {log_path}")
-    # Still inside the console: the pictures' libraries print notices of their own.
+    # Inside the console: the pictures' libraries print notices of their own.
     summary = run_report.write_report(
         cfg, config, progress, holder.get("corpus"), attention, backend, out=out,
         log_path=log_path, can_draw=can_draw, timer=timer, t0=t0, t_end=t_end, stream=con.out)
@@ -177,8 +168,7 @@ def _main(argv: Sequence[str]) -> None:
 
 
 def _parse_flags(argv: Sequence[str]) -> list[str]:
-  # Errors while loading the config file or applying --config.<field> overrides name the flag
-  # instead of ending in a traceback from ml_collections.
+  # Config errors name the flag instead of ending in an ml_collections traceback.
   argv = checks.resolve_config_argv(argv)
   checks.check_config_path(argv)
   try:
@@ -186,18 +176,17 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
   except flags.Error as e:
     text = str(e).strip()
     if "Traceback" in text:
-      # config_flags wraps the config file's exception with its traceback; its last line is
-      # what the config file said (e.g. the unknown variant and the valid ones).
+      # The wrapped traceback's last line is what the config file said.
       text = text.splitlines()[-1].split(": ", 1)[-1]
     raise FlagError(text) from e
   except (AttributeError, KeyError) as e:
     field = next((a for a in argv if a.startswith("--config.")), None)
-    if field is None:  # no field override: the config file itself is at fault
+    if field is None:
       raise FlagError(f"--config={_config_arg(argv)}: loading it failed ({type(e).__name__}: "
                       f"{e})") from e
     raise FlagError(f"{field.split('=')[0]}: no such config field ({e}); see the config file's "
                     "fields with --dry_run, or pass a raw MaxText key as key=value") from e
-  except Exception as e:  # noqa: BLE001 - an error raised by the config file's own code
+  except Exception as e:  # noqa: BLE001
     raise FlagError(f"--config={_config_arg(argv)}: loading it failed ({type(e).__name__}: "
                     f"{checks.one_line(e)})") from e
 
@@ -226,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except Exception as e:
     log = getattr(e, console.log_path_attr, None)
     if log is None:
-      raise  # failed before the run's log existed: the traceback is on the console
+      raise
     print(f"kvax_plugin.launch: error: {type(e).__name__}: {checks.one_line(e)} "
           f"(traceback in {log})", file=sys.stderr)
     return 1

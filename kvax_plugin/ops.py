@@ -3,25 +3,12 @@
     from kvax.ops import create_attention_mask, flash_attention          # kvax 0.1.0
     from kvax_plugin.ops import create_attention_mask, flash_attention   # the same program
 
-Names, parameter order, defaults and return structures are kvax's (its mask module's
-`print_mask` and `calculate_mask_sparsity` live here too). Our extensions (causal,
-sliding_window, logits_soft_cap, sinks, backend, deterministic_backward, query_specs, kv_specs)
-are keyword-only after kvax's parameters. Two kvax conventions differ from the native API (kvax_plugin.attention.api)
-and are honoured here:
-
-* `mesh=None` means the mesh of the surrounding context (`with jax.set_mesh(mesh):`, or the
-  older `with mesh:` kvax's README uses) when sharding specs are known (`attention_specs` or
-  query_specs=); without a mesh anywhere, the op runs on one device.
-* Context parallelism with permute_tokens_for_load_balance=True: query, key, value and the query
-  positions / segment ids arrive in load-balanced order (permute_tokens_context_parallelism),
-  while kv_positions / kv_segment_ids stay in natural order (kvax's README builds them before
-  permuting). The native API takes every token array in the same (buffer) order instead; the
-  adapter below reorders the two int arrays, which is cheap, and the rest is the native op.
-
-kvax's per-view class (`kvax.ops.mask_creator.AttentionMask`, alias of kvax.utils.typing's: four
-arrays lower_bounds / upper_bounds / lower_full_bounds / upper_full_bounds) is `BlockTable` here,
-built with kvax's keywords or its own; `AttentionMask` names the whole mask create_attention_mask
-returns. docs/migrating-from-kvax.md lists every remaining difference.
+Names, parameter order, defaults and return structures are kvax's; our extensions are
+keyword-only. Two kvax conventions differ from the native API and are honoured here: `mesh=None`
+means the surrounding mesh when specs are known; and with permute_tokens_for_load_balance=True
+kv_positions / kv_segment_ids stay in natural order while everything else arrives permuted (the
+adapter reorders the two). kvax's per-view class is `BlockTable` here. Every remaining
+difference: docs/migrating-from-kvax.md.
 """
 
 from __future__ import annotations
@@ -38,7 +25,6 @@ from kvax_plugin.attention.params import FlashAttentionParamsConfig
 
 
 def _mesh_for_call(mesh, query_specs) -> Any:
-  """The explicit mesh; else, when specs are known, the surrounding one; else None."""
   if mesh is not None:
     return mesh
   if query_specs is None and context_parallel.current_attention_specs() is None:
@@ -60,17 +46,11 @@ def create_attention_mask(query_positions: jax.Array,
                           sliding_window: int | None = None,
                           query_specs: Any = None,
                           kv_specs: Any = None) -> AttentionMask:
-  """kvax's create_attention_mask: the block mask of one step, for every layer.
-
-  query_positions / query_segment_ids: int32 [B, Sq], in the order the query arrives (permuted
-  under context parallelism); kv_positions / kv_segment_ids: int32 [B, Skv] in natural order.
-  Returns an AttentionMask that unpacks like kvax's tuple: `(fwd,)`, or `(fwd, dq, dkv)` with
-  calc_bwd_mask=True, each view with lower_bounds / upper_bounds / lower_full_bounds /
-  upper_full_bounds. Keyword-only extensions as in kvax_plugin.attention.api.
-  """
+  """kvax's create_attention_mask. query_positions / query_segment_ids: int32 [B, Sq] in the
+  order the query arrives; kv_positions / kv_segment_ids: int32 [B, Skv] in natural order.
+  Returns an AttentionMask that unpacks like kvax's tuple `(fwd,)` or `(fwd, dq, dkv)`."""
   mesh = _mesh_for_call(mesh, query_specs)
-  # kv in natural order is what the native op calls "not permuted": the tables are the same
-  # whatever the query order, and flash_attention below states the kv order of each call.
+  # The tables do not depend on the query order; flash_attention states each call's kv order.
   return api.create_attention_mask(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, fwd_params, bwd_params,
       calc_bwd_mask, skip_pad_tokens, mesh, causal=causal, sliding_window=sliding_window,
@@ -101,20 +81,14 @@ def flash_attention(query: jax.Array,
                     deterministic_backward: bool | None = None,
                     query_specs: Any = None,
                     kv_specs: Any = None) -> jax.Array:
-  """kvax's flash_attention: query [B, Sq, H, D], key / value [B, Skv, K, D] -> [B, Sq, H, D].
-
-  Positions / segment ids int32 [B, S]; `mask` from create_attention_mask (this module's or
-  the native one). Under context parallelism with permute_tokens_for_load_balance=True the query
-  side and key / value arrive permuted and kv_positions / kv_segment_ids in natural order, as
-  in kvax. bias must be None (NotImplementedError otherwise, as kvax). Other arguments as
-  kvax_plugin.attention.api.flash_attention.
-  """
-  validation.check_bias(bias)  # before anything else, as kvax
+  """kvax's flash_attention: query [B, Sq, H, D], key / value [B, Skv, K, D] -> [B, Sq, H, D];
+  ids int32 [B, S], kv ids in natural order under permute_tokens_for_load_balance=True. bias must
+  be None (NotImplementedError). Other arguments as kvax_plugin.attention.api.flash_attention."""
+  validation.check_bias(bias)
   mesh = _mesh_for_call(mesh, query_specs)
   cp = context_parallel.context_size(mesh, query_specs) if mesh is not None else 1
   permuted = bool(permute_tokens_for_load_balance) and cp > 1
   if permuted:
-    # The native op wants kv positions / segment ids in the buffer order of key / value.
     kv_positions, kv_segment_ids = context_parallel.to_load_balanced_order(
         (kv_positions, kv_segment_ids), cp)
   if mesh is not None and isinstance(mask, context_parallel.ShardedAttentionMask):
@@ -124,8 +98,7 @@ def flash_attention(query: jax.Array,
           "shard's key / value in the order they arrive: build it from kv positions / segment "
           "ids in this call's order (the native kvax_plugin.create_attention_mask with "
           "token_order=), or build it with the overlap off")
-    # The tables index the gathered key / value in natural order either way (the op restores
-    # it after the all-gather), so one mask serves both orders: state this call's.
+    # One mask serves both kv orders (the op restores natural order after the all-gather).
     mask = dataclasses.replace(mask, layout=dataclasses.replace(
         mask.layout, token_order="llama3" if permuted else "natural"))
   return api.flash_attention(

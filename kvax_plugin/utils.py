@@ -3,12 +3,9 @@
     from kvax.utils import attention_specs, permute_tokens_context_parallelism, ...         # kvax
     from kvax_plugin.utils import attention_specs, permute_tokens_context_parallelism, ...  # same
 
-FlashAttentionParamsConfig and PADDING_SEGMENT_ID (-1) keep kvax's names and fields;
-attention_specs(query_specs, kv_specs) is a context manager as in kvax (kv_specs may be omitted
-here: it then follows the query's batch and heads); the two permutations take (inputs,
-mesh=None) and read the context size from the mesh (or the surrounding one) and the specs.
-`to_load_balanced_order(x, cp, axis=1)` / `from_load_balanced_order` (kvax_plugin top level)
-take the context size explicitly. README.md ("Migrating from kvax") lists the differences.
+Names and fields are kvax's; kv_specs may be omitted here, and the two permutations read the
+context size from the mesh (or the surrounding one) and the specs. README.md ("Migrating from
+kvax") lists the differences.
 """
 
 from kvax_plugin.attention.context_parallel import (attention_specs,

@@ -1,9 +1,6 @@
 """Public entry points: create_attention_mask, flash_attention (with a prebuilt mask) and
-attention (one-off).
-
-The top of the attention package: it validates arguments (validation.py), picks a kernel
-backend through the registry (kernels/), and runs it on one device or, given a mesh, through
-context_parallel.py.
+attention (one-off). Validates arguments, picks a kernel backend (kernels/), and runs it on one
+device or, given a mesh, through context_parallel.py.
 """
 
 from __future__ import annotations
@@ -40,41 +37,30 @@ def create_attention_mask(query_positions: jax.Array,
                           token_order: str | None = None,
                           overlap_kv_gather: bool = False,
                           kv_grad_reduce_dtype: str = "auto") -> AttentionMask:
-  """Build the block mask once per step; pass it to `flash_attention` in every layer.
-
-  The parameters up to `mesh` are kvax 0.1.0's, in its order; the rest are keyword-only.
+  """Build the block mask (an AttentionMask pytree of O(B * S / block) int32 tables) once per
+  step; pass it to `flash_attention` in every layer. The parameters up to `mesh` are kvax
+  0.1.0's, in its order; the rest are keyword-only.
 
   Args:
-    query_positions, query_segment_ids: int32 [B, Sq].
-    kv_positions, kv_segment_ids: int32 [B, Skv].
-    fwd_params / bwd_params: block sizes the tables are built for (defaults when None).
+    query_positions, query_segment_ids: int32 [B, Sq]; kv_positions, kv_segment_ids: int32 [B, Skv].
+    fwd_params / bwd_params: block sizes the tables are built for (None: defaults).
     calc_bwd_mask: also build the dq and dkv tables the backward pass needs.
     skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
     causal: keep only kv_pos <= q_pos.
     sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal).
-    mesh: shard the construction over a device mesh (see kvax_plugin.attention.context_parallel);
-      the result is then a ShardedAttentionMask with per-shard tables for
-      flash_attention(mesh=mesh); it records the mesh and specs. None: the surrounding mesh
-      (`with jax.set_mesh(mesh)`) when specs are known (query_specs= or attention_specs),
-      else one device.
-    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
-      `attention_specs` context).
-    token_order: with a context-parallel mesh, the order the tokens arrive in: "natural",
-      "llama3" (permute_tokens_context_parallelism) or "balanced" (token_order.balanced_order,
-      per batch); must match the flash_attention call. None: from the flag below, else "llama3".
-    permute_tokens_for_load_balance: the older spelling of token_order: True is "llama3", False
-      "natural" (None: not given). Contradicting token_order raises.
-    overlap_kv_gather: with context parallelism, split each shard's attention into its own kv
-      and the other shards', so the key / value exchange can run behind the first part (needs a
-      backend with separate forward / backward kernels: "hopper", "mosaic", "triton" or "jax";
-      measured in MaxText on 2 / 4 x H200: +2.5% tokens/s at 2 shards, none at 4).
-    kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv partial sums
-      are added in: "auto" (the input dtype with 2 context shards, where that is exact, float32
-      with more), "float32", or "input" (bf16 inputs: half the reduce-scatter's bytes, rounded
-      at each addition). No effect without context parallelism.
-
-  Returns:
-    An `AttentionMask` pytree holding O(B * S / block) int32 tables.
+    mesh: build per-shard tables (a ShardedAttentionMask recording mesh and specs) for
+      flash_attention on that mesh. None: the surrounding mesh when specs are known
+      (query_specs= or attention_specs), else one device.
+    query_specs, kv_specs: with a mesh, the BSHD specs (None: from `attention_specs`).
+    token_order: with context parallelism, the order the tokens arrive in: "natural", "llama3"
+      or "balanced"; must match the flash_attention call. None: from the flag below, else "llama3".
+    permute_tokens_for_load_balance: older spelling of token_order (True "llama3", False
+      "natural"); contradicting token_order raises ValueError.
+    overlap_kv_gather: with context parallelism, split each shard's attention into its own kv and
+      the other shards', so the kv exchange runs behind the first part (backends "hopper",
+      "mosaic", "triton" or "jax").
+    kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv are summed in:
+      "auto", "float32" or "input" (see context_parallel.kv_grad_reduce_dtype).
   """
   options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
@@ -93,7 +79,7 @@ def create_attention_mask(query_positions: jax.Array,
 
 
 def _features(query, key, value, mask: AttentionMask, logits_soft_cap, sinks) -> tuple[str, ...]:
-  """The entries of kernels.FEATURES a call needs (a backend must implement all of them)."""
+  """The kernels.FEATURES a call needs."""
   needed = {"causal": mask.spec.causal, "sliding_window": mask.spec.sliding_window is not None,
             "logits_soft_cap": logits_soft_cap is not None, "sinks": sinks is not None,
             "gqa": query.shape[2] != key.shape[2],
@@ -128,61 +114,43 @@ def flash_attention(query: jax.Array,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
-  """Attention over packed documents, visiting only the blocks the mask lists.
-
-  The parameters up to `mesh` are kvax 0.1.0's, in its order and with its defaults (so `scale`
-  may be passed positionally); our extensions are keyword-only.
+  """Attention over packed documents, visiting only the blocks the mask lists; returns
+  [B, Sq, H, Dv] in query.dtype. The parameters up to `mesh` are kvax 0.1.0's, in its order and
+  with its defaults; the rest are keyword-only.
 
   Args:
     query: [B, Sq, H, Dqk]; key: [B, Skv, K, Dqk]; value: [B, Skv, K, Dv]; H a multiple of K.
     query_positions, query_segment_ids: int32 [B, Sq]; kv_positions, kv_segment_ids: int32 [B, Skv].
       PADDING_SEGMENT_ID (-1) marks padding; its output rows and gradients are 0.
-    mask: from `create_attention_mask` on the same positions / segment ids (it carries causal and
-      sliding_window); build it with calc_bwd_mask=True to take gradients.
+    mask: from `create_attention_mask` on the same ids (it carries causal and sliding_window);
+      build it with calc_bwd_mask=True to take gradients.
     scale: multiplies q k^T (MaxText pre-scales the query and passes 1.0).
-    bias: not supported (as in kvax 0.1.0); anything but None raises NotImplementedError.
+    bias: not supported; anything but None raises NotImplementedError.
     logits_soft_cap: cap * tanh(logits / cap) before masking (Gemma 2).
     sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
     fwd_params, bwd_params: must equal the mask's when given.
-    assume_sequential_positions: accepted for kvax compatibility; the tables are exact either way.
-    memory_optimized_gqa_backward: Triton only. True: always accumulate dk/dv over a GQA group
-      in place (no float32 per-query-head buffers). False: in place whenever the launch still
-      has enough programs to fill the GPU (it is also the faster way then), else per-head
-      buffers summed afterwards. Both are deterministic.
-    permute_tokens_for_load_balance: kvax's flag: True says the inputs arrive in the Llama 3
-      order (to_load_balanced_order), False in natural order; None (the default) defers to
-      token_order. Contradicting token_order raises.
-    token_order: with a context-parallel mesh, the order the inputs arrive in ("natural",
-      "llama3" or "balanced"; the op never permutes the query itself); must match the mask's.
-      Neither given: the order the (sharded) mask was built for, else "llama3".
-      See kvax_plugin.attention.context_parallel.
-    backend: "auto" (the fastest backend that runs the call here: "hopper" or "mosaic" on a
-      Hopper GPU, whichever is measured faster for the call, "triton" on other CUDA GPUs,
-      "jax" elsewhere; `python -m kvax_plugin.info` shows the choice), or a name
-      of kernels.KERNEL_BACKENDS ("mosaic", "hopper", "triton", "jax", "reference"); an
+    assume_sequential_positions: accepted for kvax compatibility; ignored.
+    memory_optimized_gqa_backward: Triton only. True: accumulate a GQA group's dk/dv in place;
+      False: in place when the launch still fills the GPU, else per-head buffers. Deterministic.
+    permute_tokens_for_load_balance: True: inputs arrive in the Llama 3 order, False: natural;
+      None defers to token_order. Contradicting token_order raises ValueError.
+    token_order: with context parallelism, the order the inputs arrive in ("natural", "llama3",
+      "balanced"); must match the mask's. Neither given: the sharded mask's order, else "llama3".
+    backend: "auto" (the fastest that runs the call here; `python -m kvax_plugin.info` shows it)
+      or a name of kernels.KERNEL_BACKENDS ("mosaic", "hopper", "triton", "jax", "reference"); an
       explicit name that cannot run raises BackendUnavailableError.
-    deterministic_backward: None (default): each backend's own - Mosaic's deterministic
-      backward, Triton's (always deterministic), hopper's (not bitwise reproducible). For
-      Mosaic, True: dq from its own kernel, bitwise reproducible (7 matrix products per tile
-      pair; the default, and on an H200 the faster too, docs/performance.md); False: dq
-      bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products; the float32
-      summation order varies between runs). backend="hopper" has only the second kind (its dq
-      reduce-added from many thread blocks): True with it raises ValueError.
-    kernel_options: the kernels' tuning options (kvax_plugin.KernelOptions, documented per
-      field; None: the measured defaults). Options of one backend are ignored by the others.
-    debug: print the chosen backend and shapes at trace time, and check that the mask was built
-      from these positions / segment ids (as kvax_plugin.check_mask_inputs() does).
-    mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must
-      then come from create_attention_mask with the same mesh and specs. None: the mask's mesh
-      if it was built on one (and its specs, unless given), else the surrounding mesh when specs
-      are known (query_specs= or attention_specs), else one device.
-    query_specs, kv_specs: with a mesh, the BSHD specs of query and key/value (None: from the
-      `attention_specs` context).
-
-  Returns:
-    [B, Sq, H, Dv] in query.dtype.
+    deterministic_backward: None: each backend's own. Mosaic True: dq from its own kernel,
+      bitwise reproducible (the default); False: dq reduce-added in float32 by the dk/dv kernel
+      (order varies between runs). backend="hopper" has only the latter: True raises ValueError.
+    kernel_options: tuning options (kvax_plugin.KernelOptions; None: defaults). Options of one
+      backend are ignored by the others.
+    debug: print the backend and shapes at trace time, and check the mask against these ids.
+    mesh: a jax.sharding.Mesh to run sharded; the mask must come from create_attention_mask with
+      the same mesh and specs. None: the mask's mesh (and specs unless given), else the
+      surrounding mesh when specs are known, else one device.
+    query_specs, kv_specs: with a mesh, the BSHD specs (None: from `attention_specs`).
   """
-  del assume_sequential_positions  # the block tables never rely on it
+  del assume_sequential_positions
   validation.check_bias(bias)
   validation.check_qkv(query, key, value)
   b, sq, h, _ = query.shape
@@ -193,7 +161,7 @@ def flash_attention(query: jax.Array,
   scale, logits_soft_cap = validation.check_options(scale, logits_soft_cap, sinks, h)
   if (token_order is None and permute_tokens_for_load_balance is None
       and isinstance(mask, context_parallel.ShardedAttentionMask)):
-    order = mask.token_order  # neither given: the order the mask was built for
+    order = mask.token_order
   else:
     order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance)
   if backend not in BACKENDS:
@@ -207,11 +175,8 @@ def flash_attention(query: jax.Array,
                              _features(query, key, value, mask, logits_soft_cap, sinks), mask,
                              deterministic_backward=deterministic_backward)
   if validation.is_empty(query, key):
-    # Batch, a length or the heads is 0: empty in, empty out; with Skv = 0 every row has
-    # nothing to attend, so it is 0 (README, "Degenerate sizes"). Gradients are zero.
+    # Empty in, empty out; with Skv = 0 every row attends nothing, so it is 0.
     return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)
-  # The mask knows the mesh it was built on; a plain mask follows the surrounding mesh when
-  # query specs are known (context_parallel.mesh_for_call). A mismatch is an error below.
   mesh, query_specs, kv_specs = context_parallel.mesh_for_call(mesh, mask, query_specs, kv_specs)
   if mesh is not None:
     return context_parallel.flash_attention_sharded(
@@ -233,11 +198,8 @@ def flash_attention(query: jax.Array,
 
 
 def positions_from_segment_ids(segment_ids: jax.Array) -> jax.Array:
-  """Per-document positions: a token's position is the number of earlier tokens of its segment.
-
-  Works for non-contiguous documents too; padding tokens get positions like any other id
-  (they are masked out by their segment id). int32 [B, S] -> int32 [B, S].
-  """
+  """Per-document positions (the number of earlier tokens of the same segment), also for
+  non-contiguous documents. int32 [B, S] -> int32 [B, S]."""
   s = segment_ids.shape[1]
   order = jnp.argsort(segment_ids, axis=1, stable=True)
   sorted_ids = jnp.take_along_axis(segment_ids, order, axis=1)
@@ -266,12 +228,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
               token_order: str | None = None) -> jax.Array:
   """One-off attention: builds the block mask itself (use flash_attention to reuse one).
 
-  query [B, Sq, H, D], key/value [B, Skv, K, D(v)]; segment_ids and positions int32 [B, Sq]
-  shared by query and key/value when Sq == Skv. segment_ids None means one document;
-  positions None means per-document positions derived from segment_ids; scale None means
-  1/sqrt(Dqk). mesh / query_specs / kv_specs / token_order / permute_tokens_for_load_balance
-  as in flash_attention, except that the default order here is "natural"; inputs that arrive
-  permuted need explicit positions.
+  query [B, Sq, H, D], key/value [B, Skv, K, D(v)] with Sq == Skv; segment_ids and positions
+  int32 [B, Sq] shared by query and key/value. segment_ids None: one document; positions None:
+  derived from segment_ids (explicit ones needed when tokens arrive permuted); scale None:
+  1/sqrt(Dqk). The mesh arguments as in flash_attention, but the default order is "natural".
   """
   validation.check_qkv(query, key, value)
   b, sq, _, dqk = query.shape

@@ -1,9 +1,6 @@
-"""Scalar arguments of the attention op: one rule for every static number and flag.
-
-A Python number or a NumPy scalar (np.int64(64), np.float32(30.0), a 0-d NumPy array) is accepted
-and converted to a Python int / float / bool; bools are not numbers here, and JAX arrays are
-rejected (these settings are static: they shape the compiled program, so they cannot be traced
-values). Every error names the argument and the expected type. Imports nothing of the package.
+"""Scalar arguments of the attention op: a Python number or NumPy scalar (or 0-d array) becomes a
+Python int / float / bool; bools are not numbers, and JAX arrays are rejected (these settings
+are static). Every error names the argument. Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ def _describe(value) -> str:
 
 
 def _unwrap_numpy(value):
-  """A 0-d NumPy array becomes its scalar; anything else is returned unchanged."""
   if isinstance(value, np.ndarray) and value.ndim == 0:
     return value[()]
   return value
@@ -63,11 +59,8 @@ def as_bool(name: str, value) -> bool:
 
 
 def normalize_window(sliding_window) -> int | None:
-  """sliding_window as a positive Python int, or None for "no window".
-
-  Windows of 2**32 or more exclude no pair of int32 positions, so they are the same as None
-  (2**31, 2**63 - 1 and similar "no window" values work).
-  """
+  """sliding_window as a positive Python int, or None; 2**32 or more excludes no pair of int32
+  positions, so it is None too."""
   if sliding_window is None:
     return None
   w = as_int("sliding_window", sliding_window, minimum=1)
@@ -75,14 +68,8 @@ def normalize_window(sliding_window) -> int | None:
 
 
 def normalize_logit_options(scale, logits_soft_cap) -> tuple[float, float | None]:
-  """(scale, soft cap) as Python floats, the form every backend receives.
-
-  NaN and inf are accepted and behave as in the reference (README, "NaN and inf"): the logits
-  become NaN / inf and so does every row that attends. Two rewrites keep the backends simple:
-    * logits_soft_cap=inf is the limit of cap * tanh(s / cap), i.e. no cap: it becomes None;
-    * logits_soft_cap=nan makes every logit NaN, exactly what scale=nan does: it becomes
-      scale=nan with no cap (kernels test `cap > 0`, which NaN would silently fail).
-  """
+  """(scale, soft cap) as Python floats. NaN and inf behave as in the reference; a soft cap of
+  inf becomes None (no cap), and of NaN becomes scale=nan with no cap (kernels test `cap > 0`)."""
   scale = as_float("scale", scale)
   if logits_soft_cap is None:
     return scale, None

@@ -1,13 +1,11 @@
 """The block mask: which key/value blocks each query block must visit, and which are full.
 
 Token q attends kv iff seg[q] == seg[kv] != PADDING_SEGMENT_ID, and (causal) pos[kv] <= pos[q],
-and (window w) pos[q] - pos[kv] < w (without causal also pos[kv] - pos[q] < w).
-
-A block table holds, per outer block, int32 lower <= full_lower <= full_upper <= upper: inner
-blocks [lower, upper) may hold kept pairs (visited), [full_lower, full_upper) keep every pair
-(no mask math). Built from per-block summaries (segment / position min and max, padding):
-"may attend" is conservative, "full" exact, so a layout breaking the usual assumptions only
-marks fewer blocks full. Views: `fwd` and `dq` (outer: query blocks), `dkv` (outer: kv blocks).
+and (window w) pos[q] - pos[kv] < w (without causal also pos[kv] - pos[q] < w). A table holds,
+per outer block, int32 lower <= full_lower <= full_upper <= upper: inner blocks [lower, upper)
+are visited, [full_lower, full_upper) keep every pair (no mask math). Built from per-block
+summaries: "may attend" is conservative, "full" exact. Views: `fwd` and `dq` (outer: query
+blocks), `dkv` (outer: kv blocks). Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ _KVAX_FIELDS = ("lower_bounds", "upper_bounds", "lower_full_bounds", "upper_full
 
 class BlockTable(_BlockTableFields):
   """One view of the block grid; every field is int32 [B, num_outer_blocks]. kvax 0.1.0's
-  field names (lower_bounds, upper_bounds, lower_full_bounds, upper_full_bounds) and
-  flatten() / unflatten() read and build the same arrays (either spelling, not both)."""
+  field names and flatten() / unflatten() also work (either spelling, not both)."""
 
   __slots__ = ()
 
@@ -107,14 +104,13 @@ class MaskSpec:
 class AttentionMask:
   """Block tables for the forward pass and, optionally, the two backward passes.
 
-  A registered pytree (tables are leaves, `spec` static): built once per step, it passes through
-  jit, scan and checkpoint. It also reads like kvax 0.1.0's tuple: (fwd,) or (fwd, dq, dkv) by
-  len / indexing / unpacking (pass the object itself to flash_attention). `fingerprint` (uint32
-  [B, 4], mask_fingerprint) identifies the positions / segment ids it was built from.
+  A pytree (tables are leaves, `spec` static) that also reads like kvax 0.1.0's tuple (fwd,) or
+  (fwd, dq, dkv). `fingerprint` (uint32 [B, 4], mask_fingerprint) identifies the ids it was
+  built from.
   """
 
-  # Fingerprint columns flash_attention compares: all four, as a one-device mask's tables index
-  # tokens by buffer position (ShardedAttentionMask, which records its order, narrows this).
+  # Fingerprint columns flash_attention compares: all four (tables index tokens by buffer
+  # position).
   checked_fingerprint_columns = (0, 1, 2, 3)
 
   spec: MaskSpec
@@ -158,17 +154,16 @@ class AttentionMask:
 
 
 class _BlockSummary(NamedTuple):
-  """Per-block statistics of three token groups, each [B, num_blocks, 3]: group 0 the block's
-  first real segment, group 1 its last (when it differs), group 2 every other real token. With
-  contiguous documents groups 0 and 1 are the documents crossing the block's edges, which keeps
-  the visit ranges tight; the segment test is a [min, max] overlap (exact for groups 0 and 1)."""
+  """Per-block statistics of three token groups, each [B, num_blocks, 3]: the block's first real
+  segment, its last (when different), every other real token; the segment test is a [min, max]
+  overlap, exact for the first two."""
 
-  seg_min: jax.Array  # INT32_MAX for an empty group
-  seg_max: jax.Array  # INT32_MIN for an empty group
+  seg_min: jax.Array
+  seg_max: jax.Array
   pos_min: jax.Array
   pos_max: jax.Array
-  nonempty: jax.Array  # bool
-  uniform: jax.Array  # bool [B, num_blocks, 1]: no padding, one segment id: a candidate for "full"
+  nonempty: jax.Array
+  uniform: jax.Array
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -198,7 +193,7 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
   in_first = real & (seg == first_seg)
   in_last = real & (seg == last_seg) & (last_seg != first_seg)
   in_other = real & ~in_first & ~in_last
-  groups = jnp.stack([in_first, in_last, in_other], axis=-2)  # [B, n, 3, block]
+  groups = jnp.stack([in_first, in_last, in_other], axis=-2)
   seg_g, pos_g = seg[..., None, :], pos[..., None, :]
   seg_min = jnp.min(jnp.where(groups, seg_g, _INT32_MAX), axis=-1)
   seg_max = jnp.max(jnp.where(groups, seg_g, _INT32_MIN), axis=-1)
@@ -208,8 +203,7 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
   nonempty = jnp.any(groups, axis=-1)
   uniform = (jnp.all(real, axis=-1) & ~jnp.any(in_last | in_other, axis=-1))[..., None]
   if not skip_pad_tokens:
-    # Compatibility mode: blocks holding padding are visited (masked) by making their third
-    # group a wildcard.
+    # Blocks holding padding are visited (masked): their third group is a wildcard.
     has_pad = ~jnp.all(real, axis=-1)
     wild = has_pad[..., None] & (jnp.arange(3) == 2)
     seg_min = jnp.where(wild, _INT32_MIN, seg_min)
@@ -222,15 +216,15 @@ def _summarise(positions: jax.Array, segment_ids: jax.Array, block: int,
 
 def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
               window: int | None) -> tuple[jax.Array, jax.Array]:
-  """(may_attend, full) for broadcastable query-block and kv-block summaries: every group pair
-  tested (3 x 3); "full" uses group 0, which holds every token of a uniform block."""
-  qg = jax.tree.map(lambda x: x[..., :, None], q)  # [..., 3, 1]
-  kg = jax.tree.map(lambda x: x[..., None, :], kv)  # [..., 1, 3]
+  """(may_attend, full) for broadcastable query-block and kv-block summaries; "full" uses group
+  0, which holds every token of a uniform block."""
+  qg = jax.tree.map(lambda x: x[..., :, None], q)
+  kg = jax.tree.map(lambda x: x[..., None, :], kv)
   may = (qg.nonempty & kg.nonempty & (qg.seg_min <= kg.seg_max) & (kg.seg_min <= qg.seg_max))
   if causal:
     may &= kg.pos_min <= qg.pos_max
   if window is not None:
-    may &= diff_below(qg.pos_min, kg.pos_max, window)  # some q_pos - kv_pos < w
+    may &= diff_below(qg.pos_min, kg.pos_max, window)
     if not causal:
       may &= diff_below(kg.pos_min, qg.pos_max, window)
   may = jnp.any(may, axis=(-2, -1))
@@ -241,22 +235,20 @@ def _classify(q: _BlockSummary, kv: _BlockSummary, causal: bool,
   if causal:
     full &= k0.pos_max <= q0.pos_min
   if window is not None:
-    full &= diff_below(q0.pos_max, k0.pos_min, window)  # every q_pos - kv_pos < w
+    full &= diff_below(q0.pos_max, k0.pos_min, window)
     if not causal:
       full &= diff_below(k0.pos_max, q0.pos_min, window)
   return may, full & may
 
 
 def diff_below(a: jax.Array, b: jax.Array, w: int) -> jax.Array:
-  """a - b < w, exactly, for int32 a, b and 1 <= w < 2**32: with a >= b the difference is exact
-  in wrapping uint32 arithmetic; with a < b it is below any w."""
+  """a - b < w, exactly, for int32 a, b and 1 <= w < 2**32 (wrapping uint32 arithmetic)."""
   a, b = a.astype(jnp.int32), b.astype(jnp.int32)
   u = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
   return (a < b) | (u(a) - u(b) < jnp.uint32(w))
 
 
 def _ranges(may: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
-  """Reduce boolean rows [..., n_inner] to (lower, upper, full_lower, full_upper)."""
   n = may.shape[-1]
   idx = jnp.arange(n, dtype=jnp.int32)
   any_may = jnp.any(may, axis=-1)
@@ -275,21 +267,20 @@ def _ranges(may: jax.Array, full: jax.Array) -> tuple[jax.Array, ...]:
 
 def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: bool,
                  causal: bool, window: int | None) -> BlockTable:
-  """Table of `inner` blocks for every `outer` block, built in chunks of outer blocks (lax.map),
-  so the [outer x inner] classification never exists whole (_BUILD_CHUNK_ELEMENTS)."""
+  """Table of `inner` blocks for every `outer` block, built in chunks of outer blocks so the
+  [outer x inner] classification never exists whole."""
   n_outer = outer.seg_min.shape[1]
   n_inner = inner.seg_min.shape[1]
 
   def one_outer_block(o: _BlockSummary) -> tuple[jax.Array, ...]:
-    # o fields: [B]; inner fields: [B, n_inner].
-    o = jax.tree.map(lambda x: x[:, None], o)  # [B, 1, ...] against inner [B, n_inner, ...]
+    o = jax.tree.map(lambda x: x[:, None], o)
     if outer_is_query:
       may, full = _classify(o, inner, causal, window)
     else:
       may, full = _classify(inner, o, causal, window)
-    return _ranges(may, full)  # each [B]
+    return _ranges(may, full)
 
-  per_outer = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), outer)  # [n_outer, B, ...]
+  per_outer = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), outer)
   batch = inner.seg_min.shape[0]
   chunk = max(1, min(n_outer, _BUILD_CHUNK_ELEMENTS // max(1, 9 * batch * n_inner)))
   lower, upper, full_lower, full_upper = jax.lax.map(one_outer_block, per_outer,
@@ -299,7 +290,6 @@ def _build_table(outer: _BlockSummary, inner: _BlockSummary, outer_is_query: boo
 
 def check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                       sliding_window=None) -> None:
-  """The argument checks of create_attention_mask (also run before a sharded build)."""
   named = {"query_positions": query_positions, "query_segment_ids": query_segment_ids,
            "kv_positions": kv_positions, "kv_segment_ids": kv_segment_ids}
   for name, x in named.items():
@@ -344,22 +334,10 @@ def create_attention_mask(query_positions: jax.Array,
                           skip_pad_tokens: bool = True,
                           causal: bool = True,
                           sliding_window: int | None = None) -> AttentionMask:
-  """The block tables of one device's problem (the public entry point with `mesh=` is
-  kvax_plugin.attention.api.create_attention_mask, which calls this per shard).
+  """The block tables of one device's problem (api.create_attention_mask calls this per shard).
 
-  Args:
-    query_positions, query_segment_ids: int32 [B, Sq].
-    kv_positions, kv_segment_ids: int32 [B, Skv].
-    fwd_params / bwd_params: block sizes the tables are built for (defaults when None).
-    calc_bwd_mask: also build the dq and dkv tables the backward pass needs.
-    skip_pad_tokens: skip blocks made only of padding (False visits them, masked; slower).
-    causal: keep only kv_pos <= q_pos.
-    sliding_window: keep only q_pos - kv_pos < sliding_window (both directions without causal);
-      a positive int (NumPy integers too). 2**32 or more excludes nothing and is stored as None.
-
-  Returns:
-    An `AttentionMask` pytree holding O(B * S / block) int32 tables. A batch or a length of 0
-    gives tables that visit nothing.
+  Arguments as api.create_attention_mask; sliding_window of 2**32 or more is stored as None. A
+  batch or a length of 0 gives tables that visit nothing.
   """
   check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                     sliding_window)
@@ -381,7 +359,6 @@ def create_attention_mask(query_positions: jax.Array,
   fingerprint = mask_fingerprint(query_positions, query_segment_ids, kv_positions,
                                  kv_segment_ids)
   if 0 in (spec.batch, spec.q_len, spec.kv_len):
-    # Nothing to attend: every range is empty.
     return AttentionMask(spec, *_empty_tables(spec), fingerprint=fingerprint)
   fwd, dq, dkv = _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                                 spec=spec)
@@ -390,16 +367,15 @@ def create_attention_mask(query_positions: jax.Array,
 
 def token_fingerprint(positions: jax.Array, segment_ids: jax.Array, *,
                       ordered: bool = False) -> jax.Array:
-  """uint32 [B]: a cheap hash of each row's (position, segment id) pairs, O(B * S); a guard
-  against mixing up batches and orders, not a cryptographic hash. ordered=False: order-free (a
-  sum of per-token hashes); ordered=True: each token's hash mixed with its index first."""
+  """uint32 [B]: a cheap (non-cryptographic) hash of each row's (position, segment id) pairs;
+  ordered=False is order-free, ordered=True mixes in each token's index."""
   u = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)  # noqa: E731
   h = (u(positions) * jnp.uint32(0x9E3779B1)) ^ (u(segment_ids) * jnp.uint32(0x85EBCA77)
                                                  + jnp.uint32(0x27D4EB2F))
-  h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)  # spread the bits before the sum
+  h = (h ^ (h >> 15)) * jnp.uint32(0x2C1B3C6D)
   h = (h ^ (h >> 12)) * jnp.uint32(0x297A2D39)
   if ordered:
-    # The index enters before a nonlinear mixing round, so a moved token cannot cancel out.
+    # The index enters before a nonlinear round, so a moved token cannot cancel out.
     idx = jnp.arange(positions.shape[1], dtype=jnp.uint32)[None, :]
     h = (h ^ (idx * jnp.uint32(0xCC9E2D51) + jnp.uint32(0x165667B1))) * jnp.uint32(0x1B873593)
     h = (h ^ (h >> 13)) * jnp.uint32(0x85EBCA6B)
@@ -409,7 +385,7 @@ def token_fingerprint(positions: jax.Array, segment_ids: jax.Array, *,
 @jax.jit
 def mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids):
   """uint32 [B, 4]: token_fingerprint of the query and kv sides, order-free (columns 0, 1) then
-  order-sensitive (2, 3): the first pair tells another batch, the second another order."""
+  ordered (2, 3)."""
   return jnp.stack([token_fingerprint(query_positions, query_segment_ids),
                     token_fingerprint(kv_positions, kv_segment_ids),
                     token_fingerprint(query_positions, query_segment_ids, ordered=True),
@@ -433,7 +409,7 @@ def _empty_tables(spec: MaskSpec):
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_ids, *,
                   spec: MaskSpec):
-  """(fwd, dq, dkv) tables; dq and dkv are None without backward params. One compiled program."""
+  """(fwd, dq, dkv) tables; dq and dkv are None without backward params."""
 
   def summaries(params):
     q = _summarise(query_positions, query_segment_ids, params.query_block_size,
@@ -451,13 +427,10 @@ def _build_tables(query_positions, query_segment_ids, kv_positions, kv_segment_i
   return fwd, dq, dkv
 
 
-# ----------------------------------------------------------------------------- reporting
-
-
 def token_keep(q_pos, q_seg, kv_pos, kv_seg, *, causal: bool,
                sliding_window: int | None) -> jax.Array:
-  """The token rule on broadcastable arrays: does query token attend kv token? Shared by the
-  dense reference and the JAX backend's masked blocks; window tests exact (diff_below)."""
+  """The token rule on broadcastable arrays (the dense reference and the JAX backend's masked
+  blocks)."""
   qp, kp = q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
   keep = (q_seg == kv_seg) & (q_seg != PADDING_SEGMENT_ID)
   if causal:
@@ -478,26 +451,22 @@ def dense_mask(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
 
 
 def _blocks_per_tile(lower, upper, tiles_per_row: int, n_tiles: int):
-  """int32 [B, n_tiles]: the visited blocks of each kernel tile (its table row's upper - lower;
-  tiles_per_row tiles share one table row)."""
+  """int32 [B, n_tiles]: visited blocks per kernel tile (tiles_per_row tiles per table row)."""
   return jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
 
 
 def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
-  """int32 [B, n_tiles]: a launch order of a kernel's tiles by descending visited blocks (ties in
-  tile order), so a long tile does not start last and run alone (the launch tail): the Mosaic
-  persistent forward's deal and the CUDA backward's tile order."""
+  """int32 [B, n_tiles]: the kernel tiles by descending visited blocks (ties in tile order), so a
+  long tile does not start last and run alone."""
   counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
 
 
 def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
-  """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position of a backward kernel's
-  grid runs, coded tile * n_heads + head: tiles by descending visited blocks, heads interleaved
-  (ties in tile, then head, order), so the heads' copies of the longest tile start together.
-  tiles_per_row: the kernel's tiles per table row."""
+  """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position of a backward grid runs,
+  coded tile * n_heads + head: tiles by descending visited blocks, heads interleaved."""
   counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
-  per_pair = jnp.repeat(counts, n_heads, axis=1)  # column tile * n_heads + head
+  per_pair = jnp.repeat(counts, n_heads, axis=1)
   return jnp.argsort(-per_pair, axis=1, stable=True).astype(jnp.int32)
 
 
@@ -511,9 +480,8 @@ def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
 
 
 def _table_sum(x) -> float:
-  """Sum of a table's entries, on the host: an eager jnp op would compile one small program per
-  shape (seconds on a GPU when a run reports a few shapes); a table spread over processes is
-  summed where it lives."""
+  """Sum of a table on the host (an eager jnp op would compile a program per shape); a table
+  spread over processes is summed where it lives."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return float(jnp.sum(x))
   return float(np.sum(np.asarray(x), dtype=np.int64))
@@ -525,7 +493,7 @@ def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
   nq = num_blocks(spec.q_len, spec.fwd_params.query_block_size)
   nk = num_blocks(spec.kv_len, spec.fwd_params.kv_block_size)
   total = spec.batch * nq * nk
-  if total == 0:  # a batch or a length of 0: no blocks at all
+  if total == 0:
     return {"blocks_total": 0.0, "visited": 0.0, "full": 0.0, "partial": 0.0, "skipped": 0.0}
   t = mask.fwd
   visited = _table_sum(t.upper) - _table_sum(t.lower)
@@ -551,7 +519,7 @@ def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str
   table = getattr(mask, view)
   if table is None:
     raise ValueError(f"view={view!r} is absent: build the mask with calc_bwd_mask=True")
-  import matplotlib  # optional: only drawing needs it
+  import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.colors import ListedColormap
@@ -582,11 +550,7 @@ def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str
   return path
 
 
-# ----------------------------------------------------------------------------- kvax 0.1.0 helpers
-
-
 def _as_table(mask: "AttentionMask | BlockTable", name: str) -> BlockTable:
-  """A view (BlockTable) from either a view or a whole mask (its forward view)."""
   if isinstance(mask, AttentionMask):
     return mask.fwd
   if isinstance(mask, BlockTable):
@@ -597,33 +561,23 @@ def _as_table(mask: "AttentionMask | BlockTable", name: str) -> BlockTable:
 
 def calculate_mask_sparsity(mask: "AttentionMask | BlockTable", query_block_size: int,
                             kv_block_size: int, query_seq_len: int, kv_seq_len: int) -> float:
-  """kvax's calculate_mask_sparsity: the share of blocks the view visits (1.0 = dense).
-
-  mask: a view (mask[0] is the forward one) or a whole mask (its forward view is read); the
-  block sizes and lengths are the ones the view was built for. For a context-parallel mask the
-  per-shard rows add up to the global ones, so the share is global too.
-  """
+  """kvax's calculate_mask_sparsity: the share of blocks the view visits (1.0 = dense). mask: a
+  view or a whole mask (its forward view); block sizes and lengths are the view's."""
   table = _as_table(mask, "mask")
   batch = table.lower.shape[0]
   visited = float(jnp.sum(table.upper - table.lower))
   return visited / (query_seq_len // query_block_size) / (kv_seq_len // kv_block_size) / batch
 
 
-# Most rows / columns of blocks print_mask draws when fit_in_screen (as kvax).
 _PRINT_MAX_ROWS, _PRINT_MAX_COLUMNS = 32, 64
 
 
 def print_mask(mask: "AttentionMask | BlockTable", num_inner_blocks: int,
                print_only_first_in_batch: bool = True, fit_in_screen: bool = True) -> str:
-  """kvax's print_mask: draw a view as text, one row per outer block ("██" full, "░░" visited
-  with mask math, "  " skipped), and log it at INFO on the `kvax_plugin` logger.
-
-  num_inner_blocks: columns (kv blocks for mask[0] / mask[1], query blocks for mask[2]).
-  fit_in_screen: average groups of blocks down to at most 32 x 64 cells; a cell is then full
-  or skipped only when every block in it is. Returns the text as well (kvax returns None).
-  """
+  """kvax's print_mask: a view as text ("██" full, "░░" masked, "  " skipped), logged at INFO
+  on the `kvax_plugin` logger and returned; fit_in_screen averages down to 32 x 64 cells."""
   table = _as_table(mask, "mask")
-  grid = table_to_grid(table, int(num_inner_blocks))  # [B, n_outer, n_inner] in {0, 1, 2}
+  grid = table_to_grid(table, int(num_inner_blocks))
   rows = grid[:1] if print_only_first_in_batch else grid
   text = ["Attention masks:"]
   for g in rows:
@@ -641,7 +595,7 @@ def print_mask(mask: "AttentionMask | BlockTable", num_inner_blocks: int,
 
 
 def _average_cells(grid: np.ndarray, row_step: int, col_step: int) -> np.ndarray:
-  """Mean of each row_step x col_step group of cells (the edges padded with skipped cells)."""
+  """Mean of each row_step x col_step group of cells (edges padded with skipped cells)."""
   if row_step <= 1 and col_step <= 1:
     return grid
   r = -(-grid.shape[0] // row_step) * row_step

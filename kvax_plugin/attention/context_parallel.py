@@ -1,25 +1,13 @@
-"""Sharding and context parallelism (Llama 3 style) for the attention op.
+"""Sharding and context parallelism (Llama 3 style) for the attention op; design in
+docs/context-parallelism.md.
 
-Design: docs/context-parallelism.md. Specs: a 4-sequence (batch, sequence, heads, head_dim)
-of mesh axis names (or tuples, or None) per BSHD array, from query_specs= / kv_specs= or the innermost `attention_specs(...)`. The
-query's sequence entry is the context axis (size cp); kv_specs[1] is None: key, value and kv
-positions / segment ids arrive sharded over the context axis and are all-gathered inside
-shard_map. Heads: tensor parallelism; when kv heads are not sharded like the query heads,
-key / value enter whole and each shard takes the kv heads its query heads read (_kv_head_plan).
-
-Positions and segment ids, never buffer indices, decide which pairs attend, so any token order
-is exact; `token_order` ("natural", "llama3", "balanced": token_order.py) only declares the
-order the inputs arrive in, and the mask and the call must agree on it. With "balanced" the
-gathered kv is put in document order by a gather (`kv_arrangement`, carried by the mask).
-
-The sharded mask (ShardedAttentionMask) holds per-shard tables as global int32 [B, cp * n_local]
-arrays sharded (batch axes, context axes); it is only meaningful to flash_attention with the same
-mesh, specs and order.
-
-Gradients: kv gradients are summed over the context axis by the all-gather's transpose
-(psum_scatter). With two context shards the sum is done in the input dtype (one correctly
-rounded 16-bit addition equals float32-then-round: float32 has >= 2p + 2 significand bits),
-else in float32; kv_grad_reduce_dtype overrides. Sinks' gradients reduce in float32.
+Specs are 4-entry (batch, sequence, heads, head_dim) tuples of mesh axis names (or tuples, or
+None) per BSHD array, from query_specs= / kv_specs= or the innermost `attention_specs(...)`. The
+query's sequence entry is the context axis (size cp); kv_specs[1] is None: key, value and kv ids
+arrive sharded over the context axis and are all-gathered inside shard_map. Positions and
+segment ids, never buffer indices, decide which pairs attend, so any `token_order` is exact: it
+only declares the order the inputs arrive in, and the mask and the call must agree on it. kv
+gradients are summed over the context axis by the all-gather's transpose (psum_scatter).
 """
 
 from __future__ import annotations
@@ -48,24 +36,19 @@ KV_GRAD_REDUCE_CHOICES = ("auto", "float32", "input")
 
 
 def kv_grad_reduce_dtype(grad_dtype, context_size: int, choice: str = "auto"):
-  """The dtype the cross-shard sum of dk / dv is done in, for `context_size` shards.
-
-  choice (create_attention_mask's kv_grad_reduce_dtype): "float32", "input" (the gradient's
-  own dtype: half the bytes of the reduce-scatter in bf16, rounded at each of its
-  context_size - 1 additions), or "auto" (the input dtype with two shards, where it is exact,
-  see "Gradients" above; float32 with more)."""
+  """The dtype of the cross-shard dk / dv sum over `context_size` shards. choice: "float32",
+  "input" (the gradient's dtype), or "auto": the input dtype with two shards (exact: one rounded
+  16-bit addition equals float32-then-round), float32 with more."""
   if choice == "float32":
     return jnp.dtype(jnp.float32)
   if choice == "input":
     return jnp.dtype(grad_dtype)
-  if context_size <= 2 or jnp.dtype(grad_dtype).itemsize >= 4:  # float32 / float64: as is
+  if context_size <= 2 or jnp.dtype(grad_dtype).itemsize >= 4:
     return jnp.dtype(grad_dtype)
   return jnp.dtype(jnp.float32)
 
 AxisNames = tuple[str, ...]
 _DIM_NAMES = ("batch", "sequence", "heads", "head_dim")
-
-# ----------------------------------------------------------------------------- specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +102,9 @@ def _normalise_spec(spec: Any, name: str) -> tuple[AxisNames, AxisNames, AxisNam
 
 @contextlib.contextmanager
 def attention_specs(query_specs: Any, kv_specs: Any = None) -> Iterator[None]:
-  """Set the specs used by attention calls with a mesh and no explicit specs, in this context.
-
-  The state is a contextvar, so threads and asyncio tasks each see their own specs and nested
-  contexts restore the outer specs on exit. kv_specs None means (query batch, None, query heads,
-  None). Specs are checked for form here and against the mesh and shapes at the call.
-  """
+  """Set the specs of attention calls with a mesh and no explicit specs, in this context (a
+  contextvar: per thread / task, restored on exit). kv_specs None means (query batch, None,
+  query heads, None)."""
   q = _normalise_spec(query_specs, "query_specs")
   kv = None if kv_specs is None else _normalise_spec(kv_specs, "kv_specs")
   token = _ATTENTION_SPECS.set((q, kv))
@@ -157,7 +137,6 @@ def resolve_specs(query_specs: Any = None, kv_specs: Any = None) -> AttentionSpe
 
 
 def _entry(axes: AxisNames):
-  """Back to a PartitionSpec entry."""
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else axes
@@ -188,9 +167,8 @@ def check_specs(specs: AttentionSpecs, mesh) -> None:
     raise ValueError(f"query_specs[0] and kv_specs[0] (batch) must be equal, got "
                      f"{_entry(specs.query[0])!r} and {_entry(specs.kv[0])!r}")
   if specs.kv[2] and specs.query[2] != specs.kv[2]:
-    # Replicated kv heads (kv_specs[2] None) work with any query head sharding: each shard takes
-    # the kv heads its query heads read. Sharded kv heads must follow the query heads' axes, or
-    # a shard would hold kv heads its query heads do not read and miss those they do.
+    # Sharded kv heads must follow the query heads' axes, or a shard would miss kv heads its
+    # query heads read.
     if not specs.query[2]:
       raise ValueError(
           f"kv_specs[2] (heads) shards the key/value heads over {_entry(specs.kv[2])!r} but "
@@ -218,7 +196,6 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
   tp = _axes_size(mesh, specs.head_axes)
   _check_divisible("batch", batch, "query_specs[0]", dp, specs.batch_axes)
   _check_divisible("query sequence length", q_len, "query_specs[1]", cp, specs.context_axes)
-  # key/value travel context-sharded into the op (then all-gathered), so they divide too.
   _check_divisible("key/value sequence length", kv_len, "query_specs[1] (the all-gather of key/"
                    "value)", cp, specs.context_axes)
   if token_order == "llama3" and cp > 1:
@@ -229,8 +206,6 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
                          "load-balancing chunks)")
   if heads is not None:
     _check_divisible("query heads", heads, "query_specs[2]", tp, specs.head_axes)
-  # Replicated kv heads (kv_specs[2] None) fit any K that divides H (check_qkv); sharded ones
-  # must split evenly over the shards or be shared by a whole number of them.
   if specs.kv[2] and kv_heads is not None and kv_heads % tp and tp % kv_heads:
     raise ValueError(
         f"key/value heads ({kv_heads}) and the size of the head axes {specs.head_axes} ({tp}) "
@@ -241,18 +216,16 @@ def check_shapes(specs: AttentionSpecs, mesh, *, batch: int, q_len: int, kv_len:
 
 @dataclasses.dataclass(frozen=True)
 class _KvHeadPlan:
-  """Which kv heads tensor-parallel shard t takes from key / value that enter whole over the
-  head axes (static). Shard t holds query heads [t * hl, (t + 1) * hl), hl = H / tp, and query
-  head h reads kv head h // g, g = H / K."""
+  """Which kv heads tensor-parallel shard t takes from key / value that enter whole: it holds
+  query heads [t * local_heads, (t + 1) * local_heads); query head h reads kv head h // group."""
 
-  head_axis: Any  # axis_index argument: the head axes (a name or a tuple of names)
-  local_heads: int  # hl
-  group: int  # g
-  kv_heads: int  # K
-  shards: int  # tp
+  head_axis: Any
+  local_heads: int
+  group: int
+  kv_heads: int
+  shards: int
 
   def take(self, x: jax.Array) -> jax.Array:
-    """[B, S, K, D] -> the kv heads this shard's query heads read, along axis 2."""
     t = jax.lax.axis_index(self.head_axis)
     if self.kv_heads % self.shards == 0:
       # Whole groups per shard: its K / tp kv heads, consecutive (a GQA problem locally).
@@ -261,18 +234,14 @@ class _KvHeadPlan:
     if self.shards % self.kv_heads == 0:
       # A group spans tp / K shards: the one kv head they share.
       return jax.lax.dynamic_slice_in_dim(x, t // (self.shards // self.kv_heads), 1, axis=2)
-    # Groups straddle shard borders (e.g. H 12, K 3, tp 4: shard 1 reads kv heads 0, 1, 1): no
-    # uniform local grouping exists, so one kv head per local query head (MHA locally). The
-    # transpose of the gather adds the gradients of repeated heads.
+    # Groups straddle shard borders (e.g. H 12, K 3, tp 4): one kv head per local query head;
+    # the gather's transpose adds the gradients of repeated heads.
     heads = (t * self.local_heads + jnp.arange(self.local_heads)) // self.group
     return jnp.take(x, heads, axis=2)
 
 
 def _kv_head_plan(mesh, specs: AttentionSpecs, heads: int, kv_heads: int) -> _KvHeadPlan | None:
-  """None when key / value enter sharded as kv_specs[2] says (or there is no tensor
-  parallelism); else the plan by which each shard takes its kv heads from whole key / value:
-  kv_specs[2] None (replicated kv heads), or fewer kv heads than head shards (check_shapes
-  ensures the shard count is then a multiple of K)."""
+  """None when key / value enter sharded as kv_specs[2] says (or tp is 1), else the plan."""
   tp = _axes_size(mesh, specs.head_axes)
   if tp == 1 or (specs.kv[2] and kv_heads % tp == 0):
     return None
@@ -280,19 +249,13 @@ def _kv_head_plan(mesh, specs: AttentionSpecs, heads: int, kv_heads: int) -> _Kv
                      group=heads // kv_heads, kv_heads=kv_heads, shards=tp)
 
 
-# ----------------------------------------------------------------------------- token orders
-
 TOKEN_ORDERS = orders.ORDERS
 
 
 def resolve_token_order(token_order: str | None, permute_tokens_for_load_balance: bool | None,
                         *, default: str = "llama3") -> str:
-  """The order the inputs arrive in, from `token_order` or the older boolean flag.
-
-  token_order: "natural", "llama3", "balanced" or None; permute_tokens_for_load_balance: True
-  ("llama3"), False ("natural") or None. Neither given: `default`. Both given and disagreeing:
-  an error naming both.
-  """
+  """The order the inputs arrive in: `token_order` ("natural", "llama3", "balanced") or the older
+  flag (True "llama3", False "natural"); neither: `default`; contradicting: ValueError."""
   if token_order is None:
     if permute_tokens_for_load_balance is None:
       return default
@@ -306,8 +269,6 @@ def resolve_token_order(token_order: str | None, permute_tokens_for_load_balance
         f"token_order={token_order!r}: pass token_order alone (the flag True means \"llama3\", "
         "False means \"natural\")")
   return token_order
-
-
 
 
 def _load_balance_order(cp: int) -> list[int]:
@@ -342,7 +303,6 @@ def _reorder_chunks(x, cp: int, axis: int, inverse: bool, name: str):
 
 
 def _map_arrays(fn, x_or_tuple, label: str):
-  """Apply fn to every array of a (possibly nested) tuple / list, keeping the structure."""
   if isinstance(x_or_tuple, (tuple, list)):
     out = [_map_arrays(fn, x, f"{label}[{i}]") for i, x in enumerate(x_or_tuple)]
     return type(x_or_tuple)(out)
@@ -350,14 +310,9 @@ def _map_arrays(fn, x_or_tuple, label: str):
 
 
 def to_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
-  """Natural order -> load-balanced order for context parallelism `cp` (given explicitly).
-
-  The sequence axis (length a multiple of 2*cp) is cut into 2*cp chunks; the result holds, for
-  r = 0..cp-1, chunk r followed by chunk 2*cp-1-r, so sharding it evenly over cp devices gives
-  rank r chunks r and 2*cp-1-r. Accepts an array (numpy or jax) or a (nested) tuple / list of
-  arrays (None entries pass through); returns the same structure.
-  Example: [B, S, H, D] queries with axis=1, [B, S] positions / segment ids with axis=1.
-  """
+  """Natural order -> load-balanced order for context parallelism `cp`: the sequence `axis`
+  (length a multiple of 2*cp) is cut into 2*cp chunks and rank r gets chunks r and 2*cp-1-r.
+  Takes an array (numpy or jax) or a nested tuple / list of them (None passes through)."""
   return _map_arrays(lambda x, n: _reorder_chunks(x, cp, axis, False, n), x_or_tuple, "x")
 
 
@@ -367,16 +322,15 @@ def from_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
 
 
 def ambient_mesh():
-  """The mesh of the surrounding context, or None: `with jax.set_mesh(mesh)` (inside jit its
-  abstract mesh), else the older `with mesh:` context that kvax 0.1.0 reads."""
+  """The surrounding mesh (`with jax.set_mesh(mesh)`, abstract inside jit, else the older
+  `with mesh:`), or None."""
   try:
     mesh = jax.sharding.get_mesh()
   except ValueError:  # inside jit: only the abstract mesh is known there
     mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty:
     return mesh
-  # kvax's `with mesh:` context has no public reader; jax.interpreters.pxla's alias of it is
-  # deprecated, so read the context where jax keeps it (absent: no such context).
+  # kvax's `with mesh:` context has no public reader (pxla's alias is deprecated).
   from jax._src import mesh as mesh_lib
   resources = getattr(mesh_lib, "thread_resources", None)
   legacy = None if resources is None else resources.env.physical_mesh
@@ -384,14 +338,9 @@ def ambient_mesh():
 
 
 def mesh_for_call(mesh, mask, query_specs=None, kv_specs=None) -> tuple[Any, Any, Any]:
-  """(mesh, query_specs, kv_specs) a flash_attention call runs with.
-
-  An explicit mesh wins (the mask must then match it). Without one: a mask built on a mesh
-  brings its mesh, and its specs unless the call or an attention_specs context gives some; a
-  plain mask runs on the surrounding mesh (`with jax.set_mesh(mesh)`) when specs are known
-  (query_specs= or attention_specs), as kvax does, else on one device. The mask check then
-  says what is missing (a mask built without a mesh for a sharded call, or the reverse).
-  """
+  """(mesh, query_specs, kv_specs) a flash_attention call runs with: an explicit mesh (the mask
+  must match it), else a sharded mask's mesh and specs (call or context specs win), else the
+  surrounding mesh when specs are known (as kvax does), else one device."""
   lay = mask.layout if isinstance(mask, ShardedAttentionMask) else None
   if mesh is None and lay is not None and lay.mesh is not None:
     mesh = lay.mesh
@@ -413,8 +362,7 @@ def mesh_for_mask(mesh, query_specs=None) -> Any:
 
 
 def context_size(mesh, query_specs: Any = None) -> int:
-  """The number of context-parallel ranks: the size of the query's sequence axes (explicit
-  query_specs, else the attention_specs context) on `mesh`."""
+  """The size of the query's sequence axes (query_specs, else the context's) on `mesh`."""
   specs = resolve_specs(query_specs)
   check_specs(specs, mesh)
   return _axes_size(mesh, specs.context_axes)
@@ -429,25 +377,17 @@ def _context_size_for(mesh, query_specs, fn: str) -> int:
 
 
 def permute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = None):
-  """kvax 0.1.0's permutation: natural order -> load-balanced order along axis 1.
-
-  inputs: an array or a (nested) tuple / list of arrays [B, S, ...] (None entries pass
-  through); returns the same structure. The context size is the size of the query's sequence
-  axes (query_specs, else the attention_specs context) on `mesh` (None: the surrounding mesh
-  context), as in kvax; `to_load_balanced_order(x, cp)` takes it explicitly.
-  """
+  """kvax 0.1.0's permutation, natural -> load-balanced order along axis 1, of an array or a
+  nested tuple / list of [B, S, ...] arrays; cp is the size of the query's sequence axes on `mesh`
+  (None: the surrounding mesh). to_load_balanced_order takes cp explicitly."""
   cp = _context_size_for(mesh, query_specs, "permute_tokens_context_parallelism")
   return to_load_balanced_order(inputs, cp, axis=1)
 
 
 def unpermute_tokens_context_parallelism(inputs, mesh=None, *, query_specs: Any = None):
-  """kvax 0.1.0's inverse permutation (load-balanced order -> natural order) along axis 1;
-  arguments as permute_tokens_context_parallelism."""
+  """Inverse of permute_tokens_context_parallelism."""
   cp = _context_size_for(mesh, query_specs, "unpermute_tokens_context_parallelism")
   return from_load_balanced_order(inputs, cp, axis=1)
-
-
-# ----------------------------------------------------------------------------- the sharded mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,44 +399,29 @@ class ShardLayout:
   context_axes: AxisNames
   context_size: int
   token_order: str  # the order the inputs arrive in ("natural" whenever context_size == 1)
-  local_spec: MaskSpec  # the per-shard problem: local batch and queries, gathered kv
-  # (with overlap_kv_gather: the local part, kv = the shard's own tokens)
-  # The mesh and specs it was built for: flash_attention(mesh=None) runs on them, and an
-  # explicit mesh must match (the mesh objects are hashable; a different one retraces).
+  local_spec: MaskSpec  # per-shard problem (with overlap_kv_gather: the local part)
+  # flash_attention(mesh=None) runs on these; an explicit mesh must match.
   mesh: Any = None
   specs: AttentionSpecs | None = None
-  # Overlap of the kv collective: the tables are split into a local part (local_spec) and a
-  # remote part (remote_spec: kv = the other shards' tokens, ascending rank).
+  # Overlapped kv collective: remote_spec is the other shards' kv, ascending rank.
   overlap_kv_gather: bool = False
   remote_spec: MaskSpec | None = None
-  # The dtype of the cross-shard dk / dv sum (KV_GRAD_REDUCE_CHOICES, see kv_grad_reduce_dtype).
   kv_grad_reduce_dtype: str = "auto"
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class ShardedAttentionMask(AttentionMask):
-  """An AttentionMask whose tables are per shard (see the module docstring for the layout).
+  """An AttentionMask with per-shard tables: int32 [B, context_size * n_local] sharded
+  (layout.batch_axes, layout.context_axes); `spec` is the global problem. kv_arrangement
+  ("balanced" only): int32 [B, context_size * Skv], each shard's slice the document-order
+  permutation of its gathered kv. With layout.overlap_kv_gather, fwd / dq / dkv are the local
+  part's tables and `remote` the remote part's (other shards' kv, ascending rank);
+  kv_arrangement is then the remote kv's document order (cp > 2, llama3 / balanced) or None."""
 
-  `spec` describes the global problem (global batch / lengths), so `mask.causal`,
-  `mask.sliding_window` and `mask.spec.fwd_params` read as usual. Tables: int32
-  [B, context_size * n_local] sharded (layout.batch_axes, layout.context_axes).
-  kv_arrangement (balanced order only, else None): int32 [B, context_size * Skv], sharded the
-  same way; each context shard's slice is the document-order permutation of its gathered kv.
-
-  With layout.overlap_kv_gather, fwd / dq / dkv are the *local* part's tables (each shard's
-  queries against its own kv shard) and `remote` = (fwd, dq, dkv) the remote part's (against
-  the other shards' kv, ascending rank), sharded the same way; kv_arrangement is then the
-  document order of the remote kv (cp > 2 with the llama3 / balanced orders), else None.
-  """
-
-  # Fingerprint columns flash_attention compares (block_mask.mask_fingerprint): both sides
-  # order-free, and the query side in order too (each shard's tables index its own queries in
-  # the order they arrive, so a mask built from natural-order query tokens and called with
-  # load-balanced ones is wrong). The kv side is not compared in order: the layout records
-  # how the gathered key / value are arranged, and kvax_plugin.ops legitimately builds the
-  # mask from kv ids in natural order and calls with them in the llama3 order (the op
-  # restores natural order after the all-gather either way).
+  # Both sides order-free, and the query side in order (tables index the shard's queries as they
+  # arrive). Not the kv side in order: the op rearranges the gathered kv, and kvax_plugin.ops
+  # builds from natural-order kv ids and calls with llama3-ordered ones.
   checked_fingerprint_columns = (0, 1, 2)
 
   layout: ShardLayout | None = None
@@ -520,12 +445,10 @@ class ShardedAttentionMask(AttentionMask):
 
   def local(self, fwd: BlockTable, dq: BlockTable | None,
             dkv: BlockTable | None) -> AttentionMask:
-    """The mask one shard's backend sees, from that shard's slices of the tables."""
     return AttentionMask(self.layout.local_spec, fwd, dq, dkv)
 
   def remote_part(self, fwd: BlockTable, dq: BlockTable | None,
                   dkv: BlockTable | None) -> AttentionMask:
-    """The remote part's mask one shard's backend sees (overlap_kv_gather masks only)."""
     return AttentionMask(self.layout.remote_spec, fwd, dq, dkv)
 
 
@@ -548,8 +471,7 @@ class _GatherKvGradSum:
       return gather(x), None
 
     def bwd(_, ct):
-      # Partial gradients of every shard's queries for all kv tokens: sum them over the
-      # context axis and keep this shard's slice (reduce-scatter).
+      # Reduce-scatter: sum every shard's partial kv gradients, keep this shard's slice.
       rd = kv_grad_reduce_dtype(ct.dtype, cp, reduce_choice)
       summed = jax.lax.psum_scatter(ct.astype(rd), axis_name,
                                     scatter_dimension=1, tiled=True)
@@ -570,9 +492,7 @@ def _remote_ranks(axes: AxisNames, cp: int) -> jax.Array:
 
 
 def _gather_remote(x: jax.Array, axes: AxisNames, cp: int) -> jax.Array:
-  """[B, n, ...] -> [B, (cp - 1) * n, ...]: the other context shards' tokens, ascending rank.
-  Two shards: one collective-permute (each receives the other's shard); more: an all-gather
-  then the other ranks' slices."""
+  """[B, n, ...] -> [B, (cp - 1) * n, ...]: the other shards' tokens, ascending rank."""
   name = _axis_name(axes)
   if cp == 2:
     return jax.lax.ppermute(x, name, perm=[(0, 1), (1, 0)])
@@ -581,10 +501,8 @@ def _gather_remote(x: jax.Array, axes: AxisNames, cp: int) -> jax.Array:
 
 
 class _SplitKv:
-  """x -> (x, the other shards' x): the overlap path's kv. Its transpose sends the remote
-  cotangent back (collective-permute / reduce-scatter) and adds the local one, summed in
-  kv_grad_reduce_dtype: with two shards one addition of two input-dtype values (bit-identical
-  to float32, see "Gradients"), with more all cp terms in float32 and one rounding."""
+  """x -> (x, the other shards' x) for the overlap path; the transpose sends the remote
+  cotangent back and adds the local one, summed in kv_grad_reduce_dtype."""
 
   @staticmethod
   def make(axes: AxisNames, cp: int, reduce_choice: str = "auto"):
@@ -615,15 +533,13 @@ class _SplitKv:
 
 
 def _take_tokens(x: jax.Array, index: jax.Array) -> jax.Array:
-  """x[b, index[b, i], ...] for [B, S, ...] x and int32 [B, S] index."""
   idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
   return jnp.take_along_axis(x, idx, axis=1)
 
 
 @jax.custom_vjp
 def _arrange(x: jax.Array, index: jax.Array) -> jax.Array:
-  """Permute the token axis of x by `index` (a permutation per row); its transpose is the
-  gather by the inverse permutation, so the backward needs no scatter-add."""
+  """Permute the token axis by `index`; the transpose gathers by the inverse (no scatter-add)."""
   return _take_tokens(x, index)
 
 
@@ -643,9 +559,8 @@ _arrange.defvjp(_arrange_fwd, _arrange_bwd)
 
 def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad: bool,
                arrangement: jax.Array | None = None, reduce_choice: str = "auto"):
-  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...], arranged so the
-  per-shard tables are contiguous ranges: natural order back from "llama3" (static chunks),
-  document order for "balanced" (`arrangement`, int32 [B_local, S])."""
+  """All-gather [B_local, S / cp, ...] token arrays to [B_local, S, ...] in natural order
+  ("llama3") or document order ("balanced", by `arrangement`)."""
   if cp == 1:
     return arrays
   axis_name = axes if len(axes) > 1 else axes[0]
@@ -663,20 +578,10 @@ def _gather_kv(arrays, axes: AxisNames, cp: int, token_order: str, *, float_grad
 
 
 def _call_shard_map(fn, mesh, in_specs, out_specs, args):
-  """shard_map(fn) on args laid out as in_specs, whatever their current layout.
-
-  shard_map rejects inputs whose sharding differs from in_specs (always so on meshes with
-  Explicit axes, e.g. from jax.make_mesh, when the caller passes plain single-device arrays), so
-  every argument is first moved to its spec: jax.reshard on Explicit meshes, a sharding
-  constraint otherwise. Inside jit both are layout annotations; eagerly they move the data.
-
-  On a concrete mesh the arguments are first put on it with jax.device_put: an array committed
-  to one device (jax.device_put(x, jax.devices()[0])) would otherwise make the jit below fail
-  with JAX's "incompatible devices" error, although the call (e.g. flash_attention without
-  mesh=, running on the mask's mesh) is well defined. An enclosing jit whose own arguments sit
-  on other devices than the mesh still gets JAX's error, naming the argument: its device
-  assignment is fixed before this runs.
-  """
+  """shard_map(fn) under jit, each argument first moved to its in_spec (jax.reshard on Explicit
+  meshes, a sharding constraint otherwise), since shard_map rejects inputs laid out otherwise.
+  On a concrete mesh they are device_put first, so arrays committed to one device do not fail
+  the jit with "incompatible devices"."""
   from jax.sharding import AxisType, NamedSharding
 
   explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
@@ -697,9 +602,7 @@ def _call_shard_map(fn, mesh, in_specs, out_specs, args):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*placed)
 
-  # On a concrete mesh only (inside jit the ambient mesh may be abstract). Under jax.grad /
-  # jvp the arguments are tracers over concrete arrays, which this moves too; inside an
-  # enclosing jit it is a layout annotation like `place`.
+  # Concrete meshes only (inside jit the ambient mesh may be abstract).
   if isinstance(mesh, jax.sharding.Mesh):
     args = [jax.device_put(a, shardings(spec)) for a, spec in zip(args, in_specs)]
   return run(*args)
@@ -723,17 +626,11 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                                   overlap_kv_gather: bool = False,
                                   kv_grad_reduce_dtype: str = "auto"
                                   ) -> ShardedAttentionMask:
-  """Per-shard block tables, built inside shard_map (see the module docstring).
-
-  query_positions / query_segment_ids: int32 [B, Sq]; kv_positions / kv_segment_ids: int32
-  [B, Skv], in the order flash_attention will receive the tokens, which `token_order`
-  ("natural", "llama3" or "balanced"; see resolve_token_order) names. Specs: explicit or from
-  `attention_specs`. overlap_kv_gather: build the local / remote tables of the overlapped path
-  ("Overlapping the all-gather" above; flash_attention follows the mask; no effect without
-  context parallelism).
-  kv_grad_reduce_dtype: the dtype flash_attention sums the shards' dk / dv in, one of
-  KV_GRAD_REDUCE_CHOICES (see the function of that name); recorded in the mask's layout.
-  """
+  """Per-shard block tables, built inside shard_map. query_positions / query_segment_ids: int32
+  [B, Sq]; kv_positions / kv_segment_ids: int32 [B, Skv], in the order flash_attention gets the
+  tokens (`token_order`). Specs: explicit or from attention_specs. overlap_kv_gather: build the
+  overlapped path's local / remote tables (no effect without context parallelism).
+  kv_grad_reduce_dtype: one of KV_GRAD_REDUCE_CHOICES, recorded in the layout."""
   if kv_grad_reduce_dtype not in KV_GRAD_REDUCE_CHOICES:
     raise ValueError(f"kv_grad_reduce_dtype must be one of {KV_GRAD_REDUCE_CHOICES}, got "
                      f"{kv_grad_reduce_dtype!r}")
@@ -751,10 +648,8 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
 
   def per_shard_split(qp, qs, kp, ks):
-    # Local part: the shard's own kv as it arrives (every order keeps a shard's tokens in
-    # ascending natural order, so its tables are tight for the usual packing). Remote part:
-    # the other shards' kv, ascending rank; with more than two shards the llama3 / balanced
-    # orders interleave documents across ranks, so it is put in document order (carried).
+    # Local part: the shard's own kv (ascending natural order in every order). Remote part: the
+    # other shards' kv; with cp > 2 llama3 / balanced interleave documents, so it is sorted.
     m_local = bm.create_attention_mask(qp, qs, kp, ks, **mask_kw)
     kp_r, ks_r = (_gather_remote(x, specs.context_axes, cp) for x in (kp, ks))
     arrangement = None
@@ -771,21 +666,18 @@ def create_attention_mask_sharded(query_positions: jax.Array,
     kp, ks = _gather_kv((kp, ks), specs.context_axes, cp, gathered, float_grad=False)
     arrangement = None
     if order == "balanced":
-      # Document order of the gathered kv: computed once here, carried in the mask.
       arrangement = orders.document_order(kp, ks)
       kp, ks = _take_tokens(kp, arrangement), _take_tokens(ks, arrangement)
     m = bm.create_attention_mask(qp, qs, kp, ks, fwd_params=fwd_params, bwd_params=bwd_params,
                                  calc_bwd_mask=calc_bwd_mask, skip_pad_tokens=skip_pad_tokens,
                                  causal=causal, sliding_window=sliding_window)
-    local_specs.append(m.spec)  # static: read back after tracing
+    local_specs.append(m.spec)
     return m.fwd, m.dq, m.dkv, arrangement
 
   tok = P(_entry(specs.batch_axes), _entry(specs.context_axes))
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
-  # check_vma=False: the outputs are replicated over the unmentioned (head) axes by construction.
-  # Under jit, inputs laid out otherwise (e.g. eager arrays on one device) are resharded to the
-  # in_specs instead of being rejected by shard_map.
+  # check_vma=False: outputs are replicated over the head axes by construction.
   remote = remote_spec = None
   if overlap:
     fwd, dq, dkv, arrangement, remote = _call_shard_map(per_shard_split, mesh,
@@ -804,14 +696,9 @@ def create_attention_mask_sharded(query_positions: jax.Array,
                        context_axes=specs.context_axes, context_size=cp, token_order=order,
                        local_spec=local, mesh=mesh, specs=specs, overlap_kv_gather=overlap,
                        remote_spec=remote_spec, kv_grad_reduce_dtype=kv_grad_reduce_dtype)
-  # Global, over the tokens in the order they arrive (checked_fingerprint_columns says
-  # which parts a call compares).
   fingerprint = bm.mask_fingerprint(*ints)
   return ShardedAttentionMask(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
                               kv_arrangement=arrangement, remote=remote)
-
-
-# ----------------------------------------------------------------------------- the sharded op
 
 
 def _check_mask_layout(mask, specs: AttentionSpecs, mesh, cp: int, order: str) -> None:
@@ -848,14 +735,10 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                             query_specs=None, kv_specs=None,
                             deterministic_backward: bool | None = None,
                             kernel_options=None) -> jax.Array:
-  """flash_attention on a mesh: shard_map over batch, heads and the query sequence.
-
-  query [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv positions /
-  segment ids [B, Skv] enter sharded (kv batch, query context, kv heads) and are all-gathered
-  over the context axes per shard; `mask` from create_attention_mask with the same mesh, specs
-  and token order. `backend` is already resolved (a name of kernels.KERNEL_BACKENDS).
-  Returns [B, Sq, H, Dv] sharded like the query.
-  """
+  """flash_attention on a mesh (shard_map over batch, heads and query sequence). query
+  [B, Sq, H, Dqk] sharded by query_specs; key / value [B, Skv, K, D] and kv ids [B, Skv] enter
+  context-sharded and are all-gathered; `mask` from create_attention_mask with the same mesh,
+  specs and order; `backend` already resolved. Returns [B, Sq, H, Dv] sharded like the query."""
   specs = resolve_specs(query_specs, kv_specs)
   check_specs(specs, mesh)
   b, sq, h, _ = query.shape
@@ -877,8 +760,6 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
   reduce_choice = mask.layout.kv_grad_reduce_dtype
 
   def per_shard_split(q, k, v, qp, qs, kp, ks, tables, arrangement, remote_tables, s):
-    # The local part reads only this shard's k / v; the remote part's k / v come by a
-    # collective that XLA can run behind the local part (split_kv_attention, "Order").
     k, v = pick_kv_head(k), pick_kv_head(v)
     split = _SplitKv.make(specs.context_axes, cp, reduce_choice)
     (k_loc, k_rem), (v_loc, v_rem) = split(k), split(v)
@@ -919,14 +800,12 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
     kv_spec = P(bat, ctx, _entry(specs.kv[2]), None)
     pick_kv_head = lambda x: x
   else:
-    # key / value enter whole over the head axes and each shard takes the kv heads its query
-    # heads read. shard_map's transpose of that replicated input sums the shards' kv
-    # gradients over the head axes (each zero outside the heads it took).
+    # key / value enter whole over the head axes; shard_map's transpose sums the shards' kv
+    # gradients (each zero outside the heads it took).
     kv_spec = P(bat, ctx, None, None)
     pick_kv_head = plan.take
   tok = P(bat, ctx)
-  # Sinks in float32: shard_map sums their gradient over the batch / context shards (the axes
-  # their spec leaves out), and that sum should not be rounded to bfloat16 on every shard.
+  # Sinks in float32: shard_map sums their gradient over the batch / context shards.
   s = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((h,), jnp.float32)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
@@ -940,26 +819,16 @@ def flash_attention_sharded(query, key, value, query_positions, query_segment_id
                          (query, key, value, *ints, tables, mask.kv_arrangement, s))
 
 
-# ----------------------------------------------------------------------------- balance report
-
-
 def context_parallel_balance(positions, segment_ids, cp: int, *, order: str | None = None,
                              permute: bool | None = None, causal: bool = True,
                              sliding_window: int | None = None, fwd_params=None,
                              block: int | None = None) -> dict[str, Any]:
-  """Per-rank work of self-attention under context parallelism `cp` in a token order.
-
-  positions, segment_ids: int [B, S] in natural order. order: "natural", "llama3" or
-  "balanced" (computed here by token_order.balanced_order with unit `block`, default the
-  forward query block size), or a token_order.TokenOrder; `permute=True / False` is the older
-  spelling of "llama3" / "natural"; neither given: "balanced". Rank r holds query tokens
-  [r*S/cp, (r+1)*S/cp) of the permuted row and attends all kv tokens, arranged as the sharded
-  op arranges them (natural order; document order for "balanced").
-  Returns a dict: `order`, `permuted` (order == "llama3"), and per rank, summed over the batch,
-  `kept_pairs` (exact (q, kv) pairs the mask keeps), `visited_blocks` / `full_blocks` (forward
-  blocks the per-rank tables make the kernel visit, built as the sharded op builds them), and
-  `kept_max_over_min` / `visited_max_over_min`.
-  """
+  """Per-rank work of self-attention under context parallelism `cp`. positions, segment_ids:
+  int [B, S], natural order. order: "natural", "llama3", "balanced" (unit `block`, default the
+  forward query block) or a token_order.TokenOrder; permute=True / False is the older spelling
+  of "llama3" / "natural"; neither: "balanced". Returns a dict: cp, order, permuted, and per
+  rank (summed over the batch) kept_pairs, visited_blocks, full_blocks; kept_max_over_min and
+  visited_max_over_min."""
   cp = arguments.as_int("cp", cp, minimum=1)
   positions = np.asarray(positions)
   segment_ids = np.asarray(segment_ids)
@@ -994,8 +863,7 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, order: str | No
                                                   sliding_window=sliding_window), np.int64)
   counts = np.take_along_axis(counts, perm, axis=1)
   kept = [int(counts[:, r * n:(r + 1) * n].sum()) for r in range(cp)]
-  # Every rank's queries against the arranged kv, ranks stacked on the batch axis: one table
-  # build for all ranks (row r * B + i = rank r, batch row i).
+  # All ranks stacked on the batch axis (row r * B + i): one table build.
   qpos = np.take_along_axis(positions, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
   qseg = np.take_along_axis(segment_ids, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
   tile = lambda x: np.broadcast_to(x, (cp, b, s)).reshape(cp * b, s)

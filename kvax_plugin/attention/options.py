@@ -1,23 +1,16 @@
 """The kernels' tuning options (`KernelOptions`), and the environment variables kvax reads.
 
-Options of one backend are ignored by the others, so one object serves whichever backend "auto"
-picks; the measurements behind each default are in docs/performance.md and
-docs/tuning-history.md. No environment variable tunes a kernel; the ones kvax reads pass
-settings into stacks it does not own or enable checks. This table is all of them
+Options of one backend are ignored by the others; the measurements behind the defaults are in
+docs/performance.md. No environment variable tunes a kernel. This table is all of them
 (tests/test_options.py compares it with the reads in kvax_plugin/):
 
     KVAX_CHECK_MASK_INPUTS    attention/validation.py: 1 makes every flash_attention call
-                              check that its mask was built from its positions / segment ids
-                              (raises on a mismatch; results unchanged).
-    KVAX_FEED_MASK_STATS      integrations/maxtext/training_hooks.py: 0 makes the launcher's
-                              packed-corpus feeder skip its per-batch blocks-skipped report
-                              (1, the default, builds it; results unchanged).
-    KVAX_LEVANTER_BACKEND     integrations/levanter/settings.py: Levanter's kvax kernel backend
-                              where configure() was not called (Levanter's config parser
-                              rejects unknown keys).
-    KVAX_LEVANTER_BLOCK_SIZE  integrations/levanter/settings.py: the block size of both passes
-                              there (a launch detail; the float32 summation order, hence the
-                              rounding, follows it).
+                              check its mask against its positions / segment ids.
+    KVAX_FEED_MASK_STATS      integrations/maxtext/training_hooks.py: 0 skips the packed-corpus
+                              feeder's per-batch blocks-skipped report.
+    KVAX_LEVANTER_BACKEND     integrations/levanter/settings.py: Levanter's kvax backend where
+                              configure() was not called.
+    KVAX_LEVANTER_BLOCK_SIZE  integrations/levanter/settings.py: the block size of both passes.
 
 Names that look alike but are not environment variables: KVAX_PATCHED, KVAX_SM90_VARIANTS (a
 CUDA macro), KVAX_PROVIDER, KVAX_CONFIG_FIELDS, KVAX_KEYS, KVAX_BACKENDS, KVAX_PADDING_SEGMENT_ID.
@@ -32,9 +25,8 @@ TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
 
 
 def producer_registers(consumer_registers, name: str = "consumer_registers") -> int:
-  """The Mosaic producer warpgroup's registers when both consumers take `consumer_registers`
-  (setmaxnreg; 3 warpgroups x 168 = 504 to share): 504 - 2 x it. ValueError naming `name`
-  unless it is an int, a multiple of 8, leaving the producer 24..256."""
+  """The Mosaic producer's registers when both consumers take `consumer_registers`: 504 - 2 x
+  it. ValueError naming `name` unless an int, a multiple of 8, leaving the producer 24..256."""
   regs = consumer_registers
   if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
       or not 24 <= 504 - 2 * regs <= 256):
@@ -49,52 +41,38 @@ class KernelOptions:
   (part of the compiled function's static key); fields are checked on construction."""
 
   mosaic_forward_grid: str = "auto"
-  """Mosaic: the forward kernel's grid. "persistent": one CTA per SM taking (tile, head) items
-  longest first (snake draft), prefetching the next item's Q and K / V; "per_tile": one CTA per
-  (batch, query tile, head). "auto": persistent up to mosaic.backend.PERSISTENT_MAX_KV padded
-  kv rows, per-tile above it and where the second Q buffer would cost the kv tile (MLA
-  192 / 128). A persistent kernel holds every SM until its last item, so a collective beside it
-  (context parallelism) may prefer "per_tile". "persistent" raises where it does not fit (head
-  dim 256)."""
+  """Mosaic forward grid: "persistent" (one CTA per SM taking (tile, head) items longest first;
+  raises where it does not fit, head dim 256), "per_tile", or "auto" (persistent up to
+  mosaic.backend.PERSISTENT_MAX_KV padded kv rows and where it fits)."""
 
   mosaic_forward_overlap_blocks: int = 16
-  """Mosaic forward (also "hopper"'s), head dims up to 128: a query tile whose row visits at
-  least this many kv blocks runs FlashAttention-3's intra-warpgroup overlap (Q K^T of a block
-  issued with P V of the previous one, softmax under P V); shorter rows run the two consumers'
-  ping-pong, cheaper on few blocks. 0: ping-pong everywhere. Bitwise the same output."""
+  """Mosaic forward (also "hopper"'s), head dims up to 128: rows visiting at least this many kv
+  blocks run the intra-warpgroup overlap, shorter ones the ping-pong. 0: ping-pong everywhere.
+  Bitwise the same output."""
 
   mosaic_forward_registers: int = 240
-  """Mosaic forward (also "hopper"'s): registers per thread of the two consumer warpgroups
-  (setmaxnreg); the producer gets 504 - 2 x this (240 -> 24, FlashAttention 3's split; 232 ->
-  40). A multiple of 8 leaving the producer 24..256. 240 keeps the overlapped kernels' spills
-  small; bitwise the same output either way."""
+  """Mosaic forward (also "hopper"'s): registers per consumer thread (setmaxnreg); the producer
+  gets 504 - 2 x this. A multiple of 8 leaving the producer 24..256. Same output either way."""
 
   dq_after_dkv: bool = False
-  """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel
-  instead of before (same gradients), so that context parallelism's dk / dv reduce-scatter can
-  run behind the dq kernel."""
+  """Mosaic and Triton, deterministic backward: run the dq kernel after the dk/dv kernel (same
+  gradients), so context parallelism's dk / dv reduce-scatter can run behind it."""
 
   mosaic_backward_registers: int = 232
-  """Mosaic backward: registers per thread of the two consumer warpgroups (setmaxnreg); the
-  producer gets 504 - 2 x this (232 -> 40, 240 -> 24). A multiple of 8 leaving the producer
-  24..256."""
+  """Mosaic backward: registers per consumer thread; the producer gets 504 - 2 x this. A
+  multiple of 8 leaving the producer 24..256."""
 
   mosaic_paired_products: bool = True
-  """Mosaic backward: issue two independent matrix products together and await them once (one
-  wgmma wait for two). False awaits each alone, and runs the deterministic dk/dv kernel's
-  products in their plain order (its two-pair step needs pairing)."""
+  """Mosaic backward: issue two independent products together and await them once. False also
+  runs the deterministic dk/dv step's products in their plain order."""
 
   mosaic_backward_id_rings: bool = False
-  """Mosaic backward: the producers TMA-load each ring block's positions and segment ids with
-  it, so masked steps read them from shared memory. Off: it helps packed documents and costs
-  causal attention (the ids are copied for every block, masked or not)."""
+  """Mosaic backward: TMA-load each ring block's positions and segment ids with it (helps
+  packed documents, costs causal attention)."""
 
   triton_tiles: str = ""
-  """Triton: the kernels' tiles, taken exactly as given instead of the tuned per-GPU choice:
-  "fwd=BM,BN,warps,stages;dq=...;dkv=..." (any subset; tiles must divide the mask's blocks),
-  and "gqa=inplace" / "gqa=perhead" for the dk/dv launch's GQA accumulation. "" (default): the
-  tuned tiles (triton.backend._tuned, from the sweeps in docs/performance.md). The format
-  triton.backend.autotune_tiles returns its winner in."""
+  """Triton tiles taken exactly as given ("": the tuned ones): "fwd=BM,BN,warps,stages;dq=...;
+  dkv=..." (any subset; tiles must divide the mask's blocks) and "gqa=inplace" / "gqa=perhead"."""
 
   def __post_init__(self):
     if self.mosaic_forward_grid not in FORWARD_GRIDS:
@@ -112,12 +90,11 @@ class KernelOptions:
     if not isinstance(self.triton_tiles, str):
       raise TypeError(f"KernelOptions.triton_tiles={self.triton_tiles!r}: expected a string "
                       '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')
-    triton_tile_parts(self.triton_tiles)  # the format, checked now rather than at trace time
+    triton_tile_parts(self.triton_tiles)
 
   @property
   def mosaic_producer_registers(self) -> int:
-    """The Mosaic backward's producer registers (504 - 2 x mosaic_backward_registers); the
-    forward's producer gets 504 - 2 x mosaic_forward_registers."""
+    """504 - 2 x mosaic_backward_registers."""
     return producer_registers(self.mosaic_backward_registers)
 
 

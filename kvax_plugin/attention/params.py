@@ -12,12 +12,9 @@ PADDING_SEGMENT_ID = -1
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttentionParamsConfig:
-  """Block sizes and launch settings of one attention pass (forward, or backward).
-
-  The block mask is built for specific block sizes, so the same config must be passed to
-  `create_attention_mask` and `flash_attention`. `num_warps` / `num_stages` only matter for
-  the Triton backend; the JAX backend reads the block sizes alone.
-  """
+  """Block sizes and launch settings of one pass; the mask is built for them, so
+  `create_attention_mask` and `flash_attention` get the same config. num_warps / num_stages: Triton
+  only."""
 
   query_block_size: int = 128
   kv_block_size: int = 128
@@ -25,7 +22,7 @@ class FlashAttentionParamsConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    # NumPy integers are accepted and stored as Python ints (the config is hashed as static).
+
     for name in ("query_block_size", "kv_block_size", "num_warps", "num_stages"):
       minimum = 1 if name in ("num_warps", "num_stages") else None
       value = as_int(f"FlashAttentionParamsConfig.{name}", getattr(self, name), minimum=minimum)
@@ -37,8 +34,7 @@ class FlashAttentionParamsConfig:
             f"FlashAttentionParamsConfig.{name} must be a power of two >= 16, got {value!r}")
 
 
-# Defaults used when the caller passes None. Backends with tuned per-GPU settings (Triton)
-# may choose other values through `default_params`; the mask records what it was built with.
+# Defaults for None (Triton may choose tuned ones through `default_params`).
 DEFAULT_FWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=128,
                                                 num_warps=8, num_stages=3)
 DEFAULT_BWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_size=128,
@@ -46,8 +42,7 @@ DEFAULT_BWD_PARAMS = FlashAttentionParamsConfig(query_block_size=128, kv_block_s
 
 
 def check_params(name: str, params) -> None:
-  """fwd_params / bwd_params: a FlashAttentionParamsConfig or None (a dict or tuple is an error
-  rather than a guess at which fields it means)."""
+  """fwd_params / bwd_params: a FlashAttentionParamsConfig or None."""
   if params is not None and not isinstance(params, FlashAttentionParamsConfig):
     raise TypeError(f"{name} must be a FlashAttentionParamsConfig or None, got "
                     f"{type(params).__name__} {params!r}; build one with "

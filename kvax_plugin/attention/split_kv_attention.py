@@ -1,17 +1,14 @@
 """Attention over key / value given in two parts, merged by log-sum-exp.
 
-The context-parallel overlap splits a shard's attention into a local part (its own kv shard)
-and a remote part (kv arriving by a collective), so XLA can run the collective behind the local
-part. Forward: each part gives out_p [B, Sq, H, Dv] and lse_p [B, H, Sq] (+inf: nothing
-attended); with w_p = lse_p, -inf where +inf:
+The context-parallel overlap splits a shard's attention into a local part and a remote part
+(kv arriving by a collective). With w_p = lse_p (-inf where +inf):
 
     lse = logaddexp(w_a, w_b [, sink_h])                    (+inf where both are empty)
     out = out_a * exp(w_a - lse) + out_b * exp(w_b - lse)   (0 where both are empty)
 
-Sinks join the merge, not a part. Backward: each part's kernels take the MERGED out and lse, so
-every part's gradients are exact for its pairs; dq = dq_a + dq_b in float32. Optimization
-barriers order a before b forward and the reverse backward, so each collective has work to
-hide behind; they change no value.
+Backward: each part's kernels take the merged out and lse, so its gradients are exact; dq sums
+in float32. Optimization barriers order a before b forward and the reverse backward ("Order"),
+so each collective has work to hide behind.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, saved_residua
 
 
 class KvPart(NamedTuple):
-  """One part of the key / value: k [B, S_p, K, Dqk], v [B, S_p, K, Dv], int32 positions and
-  segment ids [B, S_p], and the mask of the queries against these tokens (tables built for
-  exactly this buffer)."""
+  """One part of the key / value (k [B, S_p, K, Dqk], v [B, S_p, K, Dv], int32 ids [B, S_p]) and
+  the mask of the queries against exactly these tokens."""
 
   key: jax.Array
   value: jax.Array
@@ -40,46 +36,39 @@ class KvPart(NamedTuple):
 
 
 def _finite_or_minus_inf(lse):
-  """lse with +inf ("nothing attended") read as -inf (adds nothing in logaddexp); NaN stays."""
+  """lse with +inf ("nothing attended") read as -inf; NaN stays."""
   return jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
 def merge(out_a, lse_a, out_b, lse_b, sinks=None):
-  """Merged (out, lse) of two parts over disjoint key sets (shapes as KernelParts.forward).
-
-  out_*: [B, Sq, H, Dv]; lse_*: [B, H, Sq]; sinks: optional [H] logits added to every row that
-  attends something. Returns out [B, Sq, H, Dv] and lse [B, H, Sq] in float32 (float64 when an
-  input is float64).
-  """
+  """Merged (out, lse) of two parts over disjoint key sets: out_* [B, Sq, H, Dv], lse_*
+  [B, H, Sq], sinks optional [H]. Returns float32 (float64 for float64 inputs)."""
   ct = jnp.promote_types(jnp.promote_types(lse_a.dtype, lse_b.dtype), jnp.float32)
   w_a = _finite_or_minus_inf(lse_a.astype(ct))
   w_b = _finite_or_minus_inf(lse_b.astype(ct))
   w = jnp.logaddexp(w_a, w_b)
-  empty = w == -jnp.inf  # both parts empty (NaN is not empty)
+  empty = w == -jnp.inf
   if sinks is not None:
     w = jnp.logaddexp(w, sinks.astype(ct)[None, :, None])
   safe = jnp.where(empty, 0.0, w)
   lse = jnp.where(empty, jnp.inf, w)
-  to_rows = lambda x: jnp.moveaxis(x, 1, 2)[..., None]  # [B, H, Sq] -> [B, Sq, H, 1]
+  to_rows = lambda x: jnp.moveaxis(x, 1, 2)[..., None]
   out = (out_a.astype(ct) * to_rows(jnp.exp(w_a - safe))
          + out_b.astype(ct) * to_rows(jnp.exp(w_b - safe)))
   return jnp.where(to_rows(empty), 0.0, out), lse
 
 
 def _zero_cotangents(tree):
-  """float0 zeros for integer leaves (positions, segment ids, tables); None stays None."""
   return jax.tree.map(lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0), tree)
 
 
 def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Array,
                        query_positions: jax.Array, query_segment_ids: jax.Array, a: KvPart,
                        b: KvPart, sinks: jax.Array | None = None) -> jax.Array:
-  """Attention of `query` [B, Sq, H, Dqk] over the union of key / value parts a and b (disjoint
-  token sets; each with its own tables), exact as one call over both. parts_a / parts_b: the
-  kernels for each (custom_vjp.capture_kernel_parts; usually one backend, two masks).
-  sinks: optional float [H]. Returns [B, Sq, H, Dv] in query.dtype; differentiable in query,
-  both parts' key / value and sinks. Part a runs first in the forward, last in the backward.
-  """
+  """Attention of `query` [B, Sq, H, Dqk] over the union of key / value parts a and b, exact as
+  one call over both. parts_a / parts_b: each part's kernels (capture_kernel_parts). sinks:
+  optional [H]. Returns [B, Sq, H, Dv] in query.dtype; differentiable in query, both parts' key /
+  value and sinks."""
   has_sinks = sinks is not None
   sinks_arr = (jnp.zeros((query.shape[2],), jnp.float32) if sinks is None else sinks)
   ints = (query_positions, query_segment_ids, a.positions, a.segment_ids, a.mask,
@@ -88,7 +77,6 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
   def forward(q, k_a, v_a, k_b, v_b, s, ints):
     q_pos, q_seg, kp_a, ks_a, m_a, kp_b, ks_b, m_b = ints
     out_a, lse_a = parts_a.forward(q, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a)
-    # Part b after part a (its inputs through a barrier with a's results): see "Order".
     out_a, lse_a, q_b, k_b, v_b = jax.lax.optimization_barrier((out_a, lse_a, q, k_b, v_b))
     out_b, lse_b = parts_b.forward(q_b, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b)
     out, lse = merge(out_a, lse_a, out_b, lse_b, s if has_sinks else None)
@@ -100,8 +88,7 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
 
   def attention_fwd(q, k_a, v_a, k_b, v_b, s, ints):
     out, lse = forward(q, k_a, v_a, k_b, v_b, s, ints)
-    # Named as the single-call backends name theirs: a remat policy saving "context" keeps the
-    # merged out and lse, so the backward reruns neither part's forward (nor its collective).
+    # Saved by a remat policy naming "context": the backward reruns neither part's forward.
     out, lse = saved_residuals(out, lse)
     return out, (q, k_a, v_a, k_b, v_b, s, ints, out, lse)
 
@@ -115,7 +102,7 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
     d_out = d_out.astype(q.dtype)
     dq_b, dk_b, dv_b = parts_b.backward(q, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b, out, lse,
                                         d_out)
-    # Part a after part b, so b's dk / dv can leave (a collective) while a's backward runs.
+    # Part a after part b, so b's dk / dv collective runs while a's backward does.
     dq_b, dk_b, dv_b, q_a, d_out_a = jax.lax.optimization_barrier((dq_b, dk_b, dv_b, q, d_out))
     dq_a, dk_a, dv_a = parts_a.backward(q_a, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a, out, lse,
                                         d_out_a)

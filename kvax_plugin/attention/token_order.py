@@ -1,27 +1,16 @@
-"""Token orders for context parallelism: natural, Llama 3, and a per-batch balanced order.
+"""Token orders for context parallelism: natural, Llama 3, and a per-batch balanced order
+(docs/context-parallelism.md). Rank r holds query tokens [r S / cp, (r + 1) S / cp) of the row
+as it arrives; attention is exact in any order, the order only moves work between ranks.
 
-Rank r holds query tokens [r S / cp, (r + 1) S / cp) of the row as it arrives; an order is a
-permutation applied before sharding. Attention is exact in any order (positions decide); the
-order only moves work between ranks. "natural": contiguous slices; "llama3": chunks r and
-2 cp - 1 - r of 2 cp (one causal document); "balanced": computed per row, below.
+Cost model: a rank pays kept (q, kv) pairs and visited kv blocks, both additive over units of
+`block` natural-order tokens. The balanced order moves whole units and keeps each rank's units
+ascending; the op sorts the gathered kv into document_order, so a unit's table row does not
+depend on its rank. Assignment: deal units heaviest first in rounds of cp, each to the
+least-loaded rank, then 4 cp swap steps between the heaviest and lightest ranks; the best of
+that, natural and Llama 3 (worst-rank ratio) is returned, so it is never worse than either.
 
-Cost model: a rank pays kept (q, kv) pairs and visited kv blocks (sum of upper - lower over its
-query blocks). Both are additive over units of `block` consecutive natural-order tokens; the
-balanced order moves whole units, keeps each rank's units ascending, and the op sorts the
-gathered kv into document order (document_order: padding last, then segment id, position), so
-a unit's table row does not depend on its rank. Per token the attended kv set is one range
-[lo, hi) in document order; kept(unit) sums the range lengths, visited(unit) counts the kv
-blocks between its first and last attended key (exact when the tables are tight).
-
-Assignment (n units, n / cp per rank): 1. deal units heaviest first (combined normalised cost)
-in rounds of cp, each to the least-loaded rank; 2. 4 cp swap steps between the heaviest and
-lightest ranks of the cost with the larger spread. The result is compared with the natural and
-Llama 3 orders in the same model and the best worst-rank ratio is returned, so "balanced" is
-never worse than either by that measure. jit-able, vmapped over the batch.
-
-Conventions: an order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]]; its inverse
-satisfies natural[b, j] = permuted[b, inverse[b, j]] (apply_token_order / undo_token_order).
-A leaf: imports only numpy, jax and params.
+An order is int32 [B, S] with permuted[b, i] = natural[b, order[b, i]]; its inverse satisfies
+natural[b, j] = permuted[b, inverse[b, j]]. A leaf: imports only numpy, jax and params.
 """
 
 from __future__ import annotations
@@ -40,21 +29,14 @@ ORDERS = ("natural", "llama3", "balanced")
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
-# Swap steps after the dealing, per rank: each moves load from the heaviest rank to the lightest.
 _SWAP_STEPS_PER_RANK = 4
 
 
 class TokenOrder(NamedTuple):
-  """A per-row permutation and its inverse, both int32 [B, S].
-
-  permuted[b, i] = natural[b, order[b, i]];  natural[b, j] = permuted[b, inverse[b, j]].
-  """
+  """A per-row permutation and its inverse, both int32 [B, S] (conventions above)."""
 
   order: jax.Array
   inverse: jax.Array
-
-
-# ----------------------------------------------------------------------------- checks
 
 
 def _check_order_name(order: str) -> str:
@@ -103,11 +85,7 @@ def _check_units(seq_len: int, cp: int, block: int) -> None:
         f"{cp * block}: every rank holds the same number of whole blocks of `block` tokens")
 
 
-# ----------------------------------------------------------------------------- fixed orders
-
-
 def natural_order(batch: int, seq_len: int) -> TokenOrder:
-  """The identity order, int32 [batch, seq_len] (order and inverse)."""
   idx = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
   return TokenOrder(idx, idx)
 
@@ -131,9 +109,6 @@ def llama3_order(batch: int, seq_len: int, cp: int) -> TokenOrder:
   return TokenOrder(bc(order), bc(inverse))
 
 
-# ----------------------------------------------------------------------------- costs
-
-
 def _sat_add(x: jax.Array, d: int) -> jax.Array:
   """x + d for int32 x, clamped to the int32 range instead of wrapping (|d| < 2**31)."""
   if d >= 0:
@@ -142,10 +117,8 @@ def _sat_add(x: jax.Array, d: int) -> jax.Array:
 
 
 def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool, start, stop) -> jax.Array:
-  """For each query key, the number of sorted keys (seg, pos) below it (lexicographic):
-  strictly below when not inclusive (lower bound), at or below when inclusive (upper bound).
-  One row: sorted_* [S], q_* [M]; the answer is known to lie in [start, stop) (the query's
-  segment run). A vectorised binary search of ceil(log2(S + 1)) steps."""
+  """Per query key, the number of sorted (seg, pos) keys below it (at or below when
+  `inclusive`), by a vectorised binary search within [start, stop). sorted_* [S], q_* [M]."""
   n = sorted_seg.shape[0]
   steps = max(1, math.ceil(math.log2(n + 1)))
   lo = start.astype(jnp.int32)
@@ -167,12 +140,8 @@ def _search(sorted_seg, sorted_pos, q_seg, q_pos, *, inclusive: bool, start, sto
 
 
 def _document_order_row(seg: jax.Array, pos: jax.Array) -> jax.Array:
-  """One row: the stable permutation sorting by (padding last, segment id, position).
-
-  Three stable single-key sorts, least significant first (XLA's multi-operand sort is several
-  times slower on CPU). Padding is keyed apart from the ids, so a real id of int32 max cannot
-  mix with it.
-  """
+  """One row: the stable permutation sorting by (padding last, segment id, position), as three
+  stable single-key sorts (XLA's multi-operand sort is several times slower on CPU)."""
   order = jnp.argsort(pos, stable=True)
   order = order[jnp.argsort(seg[order], stable=True)]
   order = order[jnp.argsort(seg[order] == PADDING_SEGMENT_ID, stable=True)]
@@ -180,34 +149,23 @@ def _document_order_row(seg: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def document_order(positions, segment_ids) -> jax.Array:
-  """The key/value arrangement the sharded op uses with the balanced order, int32 [B, S].
-
-  Row b sorted by (padding last, segment id, position), stably: documents become contiguous
-  with increasing positions, whatever order the tokens arrive in. For rows packed the usual way
-  (contiguous documents, ids increasing along the row, padding at the end) this is the
-  natural order. Index convention as TokenOrder.order: sorted[b, i] = x[b, result[b, i]].
-  """
+  """The kv arrangement the sharded op uses with the balanced order, int32 [B, S]: each row
+  stably sorted by (padding last, segment id, position), so documents are contiguous; the
+  natural order for the usual packing. sorted[b, i] = x[b, result[b, i]]."""
   _check_rows(positions, segment_ids)
   return jax.vmap(_document_order_row)(jnp.asarray(segment_ids).astype(jnp.int32),
                                        jnp.asarray(positions).astype(jnp.int32))
 
 
 def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
-  """One row [S]: per query token, (count, lo, hi) of the kv tokens it attends.
-
-  count: exact number of attended kv tokens (int32); the attended keys are exactly the range
-  [lo, hi) of the row in document order (_document_order_row). Without a window the ends are
-  run boundaries (the token's segment start, and the end of its run of equal keys or of its
-  segment), found by O(S) scans; with a window the lower (and, not causal, the upper) end is a
-  vectorised binary search. Padding queries get count 0.
-  """
+  """One row [S]: per query token, (count, lo, hi): the exact number of attended kv tokens, which
+  are the range [lo, hi) of the row in document order. Padding queries get count 0."""
   pos = positions.astype(jnp.int32)
   seg = segment_ids.astype(jnp.int32)
   s = pos.shape[0]
   idx = jnp.arange(s, dtype=jnp.int32)
   perm = _document_order_row(seg, pos)
   sseg, spos = seg[perm], pos[perm]
-  # Run boundaries in sorted order: segment runs and runs of equal (segment, position) keys.
   new_seg = jnp.concatenate([jnp.ones((1,), bool), sseg[1:] != sseg[:-1]])
   new_key = new_seg | jnp.concatenate([jnp.ones((1,), bool), spos[1:] != spos[:-1]])
   seg_start = jax.lax.cummax(jnp.where(new_seg, idx, 0))
@@ -215,8 +173,7 @@ def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
   last_of_key = jnp.concatenate([new_key[1:], jnp.ones((1,), bool)])
   seg_end = jax.lax.cummin(jnp.where(last_of_seg, idx + 1, s), reverse=True)
   key_end = jax.lax.cummin(jnp.where(last_of_key, idx + 1, s), reverse=True)
-  # Binary searches compare (segment, position) lexicographically: valid because padding (the
-  # only id sorted out of place) never searches (its count is zeroed below).
+  # Lexicographic searches are valid: padding, the only id sorted out of place, never searches.
   if window is None:
     lo_sorted = seg_start
   else:
@@ -229,7 +186,6 @@ def _attended_ranges(positions, segment_ids, causal: bool, window: int | None):
   else:
     hi_sorted = _search(sseg, spos, sseg, _sat_add(spos, window - 1), inclusive=True,
                         start=seg_start, stop=seg_end)
-  # Back from sorted to natural order (perm is a permutation: scatter its values).
   lo = jnp.zeros((s,), jnp.int32).at[perm].set(lo_sorted)
   hi = jnp.zeros((s,), jnp.int32).at[perm].set(hi_sorted)
   count = jnp.where(seg == PADDING_SEGMENT_ID, 0, jnp.maximum(hi - lo, 0))
@@ -247,12 +203,11 @@ def kept_pairs_per_token(positions, segment_ids, *, causal: bool = True,
 
 def _row_unit_costs(positions, segment_ids, block: int, kv_block: int, causal: bool,
                     window: int | None):
-  """One row: (kept pairs, visited kv blocks) per unit of `block` tokens, float32 [S / block]."""
+  """One row: (kept pairs, visited kv blocks) per unit, float32 [S / block]."""
   count, lo, hi = _attended_ranges(positions, segment_ids, causal, window)
   n = positions.shape[0] // block
   kept = count.astype(jnp.float32).reshape(n, block).sum(axis=1)
   some = count.reshape(n, block) > 0
-  # kv blocks of the document-ordered key/value between the unit's first and last attended key.
   first = jnp.min(jnp.where(some, lo.reshape(n, block), _INT32_MAX), axis=1) // kv_block
   last = jnp.max(jnp.where(some, hi.reshape(n, block) - 1, -1), axis=1) // kv_block
   visited = jnp.where(jnp.any(some, axis=1), last - first + 1, 0).astype(jnp.float32)
@@ -262,12 +217,10 @@ def _row_unit_costs(positions, segment_ids, block: int, kv_block: int, causal: b
 def unit_costs(positions, segment_ids, *, block: int = 128, kv_block: int | None = None,
                causal: bool = True, sliding_window: int | None = None
                ) -> tuple[jax.Array, jax.Array]:
-  """The cost model of the module docstring: (kept pairs, visited kv blocks) per unit.
+  """The cost model: (kept pairs, visited kv blocks) per unit, two float32 [B, S / block].
 
-  positions, segment_ids: int [B, S] in natural order, S a multiple of `block`. Returns two
-  float32 [B, S / block] arrays: the kept (q, kv) pairs of each unit's queries, and the number
-  of kv blocks (of `kv_block` tokens, default `block`) its query block visits when key/value are
-  in document order (document_order; the natural order for the usual packing).
+  positions, segment_ids: int [B, S] in natural order, S a multiple of `block`; kv blocks have
+  `kv_block` tokens (default `block`) with key/value in document_order.
   """
   _check_rows(positions, segment_ids)
   block = _check_block("block", block)
@@ -280,18 +233,14 @@ def unit_costs(positions, segment_ids, *, block: int = 128, kv_block: int | None
   return fn(jnp.asarray(positions), jnp.asarray(segment_ids))
 
 
-# ----------------------------------------------------------------------------- assignment
-
-
 def _lpt_ranks(cost: jax.Array, cp: int) -> jax.Array:
-  """Rank of every unit, int32 [n]: units heaviest first, dealt in rounds of cp, each round's
-  heaviest to the currently lightest rank (equal counts: n/cp units per rank)."""
+  """Rank of every unit, int32 [n]: heaviest first, dealt in rounds of cp to the lightest ranks."""
   n = cost.shape[0]
   heavy_first = jnp.argsort(-cost, stable=True).astype(jnp.int32)
   rounds = heavy_first.reshape(n // cp, cp)
 
   def deal(loads, units):
-    ranks = jnp.argsort(loads, stable=True).astype(jnp.int32)  # lightest first
+    ranks = jnp.argsort(loads, stable=True).astype(jnp.int32)
     return loads.at[ranks].add(cost[units]), ranks
 
   _, ranks = jax.lax.scan(deal, jnp.zeros((cp,), jnp.float32), rounds)
@@ -299,8 +248,8 @@ def _lpt_ranks(cost: jax.Array, cp: int) -> jax.Array:
 
 
 def _objective(loads):
-  """[2, C, cp] loads (mean 1) -> [C]: worst spread plus a small variance term that lets swaps
-  make progress where the worst rank is tied."""
+  """[2, C, cp] loads (mean 1) -> [C]: worst spread plus a variance term, so swaps progress
+  where the worst rank is tied."""
   spread = jnp.max(jnp.max(loads, axis=2) - jnp.min(loads, axis=2), axis=0)
   return spread + 0.25 * jnp.sum(jnp.square(loads - 1.0), axis=(0, 2))
 
@@ -309,49 +258,45 @@ def _refine_by_swaps(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: 
                      steps: int) -> jax.Array:
   """Improve an assignment by up to `steps` unit swaps, balancing both costs at once.
 
-  Each step takes the cost whose spread (max - min rank load, in units of the mean load) is
-  worse, its heaviest rank X and its lightest rank Y. Candidate swaps move load out of X (unit
-  a of X against a unit b of any rank R) or into Y (unit b of Y against a unit a of any rank R):
-  swapping moves d = c_a - c_b from a's rank to b's, best when d is half their load gap, so per
-  (unit, other rank) the units whose cost is nearest that target (a searchsorted in the other
-  rank's sorted costs, and its neighbours) are candidates. Every candidate is scored by the
-  exact new objective, the worse spread of the two costs, and the best swap is applied if it
-  lowers the objective. Counts stay equal. O(n log n + n * cp) per step.
+  Each step takes the cost with the worse spread, its heaviest rank X and lightest Y, and swaps
+  units that move load out of X or into Y; a swap moves c_a - c_b, best near half the load gap,
+  so per (unit, other rank) the nearest-cost units (a searchsorted) are candidates, each scored
+  by the exact new objective. Counts stay equal. O(n log n + n * cp) per step.
   """
   n = kept.shape[0]
   per = n // cp
   mean_k = jnp.maximum(jnp.sum(kept) / cp, 1e-30)
   mean_v = jnp.maximum(jnp.sum(visited) / cp, 1e-30)
-  costs = jnp.stack([kept / mean_k, visited / mean_v])  # [2, n]: loads in units of the mean
+  costs = jnp.stack([kept / mean_k, visited / mean_v])
   rank_ids = jnp.arange(cp, dtype=jnp.int32)
 
   def step(_, ranks):
     loads = jnp.zeros((2, cp), jnp.float32).at[:, ranks].add(costs)
     spreads = jnp.max(loads, axis=1) - jnp.min(loads, axis=1)
     objective = _objective(loads[:, None, :])[0]
-    m = jnp.argmax(spreads)  # the cost to fix first
+    m = jnp.argmax(spreads)
     primary, lm = costs[m], loads[m]
     x, y = jnp.argmax(lm), jnp.argmin(lm)
     by_cost = jnp.argsort(primary, stable=True)
     grouped = by_cost[jnp.argsort(ranks[by_cost], stable=True)].astype(jnp.int32).reshape(cp, per)
-    sorted_p = primary[grouped]  # [cp, per]
-    search = jax.vmap(jnp.searchsorted, in_axes=(0, 1), out_axes=1)  # rank r's costs, targets [., cp]
+    sorted_p = primary[grouped]
+    search = jax.vmap(jnp.searchsorted, in_axes=(0, 1), out_axes=1)
 
-    def around(targets):  # targets [per, cp] -> candidate units [per, cp, 4] of each rank
+    def around(targets):
       j = search(sorted_p, targets).astype(jnp.int32)
       idx = jnp.clip(j[..., None] + jnp.arange(-2, 2), 0, per - 1)
       return grouped[rank_ids[None, :, None], idx]
 
-    a_out = jnp.broadcast_to(grouped[x][:, None, None], (per, cp, 4))  # a in X, b in rank R
+    a_out = jnp.broadcast_to(grouped[x][:, None, None], (per, cp, 4))
     b_out = around(primary[grouped[x]][:, None] - (lm[x] - lm)[None, :] / 2)
-    b_in = jnp.broadcast_to(grouped[y][:, None, None], (per, cp, 4))  # b in Y, a in rank R
+    b_in = jnp.broadcast_to(grouped[y][:, None, None], (per, cp, 4))
     a_in = around(primary[grouped[y]][:, None] + (lm - lm[y])[None, :] / 2)
     a = jnp.concatenate([a_out.reshape(-1), a_in.reshape(-1)])
     b = jnp.concatenate([b_out.reshape(-1), b_in.reshape(-1)])
     ra, rb = ranks[a], ranks[b]
-    d = costs[:, a] - costs[:, b]  # [2, C]: load moved from a's rank to b's
+    d = costs[:, a] - costs[:, b]
     new = (loads[:, None, :] - d[..., None] * (rank_ids == ra[:, None])
-           + d[..., None] * (rank_ids == rb[:, None]))  # [2, C, cp]
+           + d[..., None] * (rank_ids == rb[:, None]))
     obj = _objective(new)
     obj = jnp.where(ra != rb, obj, jnp.inf)
     best = jnp.argmin(obj)
@@ -364,7 +309,6 @@ def _refine_by_swaps(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: 
 
 
 def _fixed_ranks(n: int, cp: int, kind: str) -> np.ndarray:
-  """Rank of every unit under the natural or (n a multiple of 2*cp) the Llama 3 order."""
   unit = np.arange(n)
   if kind == "natural":
     return (unit // (n // cp)).astype(np.int32)
@@ -373,8 +317,7 @@ def _fixed_ranks(n: int, cp: int, kind: str) -> np.ndarray:
 
 
 def _worst_rank(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: int) -> jax.Array:
-  """max over the two costs of (max rank load / min rank load): 1.0 is perfect, inf when a rank
-  is idle while another works (the measure balance reports and targets use)."""
+  """max over both costs of max / min rank load: 1.0 perfect, inf when a rank is idle."""
   def ratio(c):
     loads = jnp.zeros((cp,), jnp.float32).at[ranks].add(c)
     hi, lo = jnp.max(loads), jnp.min(loads)
@@ -383,7 +326,6 @@ def _worst_rank(ranks: jax.Array, kept: jax.Array, visited: jax.Array, cp: int) 
 
 
 def _row_balanced_units(kept, visited, cp: int, try_llama3: bool):
-  """One row: rank of every unit (int32 [n]) under the best of balanced / natural / llama3."""
   n = kept.shape[0]
   total_k, total_v = jnp.sum(kept), jnp.sum(visited)
   cost = (kept / jnp.maximum(total_k, 1e-30)) + (visited / jnp.maximum(total_v, 1e-30))
@@ -393,18 +335,16 @@ def _row_balanced_units(kept, visited, cp: int, try_llama3: bool):
     candidates.append(jnp.asarray(_fixed_ranks(n, cp, "llama3")))
   candidates = jnp.stack(candidates)
   worst = jax.vmap(lambda r: _worst_rank(r, kept, visited, cp))(candidates)
-  return candidates[jnp.argmin(worst)]  # ties: the first, i.e. the computed assignment
+  return candidates[jnp.argmin(worst)]
 
 
 def _order_from_unit_ranks(ranks: jax.Array, block: int) -> TokenOrder:
-  """[B, n] unit ranks -> token order: rank 0's units, then rank 1's, ..., each ascending."""
   b, n = ranks.shape
   unit_order = jnp.argsort(ranks, axis=1, stable=True).astype(jnp.int32)
   return _expand_unit_order(unit_order, block)
 
 
 def _expand_unit_order(unit_order: jax.Array, block: int) -> TokenOrder:
-  """A unit permutation [B, n] -> the token permutation [B, n * block] and its inverse."""
   b, n = unit_order.shape
   within = jnp.arange(block, dtype=jnp.int32)
   order = (unit_order[:, :, None] * block + within).reshape(b, n * block)
@@ -417,13 +357,11 @@ def _expand_unit_order(unit_order: jax.Array, block: int) -> TokenOrder:
 def balanced_order(positions, segment_ids, cp: int, *, block: int = 128,
                    kv_block: int | None = None, causal: bool = True,
                    sliding_window: int | None = None) -> TokenOrder:
-  """The document-aware order of the module docstring, per batch row. jit-able.
+  """The balanced order (module docstring) per batch row, a TokenOrder [B, S]; jit-able.
 
   positions, segment_ids: int [B, S] in natural order (padding = PADDING_SEGMENT_ID), S a
-  multiple of cp * block. block: the unit moved whole, the kernels' query block size (or a
-  multiple of every query block size in use, forward and backward); kv_block: the kernels'
-  forward kv block size (default block), used to count visited blocks. causal / sliding_window:
-  the mask the order balances (as in create_attention_mask). Returns a TokenOrder [B, S].
+  multiple of cp * block. block: the unit moved whole, a multiple of every query block size in
+  use; kv_block: the forward kv block size (default block). causal / sliding_window: the mask.
   """
   _check_rows(positions, segment_ids)
   cp = _check_cp(cp)
@@ -449,11 +387,8 @@ def _balanced_order(positions, segment_ids, *, cp, block, kv_block, causal, wind
 def token_order(positions, segment_ids, cp: int, *, order: str = "balanced", block: int = 128,
                 kv_block: int | None = None, causal: bool = True,
                 sliding_window: int | None = None) -> TokenOrder:
-  """The token order `order` ("natural", "llama3" or "balanced") for this batch, and its inverse.
-
-  positions, segment_ids: int [B, S] in natural order. The fixed orders ignore their values
-  (their shape alone decides); "balanced" is computed from them (see balanced_order).
-  """
+  """The token order `order` ("natural", "llama3", "balanced") for positions, segment_ids int
+  [B, S] in natural order (the fixed orders read only their shape)."""
   _check_order_name(order)
   _check_rows(positions, segment_ids)
   cp = _check_cp(cp)
@@ -464,9 +399,6 @@ def token_order(positions, segment_ids, cp: int, *, order: str = "balanced", blo
     return llama3_order(b, s, cp)
   return balanced_order(positions, segment_ids, cp, block=block, kv_block=kv_block, causal=causal,
                         sliding_window=sliding_window)
-
-
-# ----------------------------------------------------------------------------- applying orders
 
 
 def _take(x, index: jax.Array, axis: int, name: str):
@@ -509,7 +441,7 @@ def _map(fn, tree, label: str):
 
 def apply_token_order(x_or_tree, order: TokenOrder, axis: int = 1):
   """Natural -> permuted order along `axis` (batch on axis 0) for an array or a tuple / list /
-  dict of arrays (None passes through). Example: [B, S, H, D] activations, [B, S] ids."""
+  dict of arrays (None passes through)."""
   return _map(lambda x, n: _take(x, order.order, axis, n), x_or_tree, "x")
 
 

@@ -1,6 +1,5 @@
 """Array checks shared by every entry point: each error names the argument and what was expected.
-
-Scalars (block sizes, scale, soft cap, window, flags) follow kvax_plugin.attention.arguments.
+Scalars follow kvax_plugin.attention.arguments.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ from kvax_plugin.attention.arguments import normalize_logit_options
 from kvax_plugin.attention.block_mask import AttentionMask, mask_fingerprint
 from kvax_plugin.attention.params import check_params
 
-# Head dims the kernels are built and tested for (qk and v separately): multiples of 16 in
-# [16, 256]; 192 / 128 is DeepSeek MLA.
+# Multiples of 16 in [16, 256] (qk and v separately).
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 16
-# float64 runs on the JAX and reference backends only (it computes in float64 there).
+# float64: the JAX and reference backends only.
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -36,11 +34,8 @@ def check_head_dim(name: str, dim: int) -> None:
 
 
 def check_qkv(query, key, value, *, kernel_head_dims: bool = True) -> None:
-  """query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], H % K == 0.
-
-  kernel_head_dims: also require head dims the kernels support (the reference takes any).
-  Zero-size batch, lengths or heads (H = K = 0) are valid: the op returns an empty / zero output.
-  """
+  """query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], H % K == 0; zero sizes
+  are valid. kernel_head_dims: also require head dims the kernels support."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype") or len(x.shape) != 4:
       raise ValueError(f"{name} must be a [batch, seq_len, heads, head_dim] array, got shape "
@@ -73,7 +68,7 @@ def check_qkv(query, key, value, *, kernel_head_dims: bool = True) -> None:
 
 
 def is_empty(query, key) -> bool:
-  """True when the op has no work: batch, a length or the query heads is 0 (output all-zero)."""
+  """True when batch, a length or the query heads is 0 (output all-zero)."""
   b, sq, h, _ = query.shape
   return 0 in (b, sq, h, key.shape[1])
 
@@ -109,7 +104,6 @@ def check_mask(mask, batch: int, q_len: int, kv_len: int, fwd_params, bwd_params
 
 
 def check_bias(bias) -> None:
-  """bias is accepted for kvax compatibility and, like kvax 0.1.0, not supported."""
   if bias is not None:
     raise NotImplementedError(
         f"bias is not supported (got {type(bias).__name__} of shape {_shape(bias)}); pass "
@@ -118,7 +112,6 @@ def check_bias(bias) -> None:
 
 
 def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> tuple[float, float | None]:
-  """Check scale / soft cap / sinks; returns (scale, soft cap) normalised for the backends."""
   scale, cap = normalize_logit_options(scale, logits_soft_cap)
   if sinks is not None:
     if not hasattr(sinks, "shape") or tuple(sinks.shape) != (num_heads,):
@@ -129,16 +122,12 @@ def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> tuple[float,
   return scale, cap
 
 
-# ----------------------------------------------------------------------------- mask inputs
-
-# Off by default: the check costs a pass over the four int arrays per call (and, inside jit, a
-# host callback). KVAX_CHECK_MASK_INPUTS=1 turns it on for a whole process (e.g. a MaxText run).
+# Off by default: a pass over the ids per call (a host callback under jit).
 _CHECK_MASK_INPUTS: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "kvax_check_mask_inputs", default=None)
 
 
 def mask_input_checks_enabled() -> bool:
-  """Whether flash_attention compares each mask's fingerprint with its own inputs."""
   enabled = _CHECK_MASK_INPUTS.get()
   if enabled is None:
     return os.environ.get("KVAX_CHECK_MASK_INPUTS", "0").lower() not in ("", "0", "false", "no")
@@ -147,16 +136,10 @@ def mask_input_checks_enabled() -> bool:
 
 @contextlib.contextmanager
 def check_mask_inputs(enabled: bool = True):
-  """Within the block, flash_attention checks that every mask was built from the positions /
-  segment ids it is called with, in the same order (a debugging aid: a mask of another batch
-  with the same shapes, or of the same tokens in another order, e.g. natural against
-  load-balanced, otherwise gives wrong attention silently). A context-parallel mask is checked
-  in order on the query side; its kv side order-free (its layout records the kv order).
-
-  Eager calls raise ValueError at once; under jit the check runs as a host callback and a
-  mismatch fails the jitted call (a JaxRuntimeError carrying the same message). Costs
-  O(B * S) per call plus, under jit, one callback per call. Also on with
-  KVAX_CHECK_MASK_INPUTS=1 or flash_attention(debug=True).
+  """Within the block, flash_attention checks that every mask was built from the ids it is
+  called with, in the same order (a context-parallel mask: the query side in order, the kv side
+  order-free). Eager calls raise ValueError; under jit a host callback fails the call. Also on
+  with KVAX_CHECK_MASK_INPUTS=1 or flash_attention(debug=True).
   """
   token = _CHECK_MASK_INPUTS.set(bool(enabled))
   try:
@@ -170,8 +153,7 @@ def _rows_text(rows) -> str:
 
 
 def _fingerprint_mismatch(built, got, columns=(0, 1, 2, 3)) -> str | None:
-  """The error message for a mask whose fingerprint (block_mask.mask_fingerprint: columns 0, 1
-  order-free query / kv, 2, 3 ordered query / kv) differs from this call's in `columns`."""
+  """The error message for a mask whose fingerprint differs from this call's in `columns`."""
   built, got = np.asarray(built), np.asarray(got)
   if built.shape != got.shape:
     return (f"mask.fingerprint has shape {built.shape}, expected {got.shape} (uint32 [batch, 4] "
@@ -192,8 +174,6 @@ def _fingerprint_mismatch(built, got, columns=(0, 1, 2, 3)) -> str | None:
     return None
   rows = sorted({int(r) for r in np.argwhere(differs)[:, 0]})
   named = [sides[c - 2] for i, c in enumerate(ordered) if np.any(differs[:, i])]
-  # Same tokens, other order: the tables index tokens by buffer position, so they describe
-  # other blocks (e.g. a mask built in natural order, called in load-balanced order).
   return (f"token order mismatch: mask was built from the same positions / segment ids as this "
           f"call's but in another order ({' and '.join(named)} side, {_rows_text(rows)}), e.g. "
           "built in natural order and called in load-balanced order (to_load_balanced_order, "
@@ -211,10 +191,9 @@ def _raise_on_mismatch(built, got, columns=(0, 1, 2, 3)) -> None:
 
 def check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
                               kv_segment_ids) -> None:
-  """The mask's fingerprint against this call's tokens (see check_mask_inputs), in the columns
-  the mask's kind says (AttentionMask.checked_fingerprint_columns)."""
+  """The mask's fingerprint against this call's ids, in its checked_fingerprint_columns."""
   if mask.fingerprint is None:
-    return  # a mask assembled by hand (no fingerprint): nothing to compare
+    return
   got = mask_fingerprint(query_positions, query_segment_ids, kv_positions, kv_segment_ids)
   built = mask.fingerprint
   check = functools.partial(_raise_on_mismatch, columns=tuple(mask.checked_fingerprint_columns))

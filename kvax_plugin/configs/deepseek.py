@@ -5,16 +5,13 @@ MaxText's upstream configs, trained with attention=kvax on packed text.
     python -m kvax_plugin.launch --config=deepseek:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=deepseek:v2-16b --config.seq_len=4096 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (MLA: query/key head dim 192 (128 +
-64 rope), value head dim 128, LoRA-compressed q and kv); the others are MaxText's
-configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+`tiny` (the default variant) trains on two CPU cores and keeps the family's attention (MLA:
+query/key head dim 192 (128 + 64 rope), value 128, LoRA-compressed q and kv); the other VARIANTS
+are MaxText's model configs unchanged, for GPUs.
 """
 
 from kvax_plugin.configs import common
 
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
 VARIANTS = {
     "tiny": ("deepseek3-tiny", dict(
         # MaxText's deepseek3-tiny keeps V3's MLA (qk 128 + 64 rope = 192, v 128, LoRA ranks);

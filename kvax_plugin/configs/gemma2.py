@@ -5,16 +5,13 @@ MaxText's upstream configs, trained with attention=kvax on packed text.
     python -m kvax_plugin.launch --config=gemma2:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=gemma2:2b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 256 (128 in 27b), GQA 2:1,
-sliding window 4096 on every other layer, attention logits soft cap 50); the others are MaxText's
-configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+`tiny` (the default variant) trains on two CPU cores and keeps the family's attention (head dim 256
+(128 in 27b), GQA 2:1, window 4096 on every other layer, soft cap 50); the other VARIANTS are
+MaxText's model configs unchanged, for GPUs.
 """
 
 from kvax_plugin.configs import common
 
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
 VARIANTS = {
     "tiny": ("gemma2-2b", dict(
         # gemma2-2b's 8 query / 4 kv heads of dim 256, window 4096 and soft cap 50 stay; one

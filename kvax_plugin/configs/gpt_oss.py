@@ -5,16 +5,13 @@ MaxText's upstream configs, trained with attention=kvax on packed text.
     python -m kvax_plugin.launch --config=gpt_oss:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=gpt_oss:20b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 64, GQA 8:1 (64/8 heads),
-sliding window 128 on every other layer, attention sinks); the others are MaxText's
-configs/models/<model_name>.yml unchanged, for GPUs. Any field can be set with
---config.<field>=..., and raw MaxText keys can follow as key=value (they win over the config).
+`tiny` (the default variant) trains on two CPU cores and keeps the family's attention (head dim 64,
+GQA 8:1, window 128 on every other layer, sinks); the other VARIANTS are MaxText's model configs
+unchanged, for GPUs.
 """
 
 from kvax_plugin.configs import common
 
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
 VARIANTS = {
     "tiny": ("gpt-oss-20b", dict(
         # 16 query / 2 kv heads keeps gpt-oss's 8:1 ratio and head dim 64; window 128 on every

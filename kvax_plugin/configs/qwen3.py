@@ -5,24 +5,19 @@ MaxText's upstream configs, trained with attention=kvax on packed text.
     python -m kvax_plugin.launch --config=qwen3:tiny --config.attention=dot_product
     python -m kvax_plugin.launch --config=qwen3:0.6b --config.seq_len=8192 --config.steps=100
 
-Variants (the argument after the colon; none = tiny): see VARIANTS below. `tiny` trains on two CPU
-cores in a couple of minutes and keeps the family's attention (head dim 128, GQA 2:1 (0.6b) to 8:1
-(32b), q/k RMS norms); the others are MaxText's configs/models/<model_name>.yml unchanged, for
-GPUs. Any field can be set with --config.<field>=..., and raw MaxText keys can follow as key=value
-(they win over the config).
+`tiny` (the default variant) trains on two CPU cores and keeps the family's attention (head dim
+128, GQA 2:1 (0.6b) to 8:1 (32b), q/k RMS norms); the other VARIANTS are MaxText's model configs
+unchanged, for GPUs.
 """
 
 from kvax_plugin.configs import common
 
-# variant -> (MaxText model_name, MaxText keys that shrink it; empty = upstream as is)
 VARIANTS = {
     "tiny": ("qwen3-0.6b", dict(
         # 4 query / 2 kv heads keeps qwen3-0.6b's 2:1 ratio, head dim 128 and q/k norms.
         base_emb_dim=256, base_mlp_dim=512, base_num_decoder_layers=2,
         base_num_query_heads=4, base_num_kv_heads=2,
-        # qwen3-0.6b ties its output to the embedding; with MaxText's unit-variance embedding
-        # init the tied logits start with std ~sqrt(emb_dim) (initial loss ~180). Dividing them
-        # by sqrt(emb_dim) starts near ln(vocab) instead; attention is untouched.
+        # Tied output: divide the logits by sqrt(emb_dim), so the loss starts near ln(vocab).
         normalize_embedding_logits=True, **common.TINY_COMMON)),
     "0.6b": ("qwen3-0.6b", {}),
     "4b": ("qwen3-4b", {}),

@@ -1,9 +1,5 @@
-"""The public-domain text shipped with the package, split into documents of varied length.
-
-The files (kvax_plugin/data/*.txt, origins in SOURCES.md) are read through importlib.resources;
-nothing is downloaded. `split_entries` cuts natural units (dictionary entries, else paragraphs);
-`group_documents` joins consecutive units into documents of log-uniform target lengths (seeded),
-so packed rows mix short and long documents.
+"""The public-domain text shipped with the package (kvax_plugin/data/*.txt, SOURCES.md), split
+into natural units and grouped into documents of seeded log-uniform lengths.
 """
 
 from __future__ import annotations
@@ -17,13 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 
 _PACKAGE = "kvax_plugin.data"
-# A headword line: first word made of capitals (dots, apostrophes and hyphens allowed, as in
-# "LL.D." or "R.I.P."), followed by whitespace, punctuation or the end of the line.
+# A headword line: a first word of capitals ("LL.D.", "R.I.P."), then a break.
 _HEADWORD = re.compile(r"^[A-Z][A-Z.'\-]*(?=[\s,.?(]|$)")
 
 
 def corpus_files() -> tuple[str, ...]:
-  """Names of the text files shipped in kvax_plugin/data, sorted (deterministic order)."""
+  """Names of the shipped text files, sorted."""
   root = importlib.resources.files(_PACKAGE)
   names = sorted(p.name for p in root.iterdir() if p.name.endswith(".txt"))
   if not names:
@@ -34,7 +29,6 @@ def corpus_files() -> tuple[str, ...]:
 
 
 def read_text(name: str) -> str:
-  """The full text of one shipped file, e.g. read_text("devils_dictionary.txt")."""
   available = corpus_files()
   if name not in available:
     raise ValueError(f"name must be one of the shipped corpus files {available}, got {name!r}")
@@ -42,18 +36,15 @@ def read_text(name: str) -> str:
 
 
 def split_entries(text: str) -> list[str]:
-  """Split a text into its natural units (dictionary entries, else paragraphs).
-
-  Returns the units in reading order, each stripped of surrounding blank lines; joining them
-  with blank lines gives back the text up to whitespace between units.
-  """
+  """A text's natural units (dictionary entries, else paragraphs) in reading order, stripped
+  of surrounding blank lines."""
   if not isinstance(text, str):
     raise TypeError(f"text must be a str, got {type(text).__name__}")
   lines = text.split("\n")
   starts = [i for i, line in enumerate(lines)
             if i > 0 and not lines[i - 1].strip() and _HEADWORD.match(line)]
   if not starts:
-    # No headwords: paragraphs, so any plain-prose file still yields many units.
+
     return [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
   bounds = ([0] if starts[0] > 0 else []) + starts + [len(lines)]
   units = ["\n".join(lines[a:b]).strip("\n") for a, b in zip(bounds[:-1], bounds[1:])]
@@ -62,13 +53,9 @@ def split_entries(text: str) -> list[str]:
 
 def group_documents(units: Sequence[str], *, seed: int | Sequence[int] = 0,
                     min_chars: int = 64, max_chars: int = 4096) -> list[str]:
-  """Join consecutive units into documents with seeded, log-uniform target lengths.
-
-  Each document takes units until its length reaches a target drawn log-uniformly in
-  [min_chars, max_chars]; a single unit longer than the target is a document on its own, so
-  documents may exceed max_chars. Order is preserved and every unit is used exactly once.
-  seed: an int or a sequence of non-negative ints (anything np.random.default_rng takes).
-  """
+  """Join consecutive units into documents, each until it reaches a target length drawn
+  log-uniformly in [min_chars, max_chars] (one long unit may exceed it); every unit is used once,
+  in order. seed: anything np.random.default_rng takes."""
   if min_chars < 1:
     raise ValueError(f"min_chars must be >= 1, got {min_chars}")
   if max_chars < min_chars:
@@ -81,7 +68,7 @@ def group_documents(units: Sequence[str], *, seed: int | Sequence[int] = 0,
   target = math.exp(rng.uniform(lo, hi))
   for unit in units:
     current.append(unit)
-    size += len(unit) + 2  # the blank line that joins units
+    size += len(unit) + 2
     if size >= target:
       documents.append("\n\n".join(current))
       current, size = [], 0
@@ -93,15 +80,12 @@ def group_documents(units: Sequence[str], *, seed: int | Sequence[int] = 0,
 
 def load_documents(*, seed: int = 0, min_chars: int = 64, max_chars: int = 4096,
                    files: Sequence[str] | None = None) -> list[str]:
-  """All shipped text as a list of documents (str), deterministic for a given seed.
-
-  files: which shipped files to use (default: all, in sorted order). Each file is split and
-  grouped on its own so no document straddles two works.
-  """
+  """All shipped text as a list of documents (str), deterministic for a seed; each file is
+  grouped on its own. files: which files (default: all, sorted)."""
   names = corpus_files() if files is None else tuple(files)
   documents: list[str] = []
   for name in names:
-    # A stream per file, keyed by its name, so adding a file does not change the others'.
+    # A stream per file: adding a file does not change the others'.
     documents += group_documents(split_entries(read_text(name)), seed=(seed, zlib.crc32(
         name.encode())), min_chars=min_chars, max_chars=max_chars)
   return documents

@@ -1,10 +1,5 @@
-"""The shipped corpus as a stream of MaxText feature batches, with per-batch mask statistics.
-
-`PackedCorpus` packs kvax_plugin.data's corpus into rows (first-fit, segment ids 1..n / 0
-padding, per-document positions) and yields MaxText's feature dicts (numpy); while feeding, it
-can build the batch's kvax block masks to record the share of blocks they skip (`BatchStats`).
-The MaxText hook that hands it to MaxText's data loader is
-kvax_plugin.integrations.maxtext.training_hooks.packed_corpus_pipeline.
+"""The shipped corpus as a stream of MaxText feature batches (`PackedCorpus`), with per-batch
+mask statistics (`BatchStats`); training_hooks.packed_corpus_pipeline hands it to MaxText.
 """
 
 from __future__ import annotations
@@ -19,31 +14,21 @@ from kvax_plugin.errors import FlagError
 
 @dataclasses.dataclass
 class BatchStats:
-  """What the launcher learned about one batch while feeding it (host rows only)."""
 
   real_tokens: int
   rows: int
   seq_len: int
   documents: int
-  skipped: dict[str, float]  # mask name -> share of forward blocks skipped
+  skipped: dict[str, float]
 
 
 class PackedCorpus:
-  """Iterable of MaxText feature dicts (numpy) from kvax_plugin.data, one per step.
-
-  Every host packs the same global batch stream and keeps its own rows, so batches do not
-  depend on the number of hosts. With `mask_stats` (the run's attention is kvax), per batch the
-  kvax block mask is built (with the run's forward block sizes, for the global and, if the model
-  has one, the sliding-window mask) to report the share of blocks skipped; without, `skipped`
-  stays empty and no mask is built. `stats` grows by one entry per batch, `first` keeps the
-  first batch.
-
-  The masks are built on the host's CPU device where JAX has one: on the accelerator the
-  statistics would queue behind the training step just dispatched and reading them back would
-  wait for that step, so the next batch could not be prepared while the step runs. Their
-  program is compiled in a background thread from construction on (MaxText builds the data
-  iterator before it compiles the train step), so the first step does not wait for it.
-  """
+  """Iterable of MaxText feature dicts (numpy), one per step. Every host packs the same global
+  stream and keeps its own rows. With `mask_stats`, each batch's forward masks (global and any
+  sliding window) are built to report the share of blocks skipped; `stats` gets one entry per
+  batch, `first` keeps the first. The masks are built on the host's CPU device (on the
+  accelerator they would wait for the step just dispatched), their program compiled in a
+  background thread from construction on."""
 
   def __init__(self, cfg, *, seq_len: int, global_rows: int, host_index: int, host_count: int,
                sliding_window: int | None, mask_stats: bool = True,
@@ -55,15 +40,13 @@ class PackedCorpus:
     self.seq_len = seq_len
     self.global_rows = global_rows
     self.rows = global_rows // host_count
-    # MaxText trains on the first global_batch_size_to_train_on rows of what it loads (fewer
-    # with per_device_batch_size < 1, e.g. one row split over a context mesh): statistics
-    # count those rows only.
+    # MaxText trains on the first global_batch_size_to_train_on rows: statistics count those.
     self.train_rows = global_rows if train_rows is None else min(train_rows, global_rows)
     self.host_index = host_index
     self.sliding_window = sliding_window
     self.mask_stats = mask_stats
     self.stats: list[BatchStats] = []
-    self.first = None  # the first PackedBatch (host rows)
+    self.first = None
     self._compiling = None
     lo = host_index * self.rows
     self.trained_host_rows = max(0, min(lo + self.rows, self.train_rows) - lo)
@@ -74,8 +57,7 @@ class PackedCorpus:
       self._compiling.start()
 
   def _compile_masks(self, shape: tuple[int, int]) -> None:
-    # Any batch of this shape compiles the same programs; an error here would recur, and be
-    # raised, on the first real batch.
+    # Any batch of this shape compiles the same programs; an error recurs on the first batch.
     import numpy as np
     try:
       self._masks(np.zeros(shape, np.int32), np.ones(shape, np.int32))
@@ -83,8 +65,7 @@ class PackedCorpus:
       pass
 
   def masks(self, batch) -> dict[str, Any]:
-    """kvax forward masks of a PackedBatch: {"global": mask[, "local": mask]}, built on the
-    CPU device (the process's default device if JAX has no CPU backend here)."""
+    """kvax forward masks of a PackedBatch, {"global": mask[, "local": mask]}, on the CPU device."""
     from kvax_plugin.data import to_kvax
     return self._masks(*to_kvax(batch))
 
@@ -121,7 +102,7 @@ class PackedCorpus:
         self.first = batch
         if self._compiling is not None:
           self._compiling.join()
-      n = max(0, min(hi, self.train_rows) - lo)  # this host's rows that are trained on
+      n = max(0, min(hi, self.train_rows) - lo)
       trained = PackedBatch(batch.tokens[:n], batch.segment_ids[:n], batch.positions[:n],
                             batch.pieces[:n])
       skipped = ({name: kvax_plugin.mask_sparsity(m)["skipped"]
@@ -134,9 +115,8 @@ class PackedCorpus:
 
 
 def _host_device():
-  """This process's first CPU device, or None (JAX's default device) when the CPU backend is
-  not enabled (e.g. JAX_PLATFORMS=cuda). Local: with several processes (jax.distributed),
-  jax.devices("cpu")[0] is process 0's, which the others cannot compute on."""
+  """This process's first CPU device (process-local under jax.distributed), or None (JAX's
+  default device) when the CPU backend is not enabled."""
   import jax
   try:
     return jax.local_devices(backend="cpu")[0]

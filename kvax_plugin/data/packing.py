@@ -1,9 +1,8 @@
 """Packing tokenized documents into fixed-length rows: first-fit decreasing, with segment ids.
 
-MaxText's conventions: tokens, segment_ids (1..n per row, 0 = padding) and positions (restarting
-per piece) int32 [num_seqs, seq_len], padding a suffix; `to_kvax` converts to kvax's
-PADDING_SEGMENT_ID = -1. Documents longer than seq_len are cut into pieces, each its own segment
-with positions from 0. Deterministic for a given seed.
+MaxText's conventions: tokens, segment_ids (1..n per row, 0 = padding) and positions int32
+[num_seqs, seq_len], padding a suffix; `to_kvax` converts to kvax's padding id -1. Documents
+longer than seq_len are cut into pieces, each its own segment. Deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ import numpy as np
 
 from kvax_plugin.data.tokenizer import PAD_ID, ByteTokenizer
 
-# kvax's padding id; equal to kvax_plugin.PADDING_SEGMENT_ID (restated so this module needs
-# nothing from the attention package: data code runs without JAX).
+# Restated so data code runs without JAX.
 KVAX_PADDING_SEGMENT_ID = -1
-# MaxText's padding id for segment ids.
 MAXTEXT_PADDING_SEGMENT_ID = 0
 
 
@@ -34,11 +31,8 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedBatch:
-  """Packed rows. Row r holds pieces[r][0], pieces[r][1], ... as segments 1, 2, ...
-
-  tokens, segment_ids, positions: int32 [num_seqs, seq_len] (MaxText convention, see module doc).
-  pieces: for every row, the pieces it holds, in order.
-  """
+  """Packed rows: row r holds pieces[r][0], pieces[r][1], ... as segments 1, 2, ...; tokens,
+  segment_ids, positions int32 [num_seqs, seq_len]."""
 
   tokens: np.ndarray
   segment_ids: np.ndarray
@@ -55,7 +49,6 @@ class PackedBatch:
 
   @property
   def num_real_tokens(self) -> int:
-    """Tokens that are not padding."""
     return int(np.count_nonzero(self.segment_ids))
 
   @property
@@ -68,10 +61,7 @@ class PackedBatch:
 
 
 def split_into_pieces(lengths: Sequence[int], seq_len: int) -> list[Piece]:
-  """Cut documents of the given lengths into pieces of at most seq_len tokens, in order.
-
-  Empty documents produce no piece.
-  """
+  """Cut documents into pieces of at most seq_len tokens, in order (none for empty ones)."""
   _check_seq_len(seq_len)
   pieces = []
   for doc, length in enumerate(lengths):
@@ -83,21 +73,14 @@ def split_into_pieces(lengths: Sequence[int], seq_len: int) -> list[Piece]:
 
 
 def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-  """Bin-pack items by first-fit decreasing.
-
-  Args:
-    sizes: item sizes, each in [1, capacity].
-    capacity: the bin size.
-  Returns:
-    One list per bin of item indices, each list in increasing index order (so a row reads in
-    arrival order); bins in the order they were opened.
-  """
+  """First-fit decreasing: one list of item indices per bin (increasing, so a row reads in
+  arrival order), bins in opening order. sizes: each in [1, capacity]."""
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
   for i, s in enumerate(sizes):
     if not 1 <= s <= capacity:
       raise ValueError(f"sizes[{i}] = {s} must lie in [1, capacity={capacity}]")
-  # Stable sort: equal sizes keep arrival order, which makes the result deterministic.
+  # Stable sort: deterministic.
   order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
   free: list[int] = []
   bins: list[list[int]] = []
@@ -141,16 +124,8 @@ def _assemble(rows: Sequence[Sequence[tuple[Piece, np.ndarray]]], seq_len: int,
 
 def pack_documents(documents: Sequence[np.ndarray], seq_len: int, *,
                    pad_id: int = PAD_ID) -> PackedBatch:
-  """Pack every token of `documents` into as few rows as first-fit decreasing finds.
-
-  Args:
-    documents: 1-D integer token arrays (e.g. ByteTokenizer().encode(text)); empty ones are
-      skipped. Piece.document indexes this sequence.
-    seq_len: row length; longer documents are split into pieces of at most seq_len tokens.
-    pad_id: token id written on padding.
-  Returns:
-    A PackedBatch of [num_rows, seq_len] arrays, rows in the order FFD opened them.
-  """
+  """Pack every token of `documents` (1-D integer token arrays, empty ones skipped) into as few
+  [num_rows, seq_len] rows as first-fit decreasing finds; pad_id fills padding."""
   docs = [_as_tokens(d, f"documents[{i}]") for i, d in enumerate(documents)]
   pieces = split_into_pieces([len(d) for d in docs], seq_len)
   rows = first_fit_decreasing([p.length for p in pieces], seq_len)
@@ -171,21 +146,14 @@ def to_kvax_segment_ids(segment_ids: np.ndarray) -> np.ndarray:
 
 
 def to_kvax(batch: PackedBatch) -> tuple[np.ndarray, np.ndarray]:
-  """(positions, segment_ids) int32 [num_seqs, seq_len] in kvax convention (-1 = padding).
-
-  Pass them as both the query and the key/value ids of create_attention_mask / flash_attention.
-  """
+  """(positions, segment_ids) int32 [num_seqs, seq_len] in kvax convention (-1 = padding), for
+  both the query and the key/value side."""
   return batch.positions.astype(np.int32), to_kvax_segment_ids(batch.segment_ids)
 
 
 def maxtext_features(batch: PackedBatch) -> dict[str, np.ndarray]:
-  """The batch as MaxText's packed-input feature dict (next-token prediction).
-
-  inputs = tokens; targets[t] = tokens[t + 1] when t + 1 is in the same segment, else PAD_ID;
-  targets_segmentation is 0 where there is no target, so MaxText's loss (weighted by
-  targets_segmentation != 0) ignores the last token of every piece and all padding.
-  All values int32 [num_seqs, seq_len].
-  """
+  """MaxText's packed-input feature dict, int32 [num_seqs, seq_len]: targets[t] = tokens[t + 1]
+  within a segment, else PAD_ID with targets_segmentation 0 (so the loss skips it)."""
   tok, seg, pos = batch.tokens, batch.segment_ids, batch.positions
   next_tok = np.concatenate([tok[:, 1:], np.full_like(tok[:, :1], PAD_ID)], axis=1)
   next_seg = np.concatenate([seg[:, 1:], np.zeros_like(seg[:, :1])], axis=1)
@@ -205,26 +173,12 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
                    min_chars: int = 64, max_chars: int = 4096) -> Iterator[PackedBatch]:
   """Endless (or num_epochs) stream of packed [batch_size, seq_len] batches of the corpus.
 
-  Every epoch visits the documents in a new seeded order. Pieces are gathered into windows of
-  about window_batches * batch_size * seq_len tokens and packed by FFD. The fullest rows are
-  emitted, shuffled (seeded, so a batch mixes rows of split long documents with rows of short
-  ones), batch_size at a time; rows that did not make a whole batch or are less than
-  min_row_fill full go back to the next window, so no token is dropped before the end of the
-  last epoch and few rows leave with much padding.
-
-  Args:
-    seq_len, batch_size: shape of each batch.
-    seed: fixes the documents' grouping, the epoch orders and the row shuffles.
-    num_epochs: None for an endless stream.
-    documents: texts to use instead of the shipped corpus (Piece.document indexes them).
-    tokenizer: defaults to ByteTokenizer (bos + bytes + eos per document).
-    window_batches: batches per packing window (larger packs tighter, costs memory).
-    drop_remainder: at the end of the last epoch, drop rows that do not fill a batch (True) or
-      emit them in a final batch padded with empty rows (False).
-    min_row_fill: share of seq_len a row needs to leave a window early (see above).
-    min_chars, max_chars: document length range for the shipped corpus (see corpus.py).
-  Yields:
-    PackedBatch with arrays int32 [batch_size, seq_len].
+  Each epoch visits the documents in a new seeded order; windows of window_batches batches are
+  packed by FFD and the fullest rows emitted, shuffled; rows that miss a batch or min_row_fill go
+  back to the next window, so no token is dropped before the last epoch. documents: texts instead
+  of the shipped corpus; tokenizer: default ByteTokenizer; drop_remainder: drop the last epoch's
+  rows that do not fill a batch (else pad with empty rows); min_chars, max_chars: the corpus's
+  document lengths.
   """
   _check_seq_len(seq_len)
   for name, value in (("batch_size", batch_size), ("window_batches", window_batches)):
@@ -235,7 +189,7 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
   if num_epochs is not None and num_epochs < 1:
     raise ValueError(f"num_epochs must be None (endless) or >= 1, got {num_epochs}")
   if documents is None:
-    from kvax_plugin.data.corpus import load_documents  # local: keeps packing corpus-agnostic
+    from kvax_plugin.data.corpus import load_documents
     documents = load_documents(seed=seed, min_chars=min_chars, max_chars=max_chars)
   tok = tokenizer or ByteTokenizer()
   encoded = [tok.encode(d) for d in documents]
@@ -269,8 +223,7 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
       return
     rows = first_fit_decreasing([p.length for p, _ in pending], seq_len)
     fills = [sum(pending[i][0].length for i in row) for row in rows]
-    # Fullest rows first (stable: FFD order on ties). Rows under min_row_fill wait for the next
-    # window, where new pieces can fill them, unless that would leave no batch to emit.
+    # Fullest first; rows under min_row_fill wait for the next window (unless none would emit).
     order = sorted(range(len(rows)), key=lambda r: -fills[r])
     if exhausted:
       n_emit = len(rows) if not drop_remainder else len(rows) // batch_size * batch_size
@@ -279,14 +232,12 @@ def batch_iterator(seq_len: int, batch_size: int, *, seed: int = 0,
       n_emit = max(good // batch_size, 1) * batch_size
     emit = [rows[r] for r in order[:n_emit]]
     rest = [rows[r] for r in order[n_emit:]]
-    # Shuffle what is emitted so a batch mixes rows of long split documents and of short ones.
     row_rng.shuffle(emit)
     for b in range(0, len(emit), batch_size):
       yield _assemble([[pending[i] for i in row] for row in emit[b:b + batch_size]], seq_len,
                       num_seqs=batch_size)
     if exhausted:
       return
-    # Leftover rows: their pieces (in arrival order) start the next window.
     pending = [pending[i] for i in sorted(i for row in rest for i in row)]
 
 

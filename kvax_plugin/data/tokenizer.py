@@ -1,9 +1,5 @@
-"""A byte-level tokenizer: UTF-8 bytes plus three special ids (pad, bos, eos).
-
-Ids follow ByT5's layout with the specials first: 0 = pad, 1 = bos, 2 = eos, byte b -> b + 3, so
-the vocabulary has 259 ids. Padding is id 0 because MaxText's input pipeline and loss treat
-token 0 / segment 0 as padding. Every str round-trips exactly (decode(encode(s)) == s); any
-byte string round-trips through encode_bytes / decode_bytes.
+"""A byte-level tokenizer: 0 = pad (MaxText's padding), 1 = bos, 2 = eos, byte b -> b + 3 (259
+ids). Every str round-trips exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ VOCAB_SIZE = 256 + BYTE_OFFSET
 
 
 class ByteTokenizer:
-  """Bytes <-> int32 ids. Stateless; the class exists so callers can pass a tokenizer object."""
 
   pad_id = PAD_ID
   bos_id = BOS_ID

@@ -1,16 +1,13 @@
 """The kernel backends of the attention op, registered in one place.
 
-A kernel backend (flash_attention's `backend=`) is a single-device implementation
+A backend is a single-device function over validated inputs
 
     fn(query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
        mask, *, scale, logits_soft_cap, sinks, **options) -> [B, Sq, H, Dv]
 
-over validated inputs, in a leaf module that declares `CAPABILITIES` and imports its optional
-dependencies lazily (tests/test_layering.py). This module holds one `KernelBackend` record per
-name (implementation, device check, options). "auto" walks `AUTO_ORDER` and takes the first
-backend that runs here and supports the call; an explicit name runs or raises
-`BackendUnavailableError` naming why. Adding a backend: a leaf plus an entry in
-`KERNEL_BACKENDS` (and `AUTO_ORDER`).
+in a leaf module declaring `CAPABILITIES` and importing its optional dependencies lazily. "auto"
+takes the first of `AUTO_ORDER` that runs here and supports the call; an explicit name runs or
+raises `BackendUnavailableError`. Adding one: a leaf plus an entry in `KERNEL_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -30,30 +27,17 @@ class BackendUnavailableError(RuntimeError):
 
 
 class IncompleteInstallError(ImportError):
-  """A backend module that ships with kvax-plugin cannot be imported: the installed package is
-  broken (a file missing from the wheel, a stale build), which no backend choice may hide."""
+  """A backend module that ships with kvax-plugin cannot be imported: a broken install."""
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackend:
-  """One registry entry.
-
-  module / function: import path of the implementation (imported on first use); the module
-    also defines CAPABILITIES.
-  platforms: JAX platforms it needs a device of (() = runs wherever JAX runs).
-  device_check: name of a function in `module`, (jax.Device) -> (ok, reason), run on the first
-    device of `platforms` (None: any such device will do).
-  mask_check: name of a function in `module`, (AttentionMask) -> (ok, reason), for what the
-    mask's block sizes must allow (None: any mask).
-  auto_check: name of a function in `module`, (dtype, qk_head_dim, v_head_dim) -> (ok, reason),
-    consulted by "auto" only: cases the backend runs but measured slower than the next one in
-    AUTO_ORDER (an explicit request still runs them). None: "auto" takes it wherever it runs.
-  options: keyword options beyond the common convention the function accepts; the public op
-    passes only those.
-  install_hint: what to install when `module` cannot be imported.
-  reproducible_backward: whether its backward can give bitwise-reproducible gradients (False:
-    "auto" passes over it when the call asks for deterministic_backward=True).
-  """
+  """One registry entry. module / function: the implementation (imported on first use).
+  platforms: JAX platforms it needs (() = anywhere). device_check, mask_check, auto_check: names
+  of functions in `module` returning (ok, reason) for a jax.Device, an AttentionMask, and
+  (dtype, qk_head_dim, v_head_dim) ("auto" only: cases measured slower than the next backend);
+  None: no check. options: the keyword options it accepts. install_hint: what to install.
+  reproducible_backward: False makes "auto" skip it under deterministic_backward=True."""
 
   name: str
   module: str
@@ -100,19 +84,13 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         description="dense float32 reference, O(S^2) memory (tests and checks)"),
 }
 
-# "auto": the first of these that can run here and supports the call.
-# "hopper" first where it runs (a Hopper GPU, its CUDA backward built or buildable), covers the
-# call (head dims 64, 128, 256 or MLA's 192 / 128, its mask blocks) and is measured faster
-# (auto_check: hopper.auto_prefers says where), unless the call asks for
-# deterministic_backward=True (its dq summation order varies: reproducible_backward). The
-# measurements behind it: docs/performance.md, "What "auto" runs on a Hopper GPU".
-# Then "mosaic": on Hopper the fastest of the rest on every case measured (docs/performance.md,
-# "Per backend"); it says no elsewhere (device_check) and for float32 (CAPABILITIES).
+# "auto" order: "hopper" where it runs, covers the call and is measured faster
+# (hopper.auto_prefers), unless deterministic_backward=True; then "mosaic" (Hopper only, no
+# float32). Measurements: docs/performance.md.
 AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
 
-# What "auto" means, in the words every option that offers it uses.
 AUTO_DESCRIPTION = ('"auto" takes the fastest backend that runs the call here: "hopper" or '
                     '"mosaic" on a Hopper GPU (whichever is measured faster for the call), '
                     '"triton" on other CUDA GPUs, "jax" elsewhere')
@@ -125,8 +103,7 @@ def _record(name: str) -> KernelBackend:
 
 
 def _module(record: KernelBackend):
-  """The backend's module. Its optional dependencies are imported inside its functions, so a
-  failure to import a kvax_plugin module here is a broken install: IncompleteInstallError."""
+  """The backend's module; an import failure here is a broken install (IncompleteInstallError)."""
   try:
     return importlib.import_module(record.module)
   except ImportError as e:
@@ -139,15 +116,14 @@ def _module(record: KernelBackend):
 
 
 def capabilities(name: str) -> Capabilities:
-  """The CAPABILITIES backend `name` declares (imports its module, not its optional deps)."""
+  """The CAPABILITIES backend `name` declares (without its optional deps)."""
   return _module(_record(name)).CAPABILITIES
 
 
 def availability(name: str) -> tuple[bool, str]:
   """(available, reason): whether backend `name` can run in this process."""
   record = _record(name)
-  # Imported first, on every platform: a module missing from the install raises
-  # IncompleteInstallError here instead of reading as "unavailable".
+  # Imported first: a missing module raises IncompleteInstallError, not "unavailable".
   try:
     module = _module(record)
   except IncompleteInstallError:
@@ -190,7 +166,6 @@ def resolve_backend(backend: str) -> str:
 
 def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
                     features: Iterable[str] = (), mask: Any = None) -> tuple[bool, str]:
-  """(supported, reason) of backend `name`'s capabilities (and mask check) for these inputs."""
   ok, why = capabilities(name).supports(dtype, qk_head_dim, v_head_dim, features)
   if not ok:
     return False, f"{why} by the {name} backend"
@@ -202,8 +177,7 @@ def supports_inputs(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
 
 def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
                  features: Iterable[str] = ()) -> tuple[bool, str]:
-  """(preferred, reason): whether "auto" should take backend `name` for these inputs where it
-  can run them (its `auto_check`; every backend without one is preferred wherever it runs)."""
+  """(preferred, reason) from backend `name`'s auto_check (preferred without one)."""
   record = _record(name)
   if record.auto_check is None:
     return True, ""
@@ -215,10 +189,8 @@ def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: 
                         features: Iterable[str] = (), mask: Any = None,
                         deterministic_backward: bool | None = None) -> str:
   """The backend for one call. "auto": the first of AUTO_ORDER that runs here, supports the
-  inputs (and `mask`, when given), is not measured slower there than the next (auto_check) and,
-  when deterministic_backward is True, has a bitwise-reproducible backward; an explicit name
-  that cannot run them raises BackendUnavailableError naming them (deterministic_backward is
-  then the backend's own to honour or refuse)."""
+  inputs and `mask`, passes auto_check and, under deterministic_backward=True, has a reproducible
+  backward. An explicit name that cannot run them raises BackendUnavailableError."""
   features = tuple(features)
   if backend == "auto":
     for name in AUTO_ORDER:
@@ -246,8 +218,7 @@ def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: 
 
 
 def refuses_options(name: str, deterministic_backward: bool | None = None) -> str:
-  """Why backend `name` refuses these options ("" when it does not): a backward that is not
-  bitwise reproducible cannot honour deterministic_backward=True."""
+  """Why backend `name` refuses these options ("" when it does not)."""
   if deterministic_backward and not _record(name).reproducible_backward:
     return ("deterministic_backward=True, but its backward is not bitwise reproducible (dq is "
             "summed in no fixed order)")
@@ -255,13 +226,11 @@ def refuses_options(name: str, deterministic_backward: bool | None = None) -> st
 
 
 def backend_function(name: str) -> Callable[..., jax.Array]:
-  """The single-device implementation behind a resolved backend name."""
   record = _record(name)
   return getattr(_module(record), record.function)
 
 
 def backend_options(name: str, **options: Any) -> dict[str, Any]:
-  """The subset of `options` backend `name` accepts (the others do not apply to it)."""
   accepted = _record(name).options
   return {k: v for k, v in options.items() if k in accepted}
 

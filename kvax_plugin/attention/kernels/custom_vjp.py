@@ -1,9 +1,7 @@
-"""The custom VJP shared by the kernel backends with their own backward kernels (Triton, Mosaic
-GPU): residuals, zero cotangents for the integer inputs and the mask, the sinks' gradient.
-
-It also hands out a backend's kernels as `KernelParts` (forward returning out and lse, backward
-taking them) for callers merging several attention calls (split_kv_attention): a backend's
-public function called inside `capture_kernel_parts()` returns its parts instead of running.
+"""The custom VJP shared by the backends with their own backward kernels: residuals, zero
+cotangents for the integer inputs and the mask, the sinks' gradient. Inside
+`capture_kernel_parts()` a backend's public function returns its `KernelParts` instead of
+running (for split_kv_attention).
 """
 
 from __future__ import annotations
@@ -18,44 +16,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-# The name the forward's residuals (the output and the log-sum-exp) carry: MaxText's name for
-# the attention output and its lse. A rematerialization policy that saves it (MaxText's
-# remat_policy minimal_with_context / save_dot_with_context_except_mlp, or
-# jax.checkpoint_policies.save_only_these_names("context")) keeps them from the forward pass,
-# so the backward does not run the forward kernel again; policies that do not name it
-# (MaxText's default "full") recompute it as before.
+# The residuals' (out, lse) name, MaxText's for the attention output: a remat policy saving it
+# (e.g. minimal_with_context) spares the backward a second forward kernel.
 RESIDUAL_NAME = "context"
 
 
 def saved_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The forward kernel's (out, lse) as residuals: named RESIDUAL_NAME, behind an optimization
-  barrier.
-
-  Why the barrier: when a remat policy saves them inside a scan over layers (MaxText's
-  minimal_with_context), JAX stacks them with a dynamic-update-slice per layer, and XLA's GPU
-  dynamic-slice fusion then builds a fusion of "kernel custom call + that update" so the kernel
-  writes straight into the stacked buffer. The custom call also feeds the rest of the layer, so
-  XLA keeps it there as well and CLONES it into the fusion: the forward kernel runs twice per
-  layer. The barrier stands between the kernel and the update, so the pattern no longer matches
-  and the update is an ordinary copy of out (benchmarks/tools/remat_clone_check.py,
-  tests/gpu/test_remat_gpu.py).
-  """
+  barrier. Without it, when a remat policy saves them inside a scan, XLA's dynamic-slice fusion
+  clones the kernel into the stacking update and the forward runs twice per layer
+  (tests/gpu/test_remat_gpu.py)."""
   out, lse = jax.lax.optimization_barrier((out, lse))
   return checkpoint_name(out, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
 
 
 def as_stored(x: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """x widened to `dtype`, holding exactly the values of x's own (narrower) float type.
-
-  Why not just x.astype(dtype): XLA may skip a narrowing conversion whose result is widened
-  again (its xla_allow_excess_precision, on by default). The backward's cotangent d_out is such
-  a narrowing (the float32 gradient rounded to the output's bf16 / fp16), so d_out.astype(float32)
-  can read the float32 values from before the rounding, while the kernels read the rounded
-  d_out. delta = rowsum(dO * O) then no longer matches the kernels' dP = dO V: on a row that
-  sees one key dS = P (dP - delta) is 0 in exact arithmetic and would hold bf16's rounding of
-  dO V instead (a constant cotangent is rounded at compile time and hides this).
-  Rounding to x's format again is idempotent on x's values and survives that rewrite.
-  """
+  """x widened to `dtype`, holding exactly the values of x's own float type. x.astype(dtype) may
+  not: XLA (xla_allow_excess_precision) can skip a narrowing that is widened again, so d_out
+  would read pre-rounding values and delta would not match the kernels' dP = dO V."""
   wide = x.astype(dtype)
   narrow, target = jnp.finfo(x.dtype), jnp.finfo(dtype)
   if narrow.nmant >= target.nmant and narrow.nexp >= target.nexp:
@@ -64,19 +42,14 @@ def as_stored(x: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 
 def softmax_delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
-  """delta [B, H, Sq] float32 = rowsum(dO * O), what softmax's Jacobian subtracts
-  (FlashAttention-2, sec. 3.1), from d_out / out [B, Sq, H, Dv] as the kernels read them
-  (as_stored: not from values XLA kept wider)."""
+  """delta [B, H, Sq] float32 = rowsum(dO * O), from d_out / out [B, Sq, H, Dv] as the kernels
+  read them (as_stored)."""
   return jnp.einsum("bshd,bshd->bhs", as_stored(d_out), as_stored(out))
 
 
 def sinks_gradient(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
-  """d loss / d sinks [H] from lse and delta [B, H, Sq] (float32, natural log).
-
-  A sink h adds exp(sink_h) to every row's softmax denominator, so its gradient is
-  -sum over rows of exp(sink_h - lse) * delta: the sink's probability times what the softmax
-  Jacobian subtracts (delta = rowsum(dO * O)). Rows with nothing attended have lse +inf: 0.
-  """
+  """d loss / d sinks [H] = -sum over rows of exp(sink_h - lse) * delta, from lse and delta
+  [B, H, Sq] (float32, natural log); rows with lse +inf contribute 0."""
   p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
   return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
 
@@ -85,12 +58,9 @@ class KernelParts(NamedTuple):
   """One backend's kernels for attention calls of one configuration, without sinks.
 
   forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask) -> (out [B, Sq, H, Dv], lse [B, H, Sq]):
-    out in the input dtype or wider, lse float32 (or wider) natural-log softmax denominators,
-    +inf for rows with nothing attended (out 0 there).
-  backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out) -> (dq, dk, dv): the
-    gradients of the pairs this call's mask keeps, given any (out, lse) the softmax is
-    normalised by (delta = rowsum(d_out * out), P = exp(s - lse)); dtypes the input's or wider.
-  Shapes as the backend's public function (q [B, Sq, H, Dqk], k / v [B, Skv, K, D]).
+    lse float32 (or wider) natural-log, +inf for rows with nothing attended (out 0 there).
+  backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out) -> (dq, dk, dv) of the
+    pairs the mask keeps, for any (out, lse) the softmax is normalised by.
   """
 
   forward: Callable[..., tuple[Any, Any]]
@@ -112,7 +82,6 @@ def capture_kernel_parts() -> Iterator[None]:
 
 
 def capturing_kernel_parts() -> bool:
-  """True inside capture_kernel_parts() (backends without kernel_attention check it)."""
   return _CAPTURE_PARTS.get()
 
 
@@ -122,13 +91,8 @@ def _int_zero_cotangent(x):
 
 def kernel_attention(forward: Callable, backward: Callable) -> Callable:
   """attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask) -> out, differentiable in
-  q, k, v and sinks through the backend's own kernels.
-
-  forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask) -> (out, lse);
-  backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out)
-  -> (dq, dk, dv, dsinks). cfg is static (hashable); positions, segment ids and the mask get zero
-  cotangents.
-  """
+  q, k, v and sinks: forward(...) -> (out, lse); backward(..., out, lse, d_out) -> (dq, dk, dv,
+  dsinks). cfg is static; ids and the mask get zero cotangents."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
   def attention(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask):
@@ -160,10 +124,8 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
       raise ValueError("kernel parts are built without sinks (the caller merging the parts adds "
                        "them): call the backend with sinks=None inside capture_kernel_parts()")
 
-    # The parts run later, inside the caller's own traces (its custom_vjp's forward and
-    # backward), so they must not close over `sinks`: the backend made it (zeros, unused with
-    # has_sinks False) in the trace of THIS call, and a tracer captured from there leaks into
-    # theirs ("No constant handler for type: DynamicJaxprTracer" under jit on the GPU).
+    # The parts run inside the caller's traces, so they must not close over `sinks` (a tracer of
+    # this call's trace would leak into theirs).
     sinks_shape, sinks_dtype = np.shape(sinks), getattr(sinks, "dtype", jnp.float32)
     no_sinks = lambda: jnp.zeros(sinks_shape, sinks_dtype)
 

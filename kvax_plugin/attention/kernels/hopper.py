@@ -1,12 +1,9 @@
 """backend="hopper": the Mosaic GPU forward with the CUDA C++ fused backward (Hopper only).
 
-Composes two leaves (kernels/mosaic's forward, kernels/cuda_sm90's 5-product backward) under
-the shared custom VJP. Covers head dims 64, 128, 256 and MLA's 192 / 128, bf16 / fp16, any
-lengths (padded to 128-row tiles); "auto" prefers it where docs/performance.md measured it
-fastest (auto_prefers) and moves on to "mosaic" otherwise. Its dq reduce-add has no fixed order,
-so deterministic_backward=True routes "auto" to "mosaic" and raises with backend="hopper". The
-shared object is built on first use (cuda_sm90/build.py); without it and without nvcc
-device_supported says what to install.
+Head dims 64, 128, 256 and MLA's 192 / 128, bf16 / fp16, any lengths (padded to 128-row tiles);
+"auto" takes it where measured fastest (auto_prefers). Its dq reduce-add has no fixed order, so
+deterministic_backward=True routes "auto" to "mosaic" and raises with backend="hopper". The
+shared object is built on first use (cuda_sm90/build.py).
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gr
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-HEAD_DIMS = cuda_bwd.HEAD_DIMS  # (qk, v): (128, 128), (64, 64), (256, 256), (192, 128)
-VARIANT = cuda_bwd.DEFAULT_VARIANT  # the fused backward's feature set (the one built)
+HEAD_DIMS = cuda_bwd.HEAD_DIMS
+VARIANT = cuda_bwd.DEFAULT_VARIANT
 
 CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"),
                             min_head_dim=min(min(pair) for pair in HEAD_DIMS),
@@ -38,11 +35,9 @@ CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"),
 
 
 def device_supported(device) -> tuple[bool, str]:
-  """(ok, reason): a Hopper GPU (the Mosaic forward, wgmma / TMA) and the fused backward's
-  library loaded (cuda_sm90.fused_backward.prepare). On a Hopper GPU the first ask finds it
-  (prebuilt or cached) or builds it (once per source and jaxlib version, about a minute, said
-  on stderr), so "auto" never takes a hopper whose backward cannot load; later asks, and every
-  ask elsewhere, cost nothing. The reason names what to install when nvcc is missing."""
+  """(ok, reason): a Hopper GPU and the fused backward's library loaded; the first ask finds or
+  builds it (about a minute, once per source and jaxlib), so "auto" never takes a hopper whose
+  backward cannot load. The reason names what to install when nvcc is missing."""
   ok, why = mosaic.device_supported(device)
   if not ok:
     return ok, why
@@ -50,10 +45,8 @@ def device_supported(device) -> tuple[bool, str]:
 
 
 def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
-  """(ok, reason): the Mosaic forward's block rule, backward tables with kv blocks of 128 (one
-  table row per 128-row kv tile of the fused backward) and query blocks a multiple of 64 (its
-  query step; the default (128, 128) and kvax's (64, 128) both). Lengths are free: _backward
-  pads them."""
+  """(ok, reason): the Mosaic forward's block rule, backward tables with kv blocks of 128 and
+  query blocks a multiple of 64. Lengths are free (padded)."""
   ok, why = mosaic.supports_mask(mask)
   if not ok:
     return ok, why
@@ -67,20 +60,15 @@ def supports_mask(mask: AttentionMask) -> tuple[bool, str]:
   return True, ""
 
 
-# Where "auto" does not take hopper at head dims 128 and 64: the sliding window with the soft cap
-# ("mosaic" is faster there: those kernels keep the mask in their loop; docs/performance.md).
+# Head dims 128 / 64 cases where "mosaic" is faster (docs/performance.md).
 AUTO_NOT_PREFERRED = (("sliding_window", "logits_soft_cap"),)
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick hopper for a call it supports: where it
-  was measured faster than what "auto" would take otherwise, the table "What "auto" runs on a
-  Hopper GPU" in docs/performance.md (the numbers live there). Head dims 128 and 64: bf16 or
-  fp16, with soft cap, sinks or the sliding window, not with the window and the soft cap
-  together (AUTO_NOT_PREFERRED).
-  Head dim 256: always ("mosaic"'s backward is a one-stage ring there). MLA's (192, 128):
-  never, the Mosaic backward is faster."""
-  del dtype  # bf16 and fp16 alike: both measured
+  """(ok, reason): whether "auto" picks hopper for a call it supports, where docs/performance.md
+  measured it faster: head dims 128 and 64 except AUTO_NOT_PREFERRED, 256 always, MLA's
+  (192, 128) never."""
+  del dtype
   dims = (qk_head_dim, v_head_dim)
   if dims == (256, 256):
     return True, ""
@@ -97,18 +85,16 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class _Static(mosaic.Static):
-  """The Mosaic forward's static configuration, plus the fused backward's variant (the one
-  built; benchmarks/cuda_backward_check.py names it)."""
+  """The Mosaic forward's configuration plus the fused backward's variant."""
   variant: str = VARIANT
 
 
-_pad = mosaic._pad_axis  # one padding helper for both backends
+_pad = mosaic._pad_axis
 
 
 def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
-  """(Sq, Skv) as the fused backward runs them: kv rows to its 128-row tiles (= the mask's kv
-  blocks: one bound per tile), query rows to 128 and to the mask's query blocks (its bounds
-  count 64-row blocks up to the last table block)."""
+  """(Sq, Skv) padded as the fused backward runs them: to its 128-row tiles and the mask's
+  blocks."""
   bq = mask.spec.bwd_params.query_block_size
   q_multiple = math.lcm(cuda_bwd.KV_TILE, bq)
   return -(-sq // q_multiple) * q_multiple, -(-skv // cuda_bwd.KV_TILE) * cuda_bwd.KV_TILE
@@ -117,10 +103,8 @@ def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
 def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out, lse,
               d_out):
   delta = softmax_delta(d_out, out)
-  # The kernel handles whole 128-row tiles only: pad both sides. Padded kv rows carry the
-  # padding segment id and padded query rows lse = +inf, so neither takes part (the kernel
-  # drops pairs whose query segment is the padding id, and exp(s - inf) is 0); their
-  # gradients are sliced off below.
+  # Pad both sides to whole 128-row tiles: padded kv rows carry the padding id, padded query
+  # rows lse = +inf, so neither takes part; their gradients are sliced off below.
   sq, skv = q.shape[1], k.shape[1]
   sq_p, skv_p = padded_lengths(mask, sq, skv)
   q_p, d_out_p = (_pad(x, 1, sq_p, 0) for x in (q, d_out))
@@ -134,11 +118,9 @@ def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Attention
                                        causal=cfg.causal, variant=cfg.variant,
                                        soft_cap=cfg.soft_cap, window=cfg.window)
   dq, dk, dv = dq[:, :sq], dk[:, :skv], dv[:, :skv]
-  # Rows with nothing to attend (lse +inf) get exactly 0, as from the other backends: their
-  # probabilities are 0, but a non-finite key would reach them through 0 * NaN in dS K.
+  # Rows with nothing to attend (lse +inf) get exactly 0, even through 0 * NaN in dS K.
   dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], jnp.zeros_like(dq), dq)
-  # Sinks: the forward's lse holds them, so dq / dk / dv need nothing more; their own gradient
-  # is the Mosaic backend's (custom_vjp.sinks_gradient).
+  # The lse holds the sinks, so dq / dk / dv need nothing more.
   dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), dsinks
 
@@ -153,20 +135,11 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                            kernel_options=None) -> jax.Array:
   """Attention over validated inputs: the Mosaic forward, the CUDA C++ fused backward.
 
-  query / key [B, Sq or Skv, H or K, D], value [B, Skv, K, Dv], (D, Dv) (64, 64), (128, 128),
-  (256, 256) or (192, 128), one type, bfloat16 or float16
-  (H a multiple of K; any Sq, Skv: the backward pads them to its 128-row tiles), positions / segment
-  ids int32 [B, Sq] and [B, Skv], mask from create_attention_mask (backward tables with kv blocks
-  of 128 and query blocks a multiple of 64; causal or not, any sliding window), logits_soft_cap
-  None or the cap, sinks None or [H]. Returns [B, Sq, H, D] in query's type; differentiable in
-  query, key, value and sinks.
-
-  deterministic_backward: None or False run this backward, which reduce-adds dq in float32
-  from many thread blocks in no fixed order (fast, not bitwise reproducible); True raises
-  ValueError (backend="auto" with True takes "mosaic", whose backward is reproducible).
-  kernel_options: kvax_plugin.KernelOptions (None: the defaults); the Mosaic forward reads its
-  mosaic_forward_grid, mosaic_forward_overlap_blocks and mosaic_forward_registers fields (the
-  backward fields are the Mosaic backward's, unused here).
+  query / key [B, Sq or Skv, H or K, D], value [B, Skv, K, Dv], (D, Dv) one of HEAD_DIMS, one
+  type, bfloat16 or float16; any Sq, Skv; mask backward tables with kv blocks of 128 and query
+  blocks a multiple of 64. Returns [B, Sq, H, Dv]; differentiable in query, key, value, sinks.
+  deterministic_backward True raises ValueError (dq is reduce-added in no fixed order).
+  kernel_options: the Mosaic forward's fields apply.
   """
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "

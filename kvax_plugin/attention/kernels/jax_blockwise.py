@@ -1,9 +1,8 @@
 """backend="jax": blockwise FlashAttention-2 in pure JAX (CPU, TPU, any GPU).
 
-Walks the same block tables as the other backends (online softmax, FlashAttention-2 Algorithm
-1; custom VJP recomputing probabilities from the saved lse, Algorithm 2), so no [Sq x Skv] array
-is stored. float32 arithmetic (float64 for float64 inputs), int32 indices. Query blocks are laid
-out [bq, K, G, D] with H = K * G. Non-finite inputs follow reference.py: a row is empty iff
+Walks the same block tables as the other backends (online softmax; custom VJP recomputing
+probabilities from the saved lse), so no [Sq x Skv] array is stored. float32 arithmetic
+(float64 for float64 inputs). Query blocks are [bq, K, G, D] with H = K * G. A row is empty iff
 l == 0 (never `l > 0`, which would read NaN as empty); the sink joins after the loop.
 """
 
@@ -22,11 +21,9 @@ from kvax_plugin.attention.kernels.custom_vjp import (KernelParts, as_stored,
                                                       capturing_kernel_parts, saved_residuals)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-# Every dtype, head dim and feature the public op accepts (float32 arithmetic inside).
-# float64 inputs compute in float64 (x64 users); the other dtypes in float32.
 CAPABILITIES = Capabilities(dtypes=("float32", "bfloat16", "float16", "float64"))
 
-# Outer blocks processed together (vectorised) by lax.map: more is faster, costs memory.
+# Outer blocks vectorised per lax.map step: more is faster, costs memory.
 _OUTER_BLOCKS_PER_STEP = 8
 
 
@@ -50,7 +47,6 @@ def _pad_seq(x: jax.Array, block: int, fill) -> jax.Array:
 
 
 def _pair_mask(cfg: _Static, q_pos, q_seg, kv_pos, kv_seg) -> jax.Array:
-  """bool [bq, bk] from the positions / segment ids of one query block and one kv block."""
   return token_keep(q_pos[:, None], q_seg[:, None], kv_pos[None, :], kv_seg[None, :],
                     causal=cfg.causal, sliding_window=cfg.window)
 
@@ -65,21 +61,19 @@ def _logits(cfg: _Static, q_blk, k_blk):
 
 
 def _block_mask(cfg, is_full, q_pos, q_seg, kv_pos, kv_seg):
-  # A full block needs no mask math; `where` keeps this one code path for vmapped blocks.
+
   return is_full | _pair_mask(cfg, q_pos, q_seg, kv_pos, kv_seg)
 
 
 def _slice_block(x: jax.Array, batch, index, block: int) -> jax.Array:
   """x[batch, index * block : (index + 1) * block] for x [B, S, ...] (no copy of x[batch])."""
-  # All start indices int32: under JAX_ENABLE_X64 a Python 0 would become int64, and
-  # dynamic_slice wants one index type.
+  # int32 start indices: under JAX_ENABLE_X64 a Python 0 would be int64.
   i32 = lambda i: jnp.asarray(i, jnp.int32)
   start = [i32(batch), i32(index) * block] + [i32(0)] * (x.ndim - 2)
   return jax.lax.dynamic_slice(x, start, (1, block) + x.shape[2:])[0]
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
-  """[B, S, ...] (S a multiple of block) -> [B * S // block, block, ...]."""
   return x.reshape((x.shape[0] * (x.shape[1] // block), block) + x.shape[2:])
 
 
@@ -87,12 +81,9 @@ def _table_rows(table: BlockTable):
   return tuple(x.reshape(-1) for x in table)
 
 
-# ----------------------------------------------------------------------------- forward
-
-
 def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: BlockTable,
              bq: int, bk: int):
-  """Returns out [B, Sq, K, G, Dv] and lse [B, Sq, K, G] (+inf: empty row) in the compute dtype."""
+  """out [B, Sq, K, G, Dv] and lse [B, Sq, K, G] (+inf: empty row) in the compute dtype."""
   b, sq, kh, g, _ = q.shape
   ct = cfg.compute_dtype
   qp = _pad_seq(q.astype(ct), bq, 0)
@@ -126,10 +117,10 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: 
     l0 = jnp.zeros((kh, g, bq), ct)
     acc0 = jnp.zeros((kh, g, bq, vp.shape[-1]), ct)
     _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, (lo, m0, l0, acc0))
-    # Empty iff l == 0 (no kept pair, or only -inf logits); NaN in l is not empty.
+
     nonempty = l != 0
     if cfg.has_sinks:
-      # The sink is one more logit in the row's denominator: merge it now, as one more block.
+      # The sink is one more logit in the denominator: merged as one more block.
       m_all = jnp.maximum(m, sink)
       m_all_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
       alpha = jnp.exp(m - m_all_safe)
@@ -138,11 +129,10 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: 
       m = m_all
     l_safe = jnp.where(nonempty, l, 1.0)
     out = jnp.where(nonempty[..., None], acc / l_safe[..., None], 0.0)
-    # +inf marks an empty row for the backward; a non-empty row whose log-sum-exp is +inf (a
-    # +inf logit: its output is NaN) gets NaN instead, so its gradients are NaN, not 0.
+    # lse +inf marks an empty row; a +inf log-sum-exp of a non-empty row becomes NaN.
     lse = m + jnp.log(l_safe)
     lse = jnp.where(nonempty, jnp.where(lse == jnp.inf, jnp.nan, lse), jnp.inf)
-    return jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0)  # [bq, K, G, Dv], [bq, K, G]
+    return jnp.moveaxis(out, 2, 0), jnp.moveaxis(lse, 2, 0)
 
   xs = (batch_index, _blocks(qp, bq), _blocks(_pad_seq(q_pos, bq, 0), bq),
         _blocks(_pad_seq(q_seg, bq, PADDING_SEGMENT_ID), bq), lower, upper, full_lower,
@@ -151,9 +141,6 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, table: 
   out = out.reshape(b, nq * bq, kh, g, -1)[:, :sq]
   lse = lse.reshape(b, nq * bq, kh, g)[:, :sq]
   return out, lse
-
-
-# ----------------------------------------------------------------------------- backward
 
 
 def _backward_dq(cfg, q, k, v, do, lse, delta, q_pos, q_seg, kv_pos, kv_seg, table, bq, bk):
@@ -169,7 +156,7 @@ def _backward_dq(cfg, q, k, v, do, lse, delta, q_pos, q_seg, kv_pos, kv_seg, tab
 
   def one_query_block(args):
     bi, q_blk, do_blk, lse_blk, delta_blk, q_pos_blk, q_seg_blk, lo, hi, flo, fhi = args
-    lse_t = jnp.moveaxis(lse_blk, 0, 2)[..., None]  # [K, G, bq, 1]
+    lse_t = jnp.moveaxis(lse_blk, 0, 2)[..., None]
     delta_t = jnp.moveaxis(delta_blk, 0, 2)[..., None]
 
     def body(carry):
@@ -186,8 +173,7 @@ def _backward_dq(cfg, q, k, v, do, lse, delta, q_pos, q_seg, kv_pos, kv_seg, tab
       return j + 1, dq + jnp.einsum("kgqt,tkd->qkgd", ds, k_blk) * cfg.scale
 
     _, dq = jax.lax.while_loop(lambda c: c[0] < hi, body, (lo, jnp.zeros_like(q_blk)))
-    # An empty row (lse = +inf) gets exactly 0, also when its zero ds met a non-finite k or
-    # scale in a visited block (0 * NaN).
+    # An empty row gets exactly 0, also through 0 * NaN.
     return jnp.where((lse_blk == jnp.inf)[..., None], 0.0, dq)
 
   lower, upper, full_lower, full_upper = _table_rows(table)
@@ -240,9 +226,6 @@ def _backward_dkv(cfg, q, k, v, do, lse, delta, q_pos, q_seg, kv_pos, kv_seg, ta
   return dk.reshape(b, nk * bk, kh, -1)[:, :skv], dv.reshape(b, nk * bk, kh, -1)[:, :skv]
 
 
-# ----------------------------------------------------------------------------- custom VJP
-
-
 def _int_zero_cotangent(x):
   return None if x is None else np.zeros(x.shape, dtype=jax.dtypes.float0)
 
@@ -258,8 +241,6 @@ def _attention_fwd(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Atte
   out, lse = _forward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask.fwd,
                       p.query_block_size, p.kv_block_size)
   out = out.astype(q.dtype)
-  # Named like the kernel backends' residuals: a remat policy that saves "context" (MaxText's
-  # minimal_with_context) keeps them instead of rerunning this forward.
   out, lse = saved_residuals(out, lse)
   return out, (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse)
 
@@ -271,15 +252,15 @@ def _attention_bwd(cfg, res, d_out):
                      "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
   p = mask.spec.bwd_params
   bq, bk = p.query_block_size, p.kv_block_size
-  f32 = lambda x: x.astype(cfg.compute_dtype)  # float32, or float64 for float64 inputs
-  # dO as stored (custom_vjp.as_stored): dP and delta must read the same values.
+  f32 = lambda x: x.astype(cfg.compute_dtype)
+  # dP and delta must read the same dO values (custom_vjp.as_stored).
   do = as_stored(d_out, cfg.compute_dtype)
-  delta = jnp.sum(do * as_stored(out, cfg.compute_dtype), axis=-1)  # rowsum(dO * O) [B, Sq, K, G]
+  delta = jnp.sum(do * as_stored(out, cfg.compute_dtype), axis=-1)
   args = (cfg, f32(q), f32(k), f32(v), do, lse, delta, q_pos, q_seg, kv_pos, kv_seg)
   dq = _backward_dq(*args, mask.dq, bq, bk)
   dk, dv = _backward_dkv(*args, mask.dkv, bq, bk)
   if cfg.has_sinks:
-    # d/d sink of the softmax denominator: -sum_rows P_sink * D, P_sink = exp(sink - lse).
+
     kh, g = q.shape[2], q.shape[3]
     p_sink = jnp.exp(f32(sinks).reshape(1, 1, kh, g) - lse)
     dsinks = (-jnp.sum(p_sink * delta, axis=(0, 1))).reshape(-1).astype(sinks.dtype)
@@ -294,8 +275,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _kernel_parts(cfg: _Static, kh: int) -> KernelParts:
-  """The forward and backward above in the KernelParts convention (q [B, Sq, H, D], lse
-  [B, H, Sq]); out, lse and the gradients stay in the compute dtype (the caller merges them)."""
+  """The forward and backward in the KernelParts convention, in the compute dtype."""
 
   def split_heads(q):
     b, sq, h, d = q.shape
@@ -328,7 +308,7 @@ def _kernel_parts(cfg: _Static, kh: int) -> KernelParts:
 def flash_attention_jax(query, key, value, query_positions, query_segment_ids, kv_positions,
                         kv_segment_ids, mask: AttentionMask, *, scale: float,
                         logits_soft_cap: float | None, sinks: jax.Array | None) -> jax.Array:
-  """Blockwise attention over validated inputs. Shapes as in `kvax_plugin.flash_attention`."""
+  """Blockwise attention over validated inputs; shapes as `kvax_plugin.flash_attention`."""
   b, sq, h, dqk = query.shape
   kh = key.shape[2]
   cfg = _Static(scale=float(scale), soft_cap=None if logits_soft_cap is None

@@ -1,13 +1,10 @@
 """install() / uninstall(): route MaxText's attention="kvax" to the seam, reversibly.
 
-These attributes are replaced, each remembered with its original:
-  AttentionOp.apply_attention   -> kvax when self.attention_kernel == "kvax", else the original
-  NNXDecoder.__call__           -> builds the mask once per call (seam.decoder_entry)
-  train_utils.setup_train_loop  -> with attention=kvax, the batch reorder follows
-                                   kvax_context_parallel_order (batch_order.setup_train_loop_entry)
-  pyconfig.initialize[_pydantic] -> default config_class = MaxTextConfig + kvax_* keys
-A MaxText already patched with patches/maxtext/<version>/ routes kvax itself; install() then
-only adds the config class, so nothing is wrapped twice.
+Replaced, each remembered with its original: AttentionOp.apply_attention (kvax when
+attention_kernel == "kvax"), NNXDecoder.__call__ (seam.decoder_entry),
+train_utils.setup_train_loop (batch_order.setup_train_loop_entry) and pyconfig.initialize[_pydantic]
+(config_class with the kvax_* keys). A MaxText patched with patches/maxtext/<version>/ only gets
+the config class.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ def _train_targets():
 
 
 def is_patched() -> bool:
-  """True when MaxText's source carries patches/maxtext (it then routes kvax itself)."""
   attention_op, _, _ = _targets()
   return bool(getattr(attention_op, "KVAX_PATCHED", False))
 
@@ -58,7 +54,7 @@ def _with_kvax_config_class(original):
 
   @functools.wraps(original)
   def initialize(argv=None, config_class=types.MaxTextConfig, **kwargs):
-    # Only MaxText's own default is replaced; an explicit other class is the caller's choice.
+    # Only MaxText's own default class is replaced.
     if config_class is types.MaxTextConfig:
       config_class = settings.kvax_config_class()
     return original(argv, config_class=config_class, **kwargs)
@@ -74,10 +70,7 @@ def _replace(owner, name: str, new) -> None:
 
 def install(*, allow_unsupported_version: bool = False) -> None:
   """Make attention="kvax" a MaxText attention kernel. Idempotent; undo with uninstall().
-
-  Raises MaxTextVersionError (naming the supported versions) when the installed MaxText is
-  not a supported version, or when a wrapped function's parameters changed.
-  """
+  Raises MaxTextVersionError for an unsupported MaxText or changed wrapped signatures."""
   with _LOCK:
     if _ORIGINALS:
       return
@@ -95,7 +88,7 @@ def install(*, allow_unsupported_version: bool = False) -> None:
     }
     for label, fn in checks.items():
       versions.check_signature(label, fn)
-    settings.kvax_config_class()  # fail here, not mid-run, if MaxTextConfig cannot be extended
+    settings.kvax_config_class()
     if not is_patched():
       _replace(attention_op.AttentionOp, "apply_attention",
                _routed_apply_attention(attention_op.AttentionOp.apply_attention))
@@ -109,7 +102,7 @@ def install(*, allow_unsupported_version: bool = False) -> None:
 
 
 def uninstall() -> None:
-  """Restore every attribute install() replaced (a no-op when not installed)."""
+  """Restore every attribute install() replaced (no-op when not installed)."""
   with _LOCK:
     for (owner, name), original in reversed(list(_ORIGINALS.items())):
       setattr(owner, name, original)

@@ -1,13 +1,10 @@
 """The context-parallel token order of MaxText batches with attention=kvax.
 
-When MaxText load-balances context parallelism it permutes each batch in its input pipeline
-(get_reorder_callable: Llama 3's dual chunk swap). With attention=kvax the key
-`kvax_context_parallel_order` chooses the order instead: "auto" ("balanced" when MaxText
-reorders, else "natural"), "balanced" (token_order.balanced_order per row), "llama3" (MaxText's
-own), "natural" (none). The kvax op is told which order arrives; nothing in the step needs
-undoing (per-token loss, RoPE reads positions). `to_natural_order` restores natural order.
-install() wraps train_utils.setup_train_loop so get_reorder_callable answers through
-`reorder_callable` (patches/maxtext/<version>/0004 does the same in the source).
+MaxText's load-balanced context parallelism permutes each batch in its input pipeline (Llama 3's
+dual chunk swap). With attention=kvax, `kvax_context_parallel_order` chooses the order instead:
+"auto" ("balanced" when MaxText reorders, else "natural"), "balanced", "llama3" or "natural".
+The op is told which order arrives; nothing in the step needs undoing. install() routes
+get_reorder_callable through `reorder_callable` (as patches/maxtext/<version>/0004 does).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from kvax_plugin.integrations.maxtext import settings
 
 ORDER_KEY = "kvax_context_parallel_order"
 CHOICES = ("auto",) + orders.ORDERS
-# What MaxText's own reorder permutes (max_utils.reorder_causal_load_balanced).
 REORDER_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "inputs_segmentation",
                 "targets_segmentation", "corruption_mask", "targets_loss_mask")
 MAXTEXT_PADDING_SEGMENT_ID = 0
@@ -35,7 +31,6 @@ def _uses_kvax(config) -> bool:
 
 
 def configured_order(config) -> str:
-  """The key's value, checked (an error names the key and its choices)."""
   value = settings.config_value(config, ORDER_KEY)
   if value not in CHOICES:
     raise ValueError(f"MaxText config {ORDER_KEY}={value!r}: must be one of {CHOICES}")
@@ -43,12 +38,9 @@ def configured_order(config) -> str:
 
 
 def order_for(config, reorder_cp_size: int, context_size: int = 1) -> str:
-  """The order batches arrive in, given the cp MaxText reorders for (1: it does not) and the
-  size of the context axis.
-
-  "llama3" and "balanced" need MaxText to reorder (context_parallel_load_balance=true); asking
-  for them on a context-parallel mesh without it is an error naming both keys.
-  """
+  """The order batches arrive in, given the cp MaxText reorders for (1: none) and the context
+  axis size. "llama3" / "balanced" without MaxText's reorder on a context-parallel mesh is an
+  error naming both keys."""
   value = configured_order(config)
   if reorder_cp_size > 1:
     return "balanced" if value == "auto" else value
@@ -60,7 +52,6 @@ def order_for(config, reorder_cp_size: int, context_size: int = 1) -> str:
 
 
 def order_for_mesh(config, mesh) -> str:
-  """order_for with the cp MaxText's input pipeline reorders for on `mesh`."""
   if mesh is None:
     return "natural"
   from maxtext.utils import max_utils
@@ -69,17 +60,15 @@ def order_for_mesh(config, mesh) -> str:
 
 
 def unit_blocks(config) -> tuple[int, int]:
-  """(unit, kv_block) of the balanced order: the larger kvax query block size (so every query
-  block of the forward and backward passes lies inside one unit), and the forward kv block."""
+  """(unit, kv_block) of the balanced order: the larger query block size, the forward kv block."""
   options = settings.options_from_config(config)
   unit = max(options.fwd_params.query_block_size, options.bwd_params.query_block_size)
   return unit, options.fwd_params.kv_block_size
 
 
 def _kvax_segments(batch) -> tuple[jax.Array, jax.Array]:
-  """(positions, segment ids) int32 [B, S] in kvax convention from a MaxText batch."""
   pos = batch["inputs_position"]
-  if pos.ndim == 3:  # M-RoPE positions [B, S, 3]: the first (temporal) component orders tokens
+  if pos.ndim == 3:
     pos = pos[..., 0]
   seg = batch.get("inputs_segmentation")
   if seg is None:
@@ -89,7 +78,6 @@ def _kvax_segments(batch) -> tuple[jax.Array, jax.Array]:
 
 
 def balanced_reorder(config, cp_size: int):
-  """batch dict -> the batch in the balanced order (a jitted function of the batch)."""
   unit, kv_block = unit_blocks(config)
   seq_len = int(getattr(config, "max_target_length"))
   if seq_len % (cp_size * unit):
@@ -111,11 +99,8 @@ def balanced_reorder(config, cp_size: int):
 
 
 def reorder_callable(config, cp_size: int, upstream):
-  """What MaxText's setup_train_loop should wrap its data iterators with.
-
-  upstream: the callable maxtext_utils.get_reorder_callable made (MaxText's own reorder).
-  Returns upstream unless attention=kvax chose another order.
-  """
+  """What MaxText's setup_train_loop wraps its data iterators with: `upstream` (MaxText's own
+  reorder) unless attention=kvax chose another order."""
   if not _uses_kvax(config):
     return upstream
   order = order_for(config, cp_size)
@@ -128,7 +113,6 @@ def reorder_callable(config, cp_size: int, upstream):
 
   def apply(batch):
     out = reorder(batch)
-    # As MaxText's shard_reorder_causal_load_balanced: keep the batch's sharding.
     for v in batch.values():
       if isinstance(v, jax.Array):
         from maxtext.utils import sharding
@@ -140,7 +124,6 @@ def reorder_callable(config, cp_size: int, upstream):
 
 @contextlib.contextmanager
 def reorder_hook(config):
-  """Within the block, maxtext_utils.get_reorder_callable answers through reorder_callable."""
   from maxtext.utils import maxtext_utils
   original = maxtext_utils.get_reorder_callable
 
@@ -156,7 +139,6 @@ def reorder_hook(config):
 
 
 def setup_train_loop_entry(setup):
-  """Wrap train_utils.setup_train_loop(config, ...) with reorder_hook(config)."""
   if getattr(setup, "__kvax_original__", None) is not None:
     return setup
 
@@ -172,13 +154,8 @@ def setup_train_loop_entry(setup):
 
 
 def to_natural_order(tree, batch):
-  """Arrays [B, S, ...] of a reordered batch (and the batch's own keys) back in natural order.
-
-  The permutation is recovered from the reordered batch's positions and segmentation
-  (token_order.document_order), which restores MaxText's packing order: contiguous documents,
-  segment ids increasing along the row, padding at the end. tree: an array or a dict / tuple /
-  list of them with batch and sequence as axes 0 and 1.
-  """
+  """Arrays [B, S, ...] (batch and sequence axes 0 and 1) of a reordered batch back in natural
+  order, recovered from the batch's positions and segmentation (token_order.document_order)."""
   pos, seg = _kvax_segments(batch)
   doc = orders.document_order(pos, seg)
   return orders.apply_token_order(tree, orders.TokenOrder(doc, jnp.argsort(doc, axis=1)))

@@ -1,10 +1,8 @@
 """The launcher's console: its own lines on the terminal, everything else in maxtext.log.
 
-With cfg.quiet (the default) the terminal shows the banner, the model line, one line per step,
-the summary and errors; file descriptors 1 and 2 point at <output dir>/maxtext.log for the run
-(XLA writes to fd 2 directly) and the launcher writes through duplicates (Console.out / .err).
-Until open_log() output is held in a temporary file, copied to the log or replayed on failure.
-A failing quiet run's traceback goes to the log, whose path the exception carries.
+With cfg.quiet (the default) descriptors 1 and 2 point at <output dir>/maxtext.log (XLA writes
+to fd 2 directly) and the launcher writes through duplicates (Console.out / .err). Until
+open_log() output is held in a temporary file. A failing run's traceback goes to the log.
 """
 
 from __future__ import annotations
@@ -16,19 +14,17 @@ import sys
 import tempfile
 import traceback
 
-# The attribute naming the log that holds an exception's traceback (set on quiet runs).
 log_path_attr = "kvax_log_path"
 
 
 class Console:
-  """Context manager; see the module docstring."""
 
   def __init__(self, quiet: bool):
     self.quiet = quiet
     self.out, self.err = sys.stdout, sys.stderr
     self.log_path: str | None = None
-    self._saved: tuple[int, int] | None = None  # the original descriptors 1 and 2
-    self._sink = None  # the file descriptors 1 and 2 point at while quiet
+    self._saved: tuple[int, int] | None = None
+    self._sink = None
     self._handler: logging.Handler | None = None
     self._absl_level: int | None = None
     self._line_buffering: bool | None = None
@@ -42,21 +38,18 @@ class Console:
     self.err = _text(self._saved[1], sys.stderr)
     self._point_at(tempfile.TemporaryFile())
     if hasattr(sys.stdout, "reconfigure"):
-      # A pipe makes sys.stdout block-buffered: MaxText's print()s would reach the log late,
-      # out of order with the logging records around them.
+      # A pipe would make sys.stdout block-buffered: MaxText's prints would reach the log late.
       self._line_buffering = sys.stdout.line_buffering
       sys.stdout.reconfigure(line_buffering=True)
     return self
 
   def open_log(self, log_path: str) -> None:
-    """From here on the output goes to `log_path` (written anew), after what came before."""
+    """From here on the output goes to `log_path` (written anew)."""
     from absl import logging as absl_logging
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     self.log_path = log_path
     if self.quiet:
       open(log_path, "wb").close()
-      # Appending: descriptors 1 / 2 and the logging handler below write to the same file
-      # through separate offsets.
       sink = open(log_path, "ab")
       _flush()
       self._sink.seek(0)
@@ -69,8 +62,7 @@ class Console:
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(self._handler)
     if self.quiet:
-      # absl's handler writes to descriptor 2, i.e. into the log too: a second copy of every
-      # record the file handler already wrote.
+      # absl's handler writes to descriptor 2: a second copy of every record.
       absl_handler = absl_logging.get_absl_handler()
       self._absl_level = absl_handler.level
       absl_handler.setLevel(logging.CRITICAL + 1)
@@ -100,7 +92,7 @@ class Console:
     for fd in self._saved:
       os.close(fd)
     if self.log_path is None:
-      # Left before its log existed (a failed check): show what it printed, as without quiet.
+
       self._sink.seek(0)
       sys.stderr.write(self._sink.read().decode(errors="replace"))
       sys.stderr.flush()
@@ -119,8 +111,7 @@ class Console:
 
 
 def _flush() -> None:
-  # Python's buffers drain into whatever descriptor 1 / 2 is at the time: empty them before
-  # it changes.
+  # Flush Python's buffers before descriptors 1 / 2 change.
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
@@ -129,6 +120,5 @@ def _flush() -> None:
 
 
 def _text(fd: int, like):
-  """A line-buffered text stream on a duplicate of `fd`, with `like`'s encoding."""
   return os.fdopen(os.dup(fd), "w", buffering=1, encoding=getattr(like, "encoding", None),
                    errors=getattr(like, "errors", None) or "strict")

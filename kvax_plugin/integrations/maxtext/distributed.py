@@ -1,15 +1,12 @@
 """Several processes, one training run: jax.distributed for MaxText with attention=kvax.
 
-MaxText starts jax.distributed itself only from scheduler environment variables, so the launcher
-takes the coordinator, process count and id as flags and initializes before anything touches a
-device (on each host I = 0 .. N-1):
+MaxText starts jax.distributed only from scheduler variables, so the launcher takes flags and
+initializes before anything touches a device (on each host I = 0 .. N-1):
 
     python -m kvax_plugin.launch --config=llama3:8b \\
         --coordinator_address=HOST0:12345 --num_processes=N --process_id=I
 
-The mesh is MaxText's (ici_* axes over all processes' devices, later axes innermost). On CPU
-the collectives go through gloo; on GPUs a process uses every GPU it sees. Process 0 writes the
-run's files, process I > 0 its own under <output dir>/process_I. docs/context-parallelism.md.
+Process 0 writes the run's files, process I > 0 its own under <output dir>/process_I.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ import os
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                timeout_s: int = 300) -> None:
-  """Join the run's other processes; call before anything touches a JAX device.
-
-  coordinator_address: "host:port" that process 0 listens on and the others reach.
-  """
+  """Join the run's other processes (coordinator_address: process 0's "host:port"); call before
+  anything touches a JAX device."""
   import jax
   host, sep, port = coordinator_address.rpartition(":")
   if not sep or not host or not port.isdigit():
@@ -36,8 +31,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                      f"(num_processes={num_processes})")
   if jax.distributed.is_initialized():
     raise RuntimeError("jax.distributed is already initialized in this process")
-  # CPU devices of different processes need a collectives implementation to talk at all (the
-  # default of older JAX releases is none); it only concerns the CPU client.
+  # CPU devices of different processes need a collectives implementation to talk at all.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id,
@@ -45,10 +39,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 
 
 def join_processes(n: int, i: int, address: str | None, cfg, raw: dict[str, str]) -> None:
-  """The launcher's --num_processes=n / --process_id=i / --coordinator_address=address: join
-  the other processes (before anything uses a device), and send this process's files to
-  <output dir>/process_<i> when i > 0 (processes sharing a disk would overwrite each other's
-  maxtext.log, metrics and summary). Nothing happens for one process."""
+  """The launcher's --num_processes / --process_id / --coordinator_address: join the others and
+  send process i > 0's files to <output dir>/process_<i>. Nothing happens for one process."""
   from kvax_plugin.errors import FlagError, SetupError
   from kvax_plugin.integrations.maxtext.launch_checks import one_line
   from kvax_plugin.integrations.maxtext.launch_keys import output_dir
@@ -64,23 +56,18 @@ def join_processes(n: int, i: int, address: str | None, cfg, raw: dict[str, str]
     initialize(address, n, i)
   except ValueError as e:
     raise FlagError(f"--{e}") from e
-  except RuntimeError as e:  # e.g. the coordinator unreachable, or process ids that clash
+  except RuntimeError as e:
     raise SetupError(f"--coordinator_address={address} --process_id={i}: joining the other "
                      f"{n - 1} process(es) failed: {one_line(e)}") from e
   if i > 0 and "base_output_directory" not in raw and "run_name" not in raw:
     cfg.output_dir = os.path.join(output_dir(cfg), f"process_{i}")
 
 def barrier(name: str, *, timeout_s: int = 900) -> None:
-  """Wait until every process of the run reaches `name` (through jax.distributed's coordination
-  service, not a device collective). No-op in a single process.
-
-  Gloo, the CPU collectives, gives a process 30 s (a fixed limit, not XLA's
-  --xla_cpu_collective_timeout_seconds) to reach its first collective over a given set of
-  devices after the others have; processes that compile at different speeds on a busy machine
-  can drift further apart than that. Calling this just before the first step lines them up.
-  """
+  """Wait until every process reaches `name` (jax.distributed's coordination service). Gloo
+  gives a process 30 s to reach a first collective after the others, which processes compiling
+  at different speeds can exceed; this lines them up. No-op in a single process."""
   import jax
-  from jax._src import distributed as jax_distributed  # the client has no public accessor
+  from jax._src import distributed as jax_distributed
   if jax.process_count() == 1:
     return
   client = jax_distributed.global_state.client
@@ -91,9 +78,8 @@ def barrier(name: str, *, timeout_s: int = 900) -> None:
 
 @contextlib.contextmanager
 def barrier_before_first_batch():
-  """Within the block, MaxText's data loader waits for every process (barrier) before its first
-  batch: MaxText has compiled the train step by then, so the processes reach its first
-  collective together. Nothing changes in a single process."""
+  """MaxText's data loader waits for every process before its first batch, so they reach the
+  train step's first collective together."""
   import jax
   if jax.process_count() == 1:
     yield

@@ -1,11 +1,5 @@
-"""The launcher's checks: each bad value is one error line naming the flag or raw key at fault.
-
-kvax_plugin.launch runs them on the way from flags to MaxText's config: the --config file
-(check_config_path, check_family_file), the config's fields (check_config), the platform and
-attention kernel (detect_platform, check_attention), the kvax backend (check_backend,
-resolve_kvax_backend), MaxText's version and model yml (check_model), the trailing raw
-`key=value` MaxText keys (parse_raw_overrides, check_raw_overrides, check_raw_keys), and,
-after MaxText has built its config, what that config runs (what_maxtext_runs).
+"""The launcher's checks: each bad value is one error line naming the flag or raw key at fault,
+run by kvax_plugin.launch between the flags and MaxText's config.
 """
 
 from __future__ import annotations
@@ -30,9 +24,8 @@ def _configs_dir() -> str:
 
 
 def resolve_config_path(path: str) -> str:
-  """The config file `path` names: an existing file as is; else a family name ("llama3") or a
-  checkout's path to one ("configs/llama3.py") as the file shipped in the package, so the
-  README's commands run from an install too. Other paths come back unchanged."""
+  """The config file `path` names: an existing file as is; else a family name or a checkout's
+  "configs/<family>.py" as the file shipped in the package. Other paths come back unchanged."""
   if os.path.isfile(path):
     return path
   name = os.path.basename(path)
@@ -44,7 +37,6 @@ def resolve_config_path(path: str) -> str:
 
 
 def resolve_config_argv(argv: Sequence[str]) -> list[str]:
-  """argv with its --config value's file resolved (resolve_config_path)."""
   out = list(argv)
   for i, arg in enumerate(out):
     if arg == "--config" and i + 1 < len(out):
@@ -59,9 +51,9 @@ def resolve_config_argv(argv: Sequence[str]) -> list[str]:
 
 
 def check_config_path(argv: Sequence[str]) -> None:
-  """Name the family when --config points at no file (config_flags would defer a vague error)."""
+  """Name the family when --config points at no file."""
   if any(a in ("-h", "--help", "--helpshort", "--helpfull", "-?") for a in argv):
-    return  # help needs no config
+    return
   for i, arg in enumerate(argv):
     if arg == "--config" and i + 1 < len(argv):
       value = argv[i + 1]
@@ -82,8 +74,7 @@ def check_config_path(argv: Sequence[str]) -> None:
 
 
 def check_family_file(value: str, path: str, families: str) -> None:
-  """A --config file must be a Python file defining get_config (read, not run: a README or a
-  helper module would otherwise fail inside config_flags with a syntax or attribute error)."""
+  """A --config file must be a Python file defining get_config (read, not run)."""
   import ast
   try:
     with open(path, encoding="utf-8") as f:
@@ -100,7 +91,6 @@ def check_family_file(value: str, path: str, families: str) -> None:
 
 
 def detect_platform() -> str:
-  """"gpu" or "cpu": the platform of this process's default JAX devices."""
   import jax
   platform = jax.default_backend()
   if platform not in ("gpu", "cpu"):
@@ -110,7 +100,6 @@ def detect_platform() -> str:
 
 
 def check_config(cfg) -> None:
-  """Checks that need no MaxText config; each error names the flag at fault."""
   if cfg.family not in FAMILIES:
     raise FlagError(f"--config: family {cfg.family!r} is not one of {FAMILIES}")
   if cfg.attention not in ATTENTIONS:
@@ -162,7 +151,6 @@ def check_config(cfg) -> None:
 
 
 def check_model(cfg) -> None:
-  """MaxText is installed in a supported version and ships configs/models/<cfg.model>.yml."""
   from kvax_plugin.integrations.maxtext import versions
   try:
     versions.check_version()
@@ -175,12 +163,10 @@ def check_model(cfg) -> None:
 
 
 def check_backend(cfg) -> str:
-  """The kvax backend the run will use; an explicit one that cannot run here is an error."""
   return resolve_kvax_backend(cfg.kvax.backend, f"--config.kvax.backend={cfg.kvax.backend}")
 
 
 def resolve_kvax_backend(name: str, flag: str) -> str:
-  """`name` resolved ("auto" -> the backend that will run); errors name `flag`."""
   if name not in KVAX_BACKENDS:
     raise FlagError(f"{flag}: choose one of {KVAX_BACKENDS}")
   try:
@@ -190,23 +176,19 @@ def resolve_kvax_backend(name: str, flag: str) -> str:
 
 
 def check_attention(attention: str, platform: str, flag: str) -> None:
-  """An attention kernel the launcher knows, and one MaxText can run on this platform."""
   if attention not in ATTENTIONS:
     raise FlagError(f"{flag}: choose one of {ATTENTIONS}")
   if platform == "cpu" and attention not in ("kvax", "dot_product", "autoselected"):
-    # MaxText's fused kernels are Pallas TPU / Triton GPU / cuDNN programs: they fail on CPU
-    # deep inside tracing. Say so up front.
+    # MaxText's fused kernels fail deep inside tracing on CPU.
     raise FlagError(f"{flag}: MaxText runs this kernel only on GPU/TPU; on CPU use kvax or "
                     "dot_product")
   if (attention == "cudnn_flash_te" and platform == "gpu"
       and importlib.util.find_spec("transformer_engine") is None):
-    # Otherwise MaxText's import fails inside the first trace, after its setup and compile.
     raise FlagError(f"{flag}: MaxText runs this kernel through TransformerEngine, which is not "
                     "installed (pip install transformer-engine-jax transformer-engine-cu13; "
                     "benchmarks/tools/transformer_engine/ for the GPU machines here)")
 
 
-# Raw keys with a meaning the launcher checks itself (a positive int), as for their --config twins.
 _RAW_POSITIVE_INTS = ("steps", "max_target_length", "log_period")
 
 
@@ -221,8 +203,7 @@ def _backend_flag(cfg, raw: dict[str, str], value: str) -> str:
 
 
 def check_raw_overrides(cfg, raw: dict[str, str], platform: str) -> None:
-  """Raw keys get the launcher's checks too (no bypass): the attention kernel, the kvax
-  backend, and positive counts; each error names the raw key."""
+  """Raw keys get the launcher's checks too; each error names the raw key."""
   if "attention" in raw:
     check_attention(raw["attention"], platform, _attention_flag(cfg, raw))
   attention = raw.get("attention", cfg.attention)
@@ -239,8 +220,8 @@ def check_raw_overrides(cfg, raw: dict[str, str], platform: str) -> None:
 
 
 def what_maxtext_runs(config, cfg, raw: dict[str, str], platform: str) -> tuple[str, str | None]:
-  """(attention kernel, resolved kvax backend or None) read back from MaxText's final config:
-  what the run uses whatever the launcher config said (raw keys win). Errors name the flag."""
+  """(attention kernel, resolved kvax backend or None) from MaxText's final config (raw keys
+  win)."""
   attention = str(config.attention)
   check_attention(attention, platform, _attention_flag(cfg, raw))
   if attention != "kvax":
@@ -250,8 +231,7 @@ def what_maxtext_runs(config, cfg, raw: dict[str, str], platform: str) -> tuple[
 
 
 def _scalar_annotation(annotation) -> bool:
-  """Whether a config field's type is a plain scalar (bool / int / float / Literal, or a union
-  of those and None) whose value pydantic can check alone; other fields MaxText coerces itself."""
+  """Whether a config field's type is a plain scalar pydantic can check alone."""
   import types
   import typing
   origin = typing.get_origin(annotation)
@@ -264,9 +244,8 @@ def _scalar_annotation(annotation) -> bool:
 
 
 def check_raw_keys(raw: dict[str, str], config_class) -> None:
-  """Every raw key is a field of MaxText's config (nested models included, as MaxText reads
-  them), and a scalar field's value parses as its type: a mistake is one line naming the key
-  instead of a traceback from MaxText's config loader."""
+  """Every raw key is a field of MaxText's config and a scalar's value parses as its type: one
+  line naming the key instead of a traceback."""
   import difflib
 
   import omegaconf
@@ -285,7 +264,7 @@ def check_raw_keys(raw: dict[str, str], config_class) -> None:
     annotation = fields[key].annotation
     if not _scalar_annotation(annotation):
       continue
-    # MaxText reads key=value with OmegaConf's command-line grammar; "none" means None.
+    # OmegaConf's command-line grammar; "none" means None.
     parsed = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.from_cli([f"{key}={value}"]))[key]
     if isinstance(parsed, str) and parsed.lower() == "none":
       parsed = None
@@ -302,7 +281,6 @@ def one_line(e: BaseException) -> str:
 
 
 def parse_raw_overrides(args: Sequence[str]) -> dict[str, str]:
-  """Trailing `key=value` arguments (MaxText keys); anything else is an error."""
   raw = {}
   for arg in args:
     key, sep, value = arg.partition("=")

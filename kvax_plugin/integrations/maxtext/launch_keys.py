@@ -1,8 +1,5 @@
-"""The launcher's config (kvax_plugin/configs/<family>.py) as MaxText keys, and checks on MaxText's result.
-
-`maxtext_keys` translates a checked launcher config into MaxText key -> value,
-`maxtext_argv` into the argv of MaxText's train entry point, and `check_maxtext_config` checks
-MaxText's resolved config (head counts come from its model yml) naming the flag to change.
+"""The launcher's config (kvax_plugin/configs/<family>.py) as MaxText keys and argv, and checks
+on MaxText's resolved config naming the flag to change.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from typing import Any
 
 from kvax_plugin.errors import FlagError
 
-# config.mesh field -> MaxText key
 MESH_KEYS = {f"{net}_{axis}": f"{net}_{axis}_parallelism"
              for net in ("ici", "dcn") for axis in ("data", "fsdp", "tensor", "context")}
 KVAX_KEYS = ("fwd_query_block_size", "fwd_kv_block_size", "bwd_query_block_size",
@@ -32,11 +28,9 @@ def output_dir(cfg) -> str:
 
 
 def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
-  """The MaxText keys (name -> value) the config translates to, before raw overrides."""
   out = output_dir(cfg)
   keys: dict[str, Any] = dict(
       model_name=cfg.model,
-      # Our variants change model-yml keys (width, depth, experts) on purpose.
       override_model_config=True,
       attention=cfg.attention,
       max_target_length=cfg.seq_len,
@@ -46,10 +40,8 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
       warmup_steps_fraction=cfg.warmup_steps_fraction,
       init_weights_seed=cfg.seed,
       context_parallel_load_balance=cfg.context_parallel_load_balance,
-      # Our batches are packed (several documents per row); MaxText reads this flag for its
-      # context-parallel checks. dataset_type stays "synthetic" only to pass MaxText's data-key
-      # validation: the run replaces MaxText's iterator with the packed corpus
-      # (training_hooks.packed_corpus_pipeline).
+      # Our rows are packed; "synthetic" dataset_type only passes MaxText's data-key validation
+      # (the run replaces its iterator with the packed corpus).
       packing=True,
       dataset_type="synthetic",
       enable_checkpointing=False,
@@ -61,7 +53,7 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
       dtype=("bfloat16" if platform == "gpu" else "float32") if cfg.dtype == "auto" else cfg.dtype,
   )
   if cfg.hardware == "auto":
-    # One process driving this host's devices: jax.distributed would wait for peers.
+    # One process: jax.distributed would wait for peers.
     keys.update(hardware=platform, skip_jax_distributed_system=True)
   else:
     keys.update(hardware=cfg.hardware)
@@ -75,20 +67,16 @@ def maxtext_keys(cfg, platform: str) -> dict[str, Any]:
   return keys
 
 
-# MaxText's remat policy where its GPU recipe for a model sets none.
 GPU_DEFAULT_REMAT_POLICY = "minimal_with_context"
 
 
 def gpu_recipe(model: str) -> dict[str, Any]:
-  """The training keys of MaxText's GPU recipe for `model` (its configs/gpu/models/*.yml whose
-  model_name is `model`): remat_policy and scan_layers where it sets them; {} when there is
-  none."""
+  """remat_policy and scan_layers of MaxText's GPU recipe for `model` ({} when none)."""
   import yaml
   folder = os.path.join(maxtext_dir(), "configs", "gpu", "models")
   if not os.path.isdir(folder):
     return {}
-  # The recipe named after the model first (llama3-8b: llama3_8b.yml): shrunk recipes of other
-  # sizes can name the same model_name with their own overrides.
+  # The recipe named after the model first (other sizes may share its model_name).
   named = model.replace("-", "_") + ".yml"
   names = sorted(n for n in os.listdir(folder) if n.endswith(".yml"))
   for name in sorted(names, key=lambda n: n != named):
@@ -100,9 +88,8 @@ def gpu_recipe(model: str) -> dict[str, Any]:
 
 
 def remat_keys(cfg, platform: str) -> dict[str, Any]:
-  """MaxText keys for cfg.remat_policy. "auto" on GPU: MaxText's GPU recipe for the model
-  (gpu_recipe), with GPU_DEFAULT_REMAT_POLICY where the recipe sets no policy; "auto" on CPU:
-  none (MaxText's default). Another value is MaxText's remat_policy as given."""
+  """MaxText keys for cfg.remat_policy ("auto": gpu_recipe on GPU, else GPU_DEFAULT_REMAT_POLICY;
+  MaxText's default on CPU)."""
   if cfg.remat_policy != "auto":
     return {"remat_policy": cfg.remat_policy}
   if platform != "gpu":
@@ -110,24 +97,15 @@ def remat_keys(cfg, platform: str) -> dict[str, Any]:
   return {"remat_policy": GPU_DEFAULT_REMAT_POLICY, **gpu_recipe(cfg.model)}
 
 
-# Stands in for a data path: MaxText validates that one is set, but the launcher replaces
-# MaxText's data iterator with the packed corpus (training_hooks.packed_corpus_pipeline).
+# MaxText wants a data path set; the launcher replaces its data iterator anyway.
 TE_DATA_PLACEHOLDER = "kvax-plugin-packed-corpus"
 
 
 def te_packing_keys(cfg, keys: dict[str, Any], raw: dict[str, str]) -> dict[str, Any]:
-  """The keys MaxText's cudnn_flash_te (TransformerEngine) needs to see our rows as packed
-  ({} for other attentions, or when raw keys choose MaxText's own data pipeline).
-
-  `keys` are the run's MaxText keys (raw overrides applied); raw keys are never replaced.
-  - MaxText gives TransformerEngine the segment ids (its THD layout) only when `dataset_type`
-    is not "synthetic"; with "synthetic" TE would attend across the documents of a row.
-  - With context parallelism TE takes packed rows only through its ring strategy (MaxText then
-    reorders batches "striped").
-  - `max_segments_per_seq` must be at least the most documents in any row (fewer would corrupt
-    TE's results, a looser bound costs it speed): it is counted on the batches this run trains
-    on.
-  """
+  """The keys cudnn_flash_te (TransformerEngine) needs to see our rows as packed ({} for other
+  attentions or when raw keys pick MaxText's data pipeline; raw keys are never replaced): a
+  non-"synthetic" dataset_type (else TE attends across documents), the ring strategy under
+  context parallelism, and max_segments_per_seq counted on this run's batches (fewer corrupts)."""
   if keys["attention"] != "cudnn_flash_te" or "dataset_type" in raw:
     return {}
   import jax
@@ -149,7 +127,7 @@ def te_packing_keys(cfg, keys: dict[str, Any], raw: dict[str, str]) -> dict[str,
 
 
 def argv_value(value: Any) -> str:
-  # MaxText parses key=value with OmegaConf's command-line grammar (YAML-like scalars).
+  # OmegaConf's command-line grammar (YAML-like scalars).
   if isinstance(value, bool):
     return "true" if value else "false"
   if isinstance(value, float):
@@ -158,7 +136,6 @@ def argv_value(value: Any) -> str:
 
 
 def maxtext_argv(keys: dict[str, Any]) -> list[str]:
-  """argv for MaxText's train entry: program, base.yml, then key=value."""
   return ["kvax_plugin.launch", os.path.join(maxtext_dir(), "configs", "base.yml")] + [
       f"{k}={argv_value(v)}" for k, v in keys.items()]
 
@@ -174,7 +151,6 @@ def flag_for(key: str, raw: dict[str, str]) -> str:
 
 
 def check_maxtext_config(config, cfg, raw: dict[str, str]) -> None:
-  """Checks on MaxText's resolved config (head counts come from the model yml)."""
   import jax
   tensor = config.ici_tensor_parallelism * max(1, config.dcn_tensor_parallelism)
   heads, kv_heads = config.num_query_heads, config.num_kv_heads
@@ -185,7 +161,6 @@ def check_maxtext_config(config, cfg, raw: dict[str, str]) -> None:
   if tensor > 1 and kv_heads >= tensor and kv_heads % tensor:
     raise FlagError(f"{flag}: the tensor axis ({tensor}) must divide the {kv_heads} kv heads of "
                     f"{cfg.model} (as configured)")
-  # MaxText fills one -1 axis with what is left; the fixed axes must fit the devices of a slice.
   ici = [int(a) for a in config.ici_parallelism]
   per_slice = jax.device_count() // max(1, int(config.num_slices))
   fixed = math.prod(a for a in ici if a != -1)

@@ -4,8 +4,8 @@
     python -m kvax_plugin.integrations.maxtext.patching apply [--root DIR] [--dry-run]
     python -m kvax_plugin.integrations.maxtext.patching revert [--root DIR]
 
-The manifest records each target's sha256 before and after its patch, so a tree is known to be
-upstream, patched, or something else (refused: the patches were written for exact files).
+The manifest records each target's sha256 before and after its patch; a tree that is neither
+is refused.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ def load_manifest(directory: str) -> dict:
 
 
 def installed_root() -> str:
-  """The directory holding the importable `maxtext` package."""
   import importlib.util
   spec = importlib.util.find_spec("maxtext")
   if spec is None or not spec.submodule_search_locations:

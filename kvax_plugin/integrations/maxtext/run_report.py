@@ -32,10 +32,8 @@ def plot_losses(records: Sequence[StepRecord], path: str, title: str) -> str:
 
 
 def draw_first_mask(corpus: PackedCorpus, out: str) -> list[str]:
-  """mask.png: the first batch's global causal block mask (mask_local.png: with the window).
-
-  The row drawn is the one holding the most documents, where skipping is most visible.
-  """
+  """mask.png: the first batch's global causal block mask of its row with the most documents
+  (mask_local.png: with the window)."""
   import kvax_plugin
   row = max(range(corpus.first.num_seqs), key=lambda r: len(corpus.first.pieces[r]))
   docs = len(corpus.first.pieces[row])
@@ -60,9 +58,8 @@ def tensorboard_files(config) -> list[str]:
 def write_report(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
                  backend: str | None, *, out: str, log_path: str, can_draw: bool, timer,
                  t0: float, t_end: float, stream=None) -> dict[str, Any]:
-  """The end of a launcher run: pictures, the summary with its wall times, summary.json, and
-  the printed summary (to `stream`). `timer`: the run's setup_timing.SetupTimer; `t0` / `t_end`:
-  time.time() at the start of launch.run and after MaxText's train loop."""
+  """The end of a launcher run: pictures, summary.json and the printed summary (to `stream`);
+  t0 / t_end: time.time() at launch.run's start and after MaxText's train loop."""
   step_seconds = sum(r.step_seconds for r in progress.records)
   files = {
       "loss_png": plot_losses(progress.records, os.path.join(out, "loss.png"),
@@ -76,10 +73,7 @@ def write_report(cfg, config, progress: Progress, corpus: PackedCorpus | None, a
   }
   t_reported = time.time()
   breakdown = timer.breakdown(t0, t_end)
-  # setup_and_compile: run() up to the first step (setup_timing's docstring says what it holds
-  # and why it no longer is total minus the step clocks). Outside it: the process before run()
-  # (interpreter, jax and kvax_plugin imports; the same for every attention), the steps, and
-  # the pictures drawn after training ("reporting").
+  # Outside setup_and_compile: the process before run(), the steps, and "reporting".
   first = progress.records[0]
   wall = {"total": t_end - t0, "training": step_seconds,
           "setup_and_compile": breakdown["setup_and_compile"],
@@ -109,9 +103,7 @@ def process_age(at: float) -> float | None:
   return max(0.0, age_now - (time.time() - at))
 
 
-# Printed (and kept in summary.json) when a GPU run uses kvax under MaxText's default remat
-# policy: the forward kernel then runs twice per layer and step, which is where kvax's kernels
-# are furthest behind cuDNN (long single documents). Measured, not assumed: docs/performance.md.
+# When a GPU run uses kvax under MaxText's default remat policy (docs/performance.md).
 REMAT_FULL_NOTE = (
     "remat_policy=full reruns every layer's attention forward inside the backward (for any "
     "attention kernel); remat_policy=minimal_with_context (MaxText's own GPU llama3-8b policy) "
@@ -120,10 +112,7 @@ REMAT_FULL_NOTE = (
     "(docs/performance.md)")
 
 
-# Printed (and kept in summary.json) when a GPU run uses MaxText's flash past what its mask
-# addressing holds. MaxText 0.2.5 runs attention=flash on GPUs as tokamax's Pallas-Triton kernel
-# with a dense [B, 1, S, S] segment mask, whose element offsets the lowered kernel computes in
-# int32 (benchmarks/tools/flash_mask_offsets.py reads them; docs/integrations.md, parity).
+# When a GPU run uses MaxText's flash past its int32 mask addressing (docs/integrations.md).
 INT32_MAX = 2**31 - 1
 
 
@@ -138,7 +127,6 @@ def flash_mask_note(rows_per_device: int, seq_len: int) -> str:
 
 def run_notes(attention: str, hardware: str | None, remat_policy: str | None,
               seq_len: int | None = None, rows_per_device: int = 1) -> list[str]:
-  """Advice about this run's settings that measurements back (printed under the summary)."""
   notes = []
   if attention == "kvax" and hardware == "gpu" and remat_policy == "full":
     notes.append(REMAT_FULL_NOTE)
@@ -151,15 +139,11 @@ def run_notes(attention: str, hardware: str | None, remat_policy: str | None,
 def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, attention: str,
               backend: str | None, wall: dict[str, float], files: dict[str, Any],
               compile_breakdown: dict[str, Any] | None = None) -> dict[str, Any]:
-  """The run's summary. `attention` / `backend`: what MaxText ran, read back from its final
-  config (raw keys may have changed the launcher config's choice). `compile_breakdown`:
-  setup_timing.SetupTimer.breakdown's parts of wall["setup_and_compile"]."""
+  """The run's summary; `attention` / `backend` as read back from MaxText's final config."""
   recs = progress.records
-  # Step 1 carries dispatch warm-up. The next interval is not a step either when the first
-  # result was received late (steps 1 and 2 may arrive together). From 4 steps on, timing starts
-  # at step 3.
+  # The first steps carry warm-up: from 4 steps on, timing starts at step 3.
   timed = recs[2:] if len(recs) >= 4 else recs[1:] if len(recs) > 1 else recs
-  mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+  mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
   remat_policy = getattr(config, "remat_policy", None)
   skipped = {}
   if corpus is not None and corpus.stats and attention == "kvax":
@@ -176,12 +160,10 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
       "first_loss": recs[0].loss if recs else None, "last_loss": recs[-1].loss if recs else None,
       "min_loss": min(r.loss for r in recs) if recs else None,
       "losses": [r.loss for r in recs],
-      # Between step results (StepRecord says why); MaxText's dispatch clocks beside them.
       "step_seconds": [r.step_seconds for r in recs],
       "maxtext_step_seconds": [r.maxtext_step_seconds for r in recs],
       "mean_step_seconds": mean([r.step_seconds for r in timed]),
-      # Real tokens of the timed steps over their summed seconds (a ratio of sums: the mean of
-      # per-step ratios is pulled up by any short-clocked step, ~1.7x on 7 GPU steps).
+      # A ratio of sums (the mean of per-step ratios is pulled up by short-clocked steps).
       "mean_tokens_per_s": _tokens_per_second(timed),
       "real_token_share": (mean([s.real_tokens / max(1, s.rows * s.seq_len) for s in corpus.stats])
                            if corpus is not None and corpus.stats else None),
@@ -200,7 +182,6 @@ def summarize(cfg, config, progress: Progress, corpus: PackedCorpus | None, atte
 
 
 def _tokens_per_second(records) -> float:
-  """sum(real tokens) / sum(step seconds) over records with both (nan when none)."""
   pairs = [(r.real_tokens, r.step_seconds) for r in records
            if r.step_seconds > 0 and r.real_tokens == r.real_tokens]
   seconds = sum(sec for _, sec in pairs)
@@ -208,8 +189,7 @@ def _tokens_per_second(records) -> float:
 
 
 def _peak_device_memory_gib() -> float | None:
-  """The largest peak of bytes in use over this process's devices (GiB), as the allocator
-  reports it (GPU); None where devices keep no such statistic (CPU)."""
+  """The largest peak of device bytes in use (GiB); None where not reported (CPU)."""
   import jax
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
   peaks = [p for p in peaks if p]

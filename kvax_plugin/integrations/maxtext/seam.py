@@ -1,14 +1,9 @@
 """The seam between MaxText and the kvax provider: one mask per step, read by every layer.
 
-MaxText passes each decoder layer only the arguments its signature declares, so
-`decoder_entry` wraps NNXDecoder.__call__ and, while MaxText traces the decoder, builds the
-prepared state once into a ContextVar that `apply_attention` reads inside scan / remat bodies
-(computed once per step, shared by all layers, reset on exit).
-
-MaxText's padding segment 0 is an ordinary segment (padding attends earlier padding and feeds
-per-token losses), so it stays a segment here, never kvax's PADDING_SEGMENT_ID. Positions are
-row indices, or MaxText's positions exactly where it reads them (load-balanced context
-parallelism). install() and the patched MaxText (patches/maxtext/) both call these functions.
+`decoder_entry` wraps NNXDecoder.__call__ and builds the prepared state once per decoder trace
+into a ContextVar that `apply_attention` reads inside scan / remat bodies (MaxText passes a
+layer only what its signature declares). MaxText's padding segment 0 is an ordinary segment
+here, never kvax's PADDING_SEGMENT_ID. install() and the patched MaxText both call these.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from kvax_plugin import PADDING_SEGMENT_ID
 from kvax_plugin.providers import LayerSettings, PreparedAttention, get_provider
 from kvax_plugin.integrations.maxtext import settings
 
-ATTENTION_NAME = "kvax"  # the value of MaxText's `attention` config key that selects us
-# MaxText's packing marks padding with segment id 0, an ordinary segment to its attention.
+ATTENTION_NAME = "kvax"
 MAXTEXT_PADDING_SEGMENT_ID = 0
 
 logger = logging.getLogger("kvax_plugin.integrations.maxtext")
@@ -36,11 +30,10 @@ logger = logging.getLogger("kvax_plugin.integrations.maxtext")
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-  """What the decoder entry left for the layers of one decoder call."""
 
   prepared: PreparedAttention | None
-  unsupported: str | None = None  # why this call is routed to MaxText's own path
-  by_positions: bool = False  # the prepared masks measure causality in MaxText's positions
+  unsupported: str | None = None
+  by_positions: bool = False
 
 
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvax_maxtext_scope",
@@ -49,14 +42,14 @@ _NOTED: set[str] = set()
 
 
 def _note_once(message: str) -> None:
-  # Routing notes are per reason, not per layer / per trace, to keep logs readable.
+  # Once per reason, not per layer / trace.
   if message not in _NOTED:
     _NOTED.add(message)
     logger.warning(message)
     try:
       from maxtext.utils import max_logging
       max_logging.log(message)
-    except ImportError:  # pragma: no cover - MaxText always has it
+    except ImportError:
       pass
 
 
@@ -65,14 +58,9 @@ def uses_kvax(config) -> bool:
 
 
 def to_kvax_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) -> jax.Array:
-  """MaxText segment ids (1..n, 0 = padding; None = one document) -> kvax segment ids.
-
-  Same mask as MaxText's: padding (0) stays an ordinary segment, since MaxText lets padding
-  attend padding; only negative ids, which MaxText's mask excludes as keys (seg_kv >= 0),
-  become kvax's PADDING_SEGMENT_ID. (MaxText's training never feeds them to the model: its
-  placeholder rows of -1 are cut off in loss_fn. A row attending nothing gives 0 in kvax and
-  the mean of every value in MaxText's dot_product.)
-  """
+  """MaxText segment ids (1..n, 0 = padding; None = one document) -> kvax segment ids: the same
+  mask as MaxText's, so 0 stays an ordinary segment and only negative ids (never keys in
+  MaxText) become PADDING_SEGMENT_ID."""
   if segment_ids is None:
     return jnp.zeros((batch, length), jnp.int32)
   seg = segment_ids.astype(jnp.int32)
@@ -80,12 +68,9 @@ def to_kvax_segment_ids(segment_ids: jax.Array | None, batch: int, length: int) 
 
 
 def masks_by_positions(config, mesh) -> bool:
-  """Whether MaxText's own attention reads causality / windows from segment_positions here.
-
-  MaxText's rule (AttentionOp._load_balanced_context_parallel): only under load-balanced context
-  parallelism whose reorder matches the ambient query sharding; otherwise it uses row indices.
-  Its own methods decide, on a stand-in op, so the two cannot drift apart.
-  """
+  """Whether MaxText's own attention reads causality / windows from segment_positions here
+  (load-balanced context parallelism matching the query sharding), decided by MaxText's own
+  methods on a stand-in op so the two cannot drift apart."""
   from maxtext.layers.attention_op import AttentionOp
   probe = types.SimpleNamespace(config=config, mesh=mesh)
   probe._logical_to_mesh_axes = functools.partial(AttentionOp._logical_to_mesh_axes, probe)
@@ -95,20 +80,18 @@ def masks_by_positions(config, mesh) -> bool:
 
 def to_kvax_positions(positions: jax.Array | None, batch: int, length: int,
                       by_positions: bool) -> jax.Array:
-  """kvax positions that give MaxText's causality: its positions when it reads them
-  (by_positions), else row indices."""
+  """kvax positions giving MaxText's causality: its positions when by_positions, else row
+  indices."""
   if not by_positions or positions is None:
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  if positions.ndim == 3:  # M-RoPE [B, S, 3]: the first (temporal) component orders tokens
+  if positions.ndim == 3:
     positions = positions[..., 0]
   return positions.astype(jnp.int32)
 
 
 def mask_keys_for(config) -> tuple[tuple[bool, int | None], ...]:
-  """The (causal, window) masks a model may need: global, plus the sliding window if any.
-
-  A mask the layers end up not reading is dead code that XLA removes from the step.
-  """
+  """The (causal, window) masks a model may need: global, plus the sliding window if any
+  (an unread mask is removed by XLA)."""
   keys = [(True, None)]
   window = int(getattr(config, "sliding_window_size", 0) or 0)
   if window > 0:
@@ -134,10 +117,7 @@ def _decoder_unsupported(config, model_mode, previous_chunk) -> str | None:
 
 def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length: int,
                         by_positions: bool | None = None) -> PreparedAttention:
-  """Build the kvax state for one decoder call from MaxText's positions and segment ids.
-
-  by_positions: see to_kvax_positions (None: masks_by_positions(config, mesh) decides).
-  """
+  """The kvax state for one decoder call. by_positions None: masks_by_positions decides."""
   from kvax_plugin.integrations.maxtext import mesh_rules
   if by_positions is None:
     by_positions = masks_by_positions(config, mesh)
@@ -150,7 +130,7 @@ def prepare_for_maxtext(config, mesh, positions, segment_ids, batch: int, length
 def decoder_entry(call):
   """Wrap NNXDecoder.__call__: build the prepared state once, expose it to the layers."""
   if getattr(call, "__kvax_original__", None) is not None:
-    return call  # already wrapped (e.g. patched MaxText plus install()): never build twice
+    return call
   signature = inspect.signature(call)
 
   @functools.wraps(call)
@@ -228,7 +208,6 @@ def _maxtext_dot_product(op, query, key, value, decoder_segment_ids, segment_pos
                          previous_chunk, bidirectional_mask, sinks, indexer_mask, compressed_mask,
                          record_max_logits, decoder_segment_ids_kv, qk_product_einsum,
                          wv_product_einsum):
-  # The same call MaxText's own apply_attention makes for attention="dot_product".
   return op.apply_attention_dot(
       query, key, value, decoder_segment_ids, model_mode, previous_chunk,
       segment_positions=segment_positions, bidirectional_mask=bidirectional_mask, sinks=sinks,
@@ -242,11 +221,8 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
                     bidirectional_mask=None, sinks=None, indexer_mask=None, compressed_mask=None,
                     record_max_logits=False, decoder_segment_ids_kv=None, pad_kv_total=0,
                     compress_ratio=0, *, qk_product_einsum, wv_product_einsum):
-  """AttentionOp.apply_attention for attention="kvax" (same arguments and return convention).
-
-  Returns (out, None, None): a normalised output, as MaxText's other fused kernels do.
-  """
-  del lengths, use_ragged_attention  # decode-only arguments; decode is routed below
+  """AttentionOp.apply_attention for attention="kvax"; returns (out, None, None), normalised."""
+  del lengths, use_ragged_attention
   reason = _layer_unsupported(op, model_mode, key, previous_chunk, bidirectional_mask,
                               indexer_mask, compressed_mask, record_max_logits,
                               decoder_segment_ids_kv, pad_kv_total, compress_ratio)
@@ -265,8 +241,7 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
   kv_len = key.shape[1]
   prepared = None if scope is None else scope.prepared
   if prepared is not None and op._load_balanced_context_parallel() != scope.by_positions:
-    # The entry decided without the layer's op; a layer that disagrees would get another
-    # causality than MaxText's own attention gives it.
+    # The entry decided without the layer's op; a disagreeing layer would get other causality.
     raise ValueError(
         "attention=kvax: the decoder entry built its masks with causality by "
         f"{'positions' if scope.by_positions else 'row index'}, but this layer's MaxText "
@@ -280,8 +255,7 @@ def apply_attention(op, query, key, value, decoder_segment_ids, segment_position
         f"{tuple(prepared.query_positions.shape)} tokens, but this layer attends "
         f"query {tuple(query.shape[:2])} to key/value {tuple(key.shape[:2])}")
   if prepared is None:
-    # Attention outside NNXDecoder.__call__ (e.g. a multi-token-prediction block): still
-    # exact, but its mask is built here, per call.
+    # Attention outside the decoder entry (e.g. multi-token prediction): mask built per call.
     _note_once("attention=kvax called outside the decoder entry: building its mask per call")
     if q_len != kv_len:
       raise ValueError(f"attention=kvax outside the decoder needs q_len == kv_len, got {q_len} "

@@ -1,9 +1,6 @@
-"""kvax settings as MaxText config keys, and their translation into the kvax provider's options.
-
-MaxText's config rejects unknown keys, so the keys below reach it through a subclass of its
-MaxTextConfig (`kvax_config_class()`), which install() makes pyconfig's default. The patched
-MaxText (patches/maxtext/) declares the same keys in configs/types.py; a test keeps the two
-in step. Without either, the defaults below apply.
+"""kvax settings as MaxText config keys (through `kvax_config_class()`, a MaxTextConfig subclass
+install() makes the default; the patched MaxText declares the same keys), and their translation
+into the kvax provider's options.
 """
 
 from __future__ import annotations
@@ -57,10 +54,7 @@ def config_value(config, name: str):
 
 
 def options_from_config(config, **mesh_fields) -> KvaxOptions:
-  """The kvax provider's options from a MaxText config (plus mesh / specs / token order).
-
-  Errors name the config key at fault.
-  """
+  """The kvax provider's options from a MaxText config; errors name the config key at fault."""
   params = {}
   for pass_ in ("fwd", "bwd"):
     q_key, kv_key = f"kvax_{pass_}_query_block_size", f"kvax_{pass_}_kv_block_size"

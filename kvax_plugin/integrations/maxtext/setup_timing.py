@@ -1,11 +1,9 @@
 """Where a launcher run's setup+compile seconds go (summary.json "compile_breakdown").
 
-setup+compile: wall time from `launch.run`'s start to MaxText's first training_loop_iteration.
-`SetupTimer` splits it into parts that add up exactly: jax_trace, jax_lower, xla_compile (from
-jax.monitoring's duration events, each moment counted once for the innermost open event, the
-launcher's thread only), launcher_checks, imports_and_config, model_state_init and remainder
-(non-JAX seconds). JAX events in other threads or after the first step are listed apart. Work a
-kernel does at its first execution belongs to the first step. Clock: time.time(), as JAX's.
+From `launch.run`'s start to MaxText's first training_loop_iteration, split into parts that add
+up exactly: jax_trace, jax_lower, xla_compile (jax.monitoring events of the launcher's thread,
+each moment counted once), launcher_checks, imports_and_config, model_state_init and remainder.
+Other threads' JAX events are listed apart. Clock: time.time(), as JAX's.
 """
 
 from __future__ import annotations
@@ -22,33 +20,23 @@ TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 PARTS_OF_EVENTS = {TRACE_EVENT: "jax_trace", LOWER_EVENT: "jax_lower", COMPILE_EVENT: "xla_compile"}
-# Launcher phases whose non-JAX seconds are parts, in order.
 PHASES = ("launcher_checks", "imports_and_config", "model_state_init")
 PART_NAMES = ("jax_trace", "jax_lower", "xla_compile", *PHASES, "remainder")
 
 
 class SetupTimer:
-  """Collects JAX's compile-event spans and the launcher's phase times for one run.
-
-      timer = SetupTimer()
-      with timer.listening():
-        timer.start("launcher_checks"); ...; timer.stop("launcher_checks")
-        with timer.maxtext_hooks(): train()
-      timer.breakdown(t0, t_end)
-  """
+  """Collects JAX's compile-event spans and the launcher's phase times for one run."""
 
   def __init__(self):
-    self.spans: list[tuple[float, float, str, str]] = []  # (start, end, event, function name)
+    self.spans: list[tuple[float, float, str, str]] = []
     self.durations: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    self.phases: dict[str, list[float]] = {}  # name -> [start, end]
-    self.first_step_start: float | None = None  # start of the first training_loop_iteration
+    self.phases: dict[str, list[float]] = {}
+    self.first_step_start: float | None = None
     self.notes: list[str] = []
-    # JAX work of other threads (e.g. the corpus compiling its mask statistics) overlaps the
-    # run's own; it is reported apart, not in the parts.
+    # Other threads' JAX work (e.g. the corpus's mask statistics) is reported apart.
     self.thread = threading.get_ident()
     self.other_threads: dict[str, float] = collections.defaultdict(float)
 
-  # -- collection ------------------------------------------------------------------------------
 
   def _on_span(self, event: str, start: float, end: float, **kwargs) -> None:
     if event not in PARTS_OF_EVENTS:
@@ -65,7 +53,7 @@ class SetupTimer:
 
   @contextlib.contextmanager
   def listening(self):
-    """Within the block, JAX's compile events are recorded (listeners removed on exit)."""
+    """Record JAX's compile events within the block."""
     from jax import monitoring
     monitoring.register_event_time_span_listener(self._on_span)
     monitoring.register_event_duration_secs_listener(self._on_duration)
@@ -83,9 +71,8 @@ class SetupTimer:
 
   @contextlib.contextmanager
   def maxtext_hooks(self):
-    """Within the block, MaxText's setup_train_loop and each training_loop_iteration are timed
-    (wrapped for the run, restored on exit). A MaxText without them leaves their seconds in
-    the remainder, with a note."""
+    """Time MaxText's setup_train_loop and each training_loop_iteration within the block (a
+    MaxText without them leaves their seconds in the remainder, with a note)."""
     from maxtext.trainers.pre_train import train as mt_train
     from maxtext.utils import train_utils
     patched = []
@@ -120,12 +107,10 @@ class SetupTimer:
       for module, name, original in reversed(patched):
         setattr(module, name, original)
 
-  # -- the breakdown -----------------------------------------------------------------------------
 
   def breakdown(self, t0: float, t_end: float) -> dict[str, Any]:
-    """The run's compile_breakdown (seconds). t0 / t_end: time.time() at the start and end of
-    the timed run. "setup_and_compile" runs from t0 to the first step's start (t_end, with a
-    note, if no step was seen); "parts" add up to it, each >= 0."""
+    """The run's compile_breakdown (seconds) between time.time() values t0 and t_end (or the first
+    step's start); "parts" add up to "setup_and_compile", each >= 0."""
     end = self.first_step_start
     if end is None:
       self.notes.append("no training_loop_iteration seen: setup+compile runs to the end")
@@ -164,12 +149,8 @@ class SetupTimer:
 
 
 def exclusive_seconds(spans, lo: float, hi: float, top: int = 8) -> dict[str, Any]:
-  """Seconds of [lo, hi] covered by `spans` (start, end, event, name), each moment counted once,
-  for the innermost span open then (the one that started last: spans of one thread nest, and
-  an eager op compiled while a trace is open is the trace's inner span).
-
-  Returns {"total": s, "by_event": {event: s}, "top": [[part, name, s, count], ...]}
-  (top: the `top` (part, function) pairs with the most exclusive seconds)."""
+  """Seconds of [lo, hi] covered by `spans` (start, end, event, name), each moment counted once
+  for the innermost open span: {"total", "by_event", "top": [[part, name, s, count], ...]}."""
   clipped = sorted((max(s, lo), min(e, hi), ev, name) for s, e, ev, name in spans
                    if min(e, hi) > max(s, lo))
   by_event: dict[str, float] = collections.defaultdict(float)
@@ -177,13 +158,13 @@ def exclusive_seconds(spans, lo: float, hi: float, top: int = 8) -> dict[str, An
   for _, _, event, name in clipped:
     by_name[(PARTS_OF_EVENTS.get(event, event), name)][1] += 1
   points = sorted({p for s, e, _, _ in clipped for p in (s, e)})
-  open_spans: list[tuple[float, int]] = []  # heap of (-start, index): the innermost on top
+  open_spans: list[tuple[float, int]] = []
   nxt, total = 0, 0.0
   for a, b in zip(points, points[1:]):
     while nxt < len(clipped) and clipped[nxt][0] <= a:
       heapq.heappush(open_spans, (-clipped[nxt][0], nxt))
       nxt += 1
-    while open_spans and clipped[open_spans[0][1]][1] <= a:  # ended: drop (lazily)
+    while open_spans and clipped[open_spans[0][1]][1] <= a:
       heapq.heappop(open_spans)
     if open_spans:
       _, _, event, name = clipped[open_spans[0][1]]
@@ -196,7 +177,6 @@ def exclusive_seconds(spans, lo: float, hi: float, top: int = 8) -> dict[str, An
 
 
 def format_breakdown(b: dict[str, Any]) -> str:
-  """One line: setup+compile = part s + ... (parts above 0.05 s)."""
   shown = [f"{k} {v:.1f}" for k, v in b["parts"].items() if v >= 0.05]
   return f"setup+compile {b['setup_and_compile']:.1f} s = " + " + ".join(shown)
 

@@ -1,13 +1,6 @@
-"""Hooks the launcher sets on MaxText for the duration of one run (each restores on exit).
-
-    packed_corpus_pipeline   MaxText's create_data_iterator returns kvax_plugin.data's packed
-                             corpus (wrapped in MaxText's own MultiHostDataLoadIterator); with
-                             attention=kvax it builds each batch's mask on the CPU for the
-                             blocks-skipped report (KVAX_FEED_MASK_STATS=0 turns it off)
-    progress_hook            MetricLogger.write_metrics also hands train metrics to a Progress,
-                             which prints one line per step and adds TensorBoard scalars
-
-(What MaxText prints itself is sent to maxtext.log by console.py.)
+"""Hooks the launcher sets on MaxText for one run (each restores on exit): packed_corpus_pipeline
+(MaxText's data iterator returns the packed corpus, with per-batch mask statistics for kvax
+runs) and progress_hook (train metrics also go to a Progress printing one line per step).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from kvax_plugin.errors import FlagError
 
 
 def _mask_stats_on() -> bool:
-  """KVAX_FEED_MASK_STATS: 1 (default) builds each batch's kvax mask for the report, 0 not."""
+  """KVAX_FEED_MASK_STATS: 1 (default) builds each batch's mask for the report, 0 not."""
   raw = os.environ.get("KVAX_FEED_MASK_STATS", "") or "1"
   if raw not in ("1", "0"):
     raise FlagError(f"environment variable KVAX_FEED_MASK_STATS={raw!r}: expected 1 (default) "
@@ -34,10 +27,8 @@ def _mask_stats_on() -> bool:
 
 @contextlib.contextmanager
 def packed_corpus_pipeline(cfg, holder: dict):
-  """Within the block, MaxText's create_data_iterator returns the packed corpus.
-
-  `holder["corpus"]` receives the PackedCorpus so the caller can read its statistics.
-  """
+  """MaxText's create_data_iterator returns the packed corpus within the block; holder["corpus"]
+  receives the PackedCorpus."""
   from maxtext.input_pipeline import input_pipeline_interface as ipi
   from maxtext.input_pipeline import multihost_dataloading, synthetic_data_processing
 
@@ -53,15 +44,14 @@ def packed_corpus_pipeline(cfg, holder: dict):
         config.global_batch_size_to_train_on, config.max_target_length, mesh)
     window = int(getattr(config, "sliding_window_size", 0) or 0) or None
     if window is not None and window >= config.max_target_length:
-      window = None  # the local mask equals the global one at this length: report it once
+      window = None
     if jax.process_index() not in loading:
-      # Same as MaxText: hosts that hold no batch rows feed placeholders.
+      # As MaxText: hosts that hold no batch rows feed placeholders.
       return synthetic_data_processing.PlaceHolderDataIterator(config, mesh), None
     corpus = PackedCorpus(cfg, seq_len=config.max_target_length,
                           global_rows=config.global_batch_size_to_load,
                           host_index=loading.index(jax.process_index()), host_count=len(loading),
                           sliding_window=window, train_rows=config.global_batch_size_to_train_on,
-                          # Masks only for a kvax run: another kernel's run reports no skipping.
                           mask_stats=str(config.attention) == "kvax" and _mask_stats_on())
     holder["corpus"] = corpus
     return multihost_dataloading.MultiHostDataLoadIterator(corpus, mesh), None
@@ -75,31 +65,24 @@ def packed_corpus_pipeline(cfg, holder: dict):
 
 @dataclasses.dataclass
 class StepRecord:
-  """One training step as the launcher reports it.
-
-  step_seconds: the time between this step's result and the previous step's (`received`), so
-  the device's throughput; the first step (no previous result) has MaxText's clock, which holds
-  its compilation. MaxText's own clock (maxtext_step_seconds) is the time between two step
-  dispatches: the host runs up to a step ahead of the device, so single clocks swing and their
-  mean over a short run leaves out the device time of the steps still queued at the end.
-  """
+  """One training step as the launcher reports it. step_seconds: time between this step's
+  result and the previous one's (device throughput; the first step has MaxText's clock).
+  maxtext_step_seconds: MaxText's dispatch clock, which runs up to a step ahead of the device."""
   step: int
   loss: float
   step_seconds: float
-  tokens_per_s: float  # real (non-padding) tokens per second, all devices
+  tokens_per_s: float
   skipped: dict[str, float]
-  received: float = 0.0  # time.time() when MaxText handed the metrics over (loss read by then)
+  received: float = 0.0
   maxtext_step_seconds: float = float("nan")  # MaxText's perf/step_time_seconds
-  real_tokens: float = float("nan")  # real tokens of the step's global batch
+  real_tokens: float = float("nan")
 
 
 class Progress:
-  """Receives MaxText's per-step train metrics; prints and records them."""
 
   def __init__(self, cfg, holder: dict, total_steps: int, stream=None,
                block_skipping: bool = True):
-    # block_skipping: the run's attention is kvax (False: another kernel ran, so the data's
-    # mask statistics say nothing about the run and are not shown as its skipped blocks).
+    # block_skipping: False when another kernel ran (the mask statistics say nothing then).
     self.cfg = cfg
     self.block_skipping = block_skipping
     self.holder = holder
@@ -109,9 +92,8 @@ class Progress:
     self.start_step = None
 
   def on_train_metrics(self, metrics: dict, step: int, now: float | None = None) -> None:
-    """MaxText's metrics of `step`, handed over one step late (after the next step is
-    dispatched); reading the loss waits for the step's result. `now`: time.time() then (tests
-    pass their own)."""
+    """MaxText's metrics of `step`, handed over one step late; `now`: time.time() (tests pass
+    their own)."""
     scalars = metrics["scalar"]
     loss = float(scalars["learning/loss"])
     received = time.time() if now is None else now
@@ -123,14 +105,11 @@ class Progress:
     index = step - self.start_step
     stats = corpus.stats[index] if corpus is not None and index < len(corpus.stats) else None
     if stats is not None:
-      # Every loading host packs the same number of real tokens per row on average; scale the
-      # host's count to the global batch.
+      # Scale the host's real tokens to the global batch.
       real = stats.real_tokens * self._host_scale(stats)
       tokens_per_s = real / seconds if seconds > 0 else float("nan")
-      # MaxText's TensorBoard throughput scalars use its dispatch clock; this one is the step's.
       scalars["perf/step_result_seconds"] = seconds
       skipped = dict(stats.skipped) if self.block_skipping else {}
-      # MaxText writes these scalars to TensorBoard with its own.
       scalars["perf/real_tokens_per_sec"] = tokens_per_s
       scalars["data/real_token_share"] = stats.real_tokens / max(1, stats.rows * stats.seq_len)
       for name, share in skipped.items():
@@ -158,7 +137,6 @@ class Progress:
 
 @contextlib.contextmanager
 def progress_hook(progress: Progress):
-  """Within the block, MaxText's MetricLogger also hands train metrics to `progress`."""
   from maxtext.common import metric_logger
 
   original = metric_logger.MetricLogger.write_metrics

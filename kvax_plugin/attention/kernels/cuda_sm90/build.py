@@ -1,27 +1,19 @@
 """Build backend="hopper"'s CUDA C++ backward (libkvax_sm90_bwd.so, an XLA FFI shared object for
-Hopper, sm_90a) from fused_backward.cu. No GPU is needed to build: nvcc >= 13 (PyPI:
-nvidia-cuda-nvcc, nvidia-cuda-cccl; both in kvax-plugin's `gpu` extra), the XLA FFI headers of
-the installed jaxlib, cudart linked statically (so only the driver is needed where it runs).
+sm_90a) from fused_backward.cu. No GPU is needed: nvcc >= 13 (PyPI nvidia-cuda-nvcc and
+nvidia-cuda-cccl, in the `gpu` extra), the installed jaxlib's FFI headers, cudart linked
+statically.
 
-The backend builds it itself on first use (ensure_library, called by fused_backward.load) into
-a cache keyed by what the binary depends on (build_key: the source as the compiler sees it,
-comments and blank lines stripped, the flags, the jaxlib version, the architecture):
+The backend builds it on first use into a cache keyed by build_key (the source as the compiler
+sees it, the flags, the jaxlib version, the architecture):
+$XDG_CACHE_HOME/kvax_plugin/sm90/<key>/libkvax_sm90_bwd.so. Concurrent processes build it once
+(file lock, temporary file, rename). A prebuilt library next to fused_backward.py is used when
+its recorded key (libkvax_sm90_bwd.so.json) matches, for machines without nvcc:
 
-    $XDG_CACHE_HOME/kvax_plugin/sm90/<key>/libkvax_sm90_bwd.so   (default ~/.cache/...)
-
-Several processes starting at once (one per GPU) build it once: the first takes a file lock,
-compiles into a temporary file and renames it into place; the others wait on the lock and load
-the result. A prebuilt library next to fused_backward.py is used instead when the key recorded
-beside it (libkvax_sm90_bwd.so.json) matches, which is how a machine without nvcc (the GPU
-image) gets one:
-
-    python -m kvax_plugin.attention.kernels.cuda_sm90.build    # prebuild next to the source,
-                                                               # with ptxas's register report
+    python -m kvax_plugin.attention.kernels.cuda_sm90.build    # prebuild next to the source
     python -m kvax_plugin.attention.kernels.cuda_sm90.build --cache-dir DIR   # into a cache
     python -m kvax_plugin.attention.kernels.cuda_sm90.build --source probe.cu --out probe.so
 
-nvcc is the `nvcc` argument (--nvcc) when given, else the one the nvidia-cuda-nvcc wheel
-installed, else nvcc on PATH. scripts/build_ffi_so.sh (the FFI probe) and build.sh call this.
+nvcc: --nvcc when given, else the nvidia-cuda-nvcc wheel's, else nvcc on PATH.
 """
 
 from __future__ import annotations
@@ -43,9 +35,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "fused_backward.cu"
 LIB_NAME = "libkvax_sm90_bwd.so"
-OUTPUT = HERE / LIB_NAME  # the optional prebuilt library (git-ignored), used when its key matches
-ARCH = "sm_90a"  # wgmma, setmaxnreg, TMA: Hopper's arch-specific features
-# Everything on nvcc's command line but the paths: part of the cache key.
+OUTPUT = HERE / LIB_NAME
+ARCH = "sm_90a"
+# nvcc's flags but the paths: part of the cache key.
 FLAGS = ("-std=c++17", "-O3", "-gencode", f"arch=compute_90a,code={ARCH}", "--shared",
          "-Xcompiler", "-fPIC", "-cudart", "static", "-Xptxas", "-v")
 INSTALL_HINT = ("pip install 'kvax-plugin[gpu]' (or: pip install 'nvidia-cuda-nvcc>=13' "
@@ -55,9 +47,7 @@ MISSING_TOOLCHAIN = (
     f"nvcc >= 13 for it: {INSTALL_HINT}. Or build it on another machine with the same jaxlib "
     "(python -m kvax_plugin.attention.kernels.cuda_sm90.build; no GPU needed) and copy "
     f"{LIB_NAME} and {LIB_NAME}.json next to {HERE / 'fused_backward.py'}")
-# What the report keeps of nvcc's output: ptxas's lines (registers, spills, serialization
-# warnings) and anything about the source itself or an error; the FFI headers' own warnings
-# (their message, source excerpt and caret lines) are dropped.
+# The report keeps ptxas's lines and source or error lines, not the FFI headers' warnings.
 _PTXAS_DETAIL = re.compile(r"^\s+\d+ bytes stack frame")
 _ERROR = re.compile(r"\berror\b", re.IGNORECASE)
 
@@ -72,9 +62,8 @@ def _keep(line: str, source: Path) -> bool:
 
 
 def find_nvcc(explicit: str | os.PathLike | None = None) -> Path:
-  """nvcc: `explicit`, else the nvidia-cuda-nvcc wheel's (nvidia/cu13/bin or nvidia/cuda_nvcc/bin
-  on sys.path: the version kvax-plugin[gpu] pins, ahead of an older CUDA on PATH), else nvcc on
-  PATH. Raises ToolchainMissing saying what to install."""
+  """nvcc: `explicit`, else the nvidia-cuda-nvcc wheel's on sys.path (ahead of an older CUDA on
+  PATH), else nvcc on PATH. Raises ToolchainMissing saying what to install."""
   if explicit:
     if not Path(explicit).is_file():
       raise ToolchainMissing(f"nvcc={str(explicit)!r}: no such file (expected the path of an "
@@ -92,7 +81,6 @@ def find_nvcc(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def nvcc_command(nvcc: Path, source: Path, out: Path, ffi_include: str) -> list[str]:
-  """The nvcc command line: FLAGS, the FFI headers, the source, the output."""
   return [str(nvcc), *FLAGS, f"-I{ffi_include}", str(source), "-o", str(out)]
 
 
@@ -106,21 +94,17 @@ _LITERAL_PREFIX = re.compile(r"(?:u8|[uUL])?$")
 
 
 def compiled_text(text: str) -> str:
-  """`text` (C++ source) as the compiler's tokens see it: comments removed (a /* */ comment
-  becomes one space, as in translation phase 3), runs of spaces and tabs outside literals
-  collapsed to one space, leading and trailing blanks of each line and blank lines dropped.
-  String, character and raw string literals are kept byte for byte (a "//" inside one is no
-  comment), and so are line splices (a backslash ending a line): the line after one keeps a
-  space where it had leading blanks, and a blank line after one is kept. Digit separators
-  (1'000) are part of their number, not a character literal."""
+  """`text` (C++ source) as the compiler's tokens see it: comments removed (/* */ becomes one
+  space), blank runs outside literals collapsed, blank lines and line-edge blanks dropped.
+  Literals (raw ones too), line splices and digit separators are kept exactly."""
   out: list[str] = []
-  pending_space = False  # blanks (or a comment) seen since the last token on this line
+  pending_space = False
   i, n = 0, len(text)
 
   def line_start() -> bool:
     return not out or out[-1].endswith("\n")
 
-  def spliced() -> bool:  # the line just ended with a backslash (a line splice)
+  def spliced() -> bool:
     return "".join(out[-2:]).endswith("\\\n")
 
   def emit(token: str) -> None:
@@ -135,13 +119,13 @@ def compiled_text(text: str) -> str:
     if c == "\n":
       pending_space = False
       if not line_start() or spliced():
-        out.append("\n")  # a blank line is dropped unless a splice joins it to the last
+        out.append("\n")
       i += 1
     elif c in " \t\f\v\r":
       pending_space = True
       i += 1
     elif text.startswith("//", i):
-      while i < n and text[i] != "\n":  # a backslash before the newline continues the comment
+      while i < n and text[i] != "\n":
         i += 2 if text.startswith("\\\n", i) else 1
     elif text.startswith("/*", i):
       end = text.find("*/", i + 2)
@@ -155,7 +139,7 @@ def compiled_text(text: str) -> str:
       while j < n and (text[j].isalnum() or text[j] == "_"):
         j += 1
       word = text[i:j]
-      if j < n and text[j] == '"' and _RAW_PREFIX.match(word):  # R"delim( ... )delim"
+      if j < n and text[j] == '"' and _RAW_PREFIX.match(word):
         paren = text.find("(", j + 1)
         end = -1 if paren < 0 else text.find(")" + text[j + 1:paren] + '"', paren)
         j = n if end < 0 else end + paren - j + 1
@@ -164,7 +148,7 @@ def compiled_text(text: str) -> str:
       emit(text[i:j])
       i = j
     elif c.isdigit() or (c == "." and i + 1 < n and text[i + 1].isdigit()):
-      j = i + 1  # a preprocessing number, with its digit separators and exponent signs
+      j = i + 1
       while j < n and (text[j].isalnum() or text[j] in "_.'" or
                        (text[j] in "+-" and text[j - 1] in "eEpP")):
         j += 1
@@ -180,8 +164,7 @@ def compiled_text(text: str) -> str:
 
 
 def _literal(text: str, start: int, quote: str) -> str:
-  """The string or character literal opening at text[start] (a quote), escapes and all; an
-  unterminated one ends at its line's end."""
+  """The string or character literal opening at text[start] (unterminated: to line end)."""
   j = start + 1
   while j < len(text) and text[j] != quote and text[j] != "\n":
     j += 2 if text[j] == "\\" else 1
@@ -189,10 +172,9 @@ def _literal(text: str, start: int, quote: str) -> str:
 
 
 def key_parts(source: Path = SOURCE) -> dict[str, str]:
-  """What the binary depends on: the source as the compiler sees it (compiled_text: a comment
-  or blank-line edit keeps the key), the flags, the jaxlib whose FFI headers it is compiled
-  against (and whose runtime calls it), the GPU architecture. Not nvcc's version: the key must
-  be computable where no nvcc is installed (the GPU image loading a prebuilt one)."""
+  """What the binary depends on: compiled_text of the source (so a comment edit keeps the key),
+  the flags, the jaxlib, the architecture. Not nvcc's version: the key must be computable where
+  no nvcc is installed."""
   text = Path(source).read_text(encoding="utf-8", errors="surrogateescape")
   code = compiled_text(text).encode("utf-8", errors="surrogateescape")
   return {"code_sha256": hashlib.sha256(code).hexdigest(),
@@ -200,14 +182,12 @@ def key_parts(source: Path = SOURCE) -> dict[str, str]:
 
 
 def build_key(source: Path = SOURCE) -> str:
-  """16 hex digits of the hash of key_parts(source)."""
   text = json.dumps(key_parts(source), sort_keys=True)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
-  """$XDG_CACHE_HOME/kvax_plugin/sm90, or ~/.cache/kvax_plugin/sm90 (XDG_CACHE_HOME unset, empty
-  or relative, as the XDG spec says to ignore it)."""
+  """$XDG_CACHE_HOME/kvax_plugin/sm90 (if absolute), else ~/.cache/kvax_plugin/sm90."""
   base = os.environ.get("XDG_CACHE_HOME", "")
   root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
   return root / "kvax_plugin" / "sm90"
@@ -219,7 +199,7 @@ def info_path(lib: Path) -> Path:
 
 
 def recorded_key(lib: Path) -> str | None:
-  """The key recorded beside `lib` (None: no library, no record, or an unreadable one)."""
+  """The key recorded beside `lib`, or None."""
   try:
     if not Path(lib).is_file():
       return None
@@ -232,20 +212,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
   with os.fdopen(fd, "w") as f:
     f.write(text)
-  os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from other users of a shared cache
+  os.chmod(tmp, 0o644)
   os.replace(tmp, path)
 
 
 def build(source: Path = SOURCE, out: Path = OUTPUT, nvcc: str | os.PathLike | None = None,
           *, verbose: bool = True) -> Path:
-  """Compile `source` into `out` and record its key in out.json; returns `out`.
-
-  An old `out` and its record are removed first (a failed build leaves none); the library is
-  compiled into a temporary file in out's folder and renamed into place after its record is
-  written, so a reader that finds `out` finds the whole file and its key. `nvcc`: the
-  compiler to run (find_nvcc's order when None). verbose: print ptxas's report (registers,
-  spills). Raises ToolchainMissing without nvcc, RuntimeError when nvcc fails.
-  """
+  """Compile `source` into `out` (a temporary file renamed into place after its key is recorded
+  in out.json); returns `out`. Raises ToolchainMissing without nvcc, RuntimeError on failure."""
   import jax.ffi
   source, out = Path(source), Path(out)
   compiler = find_nvcc(nvcc)
@@ -279,8 +253,7 @@ def build(source: Path = SOURCE, out: Path = OUTPUT, nvcc: str | os.PathLike | N
 
 @contextlib.contextmanager
 def _file_lock(path: Path, waiting_message: str):
-  """An exclusive fcntl lock on `path`, held for the block (released if the holder dies, as the
-  kernel drops a dead process's locks); says once on stderr that it waits for another holder."""
+  """An exclusive fcntl lock on `path` for the block; says once on stderr that it waits."""
   with open(path, "a") as f:
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -295,8 +268,7 @@ def _file_lock(path: Path, waiting_message: str):
 
 def cached_library(cache_dir: str | os.PathLike | None = None, source: Path = SOURCE,
                    prebuilt: Path | None = OUTPUT) -> Path | None:
-  """The library to load without building, if there is one: `prebuilt` when its recorded key
-  matches the source's, else the cache's copy for that key; None otherwise."""
+  """`prebuilt` when its recorded key matches the source's, else the cache's copy, else None."""
   key = build_key(source)
   if prebuilt is not None and recorded_key(prebuilt) == key:
     return Path(prebuilt)
@@ -307,17 +279,9 @@ def cached_library(cache_dir: str | os.PathLike | None = None, source: Path = SO
 def ensure_library(cache_dir: str | os.PathLike | None = None,
                    nvcc: str | os.PathLike | None = None, *, source: Path = SOURCE,
                    prebuilt: Path | None = OUTPUT) -> Path:
-  """The path of a library built from `source`, building it into the cache if needed.
-
-  cache_dir: the cache's root (default: default_cache_dir(), which follows XDG_CACHE_HOME);
-    the library goes to <cache_dir>/<build_key>/libkvax_sm90_bwd.so.
-  nvcc: the compiler to build with (default: find_nvcc's order).
-  source / prebuilt: what to build, and the prebuilt library that stands in for the build when
-    its recorded key matches (None: none).
-  Several processes may call this at once: one builds (under a file lock in the key's folder),
-  the others wait for it and return its result. Raises ToolchainMissing (what to install) when
-  there is nothing to load and no nvcc, RuntimeError when nvcc fails.
-  """
+  """The path of a library built from `source`, building it into <cache_dir>/<key>/ if needed
+  (concurrent callers build once, under a file lock). prebuilt stands in when its recorded key
+  matches. Raises ToolchainMissing (nothing to load, no nvcc) or RuntimeError (nvcc failed)."""
   found = cached_library(cache_dir, source, prebuilt)
   if found is not None:
     return found
@@ -327,9 +291,9 @@ def ensure_library(cache_dir: str | os.PathLike | None = None,
   folder.mkdir(parents=True, exist_ok=True)
   with _file_lock(folder / ".lock", f"kvax_plugin: waiting for another process building "
                                     f"{target}"):
-    if recorded_key(target) == key:  # built by the process that held the lock before us
+    if recorded_key(target) == key:
       return target
-    compiler = find_nvcc(nvcc)  # after the lock: a waiter needs no nvcc of its own
+    compiler = find_nvcc(nvcc)
     print(f"kvax_plugin: compiling backend=\"hopper\"'s CUDA backward into {target} (once per "
           "source and jaxlib version; about a minute)", file=sys.stderr, flush=True)
     build(source, target, compiler, verbose=False)

@@ -1,7 +1,5 @@
-"""JAX side of fused_backward.cu: find or build the shared object, register its FFI target, call it.
-
-kernels/hopper.py makes it the backward of the Mosaic forward (backend="hopper"); the build and
-its cache are build.py's. A leaf: it imports no other kernel backend (tests/test_layering.py).
+"""JAX side of fused_backward.cu: find or build the shared object (build.py), register its FFI
+target, call it; the backward of backend="hopper". A leaf: imports no other kernel backend.
 """
 
 from __future__ import annotations
@@ -18,33 +16,29 @@ import numpy as np
 from kvax_plugin.attention.block_mask import longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
-PREBUILT = build.OUTPUT  # optional: a library built ahead of time (python -m ...cuda_sm90.build)
+PREBUILT = build.OUTPUT
 TARGET = "kvax_sm90_fused_backward"
-HEAD_DIM = 128  # the main layout's head dim (benchmarks/cuda_backward_check.py's)
-# The (q / k, v / d_out) head dims built: 128 and 64 in one layout, 256 and MLA's 192 / 128 in
-# their own (backward_d256_kernel, backward_mla_kernel: kv tiles of 64 rows).
+HEAD_DIM = 128
+# (q / k, v / d_out) head dims built; 256 and MLA's 192 / 128 in wide kernels (64-row kv tiles).
 HEAD_DIMS = ((128, 128), (64, 64), (256, 256), (192, 128))
-# The main layout's q / k head dims; the others (256, MLA's 192) run the wide kernels: 64-row kv
-# tiles, no DECOUPLE / MASK_IN_LOOP bits, dq_accum in the vector order.
+# The main layout's head dims; the wide kernels have no DECOUPLE / MASK_IN_LOOP and store
+# dq_accum in the vector order.
 MAIN_LAYOUT_HEAD_DIMS = (64, 128)
 KV_TILE = 128
 Q_BLOCK = 64
 
 
-# fused_backward.cu's KvaxSm90AbiVersion: the handler's arguments and the variants' bits this
-# module passes, or a host-side fix an older build must not stand in for. Bump both together.
+# fused_backward.cu's KvaxSm90AbiVersion: bump both together when the interface changes.
 ABI_VERSION = 14
 
-_LOADED: list[ctypes.CDLL] = []  # the library whose handler is registered (one per process)
-# Why this process could not get a library, said again on every later ask.
+_LOADED: list[ctypes.CDLL] = []
 _FAILED: list[tuple[type, str]] = []
-_LOCK = threading.Lock()  # one loader per process (threads tracing on several GPUs at once)
+_LOCK = threading.Lock()
 
 
 def library_status(cache_dir: str | os.PathLike | None = None) -> tuple[bool, str]:
-  """(ok, reason) without building or loading anything: ok when the library is loaded,
-  prebuilt with a matching key, in the cache, or can be built here (nvcc found); else why not
-  (what to install, or this process's failed attempt)."""
+  """(ok, reason) without building or loading: ok when the library is loaded, prebuilt with a
+  matching key, cached, or buildable here (nvcc found)."""
   if _LOADED:
     return True, ""
   if _FAILED:
@@ -60,34 +54,28 @@ def library_status(cache_dir: str | os.PathLike | None = None) -> tuple[bool, st
 
 def prepare(cache_dir: str | os.PathLike | None = None,
             nvcc: str | os.PathLike | None = None) -> tuple[bool, str]:
-  """(ok, reason): load(cache_dir=..., nvcc=...), building the library first if needed, and say
-  why not instead of raising. backend="hopper"'s device check calls it, so "auto" takes hopper
-  only once its backward is really there; a failure is tried once per process."""
+  """(ok, reason) of load(cache_dir=..., nvcc=...), building first if needed; a failure is
+  tried once per process."""
   try:
     load(cache_dir=cache_dir, nvcc=nvcc)
-  except (OSError, RuntimeError) as e:  # ToolchainMissing is an OSError (FileNotFoundError)
+  except (OSError, RuntimeError) as e:
     return False, str(e)
   return True, ""
 
 
 def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
          nvcc: str | os.PathLike | None = None) -> ctypes.CDLL:
-  """Load the shared object and register its FFI target for CUDA, once per process (later
-  calls return the first library, whatever their arguments).
-
-  path: a library to load as it is (no key check). None: build.ensure_library(cache_dir, nvcc)
-    finds it (the prebuilt one if its key matches, else the cache) or builds it into the cache
-    (cache_dir: its root, default $XDG_CACHE_HOME/kvax_plugin/sm90 or ~/.cache/...; nvcc: the
-    compiler, default the nvidia-cuda-nvcc wheel's, then PATH). Call it before the first
-    backend="hopper" call to choose those; the backend itself calls it with the defaults.
-  Raises build.ToolchainMissing (what to install) or RuntimeError (a failed build, a library
-  from another source); with path=None the failure is remembered and raised again at once.
+  """Load the shared object and register its FFI target, once per process (later calls return
+  the first library). path: a library to load as it is (no key check); None: the prebuilt one if
+  its key matches, else the cache, else build it there (cache_dir: default
+  $XDG_CACHE_HOME/kvax_plugin/sm90; nvcc: default the nvidia-cuda-nvcc wheel's, then PATH).
+  Raises build.ToolchainMissing or RuntimeError; with path=None a failure is raised again at once.
   """
   with _LOCK:
     if _LOADED:
       return _LOADED[0]
     if path is not None:
-      # absolute: dlopen looks a bare file name up in the library path, not here
+      # absolute: dlopen looks a bare file name up in the library path
       lib_path = Path(path).resolve()
       if not lib_path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no such library (expected a "
@@ -106,7 +94,7 @@ def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike 
       except build.ToolchainMissing as e:
         _FAILED.append((build.ToolchainMissing, str(e)))
         raise
-      except (OSError, RuntimeError) as e:  # nvcc failed, dlopen failed, another source
+      except (OSError, RuntimeError) as e:
         _FAILED.append((RuntimeError, f"{build.LIB_NAME} could not be built or loaded: {e}"))
         raise RuntimeError(_FAILED[0][1]) from e
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
@@ -116,8 +104,7 @@ def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike 
 
 
 def check_abi(lib, lib_path) -> None:
-  """Refuse a library built from another version of fused_backward.cu (its arguments or variant
-  bits would not match this module's: an error at best, a wrong gradient at worst)."""
+  """Refuse a library built from another version of fused_backward.cu."""
   version = getattr(lib, "KvaxSm90AbiVersion", None)
   got = version() if version is not None else None
   if got != ABI_VERSION:
@@ -127,9 +114,8 @@ def check_abi(lib, lib_path) -> None:
 
 
 def tile_bounds(mask) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """(lower, upper, full_lower, full_upper) int32 [B, Skv / 128]: each 128-row kv tile's visited
-  query rows and those kept whole, in 64-row blocks, from the mask's dk/dv table (rows: kv
-  blocks of 128; bounds: query blocks)."""
+  """(lower, upper, full_lower, full_upper) int32 [B, Skv / 128]: each 128-row kv tile's
+  visited and full query blocks (64 rows), from the mask's dk/dv table."""
   bq = mask.spec.bwd_params.query_block_size
   bkv = mask.spec.bwd_params.kv_block_size
   if bkv != KV_TILE or bq % Q_BLOCK:
@@ -139,48 +125,36 @@ def tile_bounds(mask) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   return tuple((x * f).astype(jnp.int32) for x in mask.dkv)
 
 
-# The kernel's feature bits (fused_backward.cu): STM stores dS with stmatrix .trans, FRAG stages
-# the dQ part in fragment order, EXP takes exponentials by ex2.approx.ftz, DECOUPLE hands dS
-# between the consumers by arrive / sync pairs and runs each step's dQ one step late (the
-# consumers may drift apart instead of meeting every step).
+# Layout feature bits (fused_backward.cu): STM stmatrix .trans, FRAG fragment-order dQ,
+# EXP ex2.approx.ftz, DECOUPLE consumers hand dS by arrive / sync, dQ one step late.
 STM, FRAG, EXP, DECOUPLE = 2, 4, 16, 32
-# Features of the attention rather than of the kernel's layout, added to the variant's bits per
-# call (the library builds each variant with none, either and both of them): SOFTCAP, logits
-# cap * tanh(scale q.k / cap); WINDOW, the sliding-window test on each pair.
+# Per-call attention features (each variant is built with none, either and both).
 SOFTCAP, WINDOW = 1024, 2048
-# The mask in the exponentials' loop rather than as a pass of its own that sets dropped logits to
-# -inf: needed when the scale is not > 0 (-inf times the scale would be +inf or NaN); the soft
-# cap's kernels always have it. Head dims 128 / 64 only (the other layouts mask in the loop).
+# The mask in the exponentials' loop instead of a pass setting -inf: needed when scale <= 0
+# (-inf times it is +inf or NaN). Head dims 128 / 64 only (the others always mask in the loop).
 MASK_IN_LOOP = 64
-DTYPES = (jnp.bfloat16, jnp.float16)  # the 16-bit operand types built
-MAX_WINDOW = 2**31 - 1  # the kernel's window is int32; a wider one keeps every int32 pair
-# The one feature set built (fused_backward.cu's KVAX_SM90_VARIANTS); the name stays an argument
-# of fused_backward for benchmarks/cuda_backward_check.py. The variants measured against it and
-# removed are in docs/tuning-history.md ("The CUDA backward's variants").
+DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_WINDOW = 2**31 - 1
+# The one feature set built (KVAX_SM90_VARIANTS); removed ones: docs/tuning-history.md.
 VARIANTS = {"v7": STM | FRAG | EXP | DECOUPLE}
-DEFAULT_VARIANT = "v7"  # backend="hopper"'s (kernels/hopper.py)
+DEFAULT_VARIANT = "v7"
 
 
 def unpermute_fragment_order(accum):
-  """[..., 4096] in the FRAG staging order -> [..., 64, 64] row-major: register pair p = 2 pj + ph
-  of thread t = 32 w + 4 a + b holds row 16 w + 8 ph + a, columns 8 pj + 2 b + {0, 1}, at float
-  offset (p * 128 + t) * 2."""
+  """[..., 4096] in the FRAG staging order -> [..., 64, 64] row-major (fused_backward.cu)."""
   lead = accum.shape[:-1]
-  x = accum.reshape(*lead, 8, 2, 4, 8, 4, 2)  # pj, ph, w, a, b, e
+  x = accum.reshape(*lead, 8, 2, 4, 8, 4, 2)
   n = len(lead)
-  x = x.transpose(*range(n), n + 2, n + 1, n + 3, n + 0, n + 4, n + 5)  # w, ph, a, pj, b, e
+  x = x.transpose(*range(n), n + 2, n + 1, n + 3, n + 0, n + 4, n + 5)
   return x.reshape(*lead, 64, 64)
 
 
 def unpermute_vector_order(accum):
-  """[..., 4096] in the wide kernels' order (head dims 256 and 192 / 128: fused_backward.cu's
-  red_add_part) -> [..., 64, 64] row-major: thread t = 32 w + 4 a + b reduce-adds its elements
-  4 pj .. 4 pj + 3, rows 16 w + 8 ph + a (ph = 0, 1), columns 8 pj + 2 b + {0, 1}, at float
-  offset (pj * 128 + t) * 4 + 2 ph."""
+  """[..., 4096] in the wide kernels' order (red_add_part) -> [..., 64, 64] row-major."""
   lead = accum.shape[:-1]
-  x = accum.reshape(*lead, 8, 4, 8, 4, 2, 2)  # pj, w, a, b, ph, e
+  x = accum.reshape(*lead, 8, 4, 8, 4, 2, 2)
   n = len(lead)
-  x = x.transpose(*range(n), n + 1, n + 4, n + 2, n + 0, n + 3, n + 5)  # w, ph, a, pj, b, e
+  x = x.transpose(*range(n), n + 1, n + 4, n + 2, n + 0, n + 3, n + 5)
   return x.reshape(*lead, 64, 64)
 
 
@@ -188,12 +162,9 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
   """q [B, Sq, H, D], k [B, Skv, KH, D], v [B, Skv, KH, Dv], d_out [B, Sq, H, Dv] ((D, Dv) one
-  of HEAD_DIMS; Sq, Skv multiples of 128), q bf16 or fp16 (k, v, d_out are cast to its type);
-  lse, delta [B, H, Sq] float32 (lse natural-log, from the forward, sinks included);
-  positions / segment ids int32 [B, Sq] and [B, Skv]; bounds from tile_bounds. soft_cap: 0 or
-  the cap of cap * tanh(scale q.k / cap); window: 0 or the sliding window (q_pos - kv_pos <
-  window, and kv_pos - q_pos < window when not causal). Returns dq [B, Sq, H, D] (q.dtype)
-  and dk [B, Skv, KH, D], dv [B, Skv, KH, Dv] in q's type."""
+  of HEAD_DIMS; Sq, Skv multiples of 128), q bf16 or fp16 (the others are cast to it); lse, delta
+  [B, H, Sq] float32; ids int32; bounds from tile_bounds; soft_cap / window 0 for none. Returns
+  dq [B, Sq, H, D], dk [B, Skv, KH, D], dv [B, Skv, KH, Dv] in q's type."""
   b, s, h, d = q.shape
   skv, kh = k.shape[1], k.shape[2]
   dv_dim = v.shape[3] if v.ndim == 4 else -1
@@ -209,8 +180,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     raise ValueError(f"q: {dtype}; expected bfloat16 or float16")
   if not soft_cap >= 0.0 or not window >= 0:
     raise ValueError(f"soft_cap={soft_cap}, window={window}: expected 0 (none) or positive")
-  # The kernel indexes these by the shapes above and checks nothing itself: a wrong shape would
-  # read past a buffer, so each is named here.
+  # The kernel checks nothing: a wrong shape would read past a buffer.
   expected = {"v": k.shape[:3] + (dv_dim,), "d_out": (b, s, h, dv_dim), "lse": (b, h, s),
               "delta": (b, h, s),
               "q_pos": (b, s), "q_seg": (b, s), "kv_pos": (b, skv), "kv_seg": (b, skv)}
@@ -222,18 +192,15 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   if len(bounds) != 4 or any(x.shape != (b, skv // KV_TILE) for x in bounds):
     raise ValueError(f"bounds: expected tile_bounds(mask), 4 arrays of shape "
                      f"{(b, skv // KV_TILE)}; got {[getattr(x, 'shape', x) for x in bounds]}")
-  load()  # registers the FFI target (once per process): lowering needs it
+  load()
   cast = lambda x: x.astype(dtype)
   i32 = lambda x: x.astype(jnp.int32)
   bits = VARIANTS[variant] | (SOFTCAP if soft_cap else 0) | (WINDOW if window else 0)
   if not scale > 0 and not soft_cap:
     bits |= MASK_IN_LOOP
   if d not in MAIN_LAYOUT_HEAD_DIMS:
-    bits &= ~(DECOUPLE | MASK_IN_LOOP)  # head dims 128 / 64's layout (fused_backward.cu)
-  # The CTAs' launch order: the kv tiles longest first. At head dims 64 / 128 each tile's kv
-  # heads launch together; with a sliding window, and at head dims 256 and 192 / 128, one head's
-  # tiles launch after another (the kernel's grid). Head dims 256 and 192 / 128 run 64-row kv
-  # tiles, two per table row.
+    bits &= ~(DECOUPLE | MASK_IN_LOOP)
+  # Launch order: kv tiles longest first (the wide kernels run 64-row tiles, two per table row).
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
   order = longest_first(*map(i32, bounds[:2]), KV_TILE // cta_tile, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
@@ -249,11 +216,10 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
 
 
 def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
-  """dq [B, Sq, H, D] from the kernel's float32 dq_accum [B, H, D / 64, Sq / 64, 4096]: per
-  64-column part and 64-row query block, dS K unscaled; at head dims 64 / 128 row-major or (FRAG)
-  in fragment order, at 256 and 192 (3 or 4 parts: the wide kernels) in the vector order."""
+  """dq [B, Sq, H, D] from the kernel's float32 dq_accum [B, H, D / 64, Sq / 64, 4096] (dS K
+  unscaled, per 64-column part and 64-row block, in the layout's order)."""
   b, h, parts, blocks, _ = dq_accum.shape
-  if parts * 64 not in MAIN_LAYOUT_HEAD_DIMS:  # the wide kernels
+  if parts * 64 not in MAIN_LAYOUT_HEAD_DIMS:
     block = unpermute_vector_order(dq_accum)
   elif VARIANTS[variant] & FRAG:
     block = unpermute_fragment_order(dq_accum)

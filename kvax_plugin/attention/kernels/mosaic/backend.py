@@ -1,10 +1,7 @@
-"""The Mosaic GPU (Hopper) kernel backend: padding, launch choices and the custom VJP.
-
-Inputs are validated by the public op; this module pads them to what the kernels need
-(sequence lengths to the table blocks, head dims to multiples of 64), picks the launch
-(kv tile, pipeline depth) from the shared-memory budget, and wires forward and backward kernels
-into one differentiable function. Padded kv tokens carry the padding segment id and padded query
-rows a segment id no kv token has, so the kernels need no bounds checks.
+"""The Mosaic GPU (Hopper) kernel backend: pads validated inputs (lengths to the table blocks,
+head dims to multiples of 64), picks the launch from the shared-memory budget, and wires the
+kernels into one differentiable function. Padded kv tokens carry the padding id and padded
+query rows an id no kv token has, so the kernels need no bounds checks.
 """
 
 from __future__ import annotations
@@ -25,23 +22,20 @@ from kvax_plugin.attention.options import KernelOptions
 from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
-SMEM_BUDGET = 227 * 1024  # sm90: 227 KiB of shared memory per CTA
-HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements (smaller dims are padded)
+SMEM_BUDGET = 227 * 1024
+HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit elements
 DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
-# The persistent forward is the default up to this many (padded) kv rows; above, one CTA per
-# (batch, query tile, head) (KernelOptions.mosaic_forward_grid: measured 13% faster at 128k
-# causal).
+# Up to this many padded kv rows the forward grid is persistent (mosaic_forward_grid).
 PERSISTENT_MAX_KV = 65536
 
-# wgmma takes 16-bit inputs here (no float32: auto routes float32 to Triton / JAX); head dims
-# are zero-padded to multiples of 64 inside, so any multiple of 16 up to 256 runs.
+# 16-bit only; head dims are zero-padded to multiples of 64 inside.
 CAPABILITIES = Capabilities(dtypes=("bfloat16", "float16"), min_head_dim=16, max_head_dim=256,
                             head_dim_multiple=16)
 
 
 def device_supported(device) -> tuple[bool, str]:
-  """(ok, reason): Mosaic GPU kernels use wgmma and TMA, so they need compute capability 9.0."""
+  """(ok, reason): wgmma and TMA need compute capability 9.0."""
   if device is None or device.platform != "gpu":
     return False, "no GPU visible to JAX"
   cc = getattr(device, "compute_capability", None)
@@ -54,7 +48,6 @@ def device_supported(device) -> tuple[bool, str]:
 
 
 def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str]:
-  """(ok, reason) for inputs of this dtype and head dims."""
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
     return False, (f"dtype {jnp.dtype(dtype).name} is not supported by the Mosaic GPU kernels "
                    "(bfloat16 / float16 only: wgmma has no float32 inputs)")
@@ -64,17 +57,14 @@ def supports_inputs(dtype, qk_head_dim: int, v_head_dim: int) -> tuple[bool, str
   return True, ""
 
 
-# "auto" takes these kernels up to this head dim. Above it the dk/dv kernel runs a one-stage
-# ring and the dq kernel 64-row kv steps, and the Triton kernels train faster
-# (docs/performance.md).
+# "auto" takes these kernels up to this head dim (above it Triton trains faster,
+# docs/performance.md).
 AUTO_MAX_HEAD_DIM = 128
 
 
 def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple[bool, str]:
-  """(ok, reason): whether backend="auto" should pick these kernels. They run up to head dim
-  256; auto takes them up to AUTO_MAX_HEAD_DIM and for MLA (query / key <= 192, value <= 128),
-  where they were measured faster than Triton. features: the call's (kernels.FEATURES
-  entries); no choice here depends on them."""
+  """(ok, reason): whether "auto" picks these kernels: up to AUTO_MAX_HEAD_DIM and for MLA
+  (query / key <= 192, value <= 128). `features` changes nothing."""
   if max(qk_head_dim, v_head_dim) <= AUTO_MAX_HEAD_DIM:
     return True, ""
   if qk_head_dim <= 192 and v_head_dim <= AUTO_MAX_HEAD_DIM:
@@ -104,7 +94,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _sm_count() -> int:
-  """Streaming multiprocessors of the first GPU (132 on an H100 / H200 SXM when unknown)."""
+  """SMs of the first GPU (132 when unknown)."""
   try:
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
   except RuntimeError:
@@ -114,13 +104,12 @@ def _sm_count() -> int:
 
 def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int,
                    q_buffers: int = 1) -> tuple[int, int] | None:
-  """(kv tile, stages): the largest kv tile, then the deepest ring, that fits shared memory with
-  q_buffers Q buffers (2: the persistent kernel); None if nothing fits."""
+  """(kv tile, stages): the largest kv tile, then the deepest ring, that fits with q_buffers Q
+  buffers (2: persistent); None if nothing fits."""
   for bk in (128, 64):
     if table_kv % bk:
       continue
-    # Two slots: a third 128-row slot at head dim 128 overshoots shared memory by the barriers'
-    # 120 bytes (232568 > 232448, lowered for CUDA).
+    # A third 128-row slot at head dim 128 overshoots shared memory by 120 bytes.
     for stages in (2,):
       if fwd_kernels.smem_bytes(bk, stages, dk, dv, itemsize, q_buffers=q_buffers) <= SMEM_BUDGET:
         return bk, stages
@@ -130,13 +119,13 @@ def forward_launch(table_kv: int, dk: int, dv: int, itemsize: int,
 @dataclasses.dataclass(frozen=True)
 class Static:
   scale: float
-  soft_cap: float  # 0: none
+  soft_cap: float
   has_sinks: bool
   causal: bool
-  window: int  # 0: none
+  window: int
   deterministic: bool
   interpret: bool
-  options: KernelOptions = KernelOptions()  # the tuning options (attention/options.py)
+  options: KernelOptions = KernelOptions()
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -149,7 +138,6 @@ def _pad_axis(x, axis: int, size: int, value):
 
 
 class _Padded:
-  """Inputs padded for the kernels (sequence to table blocks, head dims to 64)."""
 
   def __init__(self, mask: AttentionMask, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
     spec = mask.spec
@@ -181,20 +169,19 @@ class _Padded:
 
 
 def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask):
-  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 natural-log (+inf: nothing attended)."""
+  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 (+inf: nothing attended)."""
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   spec = mask.spec
   dims = (spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize)
   grid = cfg.options.mosaic_forward_grid
   persistent = grid == "persistent" or (grid == "auto" and p.k.shape[1] <= PERSISTENT_MAX_KV)
-  # The persistent kernel needs a second Q buffer (and O apart from Q when Dv != Dk): where that
-  # does not fit (head dim 256), the per-tile grid; an explicit request for it is refused.
+  # Persistent needs a second Q buffer: where it does not fit (head dim 256), per-tile; an
+  # explicit request is refused.
   launch = forward_launch(*dims, q_buffers=2) if persistent else None
   per_tile = forward_launch(*dims)
   if (grid == "auto" and launch is not None and per_tile is not None
       and launch[0] < per_tile[0]):
-    # Not when the second Q buffer costs the kv tile (MLA 192 / 128: 64 rows persistent, 128
-    # per-tile).
+    # Not when the second Q buffer costs the kv tile (MLA 192 / 128).
     launch = None
   if launch is None and grid == "persistent":
     raise ValueError(f"KernelOptions.mosaic_forward_grid='persistent': head dims "
@@ -202,7 +189,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
                      "shared memory; use 'auto' or 'per_tile'")
   if launch is not None:
     bk, stages = launch
-    # One CTA per SM (the interpreter: 3, so that each CTA takes several work items).
+    # One CTA per SM (the interpreter: 3, so each takes several items).
     num_ctas = 3 if cfg.interpret else _sm_count()
   elif per_tile is not None:
     bk, stages = per_tile
@@ -214,7 +201,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
-      # At head dims above 128 the overlap's registers (O, S, P twice) do not fit.
+
       overlap_min_blocks=cfg.options.mosaic_forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
       consumer_registers=cfg.options.mosaic_forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
@@ -228,7 +215,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
   delta = softmax_delta(d_out, out)
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   d_out_p = _pad_axis(_pad_axis(d_out, 1, p.q.shape[1], 0), 3, p.v.shape[3], 0)
-  # Padded query rows: lse +inf makes their probabilities 0 whatever their logits.
+
   lse_p = _pad_axis(lse, 2, p.q.shape[1], jnp.inf)
   delta_p = _pad_axis(delta, 2, p.q.shape[1], 0.0)
   spec = mask.spec
@@ -244,8 +231,7 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       mask.dkv, mask.dq)
   dq = p.unpad_q(dq, p.dk)
   if dq.dtype == jnp.float32:
-    # The fused path's float32 sum: rows with nothing to attend get exactly 0 (a non-finite
-    # key may reach them through 0 * NaN in dS K); the dq kernel does this itself.
+    # Rows with nothing to attend get exactly 0 (the dq kernel does this itself).
     dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], 0.0, dq)
   dq = dq.astype(q.dtype)
   dk = p.unpad_kv(dk, p.dk).astype(k.dtype)
@@ -263,19 +249,11 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                            deterministic_backward: bool | None = True,
                            kernel_options: KernelOptions | None = None,
                            interpret: bool = False) -> jax.Array:
-  """Attention over validated inputs with the Mosaic GPU kernels (Hopper; or the CPU
-  interpreter with interpret=True, for tests).
-
-  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv] (bf16 / fp16), positions /
-  segment ids int32 [B, S], mask from create_attention_mask with blocks the kernels' tiles divide
-  (the defaults do). Returns [B, Sq, H, Dv] in query.dtype; differentiable in query, key, value
-  and sinks. deterministic_backward True (default; None, the public op's "backend's own", means
-  the same): dq from its own kernel (7 matrix products per tile pair, bitwise reproducible);
-  False: dq bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products,
-  order-dependent rounding). Measured on an H200 the deterministic
-  way is also the faster (64k causal forward+backward 245 vs 268 ms; docs/performance.md), so
-  it is the default. kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the
-  defaults); this backend reads its mosaic_* fields and dq_after_dkv.
+  """Attention over validated inputs with the Mosaic GPU kernels (Hopper; the CPU interpreter
+  with interpret=True). Arguments and result as flash_attention (bf16 / fp16, mask blocks the
+  tiles divide). deterministic_backward True or None (default): dq from its own kernel, bitwise
+  reproducible, and faster on an H200; False: dq reduce-added in float32 by the dk/dv kernel.
+  kernel_options: its mosaic_* fields and dq_after_dkv apply.
   """
   kernel_options = as_kernel_options(kernel_options)
   ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])

@@ -1,12 +1,11 @@
-"""Backward kernels for Hopper in Pallas Mosaic GPU, over the `dkv` and `dq` block tables.
+"""Backward kernels for Hopper in Pallas Mosaic GPU, over the `dkv` and `dq` block tables
+(design: docs/kernels.md).
 
-dk/dv kernel: one CTA per 128 kv rows of one kv head; a producer warpgroup TMA-loads Q + lse and
-dO + delta for each query head of the GQA group and each query block of the `dkv` row; two
-consumers (64 kv rows each) compute S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T,
-dK += dS^T Q (the group summed in registers: deterministic). With `with_dq` also dQ_part = dS K,
-bulk reduce-added into a float32 buffer (5 products instead of 7, not bitwise reproducible);
-otherwise the dq kernel walks the `dq` table like the forward. Logits, lse and delta follow the
-forward (lse natural-log [B, H, Sq], +inf for empty rows). Design: docs/kernels.md.
+dk/dv kernel: one CTA per 128 kv rows of one kv head; a producer warpgroup TMA-loads Q, lse, dO
+and delta per query head of the GQA group and query block of the `dkv` row; two consumers (64 kv
+rows each) accumulate dV and dK over the group in registers (deterministic). With `with_dq` it
+also bulk reduce-adds dQ into a float32 buffer (not bitwise reproducible); otherwise the dq
+kernel walks the `dq` table like the forward. lse: natural-log [B, H, Sq], +inf for empty rows.
 """
 
 from __future__ import annotations
@@ -44,41 +43,27 @@ def _logit_terms(cfg, st):
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-  table_q: int  # the backward tables' query block (a multiple of 64; the dq kernel re-tiles it)
-  table_kv: int  # their kv block (a multiple of 128)
+  table_q: int
+  table_kv: int
   scale: float
   soft_cap: float  # 0: none
   causal: bool
   window: int  # 0: none
-  with_dq: bool  # dk/dv kernel also reduce-adds dq (else the dq kernel runs)
+  with_dq: bool
   interpret: bool
-  # KernelOptions.mosaic_paired_products: issue independent products together (one wgmma wait
-  # for two); the deterministic dk/dv step's two pairs (below) need it.
+  # Issue independent products together; the two-pair dk/dv step needs it.
   paired: bool = True
-  # Registers per thread of the two consumer warpgroups (setmaxnreg); the producer gets what is
-  # left of the CTA's 168 x 384 launch registers: 504 - 2 x consumer_regs (232 -> 40, 240 -> 24,
-  # FlashAttention 3's split). KernelOptions.mosaic_backward_registers has the measurements.
+  # setmaxnreg of the consumers; the producer gets 504 - 2 x consumer_regs.
   consumer_regs: int = 232
-  # Order the deterministic dq kernel after the dk/dv kernel (KernelOptions.dq_after_dkv).
   dq_after_dkv: bool = False
-  # KernelOptions.mosaic_backward_id_rings: the producers TMA-load the positions / segment ids
-  # of each ring block with it (q blocks in the dk/dv kernel, kv blocks in the dq kernel), and
-  # masked steps read them from shared memory instead of global memory.
+  # TMA-load each ring block's ids with it; masked steps read them from shared memory.
   ids_tma: bool = False
 
-  # Settled choices, no longer options (docs/tuning-history.md):
-  # - with_dq, head dim a multiple of 128: the consumers share their dS tiles and each computes
-  #   HALF the columns of the tile's dq over all 128 kv rows (splits_dq).
-  # - The deterministic dk/dv step issues its products in two pairs (S^T with dP^T, then dV
-  #   with dK): two wgmma waits per step, the element-wise work in one stretch.
-  # - Those steps start S^T from -lse / scale and dP^T from -delta (lse only without a soft
-  #   cap), so the per-column lse / delta vectors die before the products (fewer spills).
-  # - The launch order interleaves the heads, longest tile first over all (head, tile) pairs
-  #   (block_mask.longest_first_over_heads), so long tiles of the last head do not run alone.
-  # - The last wait on the output stores waits for their shared-memory reads only.
+  # Fixed choices (the two-pair dk/dv step, lse / delta in the accumulators, the longest-first
+  # launch over (head, tile) pairs) are described in docs/kernels.md, "mosaic".
 
   def __post_init__(self):
-    producer_registers(self.consumer_regs, "consumer_regs")  # the split is checked here
+    producer_registers(self.consumer_regs, "consumer_regs")
 
   @property
   def producer_regs(self) -> int:
@@ -86,8 +71,7 @@ class BwdConfig:
 
 
 def splits_dq(cfg: "BwdConfig", dk: int) -> bool:
-  # The column halves must be whole 64-element swizzle tiles of K in shared memory; other head
-  # dims (64, 192) reduce-add whole 64 x Dk partials.
+  # The column halves must be whole 64-element swizzle tiles of K in shared memory.
   return cfg.with_dq and dk % (64 * CONSUMERS) == 0
 
 
@@ -95,7 +79,7 @@ def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
                    split: bool = False, ids: bool = False) -> int:
   kv = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
   ring = stages * TILE_Q * ((dk + dv) * itemsize + 8 + (8 if ids else 0))  # + lse, delta; ids
-  if split:  # dS double-buffered and shared; TILE_Q x dk/2 float32 partials per consumer
+  if split:
     dq = CONSUMERS * (2 * ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * (dk // CONSUMERS) * 4)
   elif with_dq:
     dq = CONSUMERS * (ROWS_PER_WG * TILE_Q * itemsize + TILE_Q * dk * 4)
@@ -107,7 +91,7 @@ def dkv_smem_bytes(stages: int, dk: int, dv: int, itemsize: int, with_dq: bool,
 def dq_smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                   ids: bool = False) -> int:
   qdo = CONSUMERS * ROWS_PER_WG * (dk + dv) * itemsize
-  ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))  # + kv ids (id rings)
+  ring = stages * block_kv * ((dk + dv) * itemsize + (8 if ids else 0))
   return qdo + ring + 1024
 
 
@@ -124,20 +108,18 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   group = h // kh
-  tq = TILE_Q  # query rows per step
+  tq = TILE_Q
   rq = cfg.table_q // tq
   rk = cfg.table_kv // TILE_KV
   dtype = q.dtype
   split = splits_dq(cfg, dk)
-  dq_cols = dk // CONSUMERS if split else dk  # dq columns each consumer reduce-adds per step
-  # The interpreter has no bulk reduce (an atomic add on the GPU): there each consumer of each
-  # kv tile adds into a buffer of its own (CTAs of other kv tiles add into the same dq rows and
-  # may run concurrently in the interpreter), summed after the kernel.
+  dq_cols = dk // CONSUMERS if split else dk
+  # The interpreter has no bulk reduce: each consumer of each kv tile adds into its own buffer,
+  # summed after the kernel.
   n_tiles = skv // TILE_KV
   dq_copies = CONSUMERS * n_tiles if cfg.interpret else 1
-  early_dp = not cfg.with_dq and cfg.paired  # the two-pair step (BwdConfig's settled choices)
-  # lse / delta enter the products' accumulators (two-pair steps only; lse
-  # only where the logit is linear in the product, i.e. no soft cap, and the scale is not 0).
+  early_dp = not cfg.with_dq and cfg.paired
+  # lse / delta start the products' accumulators (lse only without a soft cap).
   fold_delta = early_dp
   fold_lse = fold_delta and not cfg.soft_cap and cfg.scale != 0.0
 
@@ -150,7 +132,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     kv_head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
     tile = lax.axis_index("kv_tiles")
-    # The launch order over (head, tile) pairs: the CTA's launch position -> its (head, tile)
     code = order_ref[bi, kv_head * n_tiles + tile]
     kv_head, tile = lax.rem(code, kh), lax.div(code, kh)
     wg = lax.axis_index("wg")
@@ -176,32 +157,30 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       dv_acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(k_ready.at[wg])
       plgpu.barrier_wait(v_ready.at[wg])
-      total = group * count  # ring positions this CTA visits
+      total = group * count
 
       def step(n, qi, head, carry, masked: bool):
         dk_acc, dv_acc = carry
         slot = lax.rem(n, stages)
-        if masked and not cfg.ids_tma:  # loaded before the product, which hides their latency
+        if masked and not cfg.ids_tma:
           cols = pl.ds(qi * tq, tq)
           q_pos = plgpu.load(qpos_ref.at[bi, cols], layout=_COL, optimized=False)
           q_seg = plgpu.load(qseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(q_ready.at[slot])
-        if masked and cfg.ids_tma:  # arrived with q (the slot is released after the step)
+        if masked and cfg.ids_tma:
           q_pos = plgpu.load(qpos_smem.at[slot], layout=_COL)
           q_seg = plgpu.load(qseg_smem.at[slot], layout=_COL)
 
         if early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
           shape = (ROWS_PER_WG, tq)
-          st0 = dpt0 = None  # fresh products
+          st0 = dpt0 = None
           if fold_lse:
-            # S^T starts from -lse / scale: the product then ends at S^T - lse / scale, whose
-            # base-2 logit is the exponent of P^T (no lse vector live beside the tiles).
+            # S^T - lse / scale is the base-2 exponent of P^T: no lse vector live beside the tiles.
             lse = plgpu.load(lse_smem.at[slot], layout=_COL)
             st0 = plgpu.layout_cast(
                 lax.broadcast_in_dim(lse * (-1.0 / cfg.scale), shape, [1]), plgpu.Layout.WGMMA)
           if fold_delta:
-            # dP^T starts from -delta: the product ends at dP^T - delta.
             delta = plgpu.load(delta_smem.at[slot], layout=_COL)
             dpt0 = plgpu.layout_cast(lax.broadcast_in_dim(-delta, shape, [1]),
                                      plgpu.Layout.WGMMA)
@@ -219,10 +198,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           lse = plgpu.load(lse_smem.at[slot], layout=_COL)
           pt = jnp.exp2(z2 - lax.broadcast_in_dim(lse * LOG2E, z2.shape, [1]))
         if masked:
-          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)  # S^T
+          keep = pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, pt.shape, q_dim=1)
           pt = jnp.where(keep, pt, 0.0)
         pt16 = pt.astype(dtype)
-        # With early_dp, dP^T is here already and dV's product goes with dK's below.
         if not early_dp:
           plgpu.barrier_wait(do_ready.at[slot])
           if cfg.paired:
@@ -247,10 +225,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           dst = jnp.where(keep, dst, 0.0)
         ds16 = dst.astype(dtype)
         if split:
-          # Share dS^T with the other consumer (double-buffered: a buffer is rewritten two steps
-          # later, after the other consumer has passed the next step's barrier, i.e. finished
-          # reading it), then dK += dS^T Q and this consumer's column half of
-          # dQ = dS K = sum over both consumers j of (dS^T_j)^T K_j[:, half].
+          # dS^T is shared with the other consumer (double-buffered: rewritten two steps later, once
+          # the other consumer has read it); this consumer computes its column half of dQ = dS K.
           buf = lax.rem(n, 2)
           ds_smem.at[buf, wg][...] = ds16
           plgpu.commit_smem()
@@ -283,7 +259,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
           qrows = pl.ds(qi * tq, tq)
           cols = pl.ds(wg * dq_cols, dq_cols) if split else slice(None)
           my_dq = dq_smem.at[wg]
-          # The reduce that last used my_dq has read it.
+
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           if cfg.interpret:
             target = dq_ref.at[tile * CONSUMERS + wg, bi, qrows, head, cols]
@@ -299,7 +275,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
       def one_head(g, carry):
         head = kv_head * group + g
-        base = g * count  # ring position of this head's first query block
+        base = g * count
         carry = lax.fori_loop(0, masked_count,
                               lambda m, c: step(base + m, block(m), head, c, True), carry)
         return lax.fori_loop(
@@ -310,8 +286,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
       if cfg.with_dq:
         plgpu.wait_smem_to_gmem(0)
       if split:
-        # The other consumer's last dQ product reads this consumer's K (its column half of
-        # dS K): wait until both are past their loops before K's buffer stages dK.
+        # The other consumer's last dQ product reads this K: wait before K's buffer stages dK.
         plgpu.barrier_arrive(k_done)
         plgpu.barrier_wait(k_done)
       my_k[...] = dk_acc.astype(dtype)
@@ -370,9 +345,8 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.SMEM((stages, tq), jnp.float32),
         (_smem((2, CONSUMERS, ROWS_PER_WG, tq), dtype) if split else
          _smem((CONSUMERS, ROWS_PER_WG, tq), dtype) if cfg.with_dq else None),
-        # float32 dq partials in the swizzled layout: the WGMMA-layout register store is then
-        # free of bank conflicts (a plain 256- or 512-byte row stride puts the 8 rows a warp
-        # writes at once in the same banks); TMA unswizzles on the way to global memory.
+        # float32 dq partials swizzled: the WGMMA-layout register store is then free of bank
+        # conflicts; TMA unswizzles on the way to global memory.
         _smem((CONSUMERS, tq, dq_cols), jnp.float32) if cfg.with_dq else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
         plgpu.SMEM((stages, tq), jnp.int32) if cfg.ids_tma else None,
@@ -380,7 +354,7 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
     barriers = (
         plgpu.Barrier(num_barriers=CONSUMERS),
         plgpu.Barrier(num_barriers=CONSUMERS),
-        # q_ready: one arrival per TMA copy into the slot (q, lse; and the ids with id rings)
+
         plgpu.Barrier(num_arrivals=4 if cfg.ids_tma else 2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
@@ -388,7 +362,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2) if split else None,
         plgpu.Barrier(num_arrivals=CONSUMERS) if split else None,
     )
-    # The launch order is the last of `args`: out of the positional refs.
     order_ref, refs = refs[len(args) - 1], refs[:len(args) - 1] + refs[len(args):]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
@@ -397,7 +370,6 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
                jax.ShapeDtypeStruct((b, skv, kh, dv), dtype))
   args = (q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, lower, upper, full_lower,
           full_upper)
-  # The dk/dv table's rows are kv blocks, its bounds query blocks: a tile's work is its row's.
   args += (longest_first_over_heads(lower, upper, rk, n_tiles, kh),)
   launch = dict(out_type=out_types, grid=(kh, skv // TILE_KV, b),
                 grid_names=("heads", "kv_tiles", "batch"), num_threads=CONSUMERS + 1,
@@ -417,12 +389,9 @@ def dkv_call(cfg: BwdConfig, stages: int, q, k, v, d_out, lse, delta, q_pos, q_s
 
 def _dk_and_dq_half(dk_acc, ds16, q_tile, ds_shared, k_smem, half, ds_ready, dq_cols,
                     interpret: bool):
-  """(dk_acc + ds16 @ q_tile, dQ[:, half]) with dQ[:, half] = sum_j ds_shared[j]^T @ k_smem[j][:, half].
-
-  ds16 [64 kv, 64 q] is this consumer's dS^T (registers), ds_shared [CONSUMERS, 64 kv, 64 q] both
-  consumers' (shared memory, complete once `ds_ready` fires), k_smem [CONSUMERS, 64 kv, Dk].
-  The dK product is issued before waiting for the other consumer's dS; all three are awaited once.
-  """
+  """(dk_acc + ds16 @ q_tile, dQ[:, half] = sum_j ds_shared[j]^T @ k_smem[j][:, half]): ds16
+  this consumer's dS^T, ds_shared both consumers' (complete once `ds_ready` fires). The dK product
+  is issued before the wait; all three are awaited once."""
   zeros = plgpu.layout_cast(jnp.zeros((TILE_Q, dq_cols), jnp.float32), plgpu.Layout.WGMMA)
   if interpret:
     dk_acc = accumulate(dk_acc, ds16, q_tile, True)
@@ -459,7 +428,6 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
              q_ready, k_ready, v_ready, k_free, v_free, order_ref):
     head = lax.axis_index("heads")
     bi = lax.axis_index("batch")
-    # The launch order over (head, tile) pairs: the CTA's launch position -> its (head, tile)
     code = order_ref[bi, head * n_tiles + lax.axis_index("q_tiles")]
     head, tile = lax.rem(code, h), lax.div(code, h)
     wg = lax.axis_index("wg")
@@ -487,14 +455,13 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       plgpu.barrier_wait(q_ready.at[wg])
 
       def step(n, ki, acc, masked: bool):
-        """The n-th visited kv block, block ki."""
         slot = lax.rem(n, stages)
-        if masked and not cfg.ids_tma:  # loaded before the products, which hide their latency
+        if masked and not cfg.ids_tma:
           cols = pl.ds(ki * bk, bk)
           kv_pos = plgpu.load(kvpos_ref.at[bi, cols], layout=_COL, optimized=False)
           kv_seg = plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_ready.at[slot])
-        if masked and cfg.ids_tma:  # arrived with K (the slot is released after the step)
+        if masked and cfg.ids_tma:
           kv_pos = plgpu.load(kvpos_smem.at[slot], layout=_COL)
           kv_seg = plgpu.load(kvseg_smem.at[slot], layout=_COL)
         if cfg.paired:
@@ -533,10 +500,9 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
       acc = lax.fori_loop(0, masked_count, lambda n, a: step(n, block(n), a, True), acc)
       acc = lax.fori_loop(masked_count, count,
                           lambda n, a: step(n, full_lower + (n - masked_count), a, False), acc)
-      # Rows with nothing to attend (lse +inf) get exactly 0, even where a non-finite key
-      # reached them through 0 * NaN inside dS K.
+      # Rows with nothing to attend (lse +inf) get exactly 0, even through 0 * NaN.
       acc = jnp.where(lax.broadcast_in_dim(lse == jnp.inf, acc.shape, [0]), 0.0, acc)
-      my_q[...] = acc.astype(dtype)  # Q is no longer read: its buffer stages dq
+      my_q[...] = acc.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_q, dq_ref.at[bi, rows, head])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -562,13 +528,12 @@ def dq_call(cfg: BwdConfig, block_kv: int, stages: int, q, k, v, d_out, lse, del
     )
     barriers = (
         plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
-        # k_ready: one arrival per TMA copy into the slot (K; and the ids with id rings)
+
         plgpu.Barrier(num_arrivals=3 if cfg.ids_tma else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
     )
-    # The launch order is the last input: out of the positional refs.
     order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     pl.run_scoped(lambda *s: kernel(*refs, *s, order_ref=order_ref), *scratch, *barriers,
                   collective_axes="wg")
@@ -589,8 +554,8 @@ SMEM_BUDGET = 227 * 1024
 
 def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
                   dkv_table, dq_table):
-  """(dq, dk, dv) for padded inputs (dq float32 or q.dtype); dq from the dk/dv kernel's reduce-adds when
-  cfg.with_dq and it fits shared memory, else from the deterministic dq kernel."""
+  """(dq, dk, dv) for padded inputs: dq from the dk/dv kernel's reduce-adds (float32) when
+  cfg.with_dq and it fits shared memory, else from the deterministic dq kernel (q.dtype)."""
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
   split = splits_dq(cfg, dk_dim)
@@ -599,7 +564,6 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
                                            split, ids=ids) <= SMEM_BUDGET
   cfg = dataclasses.replace(cfg, with_dq=with_dq)
   split = splits_dq(cfg, dk_dim)
-  # The deepest q / dO ring that fits (3 at head dim 128).
   stages = next((s for s in (3, 2, 1)
                  if dkv_smem_bytes(s, dk_dim, dv_dim, itemsize, with_dq, split,
                                    ids=ids) <= SMEM_BUDGET),
@@ -617,17 +581,13 @@ def backward_call(cfg: BwdConfig, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_p
 
 def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, dk, dv,
                       dq_table):
-  """(dq in q.dtype, dk, dv): the dq kernel after a dk/dv kernel that computed no dq."""
   dk_dim, dv_dim = q.shape[3], v.shape[3]
   itemsize = jnp.dtype(q.dtype).itemsize
   ids = cfg.ids_tma
   if cfg.dq_after_dkv:
-    # The dq kernel after the dk/dv kernel (its q comes through a barrier with dk / dv), so
-    # context parallelism's dk / dv reduce-scatter can run while the dq kernel does.
+    # After the dk/dv kernel, so context parallelism's dk / dv reduce-scatter overlaps dq.
     q, dk, dv = jax.lax.optimization_barrier((q, dk, dv))
-  # A 2-deep ring first (its loads overlap the products), then the largest kv tile: head dim
-  # 128: 128 x 2; MLA 192 / 128: 64 x 2 (128 x 2 does not fit; 128 x 1 loads without
-  # overlap); head dim 256: 64 x 1.
+  # A 2-deep ring first (its loads overlap the products), then the largest kv tile.
   fits = [(bk, st) for st in (2, 1) for bk in (128, 64)
           if cfg.table_kv % bk == 0 and dq_smem_bytes(bk, st, dk_dim, dv_dim, itemsize,
                                                       ids=ids) <= SMEM_BUDGET]
@@ -636,9 +596,8 @@ def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_
                      "shared memory")
   bk, dq_stages = fits[0]
   if cfg.table_q % DQ_TILE_Q:
-    # The dq kernel walks one table row per 128 query rows; the mask's rows are finer (64,
-    # kvax's Hopper default) or do not align (192): walk the union of the rows each tile
-    # covers instead (without this, 64-row tables gave a zero-row stride: zero or NaN dq).
+    # The dq kernel walks one table row per 128 query rows; finer (64) or unaligned (192) rows
+    # are merged per tile.
     dq_table = tile_rows(dq_table, cfg.table_q, DQ_TILE_Q, q.shape[1] // DQ_TILE_Q)
     cfg = dataclasses.replace(cfg, table_q=DQ_TILE_Q)
   dq = dq_call(cfg, bk, dq_stages, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg,
@@ -647,23 +606,18 @@ def _deterministic_dq(cfg, q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_
 
 
 def tile_rows(table, table_rows: int, tile_rows_: int, n_tiles: int):
-  """The (lower, upper, full_lower, full_upper) table [B, n_tiles] of tiles of `tile_rows_`
-  outer rows, from a table whose rows cover `table_rows` outer rows each.
-
-  A tile visits every block any of its table rows visits (the union: the kernels mask every
-  visited block element-wise, so an extra visit costs time, never correctness) and treats as
-  full only blocks full for all of its rows (the intersection of their full ranges; empty when
-  they do not overlap). Rows that visit nothing do not widen the union.
-  """
+  """The table [B, n_tiles] of tiles of `tile_rows_` outer rows, from one whose rows cover
+  `table_rows` each: a tile visits the union of its rows' visits (extra visits are masked, so
+  cost only time) and treats as full only the intersection of their full ranges."""
   lower, upper, full_lower, full_upper = (jnp.asarray(x) for x in table)
   n_rows = lower.shape[1]
   first = (np.arange(n_tiles) * tile_rows_) // table_rows
   last = ((np.arange(n_tiles) + 1) * tile_rows_ - 1) // table_rows
   span = int((last - first).max()) + 1
-  idx = first[:, None] + np.arange(span)[None, :]  # [n_tiles, span] table rows of each tile
+  idx = first[:, None] + np.arange(span)[None, :]
   valid = jnp.asarray((idx <= last[:, None]) & (idx < n_rows))
   idx = jnp.asarray(np.minimum(idx, n_rows - 1))
-  take = lambda x: x[:, idx]  # [B, n_tiles, span]
+  take = lambda x: x[:, idx]
   lo, up, flo, fup = take(lower), take(upper), take(full_lower), take(full_upper)
   visits = valid & (up > lo)
   big = jnp.iinfo(jnp.int32).max

@@ -1,9 +1,8 @@
 """Forward kernel for Hopper in Pallas Mosaic GPU: FlashAttention over the block table.
 
-One CTA per query tile (2 x 64 rows, one head): a producer warpgroup TMA-loads K / V into a ring,
-two consumer warpgroups run the online softmax (ping-pong or intra-warpgroup overlap). Numerics
-match the Triton kernel (base-2 logits, finite M_INIT, lse in natural log). Design:
-docs/kernels.md ("mosaic"). Runs on the CPU through the Mosaic GPU interpreter (`interpret=True`).
+One CTA per query tile (2 x 64 rows, one head): a producer warpgroup TMA-loads K / V into a
+ring, two consumer warpgroups run the online softmax (ping-pong or intra-warpgroup overlap).
+Design: docs/kernels.md ("mosaic"). Runs on the CPU through the interpreter (`interpret=True`).
 """
 
 from __future__ import annotations
@@ -23,58 +22,52 @@ from kvax_plugin.attention.options import producer_registers
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 M_INIT = -1.0e30  # finite "minus infinity" for the running max: exp2(M_INIT - m) == 0
-ROWS_PER_WG = 64  # query rows per consumer warpgroup (one wgmma M tile)
+ROWS_PER_WG = 64
 CONSUMERS = 2
 TILE_Q = ROWS_PER_WG * CONSUMERS
 # q_seg of padding query rows becomes this id, which no kv token carries (real ids >= 0).
 NO_SEGMENT = -2
 
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per query row of a wgmma tile
-_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per kv column
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
 
 
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
-  """Static description of one forward launch (hashable: part of the jit key)."""
 
   block_kv: int
   stages: int
-  table_q: int  # the table's query block (a multiple of TILE_Q)
-  table_kv: int  # the table's kv block (a multiple of block_kv)
+  table_q: int
+  table_kv: int
   scale: float
   soft_cap: float  # 0: none
   has_sinks: bool
   causal: bool
   window: int  # 0: none
   interpret: bool
-  # 0: one CTA per (batch, query tile, head). N > 0: a persistent kernel of N CTAs; between two
-  # items the next item's Q and first kv blocks load behind the current one, hiding the per-CTA
-  # start and end. Items are dealt like a snake draft (longest first; CTA c takes item c of even
-  # rounds and N - 1 - c of odd ones) so the CTAs do not drift apart over a long row.
+  # 0: one CTA per (batch, query tile, head). N > 0: a persistent kernel of N CTAs, the next
+  # item's loads behind the current one; items dealt longest first as a snake draft.
   num_ctas: int = 0
   # Items of at least this many kv blocks run the intra-warpgroup overlap, shorter ones the
-  # ping-pong; 0: always the ping-pong (and head dims above 128, where it does not fit).
+  # ping-pong; 0: always the ping-pong.
   overlap_min_blocks: int = 0
-  # Registers per consumer thread (setmaxnreg; KernelOptions.mosaic_forward_registers); the
-  # producer warpgroup gets 504 - 2 x this.
+  # setmaxnreg per consumer thread; the producer gets 504 - 2 x this.
   consumer_registers: int = 240
 
 
 def o_in_q(dk: int, dv: int, q_buffers: int) -> bool:
   """Whether the output tile is staged in Q's shared memory: always when Dv == Dk; with Dv < Dk
-  (MLA) in the per-tile kernel through a RefUnion, both consumers past their last Q K^T before
-  either writes O (frees 32 KiB so MLA fits 128-row kv blocks)."""
+  (MLA) in the per-tile kernel, through a RefUnion (frees 32 KiB)."""
   return dv == dk or (dv < dk and q_buffers == 1)
 
 
 def smem_bytes(block_kv: int, stages: int, dk: int, dv: int, itemsize: int,
                q_buffers: int = 1) -> int:
-  """Shared memory of one CTA: Q (and O unless o_in_q) per consumer, times q_buffers, the K/V
-  ring, lse."""
+  """Shared memory of one CTA."""
   q = q_buffers * CONSUMERS * ROWS_PER_WG * dk * itemsize
   o = 0 if o_in_q(dk, dv, q_buffers) else CONSUMERS * ROWS_PER_WG * dv * itemsize
   ring = stages * block_kv * (dk + dv) * itemsize
-  return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024  # + barriers and alignment
+  return q + o + ring + CONSUMERS * ROWS_PER_WG * 4 + 1024
 
 
 def _smem(shape, dtype):
@@ -87,7 +80,7 @@ def _smem(shape, dtype):
 def accumulate(acc, a, b, interpret: bool):
   """acc + a @ b on the tensor cores (a: registers or shared memory, b: shared memory)."""
   if interpret:
-    # The interpreter supports neither run_state nor register A operands: same product in jnp.
+    # The interpreter supports neither run_state nor register A operands.
     a_val = a if isinstance(a, jax.Array) else a[...]
     return acc + jnp.dot(a_val, b[...], preferred_element_type=jnp.float32)
 
@@ -97,8 +90,7 @@ def accumulate(acc, a, b, interpret: bool):
 
 
 def accumulate_then(acc, a, b, interpret: bool, then):
-  """accumulate(acc, a, b) with `then()` run while the product is in flight, so a barrier wait
-  hides behind the tensor cores. The interpreter runs `then` after the product."""
+  """accumulate(acc, a, b), running `then()` while the product is in flight."""
   if interpret:
     acc = accumulate(acc, a, b, True)
     then()
@@ -111,9 +103,8 @@ def accumulate_then(acc, a, b, interpret: bool, then):
 
 
 def products_together(first, second, interpret: bool):
-  """Two independent tensor-core products issued back to back and awaited once. Each of
-  `first` / `second` is (acc, a, b) -> acc + a @ b, or (None, a, b, shape) for a fresh float32
-  product."""
+  """Two independent products issued back to back and awaited once; each of `first` / `second`
+  is (acc, a, b) -> acc + a @ b, or (None, a, b, shape) for a fresh float32 product."""
   def init(spec):
     acc = spec[0]
     if acc is None:
@@ -130,9 +121,7 @@ def products_together(first, second, interpret: bool):
 
 
 def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
-  """keep[i, j] of a tile from per-token vectors: queries along dimension q_dim (0: rows, layout
-  _ROW, as in the forward and dq kernels; 1: columns, _COL, as in the dk/dv kernel's S^T) and
-  kv tokens along the other."""
+  """keep[i, j] of a tile: queries along dimension q_dim (0: rows, 1: columns), kv the other."""
   kv_dim = 1 - q_dim
   qp = lax.broadcast_in_dim(q_pos, shape, [q_dim])
   qs = lax.broadcast_in_dim(q_seg, shape, [q_dim])
@@ -149,10 +138,8 @@ def pair_keep(cfg, q_pos, q_seg, kv_pos, kv_seg, shape, q_dim: int = 0):
 
 
 def visit_order(lower, full_lower, full_upper, upper):
-  """(masked, block): the walk of a table row: the masked blocks [lower, full_lower) and
-  [full_upper, upper) as ONE loop (traced once), then the full ones. `masked`: their count;
-  block(n): the n-th block visited, also the producer's load order. Needs lower <= full_lower <=
-  full_upper <= upper."""
+  """(masked, block): a table row's masked blocks [lower, full_lower) and [full_upper, upper)
+  as one loop, then the full ones. `masked`: their count; block(n): the n-th block visited."""
   before = full_lower - lower
   masked = before + (upper - full_upper)
 
@@ -163,9 +150,8 @@ def visit_order(lower, full_lower, full_upper, upper):
 
 
 def released_for_tma(interpret: bool) -> None:
-  """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it.
-  Nothing on the GPU (the barrier orders it, as in CUTLASS's TMA pipelines); in the interpreter
-  a proxy fence so its race detector sees that ordering (docs/kernels.md)."""
+  """After waiting on a ring slot's `free` barrier, before the TMA load that overwrites it: in
+  the interpreter a proxy fence so its race detector sees the ordering (nothing on the GPU)."""
   if interpret:
     plgpu.commit_smem()
 
@@ -173,11 +159,9 @@ def released_for_tma(interpret: bool) -> None:
 def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_free, count,
                     block, block_kv: int, stages: int, interpret: bool = False, ids=None,
                     base=0, drain: bool = True):
-  """The producer's loop: TMA-load kv blocks block(0) .. block(count - 1) of one kv head
-  (k_rows / v_rows: [Skv, D] views) into a ring of `stages` slots, the n-th into slot n % stages
-  once released. ids: None or (pos_rows, seg_rows, pos_smem, seg_smem), loaded with K. base: the
-  ring position of the first block (a persistent kernel's earlier items); drain: wait for the
-  consumers' release of the last blocks at the end."""
+  """The producer's loop: TMA-load kv blocks block(0) .. block(count - 1) of one kv head into a
+  ring of `stages` slots. ids: None or (pos_rows, seg_rows, pos_smem, seg_smem), loaded with K.
+  base: the ring position of the first block; drain: wait for the last blocks' release."""
 
   @pl.loop(0, count)
   def _(n):
@@ -205,8 +189,7 @@ def produce_kv_ring(k_rows, v_rows, k_smem, v_smem, k_ready, v_ready, k_free, v_
 
 
 def drain_kv_ring(k_free, v_free, total, stages: int):
-  """Observe the consumers' release of a ring's last loads (`total` blocks so far), so every
-  barrier phase is waited on once, as the interpreter checks."""
+  """Wait for the release of a ring's last loads (the interpreter checks every phase)."""
 
   @pl.loop(lax.max(0, total - stages), total)
   def _(n):
@@ -217,11 +200,8 @@ def drain_kv_ring(k_free, v_free, total, stages: int):
 
 def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper,
                  full_lower, full_upper):
-  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32.
-
-  Shapes must already be padded: Sq a multiple of cfg.table_q, Skv of cfg.table_kv, head dims
-  multiples of 64; q_seg with padding rows rewritten to NO_SEGMENT; tables int32 [B, rows].
-  """
+  """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32. Inputs padded: Sq a multiple of
+  cfg.table_q, Skv of cfg.table_kv, head dims of 64; q_seg's padding rows NO_SEGMENT."""
   b, sq, h, dk = q.shape
   kh, dv = k.shape[2], v.shape[3]
   group = h // kh
@@ -230,9 +210,9 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   rk = cfg.table_kv // bk
   dtype = q.dtype
   n_tiles = sq // TILE_Q
-  n_work = b * n_tiles * h  # work items (batch, query tile, head)
+  n_work = b * n_tiles * h
   q_buffers = 2 if cfg.num_ctas else 1
-  union = dv != dk and o_in_q(dk, dv, q_buffers)  # O staged in Q's memory (RefUnion)
+  union = dv != dk and o_in_q(dk, dv, q_buffers)
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, sinks_ref,
              lo_ref, up_ref, flo_ref, fup_ref, out_ref, lse_ref,
@@ -240,8 +220,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
              q_ready, k_ready, v_ready, k_free, v_free, turn, q_dead=None, order_ref=None):
     wg = lax.axis_index("wg")
     if cfg.num_ctas:
-      # Persistent: the items (heads fastest, tiles longest first) dealt to cfg.num_ctas CTAs as
-      # a snake draft; this CTA takes its full rounds and maybe one item of the last.
+      # Persistent: this CTA's items of the snake draft over cfg.num_ctas CTAs.
       sm = lax.axis_index("sm")
       full, part = divmod(n_work, cfg.num_ctas)
       slot = sm if full % 2 == 0 else cfg.num_ctas - 1 - sm
@@ -250,26 +229,24 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       n_items = 1
 
     def coords(i):
-      """(batch, head, query tile) of this CTA's i-th work item."""
       if not cfg.num_ctas:
         head, bi, t = (lax.axis_index(n) for n in ("heads", "batch", "q_tiles"))
       else:
         sm = lax.axis_index("sm")
-        sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)  # odd rounds mirrored
+        sm = jnp.where(lax.rem(i, 2) == 0, sm, cfg.num_ctas - 1 - sm)
         w = sm + i * cfg.num_ctas
         bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
         t, head = lax.div(r, h), lax.rem(r, h)
-      if order_ref is not None:  # persistent: the longest-first order of longest_first
+      if order_ref is not None:
         tile = order_ref[bi, t]
       elif cfg.causal:
-        # Last tiles first: under a causal mask they have the most work (shorter launch tail).
+        # Causal: last tiles first, they have the most work.
         tile = n_tiles - 1 - t
       else:
         tile = t
       return bi, head, tile
 
     def item_table(bi, tile):
-      """(count, masked_count, block, full_lower) of a query tile's table row."""
       row = tile // rq
       lower = lo_ref[bi, row] * rk
       upper = up_ref[bi, row] * rk
@@ -283,14 +260,12 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.barrier_wait(turn)
 
     def load_q(i, buf):
-      """Start the TMA load of work item i's query rows of this consumer into Q buffer buf."""
       bi, head, tile = coords(i)
       rows = pl.ds(tile * TILE_Q + wg * ROWS_PER_WG, ROWS_PER_WG)
       plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[buf, wg],
                               q_ready.at[buf * CONSUMERS + wg])
 
     def consume_item(i, base):
-      """Work item i with the kv ring at position `base` (blocks consumed before it)."""
       bi, head, tile = coords(i)
       count, masked_count, block, full_lower = item_table(bi, tile)
       q_base = tile * TILE_Q + wg * ROWS_PER_WG
@@ -306,17 +281,14 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, dv), jnp.float32), plgpu.Layout.WGMMA)
       plgpu.barrier_wait(q_ready.at[buf * CONSUMERS + wg])
       if cfg.num_ctas:
-        # The next item's Q into the other buffer, behind this item's work.
         pl.when(i + 1 < n_items)(lambda: load_q(i + 1, 1 - buf))
-      # The first block's K is awaited here, every later one behind the previous P V product.
 
       @pl.when(count > 0)
       def _():
         plgpu.barrier_wait(k_ready.at[lax.rem(base, stages)])
 
       def kv_ids(ki, masked: bool):
-        """The kv block's positions and segment ids (masked steps only), loaded before the
-        step's product so that their global-memory latency hides behind it."""
+        """A masked block's kv ids, loaded before the product to hide their latency."""
         if not masked:
           return None
         cols = pl.ds(ki * bk, bk)
@@ -324,11 +296,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
                 plgpu.load(kvseg_ref.at[bi, cols], layout=_COL, optimized=False))
 
       def softmax(qk, m_i, l_i, ids):
-        """One block's online-softmax update from its raw logits qk [64, bk] float32:
-        (P in float32, the new running max, the new row sum, alpha = the factor that
-        brings the old sums to the new max). ids: the block's kv ids when it is masked."""
+        """Online-softmax update from raw logits qk [64, bk] float32: (P, new max, new row sum,
+        alpha rescaling the old sums). ids: the kv ids of a masked block."""
         if cfg.soft_cap == 0.0 and cfg.scale > 0.0:
-          # max(scale * qk) = scale * max(qk): the scale folds into one FMA inside exp2.
+          # The scale folds into one FMA inside exp2.
           s, mul = qk, cfg.scale * LOG2E
         else:
           if cfg.soft_cap:
@@ -354,12 +325,9 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           plgpu.barrier_wait(k_ready.at[lax.rem(base + n + 1, stages)])
 
       def issue_logits(ref, slot):
-        """Issue S = Q K^T of the block in ring slot `slot` into the accumulator ref."""
         plgpu.wgmma(ref, my_q, k_smem.at[slot].T)
 
       def logits(slot, then=lambda: None):
-        """S = Q K^T [64, bk] float32 of the block in ring slot `slot`, `then()` run while the
-        product is in flight."""
         def product(ref):
           issue_logits(ref, slot)
           then()
@@ -367,7 +335,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         return pl.run_scoped(product, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
 
       def step(n, ki, carry, masked: bool):
-        """The n-th visited block, kv block ki: S, softmax, then P V (the ping-pong schedule)."""
+        """The ping-pong schedule's step: S, softmax, then P V."""
         acc, m_i, l_i = carry
         slot = lax.rem(base + n, stages)
         ids = kv_ids(ki, masked)
@@ -377,7 +345,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         p, m_new, l_i, alpha = softmax(qk, m_i, l_i, ids)
         acc = rescaled(acc, alpha)
         p16 = p.astype(dtype)
-        plgpu.barrier_arrive(turn)  # softmax done: the other consumer may use the tensor cores
+        plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)
         if not cfg.interpret:
@@ -387,22 +355,20 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
           acc = pl.run_state(pv_then_next_k)(plgpu.ACC.init(acc))
         else:
           acc = accumulate(acc, p16, v_smem.at[slot], cfg.interpret)
-          await_next_k(n)  # interpreter: same order of waits, after the product
+          await_next_k(n)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
-      # The overlapped schedule: step n issues S_n = Q K_n^T then O += P_{n-1} V_{n-1}, and
-      # computes S_n's softmax while P V runs; no schedule barrier. Block 0 only issues S_0, the
-      # last P V runs after the loop. Nothing between a step's first product and its last wait
-      # writes a register a product reads (else ptxas serializes them, C7513). Same sums in the
-      # same order as `step`: bitwise the ping-pong's output.
+      # Overlapped schedule: step n issues S_n then O += P_{n-1} V_{n-1} and runs S_n's softmax
+      # while P V runs. No register a product reads may be written before its wait (else ptxas
+      # serializes, C7513). Same sums in the same order as `step`: bitwise equal output.
       def first_block(m_i, l_i):
         slot = lax.rem(base, stages)
-        ids = kv_ids(block(0), True)  # a full block 0 keeps every pair: the mask is a no-op
+        ids = kv_ids(block(0), True)
 
         qk = logits(slot)
         plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, l_new, _ = softmax(qk, m_i, l_i, ids)  # O is 0: no rescale
+        p, m_new, l_new, _ = softmax(qk, m_i, l_i, ids)
         await_next_k(0)
         return p.astype(dtype), m_new, l_new
 
@@ -426,7 +392,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
             def with_o(refs):
               o_ref, p_ref, m_ref, l_ref, a_ref = refs
               plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
-              qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_n, not P V
+              qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
               plgpu.barrier_arrive(k_free.at[slot])
               p, m_new, l_new, alpha = softmax(qk, m_ref[...], l_ref[...], ids)
               p_ref[...] = p
@@ -435,8 +401,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
               a_ref[...] = alpha
               await_next_k(n)
             p_init = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, bk), jnp.float32),
-                                       plgpu.Layout.WGMMA)  # overwritten: only its type counts
-            # (the alpha ref starts from m_i: any [64] float32 in the row layout will do)
+                                       plgpu.Layout.WGMMA)
             return pl.run_state(with_o)((plgpu.ACC.init(acc), p_init, m_i, l_i, m_i))
           acc, p, m_new, l_new, alpha = pl.run_scoped(
               with_s, plgpu.ACC((ROWS_PER_WG, bk), jnp.float32))
@@ -460,7 +425,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         pl.when(wg == 0)(take_turn)
         return carry
 
-      def overlapped_blocks():  # count > 0
+      def overlapped_blocks():
         p16, m, l = first_block(m_i, l_i)
         carry = (acc, p16, m, l)
         carry = lax.fori_loop(1, masked_count,
@@ -472,15 +437,14 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         return last_pv(acc_n, p16), m, l
 
       if cfg.overlap_min_blocks:
-        # Both consumers take the same branch (one table row, one count), so the ping-pong's
-        # schedule barrier stays in step.
+        # Both consumers take the same branch, so the schedule barrier stays in step.
         acc, m_i, l_i = lax.cond(count >= cfg.overlap_min_blocks, overlapped_blocks,
                                  ping_pong_blocks)
       else:
         acc, m_i, l_i = ping_pong_blocks()
 
-      # NaN / inf (README, "NaN and inf"): a row is empty iff l == 0; empty rows are 0 with lse
-      # +inf; the sink joins after the loop; an overflowing log-sum-exp stores NaN, never +inf.
+      # Empty rows (l == 0) are 0 with lse +inf; the sink joins after the loop; an overflowing
+      # log-sum-exp stores NaN, never +inf.
       empty = l_i == 0.0
       if cfg.has_sinks:
         sink = sinks_ref[head] * LOG2E
@@ -495,8 +459,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       lse = (m_i + jnp.log2(l_safe)) * LN2
       lse = jnp.where(empty, jnp.inf, jnp.where(lse == jnp.inf, jnp.nan, lse))
       if union:
-        # O and Q share memory in no agreed layout (RefUnion): both consumers must be past
-        # their last Q K^T product (awaited in their loops) before either writes O.
+        # O and Q share memory: both consumers must be past their last Q K^T before O is written.
         plgpu.barrier_arrive(q_dead)
         plgpu.barrier_wait(q_dead)
       my_o = my_q if o_smem is None else o_smem.at[wg]
@@ -505,8 +468,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(my_o, out_ref.at[bi, rows, head])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, head, rows])
-      # Wait until the stores have READ shared memory (the next item reuses the staging), not
-      # until their writes land: the SM can start its next CTA sooner.
+      # Wait only until the stores have read shared memory, which the next item reuses.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       return base + count
 
@@ -534,8 +496,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         return base + count
 
       if cfg.num_ctas:
-        # One ring across the CTA's items: the next item's first blocks load as soon as the
-        # consumers release slots of this one; drained once, after the last item.
+        # One ring across the CTA's items, drained once after the last.
         total = lax.fori_loop(0, n_items, produce_item, jnp.int32(0))
         drain_kv_ring(k_free, v_free, total, stages)
       else:
@@ -559,10 +520,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS),
-        plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,  # q_dead
+        plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,
     )
     order_ref = None
-    if cfg.num_ctas:  # the order is the last input: take it out of the kernel's positional refs
+    if cfg.num_ctas:
       order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     def scoped(q_or_union, o_smem, *rest):
       q_smem, o_smem = q_or_union if union else (q_or_union, o_smem)
@@ -572,7 +533,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
   inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
-  if cfg.num_ctas:  # the snake deal walks the tiles longest first
+  if cfg.num_ctas:
     inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
   n_in = len(inputs)
   return plgpu.kernel(

@@ -1,10 +1,9 @@
-"""backend="triton": the FlashAttention-2 kernels of this package called through jax-triton.
+"""backend="triton": this package's FlashAttention-2 kernels through jax-triton.
 
-Forward: one launch (forward.py) writes the output and lse. Backward (custom VJP): delta, then
-dq over the `dq` table and dk / dv over the `dkv` table (backward.py); no atomics, so bitwise
-reproducible. Kernel tiles may be smaller than the mask's table blocks: a mask built with the
-library defaults gets the tuned per-GPU tiles (`_TUNED`), one built with explicit
-FlashAttentionParamsConfig runs exactly those. Triton and jax-triton are imported lazily.
+Forward: one launch writes the output and lse. Backward (custom VJP): delta, then dq over the
+`dq` table and dk / dv over the `dkv` table; no atomics, so bitwise reproducible. A mask built
+with the library defaults gets the tuned per-GPU tiles (`_TUNED`), one built with explicit
+params runs exactly those. Triton and jax-triton are imported lazily.
 """
 
 from __future__ import annotations
@@ -26,15 +25,11 @@ from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
 
-# float32 inputs: the Triton kernels need float32-accurate products, which above head dim 128
-# were impractically slow ("ieee") or did not fit shared memory ("tf32x3") on Hopper
-# (docs/performance.md). bf16 / fp16 run at every head dim.
+# float32 needs float32-accurate products, impractical above head dim 128 on Hopper
+# (docs/performance.md); bf16 / fp16 run at every head dim.
 FLOAT32_MAX_HEAD_DIM = 128
 
-# What the registry (kernels/__init__.py) checks before choosing or accepting this backend.
 CAPABILITIES = Capabilities(float32_max_head_dim=FLOAT32_MAX_HEAD_DIM)
-
-# ----------------------------------------------------------------------------- devices
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -69,7 +64,6 @@ def device_supported(device) -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-  """Import the kernel modules once (they import Triton)."""
   from kvax_plugin.attention.kernels.triton import backward, forward
   return forward, backward
 
@@ -80,16 +74,13 @@ def _gpu_family(device_kind: str) -> str:
     return "h200"
   if "H100" in kind or "H800" in kind or "GH200" in kind:
     return "h100"
-  return "fallback"  # A100 and other sm80+ parts
-
-
-# ----------------------------------------------------------------------------- launch settings
+  return "fallback"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
-  block_m: int  # query tile
-  block_n: int  # kv tile
+  block_m: int
+  block_n: int
   num_warps: int
   num_stages: int
 
@@ -102,10 +93,8 @@ class _Launch:
 
 
 def _tuned(family: str, head_dim: int) -> _Launch:
-  """Tuned tiles per GPU family and (largest) head dim, from the sweeps in docs/performance.md
-  (the H100 shares Hopper's). 8 warps only where a dot's M dimension gives each warpgroup 64
-  rows; at head dim 256 the dk/dv accumulators limit the kv tile to 64; at head dims 128 and 256
-  the dq kernel prefers 128-row tiles (hence the default 128-token backward query blocks)."""
+  """Tuned tiles per GPU family and (largest) head dim (sweeps: docs/performance.md). 8 warps
+  only where each warpgroup gets 64 rows of a product."""
   if family in ("h100", "h200"):
     if head_dim <= 64:
       return _Launch(fwd=_Tiles(128, 64, 4, 4), dq=_Tiles(64, 64, 4, 4),
@@ -114,22 +103,20 @@ def _tuned(family: str, head_dim: int) -> _Launch:
       return _Launch(fwd=_Tiles(128, 128, 8, 3), dq=_Tiles(128, 64, 8, 3),
                      dkv=_Tiles(64, 128, 8, 3))
     return _Launch(fwd=_Tiles(128, 64, 8, 2), dq=_Tiles(128, 32, 8, 2), dkv=_Tiles(64, 64, 8, 2))
-  # A100-class fallback (164 KB shared memory, no wgmma): smaller tiles, fewer stages. Untuned.
+  # A100-class fallback (164 KB shared memory, no wgmma): untuned.
   if head_dim > 128:
     return _Launch(fwd=_Tiles(64, 64, 4, 2), dq=_Tiles(64, 32, 4, 2), dkv=_Tiles(32, 64, 4, 2))
   return _Launch(fwd=_Tiles(128, 64, 4, 3), dq=_Tiles(64, 64, 4, 2), dkv=_Tiles(64, 64, 4, 2))
 
 
-# SMs per GPU family, where jax does not report it (device.core_count).
 _SM_COUNT = {"h100": 132, "h200": 132, "fallback": 108}
 
 
 def gqa_inplace(memory_optimized: bool, batch: int, kv_heads: int, group: int, kv_tiles: int,
                 sm_count: int) -> bool:
   """Whether the dk/dv launch accumulates a GQA group in place (one program per kv head): no
-  float32 per-query-head buffers and faster, but `group` times fewer programs, so below a few
-  programs per SM the per-head launch keeps more SMs busy. memory_optimized=True asks for in
-  place regardless; sm_count 0 (the CPU interpreter) keeps the caller's choice."""
+  float32 per-head buffers and faster, unless too few programs per SM remain. memory_optimized
+  forces in place; sm_count 0 (the CPU interpreter) keeps the caller's choice."""
   if memory_optimized or group == 1:
     return True
   if sm_count <= 0:
@@ -143,20 +130,17 @@ def _fit(tile: int, table_block: int) -> int:
 
 
 def shared_memory_limit(device_kind: str) -> int:
-  """Bytes of shared memory one Triton program may use (opt-in maximum per block)."""
+  """Bytes of shared memory one Triton program may use."""
   kind = device_kind.upper()
   if _gpu_family(device_kind) in ("h100", "h200"):
-    return 232448  # 227 KiB (sm90)
+    return 232448
   if "A100" in kind or "A800" in kind:
-    return 166912  # 163 KiB (sm80)
-  return 101376  # 99 KiB (sm86 / sm89 and unknown parts: the safe choice)
+    return 166912
+  return 101376
 
 
 def shared_memory_bytes(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int) -> int:
-  """Estimated shared memory of one program of `kernel` ("fwd", "dq" or "dkv"): the operands it
-  keeps (its own tile) once, the streamed operands once per pipeline stage, and for float32
-  inputs one [block_m, block_n] staging buffer per stage and product with a register operand.
-  Deliberately conservative; every tuned 16-bit configuration still fits."""
+  """Conservative shared-memory estimate of one program of `kernel` ("fwd", "dq" or "dkv")."""
   dk, dv = _pow2(dk), _pow2(dv)
   bm, bn = t.block_m, t.block_n
   if kernel == "fwd":
@@ -173,8 +157,8 @@ def shared_memory_bytes(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int)
 
 def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
                       limit: int) -> _Tiles:
-  """`t` with fewer pipeline stages, then smaller tiles (streamed dimension first), until its
-  estimate fits `limit`; the tiles still divide the mask's blocks, so the result is the same."""
+  """`t` with fewer stages, then smaller tiles, until it fits `limit`; the tiles still divide
+  the mask's blocks."""
   loop_dim = "block_m" if kernel == "dkv" else "block_n"
   other_dim = "block_n" if kernel == "dkv" else "block_m"
   while shared_memory_bytes(kernel, t, itemsize, dk, dv) > limit:
@@ -189,18 +173,16 @@ def fit_shared_memory(kernel: str, t: _Tiles, itemsize: int, dk: int, dv: int,
           f"head dims ({dk}, {dv}) with {itemsize}-byte inputs need "
           f"{shared_memory_bytes(kernel, t, itemsize, dk, dv)} B of shared memory in the "
           f"{kernel} kernel even at 16x16 tiles, above this GPU's {limit} B")
-  rows = t.block_n if kernel == "dkv" else t.block_m  # the M dimension of the kernel's products
+  rows = t.block_n if kernel == "dkv" else t.block_m
   if t.num_warps > 4 and rows < 64:
-    t = dataclasses.replace(t, num_warps=4)  # 8 warps need 64-row products (see _tuned)
+    t = dataclasses.replace(t, num_warps=4)
   return t
 
 
 def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
                 itemsize: int = 2) -> _Launch:
-  """Tiles of the three kernels for a mask's spec, fitted to the GPU's shared memory.
-
-  An override (KernelOptions.triton_tiles) is taken exactly as given: the caller chose it.
-  """
+  """Tiles of the three kernels for a mask's spec, fitted to the GPU's shared memory; an
+  override (KernelOptions.triton_tiles) is taken exactly as given."""
   tuned = _tuned(_gpu_family(device_kind), max(dk, dv))
   f = spec.fwd_params
   if f == DEFAULT_FWD_PARAMS:
@@ -213,7 +195,7 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
   if bp is None:
     dq = dkv = fwd
   elif bp == DEFAULT_BWD_PARAMS or bp == _bwd_table_params(tuned):
-    # Library defaults, or a mask built from default_params(): the tuned tiles of both kernels.
+
     dq = _Tiles(_fit(tuned.dq.block_m, bp.query_block_size),
                 _fit(tuned.dq.block_n, bp.kv_block_size), tuned.dq.num_warps,
                 tuned.dq.num_stages)
@@ -224,12 +206,11 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
     dq = dkv = _Tiles(bp.query_block_size, bp.kv_block_size, bp.num_warps, bp.num_stages)
   parts = triton_tile_parts(override)
   if parts.keys() & {"fwd", "dq", "dkv"}:
-    # KernelOptions.triton_tiles "fwd=128,64,8,3;dq=...;dkv=..." (any subset); tiles must divide
-    # the table's blocks. Taken exactly as given.
+    # KernelOptions.triton_tiles, e.g. "fwd=128,64,8,3;dq=...;dkv=..." (any subset).
     pick = lambda name, cur: _Tiles(*map(int, parts[name].split(","))) if name in parts else cur
     return _Launch(pick("fwd", fwd), pick("dq", dq), pick("dkv", dkv))
   if device_kind == "cpu":
-    return _Launch(fwd, dq, dkv)  # the Triton interpreter: no shared memory to fit
+    return _Launch(fwd, dq, dkv)
   limit = shared_memory_limit(device_kind)
   fitted = _Launch(*(fit_shared_memory(name, t, itemsize, dk, dv, limit)
                      for name, t in (("fwd", fwd), ("dq", dq), ("dkv", dkv))))
@@ -241,7 +222,7 @@ def _launch_for(spec, device_kind: str, dk: int, dv: int, override: str = "",
 @functools.lru_cache(maxsize=None)
 def _log_refit(asked: _Launch, used: _Launch, itemsize: int, dk: int, dv: int,
                device_kind: str) -> None:
-  # Once per distinct case: a float32 model at head dim 256 would otherwise log every trace.
+  # Once per distinct case, not every trace.
   logging.getLogger(__name__).info(
       "kvax triton: %d-byte inputs at head dims (%d, %d) on %s need less shared memory than "
       "the tiles %s; using %s (same result, launch detail only)", itemsize, dk, dv, device_kind,
@@ -249,7 +230,7 @@ def _log_refit(asked: _Launch, used: _Launch, itemsize: int, dk: int, dv: int,
 
 
 def _bwd_table_params(t: _Launch) -> FlashAttentionParamsConfig:
-  """Backward table blocks that both backward kernels' tuned tiles divide (dk/dv's launch)."""
+  """Backward table blocks both backward kernels' tuned tiles divide."""
   return FlashAttentionParamsConfig(query_block_size=max(t.dq.block_m, t.dkv.block_m),
                                     kv_block_size=max(t.dq.block_n, t.dkv.block_n),
                                     num_warps=t.dkv.num_warps, num_stages=t.dkv.num_stages)
@@ -262,9 +243,7 @@ def _as_params(t: _Tiles) -> FlashAttentionParamsConfig:
 
 def default_params(device_kind: str, head_dim: int
                    ) -> tuple[FlashAttentionParamsConfig, FlashAttentionParamsConfig]:
-  """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200"): the
-  forward kernel's tiles, and backward blocks both backward kernels' tiles divide. A mask with
-  the library defaults gets the same tiles whenever they divide the default blocks."""
+  """(fwd, bwd) launch params tuned for a GPU (jax.Device.device_kind, e.g. "NVIDIA H200")."""
   t = _tuned(_gpu_family(device_kind), head_dim)
   return _as_params(t.fwd), _bwd_table_params(t)
 
@@ -276,10 +255,9 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
                    ) -> tuple[str, dict[str, float]]:
   """Opt-in autotune: time tile candidates on these inputs; return (best, {candidate: ms}).
 
-  Candidates use the KernelOptions.triton_tiles format ("" meaning the built-in choice) and must
-  divide the mask's blocks; each is compiled as a fresh jitted forward (+ backward when
-  `backward`) and timed as the median of `rounds` calls. Apply the winner with
-  `KernelOptions(triton_tiles=best)`.
+  Candidates use the KernelOptions.triton_tiles format ("": the built-in choice) and must divide
+  the mask's blocks; each runs as a fresh jitted forward (+ backward when `backward`), timed as
+  the median of `rounds` calls. Apply the winner with `KernelOptions(triton_tiles=best)`.
   """
   import statistics
   import time
@@ -313,7 +291,7 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else forward)
     try:
-      jax.block_until_ready(fn(query, key, value))  # compile + warm up
+      jax.block_until_ready(fn(query, key, value))
       times = []
       for _ in range(rounds):
         t0 = time.perf_counter()
@@ -326,9 +304,6 @@ def autotune_tiles(query, key, value, query_positions, query_segment_ids, kv_pos
   return best, timings
 
 
-# ----------------------------------------------------------------------------- launches
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
   scale: float
@@ -338,9 +313,9 @@ class _Static:
   window: int  # 0: none
   gqa_inplace: bool
   device_kind: str
-  sm_count: int  # 0 on the CPU (Triton's interpreter)
-  tiles_override: str  # KernelOptions.triton_tiles ("": the tuned tiles)
-  dq_after_dkv: bool = False  # KernelOptions.dq_after_dkv (see _backward)
+  sm_count: int
+  tiles_override: str
+  dq_after_dkv: bool = False
 
 
 def _pow2(n: int) -> int:
@@ -348,8 +323,7 @@ def _pow2(n: int) -> int:
 
 
 def _dot_precision(dtype) -> str:
-  # float32 inputs: exact products (tf32 would cost ~3e-4 relative error); 16-bit: ignored.
-  # (float32 is limited to head dims <= 128: FLOAT32_MAX_HEAD_DIM says why.)
+  # float32 inputs: exact products (tf32 would cost ~3e-4 relative error).
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
@@ -393,7 +367,6 @@ def _forward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
 
 
 def _bwd_common(cfg: _Static, q, k, v, mask: AttentionMask):
-  """(launch tiles, constexprs shared by the dq and dk/dv launches) for a backward."""
   b, sq, h, dk = q.shape
   skv, kh, dv = k.shape[1], k.shape[2], v.shape[3]
   spec = mask.spec
@@ -448,7 +421,7 @@ def _bwd_dkv(cfg: _Static, q, k, v, q_pos, q_seg, kv_pos, kv_seg, mask: Attentio
   g = h // kh
   t = launch.dkv
   inplace = gqa_inplace(cfg.gqa_inplace, b, kh, g, _cdiv(skv, t.block_n), cfg.sm_count)
-  # KernelOptions.triton_tiles "gqa=inplace" / "gqa=perhead" (checked when it was made).
+
   forced = triton_tile_parts(cfg.tiles_override).get("gqa")
   if forced is not None:
     inplace = forced == "inplace" or g == 1
@@ -476,8 +449,7 @@ def _backward(cfg: _Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: 
   delta = _bwd_delta(out, d_out)
   ints = (q_pos, q_seg, kv_pos, kv_seg)
   if cfg.dq_after_dkv:
-    # dk / dv first, and the dq kernel's q through a barrier with them, so context
-    # parallelism's dk / dv reduce-scatter can run behind the dq kernel.
+    # dq last, so context parallelism's dk / dv reduce-scatter runs behind it.
     dk_out, dv_out = _bwd_dkv(cfg, q, k, v, *ints, mask, lse, delta, d_out)
     q, dk_out, dv_out = jax.lax.optimization_barrier((q, dk_out, dv_out))
     dq = _bwd_dq(cfg, q, k, v, *ints, mask, lse, delta, d_out)
@@ -514,8 +486,7 @@ def _sm_count() -> int:
 def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
                   has_sinks: bool, memory_optimized_gqa_backward: bool = False,
                   kernel_options: KernelOptions | None = None) -> _Static:
-  """The launch-time constants of one attention call (also used by benchmarks/ to time the
-  backward kernels one by one)."""
+  """The launch-time constants of one attention call (benchmarks/ use it too)."""
   kernel_options = as_kernel_options(kernel_options)
   return _Static(scale=float(scale),
                  soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
@@ -531,15 +502,9 @@ def flash_attention_triton(query, key, value, query_positions, query_segment_ids
                            logits_soft_cap: float | None, sinks: jax.Array | None,
                            memory_optimized_gqa_backward: bool = False,
                            kernel_options: KernelOptions | None = None) -> jax.Array:
-  """Attention over validated inputs with the Triton kernels.
-
-  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
-  int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
-  Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
-  kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the defaults); this
-  backend reads triton_tiles and dq_after_dkv.
-  """
-  compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
+  """Attention over validated inputs with the Triton kernels: arguments and result as
+  flash_attention; this backend reads KernelOptions.triton_tiles and dq_after_dkv."""
+  compat.check()
   ok, why = CAPABILITIES.supports(query.dtype, query.shape[3], value.shape[3])
   if not ok:
     raise ValueError(f"query: {why} by the Triton kernels")

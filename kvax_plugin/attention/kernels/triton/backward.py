@@ -1,13 +1,7 @@
-"""Backward kernels: FlashAttention-2 (Dao 2023, Algorithm 2) split into three launches.
-
-  delta: D_i = rowsum(dO_i * O_i)                          one program per (query tile, head);
-  dq:    one program per (query tile, head) over the `dq` table:  dq = scale * sum_j dS_ij k_j;
-  dk/dv: one program per (kv tile, head) over the `dkv` table: dv = sum_i P_ij dO_i,
-         dk = scale * sum_i dS_ij q_i.
-Each program owns its output tile: no atomics, bitwise reproducible. GQA dk/dv: per query head
-(float32 buffers reduced by the caller) or, with GQA_INPLACE, one program per kv head looping
-over the group. P = exp2(s2 - lse * log2 e) (lse = +inf gives P = 0); dS = P * (dP - D), times
-1 - tanh^2 with a soft cap.
+"""Backward kernels: FlashAttention-2 (Dao 2023, Algorithm 2) in three launches: delta =
+rowsum(dO * O); dq per (query tile, head) over the `dq` table; dk/dv per (kv tile, head) over
+the `dkv` table. Each program owns its output tile: no atomics, bitwise reproducible. GQA dk/dv:
+per query head (float32 buffers the caller reduces) or, with GQA_INPLACE, per kv head.
 """
 
 import triton
@@ -52,7 +46,7 @@ def _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSE
   qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
   s2, t = scaled_logits(qk, SCALE, SOFT_CAP)
   if SOFT_CAP == 0:
-    p = tl.exp2(qk * (SCALE * 1.4426950408889634) - lse2[:, None])  # one FMA per element
+    p = tl.exp2(qk * (SCALE * 1.4426950408889634) - lse2[:, None])
   else:
     p = tl.exp2(s2 - lse2[:, None])
   if MASKED:
@@ -80,10 +74,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                        TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
-  """Grid (B * H, cdiv(SQ, BLOCK_M)), heads fastest and heavy (last) query tiles first.
-
-  DQ [B, SQ, H, DK] in the query dtype.
-  """
+  """Grid (B * H, cdiv(SQ, BLOCK_M)), heads fastest, last query tiles first. DQ [B, SQ, H, DK]."""
   pid_bh = tl.program_id(0)
   pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
   b = pid_bh // H
@@ -134,8 +125,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
     dq = _dq_tile(dq, q, do, lse2, delta, q_pos, q_seg, K_head, V_head, KVPOS_b, KVSEG_b, tile,
                   offs_n, offs_dk, offs_dv, SKV, DK, DV, K_ROW, V_ROW, BLOCK_N, BLOCK_DK,
                   BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True, DOT_PRECISION)
-  # An empty row (lse = +inf) gets exactly 0, also when its zero dS met a non-finite k or
-  # scale in a visited tile (0 * NaN).
+  # An empty row (lse = +inf) gets exactly 0, also through 0 * NaN.
   dq = tl.where((lse2 == float("inf"))[:, None], 0.0, dq * SCALE)
   dq_ptrs = DQ + b64 * SQ * Q_ROW + h * DK + offs_m[:, None] * Q_ROW + offs_dk[None, :]
   tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_q[:, None] & (offs_dk[None, :] < DK))
@@ -149,7 +139,7 @@ def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPO
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SCALE: tl.constexpr,
               SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  # Works on transposed tiles ([kv, q]) so dk and dv come out of plain row-major dots.
+  # Transposed tiles ([kv, q]): dk and dv come out of plain row-major dots.
   start = tile * BLOCK_M
   qm = start + offs_m
   q_ptrs = Q_head + start.to(tl.int64) * Q_ROW + offs_m[:, None] * Q_ROW + offs_dk[None, :]
@@ -163,7 +153,7 @@ def _dkv_tile(dk, dv, k, v, kv_pos, kv_seg, Q_head, DO_head, LSE_h, DELTA_h, QPO
   else:
     lse2 = tl.load(LSE_h + qm) * 1.4426950408889634
     delta = tl.load(DELTA_h + qm)
-  qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+  qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
   s2_t, t_t = scaled_logits(qk_t, SCALE, SOFT_CAP)
   if SOFT_CAP == 0:
     p_t = tl.exp2(qk_t * (SCALE * 1.4426950408889634) - lse2[None, :])
@@ -196,12 +186,8 @@ def attn_bwd_dkv_kernel(Q, K, V, DO, LSE, DELTA, QPOS, QSEG, KVPOS, KVSEG,
                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                         GQA_INPLACE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  """Grid (B * (KH if GQA_INPLACE else H), cdiv(SKV, BLOCK_N)), heads fastest; under a causal
-  mask the first kv tiles have the most work and run first.
-
-  GQA_INPLACE: DK_OUT [B, SKV, KH, DK], DV_OUT [B, SKV, KH, DV] (the group summed in registers).
-  Otherwise:   DK_OUT [B, SKV, H, DK], DV_OUT [B, SKV, H, DV] (one slice per query head).
-  """
+  """Grid (B * (KH if GQA_INPLACE else H), cdiv(SKV, BLOCK_N)), heads fastest. DK_OUT / DV_OUT:
+  [B, SKV, KH, D] with GQA_INPLACE (group summed in registers), else [B, SKV, H, D]."""
   pid_bh = tl.program_id(0)
   pid_n = tl.program_id(1)
   G: tl.constexpr = H // KH

@@ -1,8 +1,6 @@
-"""Pieces shared by the forward and backward kernels: logits and the token-level mask.
-
-Arrays are row-major (q [B, Sq, H, DK], k [B, Skv, KH, DK], v [B, Skv, KH, DV], ids [B, S] int32,
-lse / delta [B, H, Sq] float32); sizes and strides are tl.constexpr (static shapes let Triton
-prove alignment); logits in base 2, s2 = log2(e) * softcap(scale * q.k); lse in natural log.
+"""Pieces shared by the forward and backward kernels: logits and the token-level mask. Sizes and
+strides are tl.constexpr (static shapes let Triton prove alignment); logits in base 2, lse in
+natural log.
 """
 
 import triton
@@ -15,8 +13,7 @@ PADDING = -1
 
 @triton.jit
 def tanh_f32(x):
-  # tanh from exp2: 1 - 2 / (e^{2x} + 1). Saturates correctly (e^{2x} -> inf gives 1, -> 0
-  # gives -1) and needs no libdevice, so the interpreter runs it too.
+  # tanh from exp2: saturates correctly and needs no libdevice (the interpreter runs it).
   return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
@@ -45,8 +42,7 @@ def pair_mask(q_pos, q_seg, kv_pos, kv_seg, CAUSAL: tl.constexpr, WINDOW: tl.con
 
 @triton.jit
 def diff_below(a, b, W: tl.constexpr):
-  """a - b < W exactly for int32 a, b and 1 <= W < 2**32 (block_mask.diff_below): when a >= b
-  the difference is exact in wrapping uint32 arithmetic, when a < b it is below any W."""
+  """a - b < W exactly for int32 a, b and 1 <= W < 2**32 (as block_mask.diff_below)."""
   d = a.to(tl.uint32, bitcast=True) - b.to(tl.uint32, bitcast=True)
   return (a < b) | (d < W)
 
@@ -54,8 +50,7 @@ def diff_below(a, b, W: tl.constexpr):
 @triton.jit
 def load_tile(ptrs, rows_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
               ROW_MASK: tl.constexpr):
-  """Load a [rows, BLOCK_D] tile; mask rows only where asked (tail / partial tiles) and columns
-  only when the head dim is not a power of two, so full tiles get plain vectorised loads."""
+  """Load a [rows, BLOCK_D] tile, masking rows and columns only where needed."""
   if ROW_MASK:
     return tl.load(ptrs, mask=rows_ok[:, None] & (offs_d[None, :] < D), other=0.0)
   elif BLOCK_D != D:

@@ -1,9 +1,6 @@
-"""Version shim between our kernels and jax-triton / Triton.
-
-jax-triton 0.3.x pairs with triton 3.6 (`triton_call(..., out_shape=...)`), 0.4.x with triton
->= 3.7 (`out_type`); a mixed pair fails obscurely at the first launch, so `check()` refuses it
-up front. Triton is never imported at module import time. `TRITON_INTERPRET=1` runs the same
-kernels in Triton's interpreter through `jax.pure_callback` (CPU tests; no jax-triton needed).
+"""Version shim between our kernels and jax-triton / Triton: jax-triton 0.3.x pairs with triton
+3.6 (`out_shape`), 0.4.x with >= 3.7 (`out_type`); `check()` refuses a mixed pair up front.
+`TRITON_INTERPRET=1` runs the kernels in Triton's interpreter (CPU tests; no jax-triton).
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ _INSTALL_HINT = ("install a matching pair, e.g. `pip install 'kvax-plugin[gpu]'`
 
 
 def interpret_mode() -> bool:
-  """True when Triton's interpreter is on (kernels run on the CPU through numpy)."""
   return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -35,10 +31,8 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def check() -> str:
-  """Import Triton (and jax-triton unless interpreting); return the out-shape keyword to use.
-
-  Raises ImportError naming the versions found and what to install instead.
-  """
+  """Import Triton (and jax-triton unless interpreting); return the out-shape keyword. Raises
+  ImportError naming the versions found and what to install."""
   try:
     import triton
   except Exception as e:  # noqa: BLE001 - any failure means the backend cannot run
@@ -79,10 +73,7 @@ def check() -> str:
 def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtypeStruct],
                 grid: tuple[int, ...], num_warps: int, num_stages: int,
                 **constexprs: Any) -> tuple[jax.Array, ...]:
-  """Launch `kernel[grid](*args, *outputs, **constexprs)` and return the outputs.
-
-  Every kernel here takes its arrays first, then its outputs, then compile-time constants.
-  """
+  """Launch `kernel[grid](*args, *outputs, **constexprs)` and return the outputs."""
   keyword = check()
   out_shape = list(out_shape)
   if interpret_mode():
@@ -92,9 +83,6 @@ def triton_call(*args: jax.Array, kernel: Any, out_shape: Sequence[jax.ShapeDtyp
   outs = jax_triton.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
                                 num_stages=num_stages, **kwargs, **constexprs)
   return tuple(outs) if isinstance(outs, (list, tuple)) else (outs,)
-
-
-# ----------------------------------------------------------------------------- interpreter
 
 
 class _Storage:
@@ -108,7 +96,7 @@ class _Storage:
     return self
 
   def copy_(self, other):
-    del other  # host and "device" share the numpy buffer
+    del other
 
 
 class _NumpyTensor:
@@ -146,8 +134,7 @@ class _NumpyTensor:
 
 @functools.lru_cache(maxsize=None)
 def _patch_interpreter_for_numpy2() -> None:
-  """Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(array), which
-  numpy >= 2.5 refuses for arrays of ndim > 0; convert through .item() instead."""
+  """Triton 3.6's interpreter calls int(array) on 1-element arrays, which numpy >= 2.5 refuses."""
   from triton.runtime import interpreter
 
   original = interpreter._patch_lang_tensor
@@ -166,7 +153,7 @@ def _interpret_call(args, kernel, out_shape, grid, constexprs):
     outs = []
     for s in out_shape:
       buf = np.empty(s.shape, s.dtype)
-      # Poison: an element the kernel forgets to write shows up as NaN (or a huge int).
+      # Poison: an unwritten element shows up as NaN (or a huge int).
       buf.fill(np.nan if np.issubdtype(buf.dtype, np.floating) or buf.dtype.kind == "V" else
                np.iinfo(buf.dtype).max if np.issubdtype(buf.dtype, np.integer) else 0)
       outs.append(buf)

@@ -1,11 +1,9 @@
 """Forward kernel: FlashAttention-2 (Dao 2023, Algorithm 1) over the block table.
 
-One program per (query tile, head) walks its `fwd` table row: [lower, full_lower) and
-[full_upper, upper) with the mask, [full_lower, full_upper) without (every pair attends, all in
-bounds). Tiles may be smaller than the table's blocks. Online softmax in base 2 from the lowest
-finite float32, so an empty row keeps l = 0 (output 0, lse +inf). Non-finite inputs follow
-reference.py: emptiness is l == 0 (a NaN l is not empty), the sink joins after the loop, and NaN
-reaches l through p, never through max() (GPU max drops NaN).
+One program per (query tile, head) walks its `fwd` table row, masking only outside
+[full_lower, full_upper). Online softmax in base 2 from the lowest finite float32, so an empty
+row keeps l = 0 (output 0, lse +inf); a NaN l is not empty, and NaN reaches l through p, never
+through max() (GPU max drops NaN).
 """
 
 import triton
@@ -35,8 +33,7 @@ def _fwd_tile(acc, m_i, l_i, q, K_head, V_head, KVPOS_b, KVSEG_b, q_pos, q_seg, 
     keep = pair_mask(q_pos[:, None], q_seg[:, None], kv_pos[None, :], kv_seg[None, :],
                      CAUSAL, WINDOW)
   if SOFT_CAP == 0 and SCALE > 0:
-    # Plain logits: max(scale * qk) = scale * max(qk), so the scaling folds into one FMA
-    # inside exp2 (qk * C - m), as in the Triton FlashAttention tutorial.
+    # The scale folds into one FMA inside exp2.
     C: tl.constexpr = SCALE * 1.4426950408889634
     if MASKED:
       qk = tl.where(keep, qk, float("-inf"))
@@ -68,12 +65,8 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     TABLE_M: tl.constexpr, TABLE_N: tl.constexpr, TABLE_ROWS: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-  """Grid (B * H, cdiv(SQ, BLOCK_M)). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32).
-
-  Heads vary fastest, so the query heads sharing a kv head run side by side (K/V tiles reused
-  from L2), and query tiles run last-first: under a causal mask the last tiles have the most
-  work, and starting them first shortens the tail of the launch.
-  """
+  """Grid (B * H, cdiv(SQ, BLOCK_M)): heads fastest (kv tiles reused from L2), last query tiles
+  first (most causal work). Writes O [B, SQ, H, DV] and LSE [B, H, SQ] (float32)."""
   pid_bh = tl.program_id(0)
   pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
   b = pid_bh // H
@@ -85,7 +78,7 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
   O_ROW: tl.constexpr = H * DV
 
   row = b * TABLE_ROWS + (pid_m * BLOCK_M) // TABLE_M
-  R: tl.constexpr = TABLE_N // BLOCK_N  # kernel tiles per table block
+  R: tl.constexpr = TABLE_N // BLOCK_N
   lower = tl.load(LOWER + row) * R
   upper = tl.load(UPPER + row) * R
   full_lower = tl.load(FULL_LOWER + row) * R
@@ -106,7 +99,7 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
   KVPOS_b = KVPOS + b64 * SKV
   KVSEG_b = KVSEG + b64 * SKV
 
-  m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.4028234663852886e38  # lowest finite float32
+  m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 3.4028234663852886e38
   l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
   acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
@@ -126,9 +119,9 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
                               BLOCK_DK, BLOCK_DV, SCALE, SOFT_CAP, CAUSAL, WINDOW, True,
                               DOT_PRECISION)
 
-  nonempty = l_i != 0.0  # NaN counts as non-empty: a diverged row must show NaN
+  nonempty = l_i != 0.0
   if HAS_SINKS:
-    # The sink is one more logit in the row's denominator (no value): merge it as a last tile.
+    # The sink is one more logit in the denominator: merged as a last tile.
     sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
     m_all = tl.maximum(m_i, sink)
     alpha = tl.exp2(m_i - m_all)
@@ -136,10 +129,9 @@ def attn_fwd_kernel(Q, K, V, QPOS, QSEG, KVPOS, KVSEG, SINKS,
     acc = acc * alpha[:, None]
     m_i = m_all
   l_safe = tl.where(nonempty, l_i, 1.0)
-  # Empty rows are 0 even when acc is not: 0 * NaN from a masked value in a visited tile.
+  # Empty rows are 0 even through 0 * NaN.
   out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
-  # +inf marks an empty row for the backward; a non-empty row whose log-sum-exp is +inf (a
-  # +inf logit: its output is NaN) stores NaN instead, so its gradients are NaN, not 0.
+  # A non-empty row whose log-sum-exp is +inf stores NaN, so its gradients are NaN, not 0.
   lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
   lse = tl.where(nonempty, tl.where(lse == float("inf"), float("nan"), lse), float("inf"))
   o_ptrs = O + b64 * SQ * O_ROW + h * DV + offs_m[:, None] * O_ROW + offs_dv[None, :]
