@@ -17,7 +17,8 @@ from kvax_plugin.attention import block_mask, context_parallel, validation
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, backend_function,
                                           backend_options, resolve_backend, resolve_backend_for)
-from kvax_plugin.attention.options import KernelOptions
+from kvax_plugin.attention.options import (HopperOptions, KernelOptions, MosaicOptions,
+                                           TritonOptions)
 from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 
@@ -124,7 +125,8 @@ def flash_attention(query: jax.Array,
                     sinks: jax.Array | None = None,
                     backend: str = "auto",
                     deterministic_backward: bool | None = None,
-                    kernel_options: KernelOptions | None = None,
+                    kernel_options: (KernelOptions | MosaicOptions | HopperOptions | TritonOptions
+                                     | tuple | None) = None,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
@@ -148,7 +150,8 @@ def flash_attention(query: jax.Array,
     memory_optimized_gqa_backward: Triton only. True: always accumulate dk/dv over a GQA group
       in place (no float32 per-query-head buffers). False: in place whenever the launch still
       has enough programs to fill the GPU (it is also the faster way then), else per-head
-      buffers summed afterwards. Both are deterministic.
+      buffers summed afterwards. Both are deterministic. True sets TritonOptions'
+      memory_optimized_gqa_backward.
     permute_tokens_for_load_balance: kvax's flag: True says the inputs arrive in the Llama 3
       order (to_load_balanced_order), False in natural order; None (the default) defers to
       token_order. Contradicting token_order raises.
@@ -168,8 +171,10 @@ def flash_attention(query: jax.Array,
       bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products; the float32
       summation order varies between runs). backend="hopper" has only the second kind (its dq
       reduce-added from many thread blocks): True with it raises ValueError.
-    kernel_options: the kernels' tuning options (kvax_plugin.KernelOptions, documented per
-      field; None: the measured defaults). Options of one backend are ignored by the others.
+    kernel_options: the kernels' tuning (None: the measured defaults): a per-backend config
+      (kvax_plugin.MosaicOptions, HopperOptions, TritonOptions), a tuple of them (one per
+      backend), or the flat kvax_plugin.KernelOptions (documented per field), which maps onto
+      each. The backend that runs receives only its own config; one absent runs its defaults.
     debug: print the chosen backend and shapes at trace time, and check that the mask was built
       from these positions / segment ids (as kvax_plugin.check_mask_inputs() does).
     mesh: a jax.sharding.Mesh to run sharded (context / data / tensor parallel); the mask must

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvax_plugin.attention.kernels.capabilities import FEATURES, Capabilities
+from kvax_plugin.attention.options import backend_config
 
 
 class BackendUnavailableError(RuntimeError):
@@ -49,7 +50,8 @@ class KernelBackend:
     consulted by "auto" only: cases the backend runs but measured slower than the next one in
     AUTO_ORDER (an explicit request still runs them). None: "auto" takes it wherever it runs.
   options: keyword options beyond the common convention the function accepts; the public op
-    passes only those.
+    passes only those. "kernel_options" arrives as the backend's own typed config
+    (options.BACKEND_OPTIONS; backend_options).
   install_hint: what to install when `module` cannot be imported.
   reproducible_backward: whether its backward can give bitwise-reproducible gradients (False:
     "auto" passes over it when the call asks for deterministic_backward=True).
@@ -75,8 +77,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         name="triton", module=f"{_PACKAGE}.triton.backend", function="flash_attention_triton",
         description="FlashAttention-2 Triton kernels through jax-triton (CUDA GPUs, sm80+)",
         platforms=("gpu",), device_check="device_supported",
-        options=("memory_optimized_gqa_backward", "kernel_options"),
-        install_hint="install kvax-plugin[gpu]"),
+        options=("kernel_options",), install_hint="install kvax-plugin[gpu]"),
     "mosaic": KernelBackend(
         name="mosaic", module=f"{_PACKAGE}.mosaic.backend", function="flash_attention_mosaic",
         description="FlashAttention-3-style Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, "
@@ -260,10 +261,18 @@ def backend_function(name: str) -> Callable[..., jax.Array]:
   return getattr(_module(record), record.function)
 
 
-def backend_options(name: str, **options: Any) -> dict[str, Any]:
-  """The subset of `options` backend `name` accepts (the others do not apply to it)."""
+def backend_options(name: str, *, kernel_options: Any = None,
+                    memory_optimized_gqa_backward: bool = False, **options: Any) -> dict[str, Any]:
+  """The subset of `options` backend `name` accepts (the others do not apply to it), with
+  kernel_options (whatever flash_attention accepted) turned into the backend's own config
+  (options.backend_config; memory_optimized_gqa_backward is a field of Triton's): the one place
+  a backend's tuning is handed to it."""
   accepted = _record(name).options
-  return {k: v for k, v in options.items() if k in accepted}
+  out = {k: v for k, v in options.items() if k in accepted}
+  if "kernel_options" in accepted:
+    out["kernel_options"] = backend_config(
+        kernel_options, name, memory_optimized_gqa_backward=memory_optimized_gqa_backward)
+  return out
 
 
 __all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",

@@ -23,6 +23,7 @@ from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
 from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gradient,
                                                      softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+from kvax_plugin.attention.options import backend_config
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 HEAD_DIMS = cuda_bwd.HEAD_DIMS  # (qk, v): (128, 128), (64, 64), (256, 256), (192, 128)
@@ -164,9 +165,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   deterministic_backward: None or False run this backward, which reduce-adds dq in float32
   from many thread blocks in no fixed order (fast, not bitwise reproducible); True raises
   ValueError (backend="auto" with True takes "mosaic", whose backward is reproducible).
-  kernel_options: kvax_plugin.KernelOptions (None: the defaults); the Mosaic forward reads its
-  mosaic_forward_grid, mosaic_forward_overlap_blocks and mosaic_forward_registers fields (the
-  backward fields are the Mosaic backward's, unused here).
+  kernel_options: kvax_plugin.HopperOptions, or a KernelOptions read through its
+  for_backend("hopper") (None: the defaults): the Mosaic forward's fields.
   """
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
@@ -190,7 +190,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if window is None else int(window), deterministic=True,
-                interpret=False, options=mosaic.as_kernel_options(kernel_options))
+                interpret=False,
+                options=backend_config(kernel_options, "hopper").mosaic_forward())
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -21,8 +21,7 @@ from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gr
                                                      softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
 from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
-from kvax_plugin.attention.options import KernelOptions
-from kvax_plugin.attention.options import kernel_options as as_kernel_options
+from kvax_plugin.attention.options import MosaicOptions, backend_config
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 SMEM_BUDGET = 227 * 1024  # sm90: 227 KiB of shared memory per CTA
@@ -136,7 +135,7 @@ class Static:
   window: int  # 0: none
   deterministic: bool
   interpret: bool
-  options: KernelOptions = KernelOptions()  # the tuning options (attention/options.py)
+  options: MosaicOptions = MosaicOptions()  # the tuning options (attention/options.py)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -185,7 +184,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   spec = mask.spec
   dims = (spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize)
-  grid = cfg.options.mosaic_forward_grid
+  grid = cfg.options.forward_grid
   persistent = grid == "persistent" or (grid == "auto" and p.k.shape[1] <= PERSISTENT_MAX_KV)
   # The persistent kernel needs a second Q buffer (and O apart from Q when Dv != Dk): where that
   # does not fit (head dim 256), the per-tile grid; an explicit request for it is refused.
@@ -197,7 +196,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
     # per-tile).
     launch = None
   if launch is None and grid == "persistent":
-    raise ValueError(f"KernelOptions.mosaic_forward_grid='persistent': head dims "
+    raise ValueError(f"MosaicOptions.forward_grid / KernelOptions.mosaic_forward_grid="
+                     f"'persistent': head dims "
                      f"({p.q.shape[3]}, {p.v.shape[3]}) do not fit the persistent forward's "
                      "shared memory; use 'auto' or 'per_tile'")
   if launch is not None:
@@ -215,8 +215,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
       # At head dims above 128 the overlap's registers (O, S, P twice) do not fit.
-      overlap_min_blocks=cfg.options.mosaic_forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
-      consumer_registers=cfg.options.mosaic_forward_registers)
+      overlap_min_blocks=cfg.options.forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
+      consumer_registers=cfg.options.forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -237,8 +237,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
       with_dq=not cfg.deterministic, interpret=cfg.interpret,
-      paired=opts.mosaic_paired_products, consumer_regs=opts.mosaic_backward_registers,
-      dq_after_dkv=opts.dq_after_dkv, ids_tma=opts.mosaic_backward_id_rings)
+      paired=opts.paired_products, consumer_regs=opts.backward_registers,
+      dq_after_dkv=opts.dq_after_dkv, ids_tma=opts.backward_id_rings)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -261,7 +261,7 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
                            deterministic_backward: bool | None = True,
-                           kernel_options: KernelOptions | None = None,
+                           kernel_options: MosaicOptions | None = None,
                            interpret: bool = False) -> jax.Array:
   """Attention over validated inputs with the Mosaic GPU kernels (Hopper; or the CPU
   interpreter with interpret=True, for tests).
@@ -274,10 +274,10 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
   False: dq bulk-reduce-added into a float32 buffer by the dk/dv kernel (5 products,
   order-dependent rounding). Measured on an H200 the deterministic
   way is also the faster (64k causal forward+backward 245 vs 268 ms; docs/performance.md), so
-  it is the default. kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the
-  defaults); this backend reads its mosaic_* fields and dq_after_dkv.
+  it is the default. kernel_options: the tuning options (kvax_plugin.MosaicOptions, or a
+  KernelOptions, read through its for_backend("mosaic"); None: the defaults).
   """
-  kernel_options = as_kernel_options(kernel_options)
+  kernel_options = backend_config(kernel_options, "mosaic")
   ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])
   if not ok:
     raise ValueError(f"query: {why}")

@@ -21,8 +21,8 @@ from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.triton import compat
-from kvax_plugin.attention.options import KernelOptions, triton_tile_parts
-from kvax_plugin.attention.options import kernel_options as as_kernel_options
+from kvax_plugin.attention.options import (KernelOptions, TritonOptions, backend_config,
+                                           triton_tile_parts)
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
 
@@ -513,31 +513,35 @@ def _sm_count() -> int:
 
 def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
                   has_sinks: bool, memory_optimized_gqa_backward: bool = False,
-                  kernel_options: KernelOptions | None = None) -> _Static:
+                  kernel_options: TritonOptions | KernelOptions | None = None) -> _Static:
   """The launch-time constants of one attention call (also used by benchmarks/ to time the
-  backward kernels one by one)."""
-  kernel_options = as_kernel_options(kernel_options)
+  backward kernels one by one). memory_optimized_gqa_backward=True sets kernel_options' field
+  of that name."""
+  opts = backend_config(kernel_options, "triton",
+                        memory_optimized_gqa_backward=memory_optimized_gqa_backward)
   return _Static(scale=float(scale),
                  soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                  has_sinks=has_sinks, causal=bool(mask.spec.causal),
                  window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                 gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                 sm_count=_sm_count(), tiles_override=kernel_options.triton_tiles,
-                 dq_after_dkv=kernel_options.dq_after_dkv)
+                 gqa_inplace=opts.memory_optimized_gqa_backward, device_kind=_device_kind(),
+                 sm_count=_sm_count(), tiles_override=opts.tiles,
+                 dq_after_dkv=opts.dq_after_dkv)
 
 
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
                            memory_optimized_gqa_backward: bool = False,
-                           kernel_options: KernelOptions | None = None) -> jax.Array:
+                           kernel_options: TritonOptions | KernelOptions | None = None
+                           ) -> jax.Array:
   """Attention over validated inputs with the Triton kernels.
 
   query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv], positions / segment ids
   int32 [B, S], mask from create_attention_mask (calc_bwd_mask=True for gradients).
   Returns [B, Sq, H, Dv] in query.dtype. Differentiable in query, key, value and sinks.
-  kernel_options: the tuning options (kvax_plugin.KernelOptions; None: the defaults); this
-  backend reads triton_tiles and dq_after_dkv.
+  kernel_options: the tuning options (kvax_plugin.TritonOptions, or a KernelOptions read
+  through its for_backend("triton"); None: the defaults); memory_optimized_gqa_backward=True
+  sets its field of that name (the registry passes it inside the config).
   """
   compat.check()  # an actionable ImportError if the Triton / jax-triton pair is unusable
   ok, why = CAPABILITIES.supports(query.dtype, query.shape[3], value.shape[3])
