@@ -225,7 +225,7 @@ def _entry_scope(transformer, x, attn_mask) -> _Scope:
   except axes.UnsupportedLayout as e:
     return _Scope(transformer, None, str(e))
   TRACE_COUNTS["entries"] += 1
-  TRACE_COUNTS["entry_masks"] += len(prepared.masks)
+  TRACE_COUNTS["entry_masks"] += len(prepared.attention.masks)
   return _Scope(transformer, prepared)
 
 
