@@ -1,8 +1,9 @@
 """What an attention provider is: a name, a once-per-step `prepare`, and a per-layer `apply`.
 
 Integrations (MaxText, Levanter, plain flax) talk to providers only through these types and
-the registry (kvax_plugin.providers.get_provider), so a model stack builds the expensive per-step state (the block mask) once at its decoder entry and
-every layer reuses it, whatever the provider.
+the registry (kvax_plugin.providers.get_provider), so a model stack builds the expensive
+per-step state (the block mask) once at its decoder entry and every layer reuses it, whatever
+the provider.
 """
 
 from __future__ import annotations
