@@ -206,3 +206,40 @@ def test_mask_is_built_once_per_step(kvax_installed, model_name, scan_layers, ma
   assert counts["prepare"] == 1
   assert counts["mask_builds"] == masks
   assert counts["apply"] >= (1 if scan_layers else layers)
+
+
+def test_maxtext_seam_goes_through_the_provider_registry(kvax_installed, monkeypatch):
+  """The seam asks the registry for "kvax" at the decoder entry and in every layer: a provider
+  registered under that name in its place is the one that runs (here a recorder around the
+  real one), with the options built from the config's kvax_* keys."""
+  import dataclasses
+  import maxtext_harness as H
+  from kvax_plugin import providers
+
+  real = providers.get_provider("kvax")
+  calls = []
+
+  def prepare(*args, **kwargs):
+    calls.append(("prepare", kwargs["options"]))
+    return real.prepare(*args, **kwargs)
+
+  def apply(query, key, value, prepared, settings, **kwargs):
+    calls.append(("apply", settings))
+    return real.apply(query, key, value, prepared, settings, **kwargs)
+  monkeypatch.setitem(providers._REGISTRY, "kvax",
+                      dataclasses.replace(real, prepare=prepare, apply=apply))
+  config = H.make_config("llama3-8b", "kvax", seq_len=128,
+                         extra=dict(scan_layers=True, base_num_decoder_layers=2))
+  model, mesh = H.make_model(config)
+  batch = H.packed_batch(config.global_batch_size_to_train_on, config.max_target_length,
+                         config.vocab_size)
+  with jax.set_mesh(mesh):
+    loss, _, _ = H.value_and_grads(model, batch)
+  assert np.isfinite(float(loss))
+  kinds = [kind for kind, _ in calls]
+  assert kinds[0] == "prepare" and kinds.count("prepare") == 1 and "apply" in kinds, kinds
+  options = calls[0][1]
+  assert isinstance(options, real.options_type)
+  assert options.backend == config.kvax_backend
+  assert options.fwd_params.query_block_size == config.kvax_fwd_query_block_size
+  assert all(s.causal and s.sliding_window is None for kind, s in calls if kind == "apply")

@@ -28,7 +28,8 @@ from kvax_plugin.attention.context_parallel import (ShardedAttentionMask, attent
                                                     permute_tokens_context_parallelism,
                                                     to_load_balanced_order,
                                                     unpermute_tokens_context_parallelism)
-from kvax_plugin.attention.options import KernelOptions
+from kvax_plugin.attention.options import (HopperOptions, KernelOptions, MosaicOptions,
+                                           TritonOptions)
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 from kvax_plugin.attention.reference import reference_attention
 from kvax_plugin.attention.validation import check_mask_inputs
@@ -37,7 +38,7 @@ from kvax_plugin.attention.token_order import (TokenOrder, apply_token_order, to
 
 __all__ = [
     "__version__", "ops", "utils", "PADDING_SEGMENT_ID", "FlashAttentionParamsConfig",
-    "KernelOptions",
+    "KernelOptions", "MosaicOptions", "HopperOptions", "TritonOptions",
     "AttentionMask", "create_attention_mask", "flash_attention", "attention",
     "reference_attention", "compare_with_reference", "mask_sparsity", "draw_mask", "print_mask",
     "calculate_mask_sparsity", "positions_from_segment_ids", "resolve_backend",

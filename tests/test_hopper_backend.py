@@ -297,9 +297,11 @@ def test_a_deterministic_backward_is_refused_not_ignored(monkeypatch):
   with pytest.raises(ValueError, match=message):
     hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
                                   logits_soft_cap=None, sinks=None, deterministic_backward=True)
+  from kvax_plugin.attention.options import HopperOptions
   assert kernels.backend_options("hopper", deterministic_backward=True,
                                  memory_optimized_gqa_backward=True) == {
-                                     "deterministic_backward": True}
+                                     "deterministic_backward": True,
+                                     "kernel_options": HopperOptions()}
   real = kernels.availability
   monkeypatch.setattr(kernels, "availability", lambda name: (
       (True, "pretend Hopper") if name == "hopper" else real(name)))
@@ -419,18 +421,20 @@ def test_backward_pads_lengths_off_the_tile(monkeypatch, causal, sq, skv, bwd_q,
 
 
 def test_kernel_options_reach_the_mosaic_forward(monkeypatch):
-  """kvax_plugin.KernelOptions passed to backend="hopper" (or to "auto", which picks it on
-  Hopper) reach the Mosaic forward's static configuration."""
-  from kvax_plugin.attention.options import KernelOptions
+  """kvax_plugin.KernelOptions (its Mosaic forward fields) or a HopperOptions passed to
+  backend="hopper" (or to "auto", which picks it on Hopper) reach the Mosaic forward's static
+  configuration, as the MosaicOptions the forward reads."""
+  from kvax_plugin.attention.options import HopperOptions, KernelOptions, MosaicOptions
   seen = []
   monkeypatch.setattr(hopper, "_attention", lambda cfg, q, *a: seen.append(cfg) or q)
   pos, seg = _ids(256)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
   k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-  opts = KernelOptions(mosaic_forward_grid="per_tile")
-  hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
-                                logits_soft_cap=None, sinks=None, kernel_options=opts)
-  assert seen and seen[0].options == opts
+  for opts in (KernelOptions(mosaic_forward_grid="per_tile", mosaic_backward_registers=240),
+               HopperOptions(forward_grid="per_tile")):
+    hopper.flash_attention_hopper(q, k, k, pos, seg, pos, seg, mask, scale=0.1,
+                                  logits_soft_cap=None, sinks=None, kernel_options=opts)
+  assert [cfg.options for cfg in seen] == [MosaicOptions(forward_grid="per_tile")] * 2
   assert "kernel_options" in kernels.KERNEL_BACKENDS["hopper"].options
 

@@ -154,9 +154,9 @@ def test_kernel_options_ignored_by_backends_without_them():
 
 def test_kernel_options_reach_the_backend_under_context_parallelism(monkeypatch):
   """On a mesh the op runs the backend per shard (context_parallel.flash_attention_sharded):
-  kernel_options reach it there too. The JAX backend takes no options, so here the registry is
-  told it takes kernel_options and its function records what arrives."""
-  import dataclasses
+  the backend's own config reaches it there too, built from the flat KernelOptions and the
+  memory_optimized_gqa_backward keyword. The registry is told "triton" runs here and its
+  function is a recorder around the JAX backend (no GPU needed)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -166,8 +166,9 @@ def test_kernel_options_reach_the_backend_under_context_parallelism(monkeypatch)
   cpus = jax.devices("cpu")
   if len(cpus) < 2:
     pytest.skip("needs 2 CPU devices (tests/conftest.py sets 8)")
-  monkeypatch.setitem(kernels.KERNEL_BACKENDS, "jax", dataclasses.replace(
-      kernels.KERNEL_BACKENDS["jax"], options=("kernel_options",)))
+  real_availability = kernels.availability
+  monkeypatch.setattr(kernels, "availability", lambda name: (
+      (True, "pretend GPU") if name == "triton" else real_availability(name)))
   real = kernels.backend_function("jax")
   seen = []
 
@@ -182,7 +183,134 @@ def test_kernel_options_reach_the_backend_under_context_parallelism(monkeypatch)
   pos = jnp.arange(64, dtype=jnp.int32)[None]
   x = jnp.ones((1, 64, 2, 16))
   mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, **specs)
-  options = KernelOptions(dq_after_dkv=True)
-  kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
-                              kernel_options=options, **specs)
-  assert seen and all(o == options for o in seen), seen
+  flat = KernelOptions(dq_after_dkv=True, mosaic_forward_grid="per_tile")
+  kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="triton",
+                              kernel_options=flat, memory_optimized_gqa_backward=True,
+                              **specs)
+  want = options.TritonOptions(dq_after_dkv=True, memory_optimized_gqa_backward=True)
+  assert seen and all(o == want for o in seen), seen
+
+
+def test_per_backend_configs_check_their_fields_by_name():
+  """MosaicOptions / HopperOptions / TritonOptions are frozen, hashable (a static jit key),
+  default to exactly KernelOptions' defaults, and refuse a bad value naming Class.field, the
+  value and what is expected."""
+  import dataclasses
+  flat = KernelOptions()
+  for name, cls in options.BACKEND_OPTIONS.items():
+    assert flat.for_backend(name) == cls(), name  # the same defaults, field for field
+    assert hash(cls()) == hash(cls())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(cls(), next(iter(cls.FLAT)), None)
+  bad = [(options.MosaicOptions, dict(forward_grid="1"), ValueError,
+          r"MosaicOptions.forward_grid='1': expected one of \('auto', 'persistent', 'per_tile'\)"),
+         (options.MosaicOptions, dict(forward_overlap_blocks=-1), ValueError,
+          r"MosaicOptions.forward_overlap_blocks=-1: expected an integer >= 0"),
+         (options.MosaicOptions, dict(backward_registers=236), ValueError,
+          "MosaicOptions.backward_registers=236: expected a multiple of 8"),
+         (options.MosaicOptions, dict(paired_products="no"), TypeError,
+          "MosaicOptions.paired_products='no': expected True or False"),
+         (options.MosaicOptions, dict(dq_after_dkv=1), TypeError,
+          "MosaicOptions.dq_after_dkv=1: expected True or False"),
+         (options.HopperOptions, dict(forward_registers=248), ValueError,
+          "HopperOptions.forward_registers=248: expected a multiple of 8"),
+         (options.HopperOptions, dict(forward_grid=None), ValueError,
+          "HopperOptions.forward_grid=None: expected one of"),
+         (options.TritonOptions, dict(tiles=None), TypeError,
+          "TritonOptions.tiles=None: expected a string"),
+         (options.TritonOptions, dict(tiles="fwd=128,64,8,0"), ValueError,
+          r"TritonOptions.tiles='fwd=128,64,8,0': fwd='128,64,8,0': expected four positive"),
+         (options.TritonOptions, dict(memory_optimized_gqa_backward=1), TypeError,
+          "TritonOptions.memory_optimized_gqa_backward=1: expected True or False")]
+  for cls, fields, error, message in bad:
+    with pytest.raises(error, match=message):
+      cls(**fields)
+
+
+def test_kernel_options_round_trip_through_the_per_backend_configs():
+  """KernelOptions -> for_backend(each) -> from_backends gives the same flat options back, and
+  each per-backend config survives the way through the flat form; configs that disagree on a
+  shared flat field, and the Triton field with no flat form, are refused by name."""
+  tuned = KernelOptions(mosaic_forward_grid="per_tile", mosaic_forward_overlap_blocks=0,
+                        mosaic_forward_registers=232, dq_after_dkv=True,
+                        mosaic_backward_registers=240, mosaic_paired_products=False,
+                        mosaic_backward_id_rings=True, triton_tiles="fwd=64,64,4,2;gqa=perhead")
+  for flat in (KernelOptions(), tuned):
+    configs = [flat.for_backend(n) for n in options.BACKEND_OPTIONS]
+    assert KernelOptions.from_backends(*configs) == flat
+  mosaic = tuned.for_backend("mosaic")
+  assert (mosaic.forward_grid, mosaic.backward_registers, mosaic.paired_products,
+          mosaic.backward_id_rings, mosaic.dq_after_dkv) == ("per_tile", 240, False, True, True)
+  assert tuned.for_backend("hopper") == options.HopperOptions("per_tile", 0, 232)
+  assert tuned.for_backend("hopper").mosaic_forward() == options.MosaicOptions("per_tile", 0, 232)
+  assert tuned.for_backend("triton") == options.TritonOptions("fwd=64,64,4,2;gqa=perhead", True)
+  assert tuned.for_backend("jax") is None and tuned.for_backend("reference") is None
+  for name, config in (("mosaic", mosaic), ("hopper", tuned.for_backend("hopper")),
+                       ("triton", tuned.for_backend("triton"))):
+    assert KernelOptions.from_backends(config).for_backend(name) == config
+  with pytest.raises(ValueError, match="no kernel backend 'cuda'"):
+    tuned.for_backend("cuda")
+  with pytest.raises(ValueError, match=r"MosaicOptions.dq_after_dkv=True and "
+                                       r"TritonOptions.dq_after_dkv=False set one field, "
+                                       r"KernelOptions.dq_after_dkv"):
+    KernelOptions.from_backends(options.MosaicOptions(dq_after_dkv=True), options.TritonOptions())
+  with pytest.raises(ValueError, match="TritonOptions.memory_optimized_gqa_backward=True has no "
+                                       "KernelOptions field"):
+    KernelOptions.from_backends(options.TritonOptions(memory_optimized_gqa_backward=True))
+  with pytest.raises(TypeError, match="KernelOptions.from_backends takes MosaicOptions"):
+    KernelOptions.from_backends(tuned)
+
+
+def test_each_backend_receives_only_its_own_config():
+  """kernels.backend_options, the one place the registry hands tuning to a backend: whatever
+  kernel_options was (flat, one config, a tuple of them, None), a backend gets its own typed
+  config (its defaults when none of the given ones is its own), the keyword
+  memory_optimized_gqa_backward lands in Triton's, and a backend without tuning gets none."""
+  from kvax_plugin.attention import kernels
+  mosaic = options.MosaicOptions(forward_grid="per_tile", paired_products=False)
+  triton = options.TritonOptions(tiles="fwd=64,64,4,2")
+  hopper = options.HopperOptions(forward_overlap_blocks=0)
+
+  def given(name, kernel_options, **kw):
+    return kernels.backend_options(name, kernel_options=kernel_options, **kw)["kernel_options"]
+  for name, cls in options.BACKEND_OPTIONS.items():
+    assert given(name, None) == cls()
+    assert type(given(name, KernelOptions(dq_after_dkv=name != "hopper"))) is cls
+  assert given("mosaic", mosaic) is mosaic and given("triton", mosaic) == options.TritonOptions()
+  assert given("hopper", mosaic) == options.HopperOptions()  # not its own: its defaults
+  both = (mosaic, triton, hopper)
+  assert (given("mosaic", both), given("triton", both), given("hopper", both)) == both
+  assert given("triton", triton, memory_optimized_gqa_backward=True) == options.TritonOptions(
+      tiles="fwd=64,64,4,2", memory_optimized_gqa_backward=True)
+  assert given("mosaic", None, memory_optimized_gqa_backward=True) == options.MosaicOptions()
+  assert kernels.backend_options("jax", kernel_options=mosaic, deterministic_backward=True,
+                                 memory_optimized_gqa_backward=True) == {}
+  assert kernels.backend_options("mosaic", kernel_options=mosaic,
+                                 deterministic_backward=False) == {
+                                     "deterministic_backward": False, "kernel_options": mosaic}
+  for wrong in ({"forward_grid": "per_tile"}, (mosaic, mosaic), [mosaic]):
+    with pytest.raises(TypeError, match="kernel_options must be a kvax_plugin.KernelOptions, a "
+                                        "per-backend config"):
+      given("mosaic", wrong)
+
+
+def test_per_backend_config_through_the_public_op():
+  """flash_attention(kernel_options=<per-backend config or tuple>) runs (options of a backend
+  that does not run are ignored, as with the flat form) and gives the plain result; a wrong
+  type is refused before anything runs."""
+  import jax.numpy as jnp
+  import numpy as np
+  import kvax_plugin
+  seg = jnp.zeros((1, 32), jnp.int32)
+  pos = jnp.arange(32, dtype=jnp.int32)[None]
+  mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg)
+  x = jnp.ones((1, 32, 2, 16))
+  plain = np.asarray(kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax"))
+  for tuning in (kvax_plugin.MosaicOptions(forward_grid="per_tile"),
+                 (kvax_plugin.TritonOptions(tiles="fwd=16,16,4,1"), kvax_plugin.HopperOptions())):
+    out = kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
+                                      kernel_options=tuning)
+    np.testing.assert_array_equal(plain, np.asarray(out))
+  with pytest.raises(TypeError, match="kernel_options must be"):
+    kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
+                                kernel_options="per_tile")

@@ -176,3 +176,43 @@ def test_padding_is_a_segment_of_its_own():
   _, q_seg, _, kv_seg = seam.kvax_tokens(jnp.array([[0, -1]]), jnp.array([[4, -1]]))
   np.testing.assert_array_equal(q_seg, [[0, 5]])
   np.testing.assert_array_equal(kv_seg, [[4, 5]])
+
+
+def test_levanter_seam_goes_through_the_provider_registry(kvax_levanter, seam_counts,
+                                                           monkeypatch):
+  """The seam asks the registry for "kvax" to build the masks and to run each layer, as
+  MaxText's does: a provider registered under that name in its place is the one that runs (here
+  a recorder around the real one), with the options from the settings in force, and the result
+  is still Levanter's."""
+  import dataclasses
+  from kvax_plugin import providers
+  AttentionMask = _masks()
+  real = providers.get_provider("kvax")
+  calls = []
+
+  def prepare(*args, **kwargs):
+    calls.append(("prepare", kwargs["mask_keys"], kwargs["options"]))
+    return real.prepare(*args, **kwargs)
+
+  def apply(query, key, value, prepared, settings, **kwargs):
+    calls.append(("apply", settings, prepared.options))
+    return real.apply(query, key, value, prepared, settings, **kwargs)
+  monkeypatch.setitem(providers._REGISTRY, "kvax",
+                      dataclasses.replace(real, prepare=prepare, apply=apply))
+  rng = np.random.default_rng([SEED, 67])
+  seg = _segments(rng)
+  q, k, v, cot, _ = _inputs(rng, seg)
+  mask = AttentionMask.causal(sliding_window=7).with_segment_ids(
+      hax.named(jnp.asarray(seg), (Batch, Pos)))
+  got = _attend("kvax", mask, q, k, v, cot, logits_soft_cap=3.0)
+  _assert_same(_attend("vanilla", mask, q, k, v, cot, logits_soft_cap=3.0), got,
+               f"through a registered provider (KVAX_TEST_SEED={SEED})")
+  assert [c[0] for c in calls] == ["prepare", "apply"], calls
+  (_, keys, options), (_, settings, applied) = calls
+  assert list(keys) == [(True, 7)]
+  assert isinstance(options, real.options_type) and applied == options
+  assert (options.backend, options.fwd_params.query_block_size, options.mesh,
+          options.deterministic_backward) == ("auto", 16, None, False)
+  assert (settings.causal, settings.sliding_window, settings.logits_soft_cap,
+          settings.scale) == (True, 7, 3.0, pytest.approx(D ** -0.5))
+  assert seam_counts["per_call_masks"] == 1 and seam_counts["layer_calls"] == 1

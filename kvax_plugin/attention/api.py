@@ -14,7 +14,8 @@ from kvax_plugin.attention import block_mask, context_parallel, validation
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, backend_function,
                                           backend_options, resolve_backend, resolve_backend_for)
-from kvax_plugin.attention.options import KernelOptions
+from kvax_plugin.attention.options import (HopperOptions, KernelOptions, MosaicOptions,
+                                           TritonOptions)
 from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 
@@ -110,7 +111,8 @@ def flash_attention(query: jax.Array,
                     sinks: jax.Array | None = None,
                     backend: str = "auto",
                     deterministic_backward: bool | None = None,
-                    kernel_options: KernelOptions | None = None,
+                    kernel_options: (KernelOptions | MosaicOptions | HopperOptions | TritonOptions
+                                     | tuple | None) = None,
                     query_specs: Any = None,
                     kv_specs: Any = None,
                     token_order: str | None = None) -> jax.Array:
@@ -132,6 +134,7 @@ def flash_attention(query: jax.Array,
     assume_sequential_positions: accepted for kvax compatibility; ignored.
     memory_optimized_gqa_backward: Triton only. True: accumulate a GQA group's dk/dv in place;
       False: in place when the launch still fills the GPU, else per-head buffers. Deterministic.
+      True sets TritonOptions.memory_optimized_gqa_backward.
     permute_tokens_for_load_balance: True: inputs arrive in the Llama 3 order, False: natural;
       None defers to token_order. Contradicting token_order raises ValueError.
     token_order: with context parallelism, the order the inputs arrive in ("natural", "llama3",
@@ -142,8 +145,9 @@ def flash_attention(query: jax.Array,
     deterministic_backward: None: each backend's own. Mosaic True: dq from its own kernel,
       bitwise reproducible (the default); False: dq reduce-added in float32 by the dk/dv kernel
       (order varies between runs). backend="hopper" has only the latter: True raises ValueError.
-    kernel_options: tuning options (kvax_plugin.KernelOptions; None: defaults). Options of one
-      backend are ignored by the others.
+    kernel_options: the kernels' tuning (None: defaults): a per-backend config (MosaicOptions,
+      HopperOptions, TritonOptions), a tuple of them, or the flat KernelOptions. The backend that
+      runs receives only its own config.
     debug: print the backend and shapes at trace time, and check the mask against these ids.
     mesh: a jax.sharding.Mesh to run sharded; the mask must come from create_attention_mask with
       the same mesh and specs. None: the mask's mesh (and specs unless given), else the

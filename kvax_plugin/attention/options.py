@@ -1,7 +1,10 @@
 """The kernels' tuning options (`KernelOptions`), and the environment variables kvax reads.
 
-Options of one backend are ignored by the others; the measurements behind the defaults are in
-docs/performance.md. No environment variable tunes a kernel. This table is all of them
+Each tunable backend has one frozen, validated config (MosaicOptions, HopperOptions,
+TritonOptions); the registry (kernels.backend_options) hands a backend its own config only.
+KernelOptions is the flat form of all three, so one object serves whichever backend "auto"
+picks: KernelOptions.for_backend(name) / from_backends(*configs). No environment variable tunes
+a kernel. This table is all of them
 (tests/test_options.py compares it with the reads in kvax_plugin/):
 
     KVAX_CHECK_MASK_INPUTS    attention/validation.py: 1 makes every flash_attention call
@@ -19,6 +22,7 @@ CUDA macro), KVAX_PROVIDER, KVAX_CONFIG_FIELDS, KVAX_KEYS, KVAX_BACKENDS, KVAX_P
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 FORWARD_GRIDS = ("auto", "persistent", "per_tile")
 TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
@@ -75,33 +79,165 @@ class KernelOptions:
   dkv=..." (any subset; tiles must divide the mask's blocks) and "gqa=inplace" / "gqa=perhead"."""
 
   def __post_init__(self):
-    if self.mosaic_forward_grid not in FORWARD_GRIDS:
-      raise ValueError(f"KernelOptions.mosaic_forward_grid={self.mosaic_forward_grid!r}: "
-                       f"expected one of {FORWARD_GRIDS}")
-    blocks = self.mosaic_forward_overlap_blocks
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
-      raise ValueError(f"KernelOptions.mosaic_forward_overlap_blocks={blocks!r}: expected an "
-                       "integer >= 0 (0: never overlap)")
-    for name in ("dq_after_dkv", "mosaic_paired_products", "mosaic_backward_id_rings"):
-      if not isinstance(getattr(self, name), bool):
-        raise TypeError(f"KernelOptions.{name}={getattr(self, name)!r}: expected True or False")
-    for name in ("mosaic_forward_registers", "mosaic_backward_registers"):
-      producer_registers(getattr(self, name), f"KernelOptions.{name}")
-    if not isinstance(self.triton_tiles, str):
-      raise TypeError(f"KernelOptions.triton_tiles={self.triton_tiles!r}: expected a string "
-                      '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')
-    triton_tile_parts(self.triton_tiles)
+    _check_fields(self, "KernelOptions", {name: name for name in _field_names(KernelOptions)})
 
   @property
   def mosaic_producer_registers(self) -> int:
     """504 - 2 x mosaic_backward_registers."""
     return producer_registers(self.mosaic_backward_registers)
 
+  def for_backend(self, name: str):
+    """Backend `name`'s typed config from these fields (None for a backend without tuning:
+    "jax", "reference"). memory_optimized_gqa_backward, a TritonOptions field, is not one of
+    them: flash_attention's keyword of that name sets it."""
+    cls = _options_class(name)
+    if cls is None:
+      return None
+    return cls(**{own: getattr(self, flat) for own, flat in cls.FLAT.items()})
 
-def triton_tile_parts(tiles: str) -> dict[str, str]:
+  @classmethod
+  def from_backends(cls, *configs) -> "KernelOptions":
+    """The flat options holding `configs` (per-backend configs, at most one per backend; the
+    fields they leave unset keep their defaults). Two configs that give one shared field
+    (dq_after_dkv; the Mosaic forward's fields, which "hopper" shares) different values, and a
+    TritonOptions with memory_optimized_gqa_backward (no flat field), are ValueErrors."""
+    fields: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    seen = set()
+    for config in configs:
+      if type(config) not in BACKEND_OPTIONS.values():
+        raise TypeError(f"KernelOptions.from_backends takes {_config_names()}, got "
+                        f"{type(config).__name__} {config!r}")
+      if type(config) in seen:
+        raise ValueError(f"KernelOptions.from_backends: two {type(config).__name__}")
+      seen.add(type(config))
+      if isinstance(config, TritonOptions) and config.memory_optimized_gqa_backward:
+        raise ValueError("TritonOptions.memory_optimized_gqa_backward=True has no KernelOptions "
+                         "field: pass memory_optimized_gqa_backward=True to flash_attention, or "
+                         "pass the TritonOptions itself as kernel_options")
+      where = type(config).__name__
+      for own, flat in type(config).FLAT.items():
+        value = getattr(config, own)
+        if flat in fields and fields[flat] != value:
+          raise ValueError(f"KernelOptions.from_backends: {source[flat]}={fields[flat]!r} and "
+                           f"{where}.{own}={value!r} set one field, KernelOptions.{flat}")
+        fields[flat], source[flat] = value, f"{where}.{own}"
+    return cls(**fields)
+
+
+def _field_names(cls) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _check_fields(config, where: str, names: dict[str, str]) -> None:
+  """Check the fields of `config` named in `names` (its field -> the KernelOptions field whose
+  rule it follows): errors name `where`.field, the value and what is expected."""
+  for own, flat in names.items():
+    value, field = getattr(config, own), f"{where}.{own}"
+    if flat == "mosaic_forward_grid":
+      if value not in FORWARD_GRIDS:
+        raise ValueError(f"{field}={value!r}: expected one of {FORWARD_GRIDS}")
+    elif flat == "mosaic_forward_overlap_blocks":
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field}={value!r}: expected an integer >= 0 (0: never overlap)")
+    elif flat in ("mosaic_forward_registers", "mosaic_backward_registers"):
+      producer_registers(value, field)
+    elif flat == "triton_tiles":
+      if not isinstance(value, str):
+        raise TypeError(f"{field}={value!r}: expected a string "
+                        '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')
+      triton_tile_parts(value, field)  # the format, checked now rather than at trace time
+    elif not isinstance(value, bool):  # the flags
+      raise TypeError(f"{field}={value!r}: expected True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicOptions:
+  """The "mosaic" backend's tuning. Each field is a KernelOptions field without its "mosaic_"
+  prefix (FLAT maps them), documented there; defaults and checks are the same."""
+
+  FLAT: ClassVar[dict[str, str]] = {
+      "forward_grid": "mosaic_forward_grid",
+      "forward_overlap_blocks": "mosaic_forward_overlap_blocks",
+      "forward_registers": "mosaic_forward_registers",
+      "backward_registers": "mosaic_backward_registers",
+      "paired_products": "mosaic_paired_products",
+      "backward_id_rings": "mosaic_backward_id_rings",
+      "dq_after_dkv": "dq_after_dkv"}
+
+  forward_grid: str = "auto"
+  forward_overlap_blocks: int = 16
+  forward_registers: int = 240
+  backward_registers: int = 232
+  paired_products: bool = True
+  backward_id_rings: bool = False
+  dq_after_dkv: bool = False
+
+  def __post_init__(self):
+    _check_fields(self, "MosaicOptions", self.FLAT)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperOptions:
+  """The "hopper" backend's tuning: its forward is the Mosaic forward, so these are
+  MosaicOptions' forward fields (its CUDA backward has none)."""
+
+  FLAT: ClassVar[dict[str, str]] = {
+      "forward_grid": "mosaic_forward_grid",
+      "forward_overlap_blocks": "mosaic_forward_overlap_blocks",
+      "forward_registers": "mosaic_forward_registers"}
+
+  forward_grid: str = "auto"
+  forward_overlap_blocks: int = 16
+  forward_registers: int = 240
+
+  def __post_init__(self):
+    _check_fields(self, "HopperOptions", self.FLAT)
+
+  def mosaic_forward(self) -> MosaicOptions:
+    """The MosaicOptions its Mosaic forward runs with (the backward fields unused there)."""
+    return MosaicOptions(**{own: getattr(self, own) for own in self.FLAT})
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonOptions:
+  """The "triton" backend's tuning. tiles: KernelOptions.triton_tiles; dq_after_dkv:
+  KernelOptions.dq_after_dkv; memory_optimized_gqa_backward: always accumulate dk / dv over a
+  GQA group in place (False: in place when the launch still fills the GPU; see
+  flash_attention's keyword of that name, which sets it too)."""
+
+  FLAT: ClassVar[dict[str, str]] = {"tiles": "triton_tiles", "dq_after_dkv": "dq_after_dkv"}
+
+  tiles: str = ""
+  dq_after_dkv: bool = False
+  memory_optimized_gqa_backward: bool = False
+
+  def __post_init__(self):
+    _check_fields(self, "TritonOptions",
+                  dict(self.FLAT, memory_optimized_gqa_backward="memory_optimized_gqa_backward"))
+
+
+# The tunable backends' configs, by backend name; the others ("jax", "reference") take none.
+BACKEND_OPTIONS: dict[str, type] = {"mosaic": MosaicOptions, "hopper": HopperOptions,
+                                    "triton": TritonOptions}
+
+
+def _config_names() -> str:
+  return ", ".join(c.__name__ for c in BACKEND_OPTIONS.values())
+
+
+def _options_class(name: str):
+  from_name = BACKEND_OPTIONS.get(name)
+  if from_name is None and name not in ("jax", "reference"):
+    raise ValueError(f"no kernel backend {name!r}: expected one of "
+                     f"{tuple(BACKEND_OPTIONS) + ('jax', 'reference')}")
+  return from_name
+
+
+def triton_tile_parts(tiles: str, name: str = "KernelOptions.triton_tiles") -> dict[str, str]:
   """KernelOptions.triton_tiles as {"fwd": "BM,BN,warps,stages", ..., "gqa": "inplace"}; a
-  malformed string is an error naming the field."""
-  where = f"KernelOptions.triton_tiles={tiles!r}"
+  malformed string is an error naming the field (`name`)."""
+  where = f"{name}={tiles!r}"
   parts = {}
   for part in filter(None, tiles.split(";")):
     key, sep, value = part.partition("=")
@@ -119,11 +255,38 @@ def triton_tile_parts(tiles: str) -> dict[str, str]:
   return parts
 
 
-def kernel_options(options: KernelOptions | None) -> KernelOptions:
-  """`options`, or the defaults for None; anything else is a TypeError naming the argument."""
+def kernel_options(options):
+  """`options` checked: a KernelOptions, one per-backend config, or a tuple of them (at most one
+  per backend); None gives the KernelOptions defaults. Anything else is a TypeError naming the
+  argument."""
   if options is None:
     return KernelOptions()
-  if not isinstance(options, KernelOptions):
-    raise TypeError(f"kernel_options must be a kvax_plugin.KernelOptions or None, got "
-                    f"{type(options).__name__} {options!r}")
-  return options
+  configs = tuple(BACKEND_OPTIONS.values())
+  if isinstance(options, (KernelOptions,) + configs):
+    return options
+  if (isinstance(options, tuple) and all(type(o) in configs for o in options)
+      and len({type(o) for o in options}) == len(options)):
+    return options
+  raise TypeError(f"kernel_options must be a kvax_plugin.KernelOptions, a per-backend config "
+                  f"({_config_names()}), a tuple of per-backend configs (one per backend) or "
+                  f"None, got {type(options).__name__} {options!r}")
+
+
+def backend_config(options, name: str, *, memory_optimized_gqa_backward: bool = False):
+  """Backend `name`'s own config from what the caller passed as kernel_options (see
+  kernel_options): a KernelOptions maps onto it (KernelOptions.for_backend); per-backend
+  configs give it theirs, or its defaults when none is its own (so one call may carry configs
+  for every backend "auto" might pick). None for a backend without tuning. The
+  memory_optimized_gqa_backward keyword (kvax's) turns the Triton field on."""
+  options = kernel_options(options)
+  cls = _options_class(name)
+  if cls is None:
+    return None
+  if isinstance(options, KernelOptions):
+    config = options.for_backend(name)
+  else:
+    config = next((o for o in (options if isinstance(options, tuple) else (options,))
+                   if type(o) is cls), None) or cls()
+  if memory_optimized_gqa_backward and cls is TritonOptions:
+    config = dataclasses.replace(config, memory_optimized_gqa_backward=True)
+  return config

@@ -1,8 +1,9 @@
 """What an attention provider is: a name, a once-per-step `prepare`, and a per-layer `apply`.
 
-Integrations (MaxText, plain flax) talk to providers only through these types, so a model
-stack builds the expensive per-step state (the block mask) once at its decoder entry and
-every layer reuses it, whatever the provider.
+Integrations (MaxText, Levanter, plain flax) talk to providers only through these types and
+the registry (kvax_plugin.providers.get_provider), so a model stack builds the expensive
+per-step state (the block mask) once at its decoder entry and every layer reuses it, whatever
+the provider.
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ class AttentionProvider:
   prepare(query_positions, query_segment_ids, kv_positions=None, kv_segment_ids=None, *,
           mask_keys, options) -> PreparedAttention
   apply(query, key, value, prepared, settings, *, sinks=None) -> [B, Sq, H, Dv]
+  options_type: the class of prepare's `options` (frozen, hashable), so a stack can build them
+    from the provider it looked up without importing the provider's module (None: it takes
+    none).
   """
 
   name: str
   prepare: Callable[..., PreparedAttention]
   apply: Callable[..., jax.Array]
   description: str = ""
+  options_type: type | None = None

@@ -32,6 +32,11 @@ class KvaxOptions:
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
   memory_optimized_gqa_backward: Triton only: always accumulate dk/dv over a GQA group in place
     (False: in place when the grid is large enough, see flash_attention).
+  deterministic_backward: flash_attention's (None: each backend's own; True also steers "auto"
+    to a bitwise-reproducible backward).
+  kernel_options: flash_attention's kernel tuning: a kvax_plugin.KernelOptions, a per-backend
+    config (MosaicOptions, HopperOptions, TritonOptions) or a tuple of them; None: the
+    measured defaults. The backend that runs receives only its own config.
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
   token_order: with a context-parallel mesh, the order the tokens arrive in: "natural",
@@ -46,6 +51,8 @@ class KvaxOptions:
   fwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   bwd_params: kvax_plugin.FlashAttentionParamsConfig | None = None
   memory_optimized_gqa_backward: bool = False
+  deterministic_backward: bool | None = None
+  kernel_options: Any = None
   skip_pad_tokens: bool = True
   mesh: Any = None
   token_order: str = "natural"
@@ -135,9 +142,10 @@ def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: Prepared
       logits_soft_cap=settings.logits_soft_cap, sinks=sinks, fwd_params=options.fwd_params,
       bwd_params=options.bwd_params,
       memory_optimized_gqa_backward=options.memory_optimized_gqa_backward,
-      backend=options.backend, **_mesh_kwargs(options))
+      deterministic_backward=options.deterministic_backward,
+      kernel_options=options.kernel_options, backend=options.backend, **_mesh_kwargs(options))
 
 
 KVAX_PROVIDER = AttentionProvider(
-    name="kvax", prepare=prepare, apply=apply,
+    name="kvax", prepare=prepare, apply=apply, options_type=KvaxOptions,
     description="block-sparse FlashAttention over packed documents (Triton on GPU, JAX elsewhere)")

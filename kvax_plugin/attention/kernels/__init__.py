@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kvax_plugin.attention.kernels.capabilities import FEATURES, Capabilities
+from kvax_plugin.attention.options import backend_config
 
 
 class BackendUnavailableError(RuntimeError):
@@ -36,8 +37,9 @@ class KernelBackend:
   platforms: JAX platforms it needs (() = anywhere). device_check, mask_check, auto_check: names
   of functions in `module` returning (ok, reason) for a jax.Device, an AttentionMask, and
   (dtype, qk_head_dim, v_head_dim) ("auto" only: cases measured slower than the next backend);
-  None: no check. options: the keyword options it accepts. install_hint: what to install.
-  reproducible_backward: False makes "auto" skip it under deterministic_backward=True."""
+  None: no check. options: the keyword options it accepts ("kernel_options" arrives as the
+  backend's own typed config). install_hint: what to install. reproducible_backward: False makes
+  "auto" skip it under deterministic_backward=True."""
 
   name: str
   module: str
@@ -59,8 +61,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         name="triton", module=f"{_PACKAGE}.triton.backend", function="flash_attention_triton",
         description="FlashAttention-2 Triton kernels through jax-triton (CUDA GPUs, sm80+)",
         platforms=("gpu",), device_check="device_supported",
-        options=("memory_optimized_gqa_backward", "kernel_options"),
-        install_hint="install kvax-plugin[gpu]"),
+        options=("kernel_options",), install_hint="install kvax-plugin[gpu]"),
     "mosaic": KernelBackend(
         name="mosaic", module=f"{_PACKAGE}.mosaic.backend", function="flash_attention_mosaic",
         description="FlashAttention-3-style Pallas Mosaic GPU kernels (Hopper: wgmma, TMA, "
@@ -230,9 +231,17 @@ def backend_function(name: str) -> Callable[..., jax.Array]:
   return getattr(_module(record), record.function)
 
 
-def backend_options(name: str, **options: Any) -> dict[str, Any]:
+def backend_options(name: str, *, kernel_options: Any = None,
+                    memory_optimized_gqa_backward: bool = False, **options: Any) -> dict[str, Any]:
+  """The subset of `options` backend `name` accepts, kernel_options turned into the backend's
+  own config (memory_optimized_gqa_backward is a field of Triton's): the one place a backend's
+  tuning is handed to it."""
   accepted = _record(name).options
-  return {k: v for k, v in options.items() if k in accepted}
+  out = {k: v for k, v in options.items() if k in accepted}
+  if "kernel_options" in accepted:
+    out["kernel_options"] = backend_config(
+        kernel_options, name, memory_optimized_gqa_backward=memory_optimized_gqa_backward)
+  return out
 
 
 __all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",

@@ -20,6 +20,7 @@ from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
 from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gradient,
                                                      softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backend as mosaic
+from kvax_plugin.attention.options import backend_config
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 HEAD_DIMS = cuda_bwd.HEAD_DIMS
@@ -139,7 +140,7 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   type, bfloat16 or float16; any Sq, Skv; mask backward tables with kv blocks of 128 and query
   blocks a multiple of 64. Returns [B, Sq, H, Dv]; differentiable in query, key, value, sinks.
   deterministic_backward True raises ValueError (dq is reduce-added in no fixed order).
-  kernel_options: the Mosaic forward's fields apply.
+  kernel_options: HopperOptions (or a KernelOptions): the Mosaic forward's fields.
   """
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
@@ -163,7 +164,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if window is None else int(window), deterministic=True,
-                interpret=False, options=mosaic.as_kernel_options(kernel_options))
+                interpret=False,
+                options=backend_config(kernel_options, "hopper").mosaic_forward())
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)

@@ -3,7 +3,9 @@
 `decoder_entry` wraps each family's Transformer.__call__: while jit traces it, it builds kvax's
 block masks from the AttentionMask's segment ids and exposes them through a ContextVar; the
 layers (inside fold / scan / remat) close over them, so the tables are computed once per step.
-`dot_product_attention` sends attn_backend=kvax calls to kvax and the rest to Levanter.
+`dot_product_attention` sends attn_backend=kvax calls to kvax and the rest to Levanter. Both
+steps go through the attention provider registry, as MaxText's seam does: the "kvax" provider's
+prepare() builds the masks, its apply() runs a layer.
 
 Positions are row indices, as Levanter measures causality and windows. Padding (segment id -1)
 attends earlier padding in Levanter and feeds the MoE router losses, so every negative id gets
@@ -25,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kvax_plugin
 from kvax_plugin.integrations.levanter import axes, settings
+from kvax_plugin.providers import LayerSettings, PreparedAttention, get_provider
 
 ATTENTION_BACKEND_NAME = "kvax"  # the value of Levanter's attn_backend that selects kvax
+PROVIDER = "kvax"  # the attention provider (kvax_plugin.providers) that serves those calls
 Q_POS = "position"  # the sequence axis names Levanter's attention layers use
 KV_POS = "key_position"
 
@@ -43,16 +46,9 @@ class Prepared:
 
   batch: tuple  # haliax Axis objects flattened into kvax's batch dimension, in order
   length: int
-  q_positions: jax.Array  # int32 [B, S]
-  q_segment_ids: jax.Array
-  kv_positions: jax.Array
-  kv_segment_ids: jax.Array
-  masks: dict  # MaskKey -> kvax AttentionMask
+  attention: PreparedAttention  # the provider's: int32 [B, S] tokens, one mask per MaskKey
   mesh: object | None
   tokens: axes.TokenSpecs | None
-  options: settings.KvaxLevanterSettings
-  fwd_params: object
-  bwd_params: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,30 +177,27 @@ def _token_arrays(mask, batch, length):
 
 
 def prepare(mask, keys, batch, q_pos_axis) -> Prepared:
-  """Positions, segment ids and one kvax block mask per key, for tokens [*batch, q_pos_axis]."""
-  options = settings.current()
-  fwd, bwd = options.params()
+  """Positions, segment ids and one kvax block mask per key, for tokens [*batch, q_pos_axis],
+  built by the registry's kvax provider with the settings in force."""
   length = q_pos_axis.size
   qp, qs, kp, ks = _token_arrays(mask, batch, length)
   mesh = axes.current_mesh()
   tokens = None
-  mesh_kwargs = {}
+  mesh_fields = {}
   if mesh is not None and math.prod(mesh.shape.values()) > 1:
     tokens = axes.token_specs(mesh, batch, q_pos_axis)
     query_specs, kv_specs = axes.specs(tokens, ())
-    mesh_kwargs = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-                       permute_tokens_for_load_balance=False)
+    # The tokens arrive in Levanter's order: the op must not expect them permuted.
+    mesh_fields = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
+                       token_order="natural")
   else:
     mesh = None
-  masks = {}
-  for causal, window in sorted(keys, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-    masks[(causal, window)] = kvax_plugin.create_attention_mask(
-        qp, qs, kp, ks, fwd_params=fwd, bwd_params=bwd, calc_bwd_mask=True,
-        skip_pad_tokens=options.skip_pad_tokens, causal=causal, sliding_window=window,
-        **mesh_kwargs)
-  return Prepared(batch=tuple(batch), length=length, q_positions=qp, q_segment_ids=qs,
-                  kv_positions=kp, kv_segment_ids=ks, masks=masks, mesh=mesh, tokens=tokens,
-                  options=options, fwd_params=fwd, bwd_params=bwd)
+  provider = get_provider(PROVIDER)
+  options = settings.current().provider_options(provider.options_type, **mesh_fields)
+  keys = sorted(keys, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+  attention = provider.prepare(qp, qs, kp, ks, mask_keys=keys, options=options)
+  return Prepared(batch=tuple(batch), length=length, attention=attention, mesh=mesh,
+                  tokens=tokens)
 
 
 # ----------------------------------------------------------------------------- decoder entry
@@ -232,7 +225,7 @@ def _entry_scope(transformer, x, attn_mask) -> _Scope:
   except axes.UnsupportedLayout as e:
     return _Scope(transformer, None, str(e))
   TRACE_COUNTS["entries"] += 1
-  TRACE_COUNTS["entry_masks"] += len(prepared.masks)
+  TRACE_COUNTS["entry_masks"] += len(prepared.attention.masks)
   return _Scope(transformer, prepared)
 
 
@@ -299,7 +292,7 @@ def _prepared_for(scope, layout, key) -> tuple[Prepared | None, str | None]:
     return None, "attention over other batch axes than the decoder input's"
   if layout.q_pos.size != p.length or layout.kv_pos.size != p.length:
     return None, "attention over another sequence length than the decoder input's"
-  if key not in p.masks:
+  if key not in p.attention.masks:
     return None, f"a mask the decoder entry did not foresee (causal, window) = {key}"
   return p, None
 
@@ -364,22 +357,20 @@ def kvax_attention(a: dict):
     # Levanter puts the sink in as one more logit (a zero key plus the sink as bias) before its
     # soft cap, so the sink is capped too; kvax adds sinks to the denominator uncapped.
     sinks = cap * jnp.tanh(sinks / cap)
-  mesh_kwargs = {}
+  attention = prepared.attention
   if prepared.mesh is not None:
+    # This layer's specs also shard its heads (the mask's only name batch and context axes).
     heads = axes.head_axes(prepared.mesh, layout, prepared.tokens)
     query_specs, kv_specs = axes.specs(prepared.tokens, heads)
-    mesh_kwargs = dict(mesh=prepared.mesh, query_specs=query_specs, kv_specs=kv_specs,
-                       permute_tokens_for_load_balance=False)
+    attention = dataclasses.replace(attention, options=dataclasses.replace(
+        attention.options, query_specs=query_specs, kv_specs=kv_specs))
     TRACE_COUNTS["sharded_calls"] += 1
     SHARDED_SPECS.add(query_specs)
-  opts = prepared.options
-  out = kvax_plugin.flash_attention(
-      layout.query(query), layout.key(key_arr), layout.value(value), prepared.q_positions,
-      prepared.q_segment_ids, prepared.kv_positions, prepared.kv_segment_ids,
-      prepared.masks[key], scale=scale, logits_soft_cap=cap, sinks=sinks,
-      fwd_params=prepared.fwd_params, bwd_params=prepared.bwd_params,
-      memory_optimized_gqa_backward=opts.memory_optimized_gqa_backward,
-      deterministic_backward=opts.deterministic_backward, backend=opts.kernel, **mesh_kwargs)
+  causal, window = key
+  out = get_provider(attention.provider).apply(
+      layout.query(query), layout.key(key_arr), layout.value(value), attention,
+      LayerSettings(causal=causal, sliding_window=window, logits_soft_cap=cap, scale=scale),
+      sinks=sinks)
   return layout.output(out)
 
 

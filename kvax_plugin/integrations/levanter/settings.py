@@ -71,6 +71,15 @@ class KvaxLevanterSettings:
                                                  num_stages=2)
     return fwd, bwd
 
+  def provider_options(self, options_type, **mesh_fields):
+    """The kvax provider's options (`options_type`, its AttentionProvider.options_type) for
+    these settings, plus mesh / specs / token order fields."""
+    fwd, bwd = self.params()
+    return options_type(backend=self.kernel, fwd_params=fwd, bwd_params=bwd,
+                        memory_optimized_gqa_backward=self.memory_optimized_gqa_backward,
+                        deterministic_backward=self.deterministic_backward,
+                        skip_pad_tokens=self.skip_pad_tokens, **mesh_fields)
+
 
 def from_environment() -> KvaxLevanterSettings:
   """Settings from KVAX_LEVANTER_BACKEND / KVAX_LEVANTER_BLOCK_SIZE (defaults where unset)."""

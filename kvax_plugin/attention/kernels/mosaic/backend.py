@@ -18,8 +18,7 @@ from kvax_plugin.attention.kernels.custom_vjp import (kernel_attention, sinks_gr
                                                      softmax_delta)
 from kvax_plugin.attention.kernels.mosaic import backward as bwd_kernels
 from kvax_plugin.attention.kernels.mosaic import forward as fwd_kernels
-from kvax_plugin.attention.options import KernelOptions
-from kvax_plugin.attention.options import kernel_options as as_kernel_options
+from kvax_plugin.attention.options import MosaicOptions, backend_config
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID
 
 SMEM_BUDGET = 227 * 1024
@@ -125,7 +124,7 @@ class Static:
   window: int
   deterministic: bool
   interpret: bool
-  options: KernelOptions = KernelOptions()
+  options: MosaicOptions = MosaicOptions()  # the tuning options (attention/options.py)
 
 
 def _pad_axis(x, axis: int, size: int, value):
@@ -173,7 +172,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
   spec = mask.spec
   dims = (spec.fwd_params.kv_block_size, p.q.shape[3], p.v.shape[3], jnp.dtype(q.dtype).itemsize)
-  grid = cfg.options.mosaic_forward_grid
+  grid = cfg.options.forward_grid
   persistent = grid == "persistent" or (grid == "auto" and p.k.shape[1] <= PERSISTENT_MAX_KV)
   # Persistent needs a second Q buffer: where it does not fit (head dim 256), per-tile; an
   # explicit request is refused.
@@ -184,7 +183,8 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
     # Not when the second Q buffer costs the kv tile (MLA 192 / 128).
     launch = None
   if launch is None and grid == "persistent":
-    raise ValueError(f"KernelOptions.mosaic_forward_grid='persistent': head dims "
+    raise ValueError(f"MosaicOptions.forward_grid / KernelOptions.mosaic_forward_grid="
+                     f"'persistent': head dims "
                      f"({p.q.shape[3]}, {p.v.shape[3]}) do not fit the persistent forward's "
                      "shared memory; use 'auto' or 'per_tile'")
   if launch is not None:
@@ -201,9 +201,9 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
-
-      overlap_min_blocks=cfg.options.mosaic_forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
-      consumer_registers=cfg.options.mosaic_forward_registers)
+      # At head dims above 128 the overlap's registers (O, S, P twice) do not fit.
+      overlap_min_blocks=cfg.options.forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
+      consumer_registers=cfg.options.forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
   return p.unpad_q(out, p.dv), lse[:, :, :p.sq]
@@ -224,8 +224,8 @@ def _backward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: A
       table_q=spec.bwd_params.query_block_size, table_kv=spec.bwd_params.kv_block_size,
       scale=cfg.scale, soft_cap=cfg.soft_cap, causal=cfg.causal, window=cfg.window,
       with_dq=not cfg.deterministic, interpret=cfg.interpret,
-      paired=opts.mosaic_paired_products, consumer_regs=opts.mosaic_backward_registers,
-      dq_after_dkv=opts.dq_after_dkv, ids_tma=opts.mosaic_backward_id_rings)
+      paired=opts.paired_products, consumer_regs=opts.backward_registers,
+      dq_after_dkv=opts.dq_after_dkv, ids_tma=opts.backward_id_rings)
   dq, dk, dv = bwd_kernels.backward_call(
       bcfg, p.q, p.k, p.v, d_out_p, lse_p, delta_p, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
       mask.dkv, mask.dq)
@@ -247,15 +247,15 @@ def flash_attention_mosaic(query, key, value, query_positions, query_segment_ids
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
                            deterministic_backward: bool | None = True,
-                           kernel_options: KernelOptions | None = None,
+                           kernel_options: MosaicOptions | None = None,
                            interpret: bool = False) -> jax.Array:
   """Attention over validated inputs with the Mosaic GPU kernels (Hopper; the CPU interpreter
   with interpret=True). Arguments and result as flash_attention (bf16 / fp16, mask blocks the
   tiles divide). deterministic_backward True or None (default): dq from its own kernel, bitwise
   reproducible, and faster on an H200; False: dq reduce-added in float32 by the dk/dv kernel.
-  kernel_options: its mosaic_* fields and dq_after_dkv apply.
+  kernel_options: MosaicOptions (or a KernelOptions; None: the defaults).
   """
-  kernel_options = as_kernel_options(kernel_options)
+  kernel_options = backend_config(kernel_options, "mosaic")
   ok, why = supports_inputs(query.dtype, query.shape[3], value.shape[3])
   if not ok:
     raise ValueError(f"query: {why}")

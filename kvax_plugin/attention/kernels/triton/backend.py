@@ -14,14 +14,13 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvax_plugin.attention.block_mask import AttentionMask, BlockTable
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.custom_vjp import kernel_attention, sinks_gradient
 from kvax_plugin.attention.kernels.triton import compat
-from kvax_plugin.attention.options import KernelOptions, triton_tile_parts
-from kvax_plugin.attention.options import kernel_options as as_kernel_options
+from kvax_plugin.attention.options import (KernelOptions, TritonOptions, backend_config,
+                                           triton_tile_parts)
 from kvax_plugin.attention.params import (DEFAULT_BWD_PARAMS, DEFAULT_FWD_PARAMS,
                                           FlashAttentionParamsConfig)
 
@@ -485,25 +484,27 @@ def _sm_count() -> int:
 
 def static_config(mask: AttentionMask, *, scale: float, logits_soft_cap: float | None,
                   has_sinks: bool, memory_optimized_gqa_backward: bool = False,
-                  kernel_options: KernelOptions | None = None) -> _Static:
+                  kernel_options: TritonOptions | KernelOptions | None = None) -> _Static:
   """The launch-time constants of one attention call (benchmarks/ use it too)."""
-  kernel_options = as_kernel_options(kernel_options)
+  opts = backend_config(kernel_options, "triton",
+                        memory_optimized_gqa_backward=memory_optimized_gqa_backward)
   return _Static(scale=float(scale),
                  soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                  has_sinks=has_sinks, causal=bool(mask.spec.causal),
                  window=0 if mask.spec.sliding_window is None else int(mask.spec.sliding_window),
-                 gqa_inplace=bool(memory_optimized_gqa_backward), device_kind=_device_kind(),
-                 sm_count=_sm_count(), tiles_override=kernel_options.triton_tiles,
-                 dq_after_dkv=kernel_options.dq_after_dkv)
+                 gqa_inplace=opts.memory_optimized_gqa_backward, device_kind=_device_kind(),
+                 sm_count=_sm_count(), tiles_override=opts.tiles,
+                 dq_after_dkv=opts.dq_after_dkv)
 
 
 def flash_attention_triton(query, key, value, query_positions, query_segment_ids, kv_positions,
                            kv_segment_ids, mask: AttentionMask, *, scale: float,
                            logits_soft_cap: float | None, sinks: jax.Array | None,
                            memory_optimized_gqa_backward: bool = False,
-                           kernel_options: KernelOptions | None = None) -> jax.Array:
+                           kernel_options: TritonOptions | KernelOptions | None = None
+                           ) -> jax.Array:
   """Attention over validated inputs with the Triton kernels: arguments and result as
-  flash_attention; this backend reads KernelOptions.triton_tiles and dq_after_dkv."""
+  flash_attention; kernel_options: TritonOptions (or a KernelOptions; None: the defaults)."""
   compat.check()
   ok, why = CAPABILITIES.supports(query.dtype, query.shape[3], value.shape[3])
   if not ok:
