@@ -132,9 +132,8 @@ def flash_attention(query: jax.Array,
     sinks: [H] extra logit per query head in the softmax denominator (gpt-oss).
     fwd_params, bwd_params: must equal the mask's when given.
     assume_sequential_positions: accepted for kvax compatibility; ignored.
-    memory_optimized_gqa_backward: Triton only. True: accumulate a GQA group's dk/dv in place;
-      False: in place when the launch still fills the GPU, else per-head buffers. Deterministic.
-      True sets TritonOptions.memory_optimized_gqa_backward.
+    memory_optimized_gqa_backward: Triton only (TritonOptions' field). True: accumulate a GQA
+      group's dk/dv in place; False: in place when the launch still fills the GPU. Deterministic.
     permute_tokens_for_load_balance: True: inputs arrive in the Llama 3 order, False: natural;
       None defers to token_order. Contradicting token_order raises ValueError.
     token_order: with context parallelism, the order the inputs arrive in ("natural", "llama3",
@@ -179,7 +178,7 @@ def flash_attention(query: jax.Array,
                              _features(query, key, value, mask, logits_soft_cap, sinks), mask,
                              deterministic_backward=deterministic_backward)
   if validation.is_empty(query, key):
-    # Empty in, empty out; with Skv = 0 every row attends nothing, so it is 0.
+    # With Skv = 0 every row attends nothing: 0.
     return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)
   mesh, query_specs, kv_specs = context_parallel.mesh_for_call(mesh, mask, query_specs, kv_specs)
   if mesh is not None:

@@ -1,11 +1,8 @@
-"""The kernels' tuning options (`KernelOptions`), and the environment variables kvax reads.
+"""The kernels' tuning options, and the environment variables kvax reads.
 
 Each tunable backend has one frozen, validated config (MosaicOptions, HopperOptions,
-TritonOptions); the registry (kernels.backend_options) hands a backend its own config only.
-KernelOptions is the flat form of all three, so one object serves whichever backend "auto"
-picks: KernelOptions.for_backend(name) / from_backends(*configs). No environment variable tunes
-a kernel. This table is all of them
-(tests/test_options.py compares it with the reads in kvax_plugin/):
+TritonOptions); KernelOptions is their flat form, so one object serves whichever backend "auto"
+picks. No environment variable tunes a kernel. This table is all of them (tests/test_options.py):
 
     KVAX_CHECK_MASK_INPUTS    attention/validation.py: 1 makes every flash_attention call
                               check its mask against its positions / segment ids.
@@ -15,8 +12,7 @@ a kernel. This table is all of them
                               configure() was not called.
     KVAX_LEVANTER_BLOCK_SIZE  integrations/levanter/settings.py: the block size of both passes.
 
-Names that look alike but are not environment variables: KVAX_PATCHED, KVAX_SM90_VARIANTS (a
-CUDA macro), KVAX_PROVIDER, KVAX_CONFIG_FIELDS, KVAX_KEYS, KVAX_BACKENDS, KVAX_PADDING_SEGMENT_ID.
+Names that look alike (KVAX_PATCHED, KVAX_SM90_VARIANTS, KVAX_PROVIDER, ...) are not variables.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
 
 
 def producer_registers(consumer_registers, name: str = "consumer_registers") -> int:
-  """The Mosaic producer's registers when both consumers take `consumer_registers`: 504 - 2 x
-  it. ValueError naming `name` unless an int, a multiple of 8, leaving the producer 24..256."""
+  """504 - 2 x consumer_registers; ValueError naming `name` unless a multiple of 8 leaving the
+  producer 24..256."""
   regs = consumer_registers
   if (isinstance(regs, bool) or not isinstance(regs, int) or regs % 8 or regs > 256
       or not 24 <= 504 - 2 * regs <= 256):
@@ -41,8 +37,7 @@ def producer_registers(consumer_registers, name: str = "consumer_registers") -> 
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
-  """Tuning options of the kernel backends; every default is the measured choice. Hashable
-  (part of the compiled function's static key); fields are checked on construction."""
+  """Tuning options of the kernel backends (hashable: part of the static key); checked on init."""
 
   mosaic_forward_grid: str = "auto"
   """Mosaic forward grid: "persistent" (one CTA per SM taking (tile, head) items longest first;
@@ -87,9 +82,8 @@ class KernelOptions:
     return producer_registers(self.mosaic_backward_registers)
 
   def for_backend(self, name: str):
-    """Backend `name`'s typed config from these fields (None for a backend without tuning:
-    "jax", "reference"). memory_optimized_gqa_backward, a TritonOptions field, is not one of
-    them: flash_attention's keyword of that name sets it."""
+    """Backend `name`'s typed config (None for "jax", "reference"); memory_optimized_gqa_backward
+    is left to flash_attention's keyword."""
     cls = _options_class(name)
     if cls is None:
       return None
@@ -97,10 +91,8 @@ class KernelOptions:
 
   @classmethod
   def from_backends(cls, *configs) -> "KernelOptions":
-    """The flat options holding `configs` (per-backend configs, at most one per backend; the
-    fields they leave unset keep their defaults). Two configs that give one shared field
-    (dq_after_dkv; the Mosaic forward's fields, which "hopper" shares) different values, and a
-    TritonOptions with memory_optimized_gqa_backward (no flat field), are ValueErrors."""
+    """The flat options holding `configs` (at most one per backend; unset fields keep defaults).
+    ValueError: a shared field given two values, or memory_optimized_gqa_backward=True."""
     fields: dict[str, Any] = {}
     source: dict[str, str] = {}
     seen = set()
@@ -130,8 +122,7 @@ def _field_names(cls) -> tuple[str, ...]:
 
 
 def _check_fields(config, where: str, names: dict[str, str]) -> None:
-  """Check the fields of `config` named in `names` (its field -> the KernelOptions field whose
-  rule it follows): errors name `where`.field, the value and what is expected."""
+  """Check `config`'s fields `names` (own -> KernelOptions field whose rule applies)."""
   for own, flat in names.items():
     value, field = getattr(config, own), f"{where}.{own}"
     if flat == "mosaic_forward_grid":
@@ -146,15 +137,14 @@ def _check_fields(config, where: str, names: dict[str, str]) -> None:
       if not isinstance(value, str):
         raise TypeError(f"{field}={value!r}: expected a string "
                         '"fwd=BM,BN,warps,stages;dq=...;dkv=...;gqa=inplace|perhead" or ""')
-      triton_tile_parts(value, field)  # the format, checked now rather than at trace time
+      triton_tile_parts(value, field)
     elif not isinstance(value, bool):  # the flags
       raise TypeError(f"{field}={value!r}: expected True or False")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicOptions:
-  """The "mosaic" backend's tuning. Each field is a KernelOptions field without its "mosaic_"
-  prefix (FLAT maps them), documented there; defaults and checks are the same."""
+  """The "mosaic" backend's tuning: KernelOptions' fields (FLAT maps them), documented there."""
 
   FLAT: ClassVar[dict[str, str]] = {
       "forward_grid": "mosaic_forward_grid",
@@ -179,8 +169,7 @@ class MosaicOptions:
 
 @dataclasses.dataclass(frozen=True)
 class HopperOptions:
-  """The "hopper" backend's tuning: its forward is the Mosaic forward, so these are
-  MosaicOptions' forward fields (its CUDA backward has none)."""
+  """The "hopper" backend's tuning: MosaicOptions' forward fields (its backward has none)."""
 
   FLAT: ClassVar[dict[str, str]] = {
       "forward_grid": "mosaic_forward_grid",
@@ -195,16 +184,14 @@ class HopperOptions:
     _check_fields(self, "HopperOptions", self.FLAT)
 
   def mosaic_forward(self) -> MosaicOptions:
-    """The MosaicOptions its Mosaic forward runs with (the backward fields unused there)."""
+    """The MosaicOptions its Mosaic forward runs with."""
     return MosaicOptions(**{own: getattr(self, own) for own in self.FLAT})
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonOptions:
-  """The "triton" backend's tuning. tiles: KernelOptions.triton_tiles; dq_after_dkv:
-  KernelOptions.dq_after_dkv; memory_optimized_gqa_backward: always accumulate dk / dv over a
-  GQA group in place (False: in place when the launch still fills the GPU; see
-  flash_attention's keyword of that name, which sets it too)."""
+  """The "triton" backend's tuning: KernelOptions' fields (FLAT), and
+  memory_optimized_gqa_backward (flash_attention's keyword of that name)."""
 
   FLAT: ClassVar[dict[str, str]] = {"tiles": "triton_tiles", "dq_after_dkv": "dq_after_dkv"}
 
@@ -217,7 +204,7 @@ class TritonOptions:
                   dict(self.FLAT, memory_optimized_gqa_backward="memory_optimized_gqa_backward"))
 
 
-# The tunable backends' configs, by backend name; the others ("jax", "reference") take none.
+# "jax" and "reference" take no config.
 BACKEND_OPTIONS: dict[str, type] = {"mosaic": MosaicOptions, "hopper": HopperOptions,
                                     "triton": TritonOptions}
 
@@ -235,8 +222,8 @@ def _options_class(name: str):
 
 
 def triton_tile_parts(tiles: str, name: str = "KernelOptions.triton_tiles") -> dict[str, str]:
-  """KernelOptions.triton_tiles as {"fwd": "BM,BN,warps,stages", ..., "gqa": "inplace"}; a
-  malformed string is an error naming the field (`name`)."""
+  """triton_tiles as {"fwd": "BM,BN,warps,stages", ..., "gqa": "inplace"}; malformed: ValueError
+  naming `name`."""
   where = f"{name}={tiles!r}"
   parts = {}
   for part in filter(None, tiles.split(";")):
@@ -256,9 +243,8 @@ def triton_tile_parts(tiles: str, name: str = "KernelOptions.triton_tiles") -> d
 
 
 def kernel_options(options):
-  """`options` checked: a KernelOptions, one per-backend config, or a tuple of them (at most one
-  per backend); None gives the KernelOptions defaults. Anything else is a TypeError naming the
-  argument."""
+  """`options` checked: a KernelOptions, a per-backend config or a tuple of them (one per
+  backend); None: KernelOptions(). Anything else: TypeError."""
   if options is None:
     return KernelOptions()
   configs = tuple(BACKEND_OPTIONS.values())
@@ -273,11 +259,9 @@ def kernel_options(options):
 
 
 def backend_config(options, name: str, *, memory_optimized_gqa_backward: bool = False):
-  """Backend `name`'s own config from what the caller passed as kernel_options (see
-  kernel_options): a KernelOptions maps onto it (KernelOptions.for_backend); per-backend
-  configs give it theirs, or its defaults when none is its own (so one call may carry configs
-  for every backend "auto" might pick). None for a backend without tuning. The
-  memory_optimized_gqa_backward keyword (kvax's) turns the Triton field on."""
+  """Backend `name`'s config from kernel_options: KernelOptions.for_backend, the matching
+  per-backend config or its defaults; None without tuning. memory_optimized_gqa_backward sets
+  the Triton field."""
   options = kernel_options(options)
   cls = _options_class(name)
   if cls is None:

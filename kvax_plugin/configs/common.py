@@ -1,10 +1,8 @@
 """Defaults shared by every family config (kvax_plugin/configs/<family>.py), and the variant lookup.
 
-A family file lists its variants as {name: (MaxText model_name, overrides)} and calls
-`family_config`; `python -m kvax_plugin.launch` turns the fields into MaxText keys
-(integrations/maxtext/launch_keys.py). `tiny` keeps the family's attention exactly and shrinks
-only width, depth, vocabulary and experts, so two CPU cores train it in minutes; the upstream
-variants (`8b`, `2b`, ...) are MaxText's own configs, for GPUs.
+A family file lists {name: (MaxText model_name, overrides)} and calls `family_config`.
+`tiny` keeps the family's attention and shrinks the rest to train on CPU in minutes; the other
+variants (`8b`, `2b`, ...) are MaxText's own configs.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def family_config(family: str, arg: str | None,
   c.attention = "kvax"
 
   c.kvax = ml_collections.ConfigDict()
-  # "auto": the fastest backend that runs here (`python -m kvax_plugin.info`); an explicit
-  # name that cannot run is an error, never a fallback.
+  # "auto": the fastest that runs here; an explicit name that cannot run is an error.
   c.kvax.backend = "auto"
   # Block sizes (powers of two >= 16).
   c.kvax.fwd_query_block_size = 128
@@ -52,8 +49,7 @@ def family_config(family: str, arg: str | None,
   # Triton backward: see flash_attention's memory_optimized_gqa_backward.
   c.kvax.memory_optimized_gqa_backward = False
   c.kvax.skip_pad_tokens = True
-  # Token order under context parallelism: "auto" = "balanced" (seq_len a multiple of context
-  # size x the larger query block), "llama3", or "natural".
+  # Context-parallel token order: "auto" (= "balanced"), "llama3" or "natural".
   c.kvax.context_parallel_order = "auto"
   # dtype of the shards' dk / dv sum: "auto", "float32" or "input" (create_attention_mask).
   c.kvax.kv_grad_reduce_dtype = "auto"
@@ -83,8 +79,7 @@ def family_config(family: str, arg: str | None,
   c.hardware = "auto"
   c.seed = 0
 
-  # The shipped public-domain corpus, byte-tokenized, cut into documents of log-uniform length
-  # in [min_doc_chars, max_doc_chars] and packed first-fit. Nothing is downloaded.
+  # The shipped corpus, byte-tokenized, cut into log-uniform documents, packed first-fit.
   c.data = ml_collections.ConfigDict()
   c.data.source = "shipped_corpus"
   c.data.min_doc_chars = 64
@@ -101,12 +96,11 @@ def family_config(family: str, arg: str | None,
   c.model_overrides = ml_collections.ConfigDict(dict(overrides))
 
   if variant == "tiny":
-    # 64-token blocks: a 16 x 16 grid per 1024-token row, fine enough to skip between documents.
+    # 64-token blocks: fine enough to skip between documents.
     c.kvax.fwd_query_block_size = 64
     c.kvax.fwd_kv_block_size = 64
     c.kvax.bwd_query_block_size = 64
     c.kvax.bwd_kv_block_size = 64
-    # The shortest rows that usually hold more than one corpus document.
     c.seq_len = 1024
     c.per_device_batch_size = 2
     c.steps = 40

@@ -1,9 +1,7 @@
 """What an attention provider is: a name, a once-per-step `prepare`, and a per-layer `apply`.
 
-Integrations (MaxText, Levanter, plain flax) talk to providers only through these types and
-the registry (kvax_plugin.providers.get_provider), so a model stack builds the expensive
-per-step state (the block mask) once at its decoder entry and every layer reuses it, whatever
-the provider.
+Integrations use only these types and the registry (get_provider): the per-step state (the
+block mask) is built once at the decoder entry and every layer reuses it.
 """
 
 from __future__ import annotations
@@ -46,12 +44,8 @@ class LayerSettings:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class PreparedAttention:
-  """State built once per step and read by every layer.
-
-  Token arrays use the kvax convention (PADDING_SEGMENT_ID = -1 marks padding). `masks`
-  maps LayerSettings.mask_key to the provider's mask for that (causal, window) pair. A
-  registered pytree, so it may cross jit / scan / checkpoint boundaries as an argument too.
-  """
+  """State built once per step and read by every layer (a pytree). Tokens: kvax's convention
+  (PADDING_SEGMENT_ID = -1); `masks`: LayerSettings.mask_key -> the provider's mask."""
 
   query_positions: jax.Array
   query_segment_ids: jax.Array
@@ -91,9 +85,7 @@ class AttentionProvider:
   prepare(query_positions, query_segment_ids, kv_positions=None, kv_segment_ids=None, *,
           mask_keys, options) -> PreparedAttention
   apply(query, key, value, prepared, settings, *, sinks=None) -> [B, Sq, H, Dv]
-  options_type: the class of prepare's `options` (frozen, hashable), so a stack can build them
-    from the provider it looked up without importing the provider's module (None: it takes
-    none).
+  options_type: the class of prepare's `options` (frozen, hashable; None: it takes none).
   """
 
   name: str

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import kvax_plugin
 from kvax_plugin.providers.base import AttentionProvider, LayerSettings, PreparedAttention
 
-# Trace-time counters (Python side effects run once per trace, not per executed step):
-# tests use them to check the mask is built once per step, launchers to report work done.
+# Trace-time counters (once per trace, not per step), for tests and launchers.
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
@@ -25,22 +24,16 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 class KvaxOptions:
   """Static settings of the kvax provider (hashable: they live in the pytree's aux data).
 
-  backend: flash_attention's kernel backend: "auto" (the fastest that runs the call here:
-    "hopper" or "mosaic" on a Hopper GPU, "triton" on other CUDA GPUs, "jax" elsewhere), or
-    "hopper", "mosaic", "triton", "jax", "reference"; an explicit request that cannot run
-    raises, it is never replaced.
+  backend: flash_attention's: "auto" (the fastest that runs here), "hopper", "mosaic",
+    "triton", "jax" or "reference"; an explicit one that cannot run raises.
   fwd_params / bwd_params: block sizes the masks are built for (None: library defaults).
-  memory_optimized_gqa_backward: Triton only: always accumulate dk/dv over a GQA group in place
-    (False: in place when the grid is large enough, see flash_attention).
-  deterministic_backward: flash_attention's (None: each backend's own; True also steers "auto"
-    to a bitwise-reproducible backward).
-  kernel_options: flash_attention's kernel tuning: a kvax_plugin.KernelOptions, a per-backend
-    config (MosaicOptions, HopperOptions, TritonOptions) or a tuple of them; None: the
-    measured defaults. The backend that runs receives only its own config.
+  memory_optimized_gqa_backward, deterministic_backward (None: each backend's own),
+    kernel_options (KernelOptions, per-backend configs or a tuple; None: defaults):
+    flash_attention's.
   skip_pad_tokens: skip blocks made only of padding.
   mesh: a jax.sharding.Mesh to run sharded, or None (single device, or let jit partition).
   token_order: with a context-parallel mesh, the order the tokens arrive in: "natural",
-    "llama3" or "balanced" (what the input pipeline did; the op never permutes them itself).
+    "llama3" or "balanced" (the op never permutes them).
   query_specs / kv_specs: BSHD specs over `mesh` (mesh axis names per dimension); None lets
     the op use its attention_specs context or defaults.
   kv_grad_reduce_dtype / overlap_kv_gather: context parallelism's dk / dv sum dtype and kv
@@ -71,8 +64,6 @@ def _check_tokens(name: str, x) -> jax.Array:
 
 
 def _mesh_kwargs(options: KvaxOptions) -> dict:
-  # Only a sharded call takes specs and the token order; unsharded calls leave the library
-  # defaults alone.
   if options.mesh is None:
     return {}
   return dict(mesh=options.mesh, query_specs=options.query_specs, kv_specs=options.kv_specs,
@@ -80,7 +71,6 @@ def _mesh_kwargs(options: KvaxOptions) -> dict:
 
 
 def _mask_mesh_kwargs(options: KvaxOptions) -> dict:
-  # Context-parallel settings the mask records (flash_attention follows the mask).
   if options.mesh is None:
     return {}
   return dict(kv_grad_reduce_dtype=options.kv_grad_reduce_dtype,
@@ -95,11 +85,8 @@ def prepare(query_positions: jax.Array,
             mask_keys: Iterable[tuple[bool, int | None]] = ((True, None),),
             options: KvaxOptions | None = None,
             calc_bwd_mask: bool = True) -> PreparedAttention:
-  """Build the per-step state: one block mask per distinct (causal, sliding_window).
-
-  Segment ids follow the kvax convention (PADDING_SEGMENT_ID marks padding); callers with
-  another padding convention map it first. kv_* default to the query's (self-attention).
-  """
+  """The per-step state: one block mask per distinct (causal, sliding_window). Segment ids:
+  kvax's convention (PADDING_SEGMENT_ID marks padding); kv_* default to the query's."""
   options = options or KvaxOptions()
   if not isinstance(options, KvaxOptions):
     raise TypeError(f"options must be a KvaxOptions, got {type(options).__name__}")
@@ -123,10 +110,8 @@ def prepare(query_positions: jax.Array,
 
 def apply(query: jax.Array, key: jax.Array, value: jax.Array, prepared: PreparedAttention,
           settings: LayerSettings, *, sinks: jax.Array | None = None) -> jax.Array:
-  """One layer's attention over the prepared mask.
-
-  query [B, Sq, H, Dqk], key [B, Skv, K, Dqk], value [B, Skv, K, Dv] -> [B, Sq, H, Dv].
-  """
+  """One layer's attention over the prepared mask: query [B, Sq, H, Dqk], key [B, Skv, K, Dqk],
+  value [B, Skv, K, Dv] -> [B, Sq, H, Dv]."""
   if not isinstance(prepared, PreparedAttention) or prepared.provider != "kvax":
     of = f" of {prepared.provider}" if isinstance(prepared, PreparedAttention) else ""
     raise TypeError("prepared must come from the kvax provider's prepare(), got "

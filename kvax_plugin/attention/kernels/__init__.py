@@ -85,9 +85,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
         description="dense float32 reference, O(S^2) memory (tests and checks)"),
 }
 
-# "auto" order: "hopper" where it runs, covers the call and is measured faster
-# (hopper.auto_prefers), unless deterministic_backward=True; then "mosaic" (Hopper only, no
-# float32). Measurements: docs/performance.md.
+# "hopper" where faster (hopper.auto_prefers) and deterministic_backward is not True.
 AUTO_ORDER: tuple[str, ...] = ("hopper", "mosaic", "triton", "jax")
 
 BACKENDS: tuple[str, ...] = ("auto",) + tuple(KERNEL_BACKENDS)
@@ -233,9 +231,8 @@ def backend_function(name: str) -> Callable[..., jax.Array]:
 
 def backend_options(name: str, *, kernel_options: Any = None,
                     memory_optimized_gqa_backward: bool = False, **options: Any) -> dict[str, Any]:
-  """The subset of `options` backend `name` accepts, kernel_options turned into the backend's
-  own config (memory_optimized_gqa_backward is a field of Triton's): the one place a backend's
-  tuning is handed to it."""
+  """The subset of `options` backend `name` accepts, kernel_options turned into its own config
+  (memory_optimized_gqa_backward is a Triton field)."""
   accepted = _record(name).options
   out = {k: v for k, v in options.items() if k in accepted}
   if "kernel_options" in accepted:

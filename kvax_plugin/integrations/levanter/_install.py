@@ -1,14 +1,8 @@
 """install() / uninstall(): make attn_backend=kvax a Levanter attention backend, reversibly.
 
-What install() changes, each remembered with its original:
-  AttentionBackend            gains the member KVAX = "kvax", so `attn_backend: kvax` parses in
-                              any model config (draccus decodes enums by value) and on the
-                              command line (--model.attn_backend kvax)
-  dot_product_attention       in levanter.layers.attention and in every Levanter module that
-                              imported it by name: attn_backend=kvax goes to kvax (seam)
-  <Family>Transformer.__call__ for the families in DECODER_ENTRIES: builds the block masks once
-                              per step before the layers' fold / scan (seam.decoder_entry)
-Nothing else in Levanter is touched; uninstall() restores all of it.
+install() changes only: AttentionBackend (gains KVAX = "kvax", so `attn_backend: kvax` parses),
+dot_product_attention wherever imported by name (seam), and DECODER_ENTRIES' __call__
+(seam.decoder_entry). uninstall() restores all of it.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ _LOCK = threading.Lock()
 _ORIGINALS: list[tuple[object, str, object]] = []  # (owner, attribute, original value)
 _ENUM_MEMBER = "KVAX"
 
-# module -> Transformer classes whose __call__ is the decoder entry (just before fold / scan).
 DECODER_ENTRIES = {
     "levanter.models.llama": ("LlamaTransformer",),  # llama, qwen3, mistral
     "levanter.models.qwen": ("QwenTransformer",),
@@ -34,8 +27,7 @@ DECODER_ENTRIES = {
     "levanter.models.qwen3_moe": ("Qwen3MoeTransformer",),
     "levanter.models.apertus": ("ApertusTransformer",),
 }
-# Modules that import dot_product_attention by name (their own attention layers); they get the
-# routed function too, and build their masks per call (no decoder entry wrapped for them).
+# Import dot_product_attention by name; routed, with masks built per call.
 NAMED_IMPORTERS = ("levanter.models.gpt2", "levanter.models.whisper",
                    "levanter.models.modernbert", "levanter.models.olmo")
 
@@ -52,7 +44,7 @@ def _replace(owner, name: str, new) -> None:
 def _add_enum_member(enum_cls) -> None:
   """AttentionBackend.KVAX = "kvax" (Python enums have no public way to add a member)."""
   if seam.ATTENTION_BACKEND_NAME in enum_cls._value2member_map_:
-    return  # already there (e.g. a Levanter that ships it)
+    return
   member = str.__new__(enum_cls, seam.ATTENTION_BACKEND_NAME)
   member._name_ = _ENUM_MEMBER
   member._value_ = seam.ATTENTION_BACKEND_NAME
@@ -76,9 +68,8 @@ def _remove_enum_member(enum_cls) -> None:
 def install(*, settings=None, allow_unsupported_version: bool = False) -> None:
   """Make attn_backend=kvax a Levanter attention backend. Idempotent; undo with uninstall().
 
-  settings: a KvaxLevanterSettings to configure() at the same time (optional).
-  Raises LevanterVersionError (naming the supported versions) when the installed Levanter is
-  not a supported version, or when a wrapped function's parameters changed.
+  settings: a KvaxLevanterSettings to configure() too (optional). LevanterVersionError for an
+  unsupported Levanter version or changed parameters of a wrapped function.
   """
   from kvax_plugin.integrations.levanter import settings as settings_mod
   with _LOCK:
@@ -106,8 +97,6 @@ def install(*, settings=None, allow_unsupported_version: bool = False) -> None:
       _add_enum_member(attention.AttentionBackend)
       original = attention.dot_product_attention
       routed = seam.routed_dot_product_attention(original)
-      # Every loaded Levanter module holding the original by name (the layers module itself,
-      # and the families that imported it).
       for name, module in sorted(sys.modules.items()):
         if (name == "levanter" or name.startswith("levanter.")) and \
             module.__dict__.get("dot_product_attention") is original:
@@ -129,10 +118,7 @@ def _restore() -> None:
 
 
 def uninstall() -> None:
-  """Restore everything install() changed (a no-op when not installed).
-
-  Model configs that already hold AttentionBackend.KVAX keep it; tracing them afterwards goes
-  to Levanter's own dispatch, which does not know it.
-  """
+  """Restore everything install() changed (no-op when not installed). Configs holding
+  AttentionBackend.KVAX keep it, and Levanter's dispatch does not know it."""
   with _LOCK:
     _restore()

@@ -1,15 +1,8 @@
 """Haliax named arrays <-> kvax's BSHD arrays, and haliax axis mappings -> kvax sharding specs.
 
-Levanter's attention receives named arrays: query (*batch, kv_head, q_heads_per_group,
-position, head_size), key / value (*batch, kv_head, key_position, head_size) (the order of
-axes is not fixed; names are). kvax wants query [B, S, H, D] with H = kv heads x group, kv head
-major (query head h reads kv head h // group), and key / value [B, S, K, D]. This module
-classifies the axes by role, flattens them in that order and unflattens the output.
-
-Sharding: Levanter maps logical axis names to mesh axes with haliax's axis mapping (its
-MeshConfig's compute mapping, active while a step is traced). kvax's specs follow from it:
-batch <- the mapped mesh axes of every batch axis, in order; context <- those of the query
-position axis (kvax all-gathers key / value over them); heads <- those of the kv head axis.
+Axes are classified by role (names, not order) and flattened: query [B, S, H, D] with H = kv
+heads x group, kv head major; key / value [B, S, K, D]. kvax's specs follow haliax's active axis
+mapping: batch <- the batch axes' mesh axes, context <- the query position's, heads <- the heads'.
 """
 
 from __future__ import annotations
@@ -22,9 +15,7 @@ from haliax import Axis, NamedArray
 import haliax as hax
 from haliax import partitioning
 
-# Shared (query, key and value) axes with these names hold kv heads; every other shared axis that
-# is not a sequence or head-dim axis is a batch axis. Levanter's Attention uses "kv_head"; its
-# GPT-2 / Whisper attention (one head axis, no GQA) "heads".
+# Shared axes with these names are kv heads; other shared non-sequence, non-dim axes are batch.
 KV_HEAD_AXIS_NAMES = ("kv_head", "heads")
 
 
@@ -94,10 +85,8 @@ def _names(axes) -> set[str]:
 
 def classify(query: NamedArray, key: NamedArray, value: NamedArray, q_pos: str, kv_pos: str,
              qk_dim: str, batch_names: tuple[str, ...] | None = None) -> Layout:
-  """The Layout of one call. batch_names: the batch axes the decoder entry saw (None: by name).
-
-  Raises UnsupportedLayout for layouts kvax cannot take (an axis in key but not in value, ...).
-  """
+  """The Layout of one call (UnsupportedLayout if kvax cannot take it). batch_names: the batch
+  axes the decoder entry saw (None: by name)."""
   for what, name in (("query position", q_pos), ("key position", kv_pos), ("key dim", qk_dim)):
     if not isinstance(name, (str, Axis)):
       raise UnsupportedLayout(f"{what} spans several axes ({name!r})")
@@ -152,8 +141,7 @@ def tokens(ids: NamedArray, batch: tuple[Axis, ...], pos_name: str) -> jax.Array
 
 
 def current_mesh():
-  """The mesh Levanter's step runs under (jax.set_mesh, which Levanter's Trainer enters; an
-  abstract mesh while jit traces), or None without one."""
+  """The mesh of jax.set_mesh (abstract while jit traces), or None."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty:
     return mesh
@@ -196,11 +184,8 @@ class TokenSpecs:
 
 
 def token_specs(mesh, batch: tuple[Axis, ...], q_pos: Axis) -> TokenSpecs:
-  """Batch / context mesh axes from the active haliax axis mapping.
-
-  A dimension whose length its mesh axes do not divide is left unsharded (kvax needs even
-  shards; XLA reshards around the call).
-  """
+  """Batch / context mesh axes from the active haliax axis mapping; a dimension its mesh axes
+  do not divide stays unsharded."""
   mapping = partitioning.current_thread_local_mapping() or {}
   b_axes = _mesh_axes_of([a.name for a in batch], mapping, mesh)
   if math.prod(a.size for a in batch) % _size(mesh, b_axes):
@@ -212,14 +197,9 @@ def token_specs(mesh, batch: tuple[Axis, ...], q_pos: Axis) -> TokenSpecs:
 
 
 def head_axes(mesh, layout: Layout, tokens_: TokenSpecs) -> tuple[str, ...]:
-  """Mesh axes of kvax's flattened head dimension H = (*kv_heads, *groups), row-major.
-
-  A block sharding of H is the concatenation of its named dims' mesh axes, valid while every
-  dim before the last sharded one is split completely (one index per shard): kv heads over X
-  gives X; one kv head (MQA) and query groups over Y gives Y. Otherwise (e.g. 4 kv heads over
-  2 shards with groups sharded too) heads stay unsharded and XLA regathers them. kvax also needs
-  whole GQA groups per shard, or one kv head shared by whole shards.
-  """
+  """Mesh axes of kvax's flattened head dimension H = (*kv_heads, *groups), row-major, or ()
+  (unsharded) unless every dim before the last sharded one is split completely and each shard
+  holds whole GQA groups (or shares one kv head)."""
   mapping = partitioning.current_thread_local_mapping() or {}
   used = set(tokens_.batch) | set(tokens_.context)
   out: list[str] = []

@@ -1,16 +1,11 @@
 """The seam between Levanter and kvax: one block mask per step, read by every layer.
 
-`decoder_entry` wraps each family's Transformer.__call__: while jit traces it, it builds kvax's
-block masks from the AttentionMask's segment ids and exposes them through a ContextVar; the
-layers (inside fold / scan / remat) close over them, so the tables are computed once per step.
-`dot_product_attention` sends attn_backend=kvax calls to kvax and the rest to Levanter. Both
-steps go through the attention provider registry, as MaxText's seam does: the "kvax" provider's
-prepare() builds the masks, its apply() runs a layer.
+`decoder_entry` wraps Transformer.__call__: while traced, it builds the masks (the "kvax"
+provider's prepare()) and exposes them through a ContextVar that the layers (in fold / scan /
+remat) read. `dot_product_attention` sends attn_backend=kvax calls to the provider's apply().
 
-Positions are row indices, as Levanter measures causality and windows. Padding (segment id -1)
-attends earlier padding in Levanter and feeds the MoE router losses, so every negative id gets
-a segment of its own here (kvax_tokens), never kvax's PADDING_SEGMENT_ID: losses and gradients
-equal Levanter's own attention's.
+Positions are row indices. Levanter's padding (id -1) attends earlier padding and feeds the MoE
+router losses, so negative ids get segments of their own (kvax_tokens), not PADDING_SEGMENT_ID.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ MaskKey = tuple[bool, "int | None"]  # (causal, window) of one kvax block mask
 class Prepared:
   """What the decoder entry built for one decoder call (arrays are tracers of that trace)."""
 
-  batch: tuple  # haliax Axis objects flattened into kvax's batch dimension, in order
+  batch: tuple  # haliax Axes flattened into kvax's batch dimension
   length: int
   attention: PreparedAttention  # the provider's: int32 [B, S] tokens, one mask per MaskKey
   mesh: object | None
@@ -61,18 +56,14 @@ class _Scope:
 _ACTIVE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("kvax_levanter_scope",
                                                                         default=None)
 _NOTED: set[str] = set()
-# Counts (reset by tests) of what the seam did while tracing, for tests and for curious users.
-# entries: decoder entries that prepared masks; entry_masks: masks they built; layer_calls:
-# attention calls kvax served (traced once per scan body, not once per layer); per_call_masks:
-# masks built inside a layer (no usable entry); routed: calls sent to Levanter's path.
-# sharded_calls: layer calls that ran on a mesh (their query specs: SHARDED_SPECS).
+# Trace-time counts (layer_calls: once per scan body; per_call_masks: built without an entry;
+# routed: sent to Levanter; sharded_calls: on a mesh, query specs in SHARDED_SPECS).
 TRACE_COUNTS = {"entries": 0, "entry_masks": 0, "layer_calls": 0, "per_call_masks": 0,
                 "routed": 0, "sharded_calls": 0}
 SHARDED_SPECS: set = set()
 
 
 def note_once(message: str) -> None:
-  # Routing notes are per reason, not per layer / per trace, to keep logs readable.
   if message not in _NOTED:
     _NOTED.add(message)
     logger.warning(message)
@@ -86,11 +77,8 @@ def uses_kvax(backend) -> bool:
 
 
 def mask_key(mask) -> tuple[MaskKey | None, str | None]:
-  """(causal, window) of a Levanter mask, or (None, why kvax cannot serve it).
-
-  Levanter's sliding window keeps 0 <= i - j < w, which is causal by itself; its bidirectional
-  window keeps |i - j| <= r, which is kvax's non-causal window r + 1.
-  """
+  """(causal, window) of a Levanter mask, or (None, why kvax cannot serve it). A sliding
+  window w is causal; a bidirectional window r is kvax's non-causal window r + 1."""
   from levanter.layers.attention_mask import AttentionMask
   from haliax import NamedArray
   if mask is None:
@@ -130,11 +118,8 @@ def _layer_windows(module) -> set:
 def kvax_tokens(q_seg: jax.Array, kv_seg: jax.Array | None = None):
   """(q_pos, q_seg, kv_pos, kv_seg) int32 [B, S] for kvax from Levanter's segment ids [B, S].
 
-  Positions are row indices (Levanter's causality and windows). Ids >= 0 are kept; each
-  negative id (Levanter's padding, -1) becomes its own ordinary segment, numbered above the
-  row's largest id in query and key/value (-1 -> top + 1, -2 -> top + 2, ...), so padding
-  attends earlier padding exactly as under Levanter's segment equality. (Exact while those
-  numbers fit in int32, i.e. for any ids Levanter's packers write.)
+  Positions are row indices. Ids >= 0 are kept; negative id -k becomes segment top + k (top: the
+  row's largest id), so padding attends earlier padding as under Levanter's segment equality.
   """
   q_seg = q_seg.astype(jnp.int32)
   same = kv_seg is None or kv_seg is q_seg
@@ -187,7 +172,6 @@ def prepare(mask, keys, batch, q_pos_axis) -> Prepared:
   if mesh is not None and math.prod(mesh.shape.values()) > 1:
     tokens = axes.token_specs(mesh, batch, q_pos_axis)
     query_specs, kv_specs = axes.specs(tokens, ())
-    # The tokens arrive in Levanter's order: the op must not expect them permuted.
     mesh_fields = dict(mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
                        token_order="natural")
   else:
@@ -266,7 +250,6 @@ def _call_unsupported(a: dict) -> str | None:
 
 
 def _head_dims_unsupported(layout) -> str | None:
-  # kvax's kernels take head dims that are multiples of 16 in [16, 256] (kvax_plugin README).
   for what, dim in (("query/key", layout.qk_dim.size), ("value", layout.v_dim.size)):
     if dim % 16 or not 16 <= dim <= 256:
       return f"{what} head dim {dim} (kvax: a multiple of 16 in [16, 256])"
@@ -354,12 +337,10 @@ def kvax_attention(a: dict):
   cap = a["logits_soft_cap"]
   cap = None if cap is None else float(cap)
   if sinks is not None and cap is not None:
-    # Levanter puts the sink in as one more logit (a zero key plus the sink as bias) before its
-    # soft cap, so the sink is capped too; kvax adds sinks to the denominator uncapped.
+    # Levanter caps the sink logit too; kvax adds sinks uncapped.
     sinks = cap * jnp.tanh(sinks / cap)
   attention = prepared.attention
   if prepared.mesh is not None:
-    # This layer's specs also shard its heads (the mask's only name batch and context axes).
     heads = axes.head_axes(prepared.mesh, layout, prepared.tokens)
     query_specs, kv_specs = axes.specs(prepared.tokens, heads)
     attention = dataclasses.replace(attention, options=dataclasses.replace(
@@ -386,7 +367,6 @@ def routed_dot_product_attention(original):
     bound.apply_defaults()
     a = bound.arguments
     if not uses_kvax(a["attn_backend"]) or a["use_flash"] is False:
-      # use_flash=False with kvax: Levanter's own check reports the conflict.
       return original(*args, **kwargs)
     out = kvax_attention(a)
     if out is not None:

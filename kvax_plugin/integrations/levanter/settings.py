@@ -1,13 +1,9 @@
 """kvax settings for Levanter: which kvax kernel, and its block sizes.
 
-Levanter's model configs are frozen dataclasses parsed by draccus, which rejects unknown keys,
-so these settings do not live in the model config. They come, in this order, from:
-  1. `configure(...)` / `install(settings=...)` (or the launcher's --kvax.* flags),
-  2. the environment: KVAX_LEVANTER_BACKEND, KVAX_LEVANTER_BLOCK_SIZE,
-  3. the defaults below.
-A model config's `flash_attention_block_size` is not read: it sizes Levanter's own JAX flash /
-splash blocks (1024 / 512 by default there), far above what suits kvax's Triton kernels, whose
-defaults are tuned per GPU.
+Not in the model config (draccus rejects unknown keys). First of: `configure(...)` /
+`install(settings=...)` (the launcher's --kvax.* flags), the environment (KVAX_LEVANTER_BACKEND,
+KVAX_LEVANTER_BLOCK_SIZE), the defaults. `flash_attention_block_size` is not read (Levanter's own
+kernels' blocks, too large for kvax's).
 """
 
 from __future__ import annotations
@@ -33,17 +29,13 @@ def _check_block(name: str, value) -> None:
 class KvaxLevanterSettings:
   """kvax options for every Levanter attention call with attn_backend=kvax.
 
-  kernel: a kvax backend name: "auto" (the fastest that runs here and supports the inputs),
-    "mosaic", "triton", "jax" or "reference"; an explicit kernel never falls back to another.
-  block_size: query and key/value block size of both passes (power of two >= 16); None takes
-    kvax's defaults.
-  memory_optimized_gqa_backward: Triton only, see kvax_plugin.flash_attention.
-  deterministic_backward: Mosaic's choice of backward (kernel="hopper" refuses True), see
-    kvax_plugin.flash_attention.
-  skip_pad_tokens: skip blocks made only of kvax padding (False visits them, masked). The seam
-    never hands kvax padding over: Levanter's padding (negative segment ids) attends earlier
-    padding under Levanter's own mask, so it reaches kvax as an ordinary segment and its blocks
-    are computed (seam module docstring); this flag then changes nothing.
+  kernel: a kvax backend name: "auto", "mosaic", "triton", "jax" or "reference"; an explicit
+    kernel never falls back to another.
+  block_size: query and key/value block size of both passes (power of two >= 16); None: kvax's.
+  memory_optimized_gqa_backward, deterministic_backward: see kvax_plugin.flash_attention
+    (kernel="hopper" refuses deterministic_backward=True).
+  skip_pad_tokens: skip blocks of kvax padding; no effect here, as the seam maps Levanter's
+    padding to ordinary segments.
   """
 
   kernel: str = "auto"
@@ -56,7 +48,7 @@ class KvaxLevanterSettings:
     try:
       kvax_plugin.resolve_backend(self.kernel)
     except kvax_plugin.BackendUnavailableError:
-      pass  # a kvax kernel, not runnable in this process: the call will say why
+      pass  # not runnable here: the call will say why
     except ValueError as e:
       raise ValueError(f"kernel={self.kernel!r}: {e}") from None
     _check_block("block_size", self.block_size)
@@ -72,8 +64,7 @@ class KvaxLevanterSettings:
     return fwd, bwd
 
   def provider_options(self, options_type, **mesh_fields):
-    """The kvax provider's options (`options_type`, its AttentionProvider.options_type) for
-    these settings, plus mesh / specs / token order fields."""
+    """`options_type` (the provider's options class) for these settings plus `mesh_fields`."""
     fwd, bwd = self.params()
     return options_type(backend=self.kernel, fwd_params=fwd, bwd_params=bwd,
                         memory_optimized_gqa_backward=self.memory_optimized_gqa_backward,
@@ -112,11 +103,8 @@ def current() -> KvaxLevanterSettings:
 
 
 def configure(settings: KvaxLevanterSettings | None = None, **changes) -> KvaxLevanterSettings:
-  """Set the settings (a whole KvaxLevanterSettings, or field=value changes to the current ones).
-
-  Returns the previous settings, so a caller can restore them. Takes effect the next time a
-  model is traced (settings are read when jit traces the decoder, not on every step).
-  """
+  """Set the settings (a KvaxLevanterSettings, or field=value changes); returns the previous
+  ones. Takes effect at the next trace."""
   global _CURRENT
   if settings is not None and changes:
     raise TypeError("configure() takes a KvaxLevanterSettings or field=value changes, not both")
