@@ -314,3 +314,13 @@ def test_per_backend_config_through_the_public_op():
   with pytest.raises(TypeError, match="kernel_options must be"):
     kvax_plugin.flash_attention(x, x, x, pos, seg, pos, seg, mask, backend="jax",
                                 kernel_options="per_tile")
+
+
+def test_per_backend_defaults_are_the_flat_defaults():
+  # Three classes spell the defaults; they must be one set of numbers.
+  flat = KernelOptions()
+  for name, cls in (("mosaic", options.MosaicOptions), ("hopper", options.HopperOptions),
+                    ("triton", options.TritonOptions)):
+    assert flat.for_backend(name) == cls(), name
+    for field, flat_field in cls.FLAT.items():
+      assert getattr(cls(), field) == getattr(flat, flat_field), (name, field)
