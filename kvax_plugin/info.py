@@ -84,26 +84,11 @@ def backends() -> tuple[dict[str, dict[str, Any]], list[str]]:
   return out, defects
 
 
-def auto_choice(dtype: str, qk_head_dim: int, v_head_dim: int, features: tuple[str, ...],
-                deterministic_backward: bool | None) -> dict[str, Any]:
-  """What backend="auto" takes for these inputs here, and why each earlier backend was passed
-  over (default block sizes)."""
+def _auto(dtype, qk_head_dim, v_head_dim, features, deterministic_backward) -> dict[str, Any]:
   from kvax_plugin.attention import kernels
-  passed_over = {}
-  for name in kernels.AUTO_ORDER:
-    if deterministic_backward and not kernels.KERNEL_BACKENDS[name].reproducible_backward:
-      passed_over[name] = "its backward is not bitwise reproducible (deterministic_backward)"
-      continue
-    ok, why = kernels.availability(name)
-    if ok:
-      ok, why = kernels.supports_inputs(name, dtype, qk_head_dim, v_head_dim, features)
-    if ok:
-      ok, why = kernels.auto_prefers(name, dtype, qk_head_dim, v_head_dim, features)
-      why = why or "measured slower here than the next backend"
-    if ok:
-      return {"backend": name, "passed_over": passed_over}
-    passed_over[name] = why
-  return {"backend": None, "passed_over": passed_over}
+  name, passed_over = kernels.auto_choice(dtype, qk_head_dim, v_head_dim, features,
+                                          deterministic_backward=deterministic_backward)
+  return {"backend": name, "passed_over": passed_over}
 
 
 def report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -112,8 +97,8 @@ def report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   call = {"dtype": args.dtype, "qk_head_dim": args.head_dim,
           "v_head_dim": args.v_head_dim or args.head_dim, "features": list(features),
           "deterministic_backward": args.deterministic_backward}
-  auto = (auto_choice(args.dtype, call["qk_head_dim"], call["v_head_dim"], features,
-                      args.deterministic_backward) if not defects else
+  auto = (_auto(args.dtype, call["qk_head_dim"], call["v_head_dim"], features,
+                args.deterministic_backward) if not defects else
           {"backend": None, "passed_over": {"*": "the install is incomplete (defects)"}})
   return {"versions": versions(), "devices": devices(), "backends": table,
           "auto": {"call": call, **auto}, "defects": defects}, defects

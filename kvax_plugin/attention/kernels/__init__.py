@@ -184,6 +184,28 @@ def auto_prefers(name: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
                                                       tuple(features))
 
 
+def auto_choice(dtype: Any, qk_head_dim: int, v_head_dim: int, features: Iterable[str] = (),
+                mask: Any = None, deterministic_backward: bool | None = None
+                ) -> tuple[str | None, dict[str, str]]:
+  """(the backend "auto" takes, or None; {backend passed over before it: why})."""
+  features = tuple(features)
+  passed_over: dict[str, str] = {}
+  for name in AUTO_ORDER:
+    if deterministic_backward and not KERNEL_BACKENDS[name].reproducible_backward:
+      passed_over[name] = "its backward is not bitwise reproducible (deterministic_backward)"
+      continue
+    ok, why = availability(name)
+    if ok:
+      ok, why = supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)
+    if ok:
+      ok, why = auto_prefers(name, dtype, qk_head_dim, v_head_dim, features)
+      why = why or "measured slower here than the next backend"
+    if ok:
+      return name, passed_over
+    passed_over[name] = why
+  return None, passed_over
+
+
 def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: int,
                         features: Iterable[str] = (), mask: Any = None,
                         deterministic_backward: bool | None = None) -> str:
@@ -192,13 +214,9 @@ def resolve_backend_for(backend: str, dtype: Any, qk_head_dim: int, v_head_dim: 
   backward. An explicit name that cannot run them raises BackendUnavailableError."""
   features = tuple(features)
   if backend == "auto":
-    for name in AUTO_ORDER:
-      if deterministic_backward and not KERNEL_BACKENDS[name].reproducible_backward:
-        continue
-      if (availability(name)[0]
-          and supports_inputs(name, dtype, qk_head_dim, v_head_dim, features, mask)[0]
-          and auto_prefers(name, dtype, qk_head_dim, v_head_dim, features)[0]):
-        return name
+    name, _ = auto_choice(dtype, qk_head_dim, v_head_dim, features, mask, deterministic_backward)
+    if name is not None:
+      return name
     raise BackendUnavailableError(
         f"no backend of {AUTO_ORDER} can run {jnp.dtype(dtype).name} inputs with head dims "
         f"({qk_head_dim}, {v_head_dim}) and features {features} here")
@@ -243,5 +261,5 @@ def backend_options(name: str, *, kernel_options: Any = None,
 
 __all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
            "AUTO_ORDER", "AUTO_DESCRIPTION", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
-           "auto_prefers",
+           "auto_prefers", "auto_choice",
            "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]
