@@ -26,7 +26,8 @@ bootstrap_jax_next() {
 }
 if [ $# -eq 0 ]; then
   bash scripts/bootstrap.sh
-  moved="tests/test_benchmark_programs.py tests/test_launch.py tests/test_triton_interpret.py"
+  moved="tests/test_benchmark_programs.py tests/test_launch.py tests/test_triton_interpret.py
+    tests/test_gate.py"
   logs=$(mktemp -d)
   trap 'rm -rf "$logs"' EXIT
   (
