@@ -553,3 +553,45 @@ def test_flash_mask_offsets_reads_the_lowered_kernel():
     assert found["offset_type"] == "i32" and found["row_stride_seq"], found
     if batch > 1:  # the batch stride, 2^30 here, is an int32 constant too
       assert found["batch_stride_seq_squared"], found
+
+
+def test_backward_choice_smoke_measures_and_fits(tmp_path):
+  """benchmarks/backward_choice.py --smoke (CPU: "jax" and "reference" stand in for the two
+  backwards) times every layout round-robin, records each layout's partial share and writes
+  its rows; --fit-from refits saved rows without measuring."""
+  from benchmarks import backward_choice as bc
+  rows, _ = bc.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "backward_choice.json").read_text())
+  assert {r["layout"] for r in saved["rows"]} == {"causal", "docs3", "docs12"}
+  assert {r["impl"] for r in saved["rows"]} == {"cuda", "mosaic"}
+  assert all(r["ms"] > 0 and len(r["ms_rounds"]) == 2 and 0 < r["partial_share"] <= 1
+             for r in saved["rows"])
+  refit, _ = bc.main(["--fit-from", str(tmp_path / "backward_choice.json"),
+                      "--out", str(tmp_path / "again")])
+  assert refit == saved["rows"]
+
+
+def _choice_rows(times, overhead=None):
+  """Rows of backward_choice for layouts (share, cuda ms, mosaic ms), and "auto" rows that ran
+  the Mosaic backward at (1 + overhead) its time."""
+  rows = []
+  for i, (share, cuda, mosaic) in enumerate(times):
+    for impl, ms in (("cuda", cuda), ("mosaic", mosaic)):
+      rows.append(dict(impl=impl, seq=1024, layout=f"l{i}", head_dims=[128, 128],
+                       partial_share=share, ms=ms))
+    if overhead is not None:
+      rows.append(dict(impl="auto", seq=1024, layout=f"l{i}", head_dims=[128, 128],
+                       partial_share=share, ms=mosaic * (1 + overhead), auto_backward="mosaic"))
+  return rows
+
+
+def test_backward_choice_fit_takes_the_share_where_mosaic_wins_after_the_choice_cost():
+  from benchmarks import backward_choice as bc
+  layouts = [(0.01, 10.0, 11.0), (0.2, 5.0, 5.2), (0.5, 3.0, 2.7), (0.9, 1.0, 0.8)]
+  assert bc.fit(_choice_rows(layouts)) == [dict(dtype="bfloat16", head_dims=[128, 128],
+                                               features=[], mosaic_from_partial_share=0.35)]
+  # a 12% cost of choosing on the device leaves the Mosaic backward ahead only at 0.9
+  assert bc.by_mask_overhead(_choice_rows(layouts, 0.12)) == pytest.approx(0.12)
+  assert bc.fit(_choice_rows(layouts, 0.12))[0]["mosaic_from_partial_share"] == 0.7
+  # never ahead: no rule (the CUDA backward always)
+  assert bc.fit(_choice_rows([(0.1, 1.0, 1.1), (0.6, 1.0, 1.01)])) == []

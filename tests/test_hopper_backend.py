@@ -438,3 +438,68 @@ def test_kernel_options_reach_the_mosaic_forward(monkeypatch):
   assert [cfg.options for cfg in seen] == [MosaicOptions(forward_grid="per_tile")] * 2
   assert "kernel_options" in kernels.KERNEL_BACKENDS["hopper"].options
 
+
+
+def test_auto_runs_hopper_with_the_backward_chosen_by_the_mask(fake_hopper_gpu, monkeypatch):
+  """"auto" hands hopper HopperOptions(backward="by_mask") unless the options name a backward;
+  backend="hopper" keeps the CUDA backward (backward None)."""
+  from kvax_plugin.attention.options import HopperOptions, KernelOptions
+  ran = []
+  monkeypatch.setattr(kernels, "backend_function", lambda name: (
+      lambda q, *a, **kw: ran.append((name, kw["kernel_options"])) or q))
+  api = importlib.import_module("kvax_plugin.attention.api")
+  monkeypatch.setattr(api, "backend_function", kernels.backend_function)
+  pos, seg = _ids(256)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+  k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  for backend, opts in (("auto", None), ("hopper", None), ("auto", HopperOptions(backward="cuda")),
+                        ("auto", KernelOptions(mosaic_forward_grid="per_tile"))):
+    kp.flash_attention(q, k, k, pos, seg, pos, seg, mask, scale=0.1, backend=backend,
+                       kernel_options=opts)
+  assert ran == [("hopper", HopperOptions(backward="by_mask")), ("hopper", HopperOptions()),
+                 ("hopper", HopperOptions(backward="cuda")),
+                 ("hopper", HopperOptions(forward_grid="per_tile", backward="by_mask"))]
+  with pytest.raises(ValueError, match=r"HopperOptions.backward='mosaic': expected one of"):
+    HopperOptions(backward="mosaic")
+
+
+def test_the_shipped_table_covers_head_dim_128_in_bf16():
+  """backward_choice.json is read, and its rule for the measured case is a share in [0, 1]."""
+  start = hopper.mosaic_backward_from(jnp.bfloat16, 128, 128)
+  assert start is None or 0.0 <= start <= 1.0
+  assert hopper.mosaic_backward_from(jnp.bfloat16, 128, 128, ("logits_soft_cap",)) is None
+  assert hopper.mosaic_backward_from(jnp.float32, 100, 100) is None
+
+
+@pytest.mark.parametrize("threshold, mosaic_ran", [(0.0, True), (0.5, True), (0.6, False),
+                                                   (None, False)])
+def test_by_mask_takes_the_mosaic_backward_from_its_partial_share(monkeypatch, threshold,
+                                                                  mosaic_ran):
+  """On the device, per call: the Mosaic backward when block_mask.partial_share(mask.dkv) is at
+  least the table's threshold, else the CUDA one (both replaced by the dense model here, the
+  Mosaic one scaled by 2 so the result shows which ran). The layout's share is 1/2."""
+  monkeypatch.setattr(cuda_bwd, "fused_backward", _dense_kernel)
+  monkeypatch.setattr(hopper.mosaic, "_backward", lambda cfg, *a: tuple(
+      2 * g for g in hopper._cuda_backward(cfg, *a)))
+  pos, seg = _ids(384)
+  mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  from kvax_plugin.attention import block_mask
+  assert float(block_mask.partial_share(mask.dkv)) == 0.5
+  rng = np.random.default_rng(0)
+  q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in (
+      (1, 384, 4, 128), (1, 384, 2, 128), (1, 384, 2, 128), (1, 384, 4, 128)))
+  cfgs = {t: hopper._Static(scale=0.1, soft_cap=0.0, has_sinks=False, causal=True, window=0,
+                            deterministic=True, interpret=False, mosaic_backward_from=t)
+          for t in (threshold, None)}
+  attention = kernel_attention(_dense_forward, hopper._backward)
+  sinks = jnp.zeros((4,), jnp.float32)
+
+  def grads(cfg):
+    _, vjp = jax.vjp(lambda q, k, v: attention(cfg, q, k, v, sinks, pos, seg, pos, seg, mask),
+                     q, k, v)
+    return vjp(d_out)
+  got, cuda = grads(cfgs[threshold]), grads(cfgs[None])
+  for a, b in zip(got, cuda):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b) * (2 if mosaic_ran else 1),
+                               rtol=1e-6, atol=1e-6)

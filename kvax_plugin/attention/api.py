@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from kvax_plugin.attention import block_mask, context_parallel, validation
 from kvax_plugin.attention.block_mask import AttentionMask
-from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, backend_function,
-                                          backend_options, resolve_backend, resolve_backend_for)
+from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, auto_kernel_options,
+                                          backend_function, backend_options, resolve_backend,
+                                          resolve_backend_for)
 from kvax_plugin.attention.options import (HopperOptions, KernelOptions, MosaicOptions,
                                            TritonOptions)
 from kvax_plugin.attention.options import kernel_options as as_kernel_options
@@ -177,6 +178,8 @@ def flash_attention(query: jax.Array,
   name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
                              _features(query, key, value, mask, logits_soft_cap, sinks), mask,
                              deterministic_backward=deterministic_backward)
+  if backend == "auto":
+    kernel_options = auto_kernel_options(name, kernel_options)
   if validation.is_empty(query, key):
     # With Skv = 0 every row attends nothing: 0.
     return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)

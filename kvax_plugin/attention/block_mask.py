@@ -502,6 +502,14 @@ def mask_sparsity(mask: AttentionMask) -> dict[str, float]:
           "partial": (visited - full) / total, "skipped": 1.0 - visited / total}
 
 
+def partial_share(table: BlockTable) -> jax.Array:
+  """float32 scalar, traceable: of the blocks `table` visits over all rows, the share it keeps
+  only partly (those run the mask math); 0 when it visits none."""
+  visited = jnp.sum(table.upper - table.lower)
+  whole = jnp.sum(table.full_upper - table.full_lower)
+  return (visited - whole).astype(jnp.float32) / jnp.maximum(visited, 1).astype(jnp.float32)
+
+
 def draw_mask(mask: AttentionMask, path: str, *, batch_index: int = 0, view: str = "fwd",
               title: str | None = None) -> str:
   """Draw one batch row of a block table as a PNG (skipped / masked / full) and return the path."""

@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 FORWARD_GRIDS = ("auto", "persistent", "per_tile")
+HOPPER_BACKWARDS = ("cuda", "by_mask")
 TRITON_TILE_KEYS = ("fwd", "dq", "dkv", "gqa")
 
 
@@ -68,6 +69,12 @@ class KernelOptions:
   mosaic_backward_id_rings: bool = False
   """Mosaic backward: TMA-load each ring block's positions and segment ids with it (helps
   packed documents, costs causal attention)."""
+
+  hopper_backward: str | None = None
+  """"hopper": its backward. "cuda": the CUDA C++ fused backward; "by_mask": per call, the CUDA
+  or the Mosaic backward from the mask's share of partly kept blocks (the measured table
+  kernels/backward_choice.json). None: "cuda" when backend="hopper" is asked for, "by_mask" when
+  "auto" takes it."""
 
   triton_tiles: str = ""
   """Triton tiles taken exactly as given ("": the tuned ones): "fwd=BM,BN,warps,stages;dq=...;
@@ -133,6 +140,9 @@ def _check_fields(config, where: str, names: dict[str, str]) -> None:
         raise ValueError(f"{field}={value!r}: expected an integer >= 0 (0: never overlap)")
     elif flat in ("mosaic_forward_registers", "mosaic_backward_registers"):
       producer_registers(value, field)
+    elif flat == "hopper_backward":
+      if value is not None and value not in HOPPER_BACKWARDS:
+        raise ValueError(f"{field}={value!r}: expected one of {HOPPER_BACKWARDS} or None")
     elif flat == "triton_tiles":
       if not isinstance(value, str):
         raise TypeError(f"{field}={value!r}: expected a string "
@@ -169,23 +179,27 @@ class MosaicOptions:
 
 @dataclasses.dataclass(frozen=True)
 class HopperOptions:
-  """The "hopper" backend's tuning: MosaicOptions' forward fields (its backward has none)."""
+  """The "hopper" backend's tuning: MosaicOptions' forward fields and which backward runs."""
 
   FLAT: ClassVar[dict[str, str]] = {
       "forward_grid": "mosaic_forward_grid",
       "forward_overlap_blocks": "mosaic_forward_overlap_blocks",
-      "forward_registers": "mosaic_forward_registers"}
+      "forward_registers": "mosaic_forward_registers",
+      "backward": "hopper_backward"}
 
   forward_grid: str = "auto"
   forward_overlap_blocks: int = 16
   forward_registers: int = 240
+  backward: str | None = None
 
   def __post_init__(self):
     _check_fields(self, "HopperOptions", self.FLAT)
 
   def mosaic_forward(self) -> MosaicOptions:
     """The MosaicOptions its Mosaic forward runs with."""
-    return MosaicOptions(**{own: getattr(self, own) for own in self.FLAT})
+    return MosaicOptions(forward_grid=self.forward_grid,
+                         forward_overlap_blocks=self.forward_overlap_blocks,
+                         forward_registers=self.forward_registers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,12 +37,13 @@ def test_fused_backward_against_reference(name, variant):
 
 def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hopper",
             deterministic_backward=None, dtype="bfloat16", window=None, cap=None,
-            with_sinks=False, head_dim=128, scale=None):
+            with_sinks=False, head_dim=128, scale=None, kernel_options=None, results=None):
   """Largest relative L2 error of out, dq, dk, dv (and dsinks with_sinks; dtype inputs against
   the float32 reference) of kvax_plugin.flash_attention on packed documents with a padding
   tail; the queries are the sq tokens before the keys' padding tail, or the whole row when sq
   == skv (or their own layout when longer).
-  Every result must be finite and every gradient not all zero."""
+  Every result must be finite and every gradient not all zero. results: a list that receives
+  (out, dq, dk, dv) as numpy arrays."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -84,8 +85,10 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
       sinks=s_arg(s))
   ours = jax.jit(lambda *a: grads(lambda q, k, v, s: kp.flash_attention(
       q, k, v, *ids, mask, scale=scale, backend=backend, bwd_params=bwd,
-      deterministic_backward=deterministic_backward, logits_soft_cap=cap, sinks=s_arg(s)),
-      *a))(q, k, v, sinks)
+      deterministic_backward=deterministic_backward, logits_soft_cap=cap, sinks=s_arg(s),
+      kernel_options=kernel_options), *a))(q, k, v, sinks)
+  if results is not None:
+    results.extend(np.asarray(x) for x in ours[:4])
   want = jax.jit(lambda *a: grads(reference, *a))(f32(q), f32(k), f32(v), sinks)
   errors = []
   names = ("out", "dq", "dk", "dv", "dsinks")[:5 if with_sinks else 4]
@@ -190,6 +193,25 @@ def test_auto_takes_hopper_and_deterministic_takes_mosaic():
   capped_window = (jnp.bfloat16, 128, 128, ("causal", "sliding_window", "logits_soft_cap"))
   assert kernels.resolve_backend_for("auto", *capped_window) == "mosaic"
   assert _errors(384, 384, 4, 2, True, backend="auto", window=128, cap=30.0) < 2e-2
+
+
+def test_by_mask_runs_the_backward_its_threshold_picks(monkeypatch):
+  """HopperOptions(backward="by_mask") (what "auto" runs): from threshold 0 every call takes the
+  Mosaic backward, whose gradients then equal backend="mosaic"'s bit for bit; above 1 none does,
+  and the CUDA backward matches the reference."""
+  import numpy as np
+
+  import kvax_plugin as kp
+  from kvax_plugin.attention.kernels import hopper
+  by_mask = kp.HopperOptions(backward="by_mask")
+  mosaic_grads, by_mask_grads = [], []
+  monkeypatch.setattr(hopper, "mosaic_backward_from", lambda *a, **k: 0.0)
+  assert _errors(640, 640, 4, 2, True, kernel_options=by_mask, results=by_mask_grads) < 2e-2
+  assert _errors(640, 640, 4, 2, True, backend="mosaic", results=mosaic_grads) < 2e-2
+  for ours, theirs in zip(by_mask_grads, mosaic_grads):
+    np.testing.assert_array_equal(ours, theirs)
+  monkeypatch.setattr(hopper, "mosaic_backward_from", lambda *a, **k: 2.0)
+  assert _errors(640, 640, 4, 2, True, kernel_options=by_mask) < 2e-2
 
 
 def test_the_library_is_the_one_for_this_source():

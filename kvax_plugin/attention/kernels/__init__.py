@@ -37,9 +37,10 @@ class KernelBackend:
   platforms: JAX platforms it needs (() = anywhere). device_check, mask_check, auto_check: names
   of functions in `module` returning (ok, reason) for a jax.Device, an AttentionMask, and
   (dtype, qk_head_dim, v_head_dim) ("auto" only: cases measured slower than the next backend);
-  None: no check. options: the keyword options it accepts ("kernel_options" arrives as the
-  backend's own typed config). install_hint: what to install. reproducible_backward: False makes
-  "auto" skip it under deterministic_backward=True."""
+  None: no check. auto_config: name of a function in `module` mapping the backend's config to
+  the one "auto" runs it with. options: the keyword options it accepts ("kernel_options"
+  arrives as the backend's own typed config). install_hint: what to install.
+  reproducible_backward: False makes "auto" skip it under deterministic_backward=True."""
 
   name: str
   module: str
@@ -49,6 +50,7 @@ class KernelBackend:
   device_check: str | None = None
   mask_check: str | None = None
   auto_check: str | None = None
+  auto_config: str | None = None
   options: tuple[str, ...] = ()
   install_hint: str = ""
   reproducible_backward: bool = True
@@ -74,7 +76,7 @@ KERNEL_BACKENDS: dict[str, KernelBackend] = {
                     "head dims 64, 128, 256 and MLA's 192 / 128; built with nvcc on first use; "
                     "its dq summation order varies between runs)",
         platforms=("gpu",), device_check="device_supported", mask_check="supports_mask",
-        auto_check="auto_prefers",
+        auto_check="auto_prefers", auto_config="auto_config",
         options=("deterministic_backward", "kernel_options"), reproducible_backward=False,
         install_hint="install kvax-plugin[gpu] (nvcc >= 13 builds its CUDA backward)"),
     "jax": KernelBackend(
@@ -242,6 +244,14 @@ def refuses_options(name: str, deterministic_backward: bool | None = None) -> st
   return ""
 
 
+def auto_kernel_options(name: str, kernel_options: Any = None) -> Any:
+  """kernel_options as "auto" runs backend `name` (its auto_config applied to its config)."""
+  record = _record(name)
+  if record.auto_config is None:
+    return kernel_options
+  return getattr(_module(record), record.auto_config)(backend_config(kernel_options, name))
+
+
 def backend_function(name: str) -> Callable[..., jax.Array]:
   record = _record(name)
   return getattr(_module(record), record.function)
@@ -262,4 +272,5 @@ def backend_options(name: str, *, kernel_options: Any = None,
 __all__ = ["BackendUnavailableError", "IncompleteInstallError", "Capabilities", "KernelBackend", "KERNEL_BACKENDS",
            "AUTO_ORDER", "AUTO_DESCRIPTION", "BACKENDS", "FEATURES", "capabilities", "availability", "resolve_backend",
            "auto_prefers", "auto_choice",
-           "supports_inputs", "resolve_backend_for", "backend_function", "backend_options"]
+           "supports_inputs", "resolve_backend_for", "backend_function", "backend_options",
+           "auto_kernel_options"]

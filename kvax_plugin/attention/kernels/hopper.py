@@ -9,11 +9,15 @@ shared object is built on first use (cuda_sm90/build.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from kvax_plugin.attention import block_mask
 from kvax_plugin.attention.block_mask import AttentionMask
 from kvax_plugin.attention.kernels.capabilities import Capabilities
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as cuda_bwd
@@ -84,10 +88,36 @@ def auto_prefers(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> tuple
   return True, ""
 
 
+# Where "by_mask" runs the Mosaic backward instead (benchmarks/backward_choice.py writes it).
+BACKWARD_CHOICE = Path(__file__).with_name("backward_choice.json")
+
+
+@functools.cache
+def _backward_rules() -> dict[tuple, float]:
+  data = json.loads(BACKWARD_CHOICE.read_text(encoding="utf-8"))
+  return {(rule["dtype"], tuple(rule["head_dims"]), tuple(sorted(rule["features"]))):
+          float(rule["mosaic_from_partial_share"]) for rule in data["rules"]}
+
+
+def mosaic_backward_from(dtype, qk_head_dim: int, v_head_dim: int, features=()) -> float | None:
+  """The share of partly kept blocks (block_mask.partial_share of the mask's dkv table) from
+  which "by_mask" runs the Mosaic backward for these inputs; None: always the CUDA one.
+  features: the subset of "sliding_window", "logits_soft_cap", "sinks" the call uses."""
+  key = (jnp.dtype(dtype).name, (qk_head_dim, v_head_dim), tuple(sorted(features)))
+  return _backward_rules().get(key)
+
+
+def auto_config(config):
+  """The HopperOptions "auto" runs: the backward chosen by the mask unless `config` names one."""
+  return config if config.backward is not None else dataclasses.replace(config, backward="by_mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static(mosaic.Static):
-  """The Mosaic forward's configuration plus the fused backward's variant."""
+  """The Mosaic forward's configuration plus the fused backward's variant and, for "by_mask",
+  the partial share from which the Mosaic backward runs (None: the CUDA backward always)."""
   variant: str = VARIANT
+  mosaic_backward_from: float | None = None
 
 
 _pad = mosaic._pad_axis
@@ -103,6 +133,18 @@ def padded_lengths(mask: AttentionMask, sq: int, skv: int) -> tuple[int, int]:
 
 def _backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out, lse,
               d_out):
+  args = (q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask, out, lse, d_out)
+  if cfg.mosaic_backward_from is None:
+    return _cuda_backward(cfg, *args)
+  # Both backwards read the same residuals (the forward is the Mosaic one); the choice is made
+  # on the device, per call, from the mask's tables.
+  use_mosaic = block_mask.partial_share(mask.dkv) >= cfg.mosaic_backward_from
+  return jax.lax.cond(use_mosaic, lambda a: mosaic._backward(cfg, *a),
+                      lambda a: _cuda_backward(cfg, *a), args)
+
+
+def _cuda_backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask, out,
+                   lse, d_out):
   delta = softmax_delta(d_out, out)
   # Pad both sides to whole 128-row tiles: padded kv rows carry the padding id, padded query
   # rows lse = +inf, so neither takes part; their gradients are sliced off below.
@@ -160,12 +202,19 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   if not ok:
     raise ValueError(f"mask: {why}")
   window = mask.spec.sliding_window
+  config = backend_config(kernel_options, "hopper")
+  threshold = None
+  if config.backward == "by_mask":
+    features = [name for name, used in (("sliding_window", window is not None),
+                                        ("logits_soft_cap", logits_soft_cap is not None),
+                                        ("sinks", sinks is not None)) if used]
+    threshold = mosaic_backward_from(query.dtype, query.shape[3], value.shape[3], features)
   cfg = _Static(scale=float(scale),
                 soft_cap=0.0 if logits_soft_cap is None else float(logits_soft_cap),
                 has_sinks=sinks is not None, causal=bool(mask.spec.causal),
                 window=0 if window is None else int(window), deterministic=True,
-                interpret=False,
-                options=backend_config(kernel_options, "hopper").mosaic_forward())
+                interpret=False, options=config.mosaic_forward(),
+                mosaic_backward_from=threshold)
   ints = [x.astype(jnp.int32) for x in (query_positions, query_segment_ids, kv_positions,
                                         kv_segment_ids)]
   sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
