@@ -61,12 +61,12 @@ def context_parallel_balance(positions, segment_ids, cp: int, *, order: str | No
   qpos = np.take_along_axis(positions, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
   qseg = np.take_along_axis(segment_ids, perm, axis=1).reshape(b, cp, n).transpose(1, 0, 2)
   tile = lambda x: np.broadcast_to(x, (cp, b, s)).reshape(cp * b, s)
-  m = bm.create_attention_mask(jnp.asarray(qpos.reshape(cp * b, n)),
-                               jnp.asarray(qseg.reshape(cp * b, n)),
-                               jnp.asarray(tile(kv_pos)), jnp.asarray(tile(kv_seg)),
-                               fwd_params=fwd_params, causal=causal,
-                               sliding_window=sliding_window)
-  fwd = [np.asarray(x).reshape(cp, -1) for x in m.fwd]
+  mask = bm.create_attention_mask(jnp.asarray(qpos.reshape(cp * b, n)),
+                                  jnp.asarray(qseg.reshape(cp * b, n)),
+                                  jnp.asarray(tile(kv_pos)), jnp.asarray(tile(kv_seg)),
+                                  fwd_params=fwd_params, causal=causal,
+                                  sliding_window=sliding_window)
+  fwd = [np.asarray(x).reshape(cp, -1) for x in mask.fwd]
   visited = [int(v) for v in (fwd[1] - fwd[0]).sum(axis=1)]
   full = [int(v) for v in (fwd[3] - fwd[2]).sum(axis=1)]
 
