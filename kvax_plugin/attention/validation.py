@@ -1,5 +1,5 @@
-"""Array checks shared by every entry point: each error names the argument and what was expected.
-Scalars follow kvax_plugin.attention.arguments.
+"""Checks of the op's arguments, the first step of a call (then plan.py, run.py): each error names
+the argument and what was expected. Scalars follow kvax_plugin.attention.arguments.
 """
 
 from __future__ import annotations
