@@ -264,8 +264,8 @@ def main(argv=None) -> dict:
   def arrangement_ms(pos, seg) -> float:
     """ms of the balanced order's per-shard kv arrangement alone, on one device: the gathers
     that put rank 0's all-gathered k and v in document order (forward) and dk / dv back
-    (backward), as context_parallel._arrange does, for this layout's real arrangement."""
-    from kvax_plugin.attention.context_parallel import _arrange
+    (backward), as kv_exchange.arrange does, for this layout's real arrangement."""
+    from kvax_plugin.attention.kv_exchange import arrange
     tok = orders.token_order(pos, seg, cp, order="balanced", block=unit)
     gathered_pos = np.take_along_axis(pos, np.asarray(tok.order), axis=1)
     gathered_seg = np.take_along_axis(seg, np.asarray(tok.order), axis=1)
@@ -275,7 +275,7 @@ def main(argv=None) -> dict:
 
     @jax.jit
     def there_and_back(k, v, arrangement):
-      (a, b), vjp = jax.vjp(lambda k, v: (_arrange(k, arrangement), _arrange(v, arrangement)),
+      (a, b), vjp = jax.vjp(lambda k, v: (arrange(k, arrangement), arrange(v, arrangement)),
                             k, v)
       return vjp((a, b))
     return _median_ms(there_and_back, (k, v, arrangement), args.iters, args.warmup)[0]

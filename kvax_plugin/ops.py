@@ -18,18 +18,12 @@ from typing import Any
 
 import jax
 
-from kvax_plugin.attention import api, context_parallel, validation
+from kvax_plugin.attention import api, specs, validation
 from kvax_plugin.attention.block_mask import (AttentionMask, BlockTable, calculate_mask_sparsity,
                                               print_mask)
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
-
-
-def _mesh_for_call(mesh, query_specs) -> Any:
-  if mesh is not None:
-    return mesh
-  if query_specs is None and context_parallel.current_attention_specs() is None:
-    return None
-  return context_parallel.ambient_mesh()
+from kvax_plugin.attention.sharded_mask import ShardedAttentionMask
+from kvax_plugin.attention.token_order import to_load_balanced_order
 
 
 def create_attention_mask(query_positions: jax.Array,
@@ -49,7 +43,7 @@ def create_attention_mask(query_positions: jax.Array,
   """kvax's create_attention_mask. query_positions / query_segment_ids: int32 [B, Sq] in the
   order the query arrives; kv_positions / kv_segment_ids: int32 [B, Skv] in natural order.
   Returns an AttentionMask that unpacks like kvax's tuple `(fwd,)` or `(fwd, dq, dkv)`."""
-  mesh = _mesh_for_call(mesh, query_specs)
+  mesh = specs.mesh_for_mask(mesh, query_specs)
   # The tables do not depend on the query order; flash_attention states each call's kv order.
   return api.create_attention_mask(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, fwd_params, bwd_params,
@@ -85,13 +79,13 @@ def flash_attention(query: jax.Array,
   ids int32 [B, S], kv ids in natural order under permute_tokens_for_load_balance=True. bias must
   be None (NotImplementedError). Other arguments as kvax_plugin.attention.api.flash_attention."""
   validation.check_bias(bias)
-  mesh = _mesh_for_call(mesh, query_specs)
-  cp = context_parallel.context_size(mesh, query_specs) if mesh is not None else 1
+  mesh = specs.mesh_for_mask(mesh, query_specs)
+  cp = specs.context_size(mesh, query_specs) if mesh is not None else 1
   permuted = bool(permute_tokens_for_load_balance) and cp > 1
   if permuted:
-    kv_positions, kv_segment_ids = context_parallel.to_load_balanced_order(
+    kv_positions, kv_segment_ids = to_load_balanced_order(
         (kv_positions, kv_segment_ids), cp)
-  if mesh is not None and isinstance(mask, context_parallel.ShardedAttentionMask):
+  if mesh is not None and isinstance(mask, ShardedAttentionMask):
     if mask.layout.overlap_kv_gather and permuted != (mask.token_order == "llama3"):
       raise ValueError(
           "mask was built with overlap_kv_gather=True, whose tables index each "

@@ -116,7 +116,7 @@ module reads that one and hands the specs back in kvax's form (an axis name, a t
 import dataclasses
 import enum
 
-from kvax_plugin.attention.context_parallel import current_attention_specs
+from kvax_plugin.attention.specs import current_attention_specs
 from kvax_plugin.utils import attention_specs  # noqa: F401  (kvax's name, kvax_plugin's context)
 
 

@@ -203,10 +203,10 @@ def block_params(name: str):
 
 
 def features_of(cell: Cell) -> tuple[str, ...]:
-  """kernels.FEATURES the call needs, as the public op computes them (api._features), from
+  """kernels.FEATURES the call needs, as the public op computes them (plan.features), from
   shapes alone."""
   import jax
-  from kvax_plugin.attention import api
+  from kvax_plugin.attention import plan
   dk, dv = cell.dims
   h, kh = cell.heads
   b, sq, skv = cell.batch, cell.q_len, cell.length
@@ -215,7 +215,7 @@ def features_of(cell: Cell) -> tuple[str, ...]:
   v = jax.ShapeDtypeStruct((b, skv, kh, dv), cell.dtype)
   cap, sinks = LOGITS[cell.logits]
   mask = _spec_only(cell)
-  return api._features(q, k, v, mask, cap, object() if sinks else None)
+  return plan.features(q, k, v, mask, cap, object() if sinks else None)
 
 
 class _SpecOnly:

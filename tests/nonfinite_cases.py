@@ -12,7 +12,7 @@ The contract (README, "NaN and inf"; kvax_plugin/attention/reference.py):
     reference's where it is finite too.
 
 `run_cases(backend_fn)` returns a list of failure messages (empty: all good). `backend_fn` has
-the signature of the backend functions (kvax_plugin.attention.api.backend_function) and gets
+the signature of the backend functions (kvax_plugin.attention.kernels.backend_function) and gets
 options already normalised, as flash_attention passes them.
 """
 

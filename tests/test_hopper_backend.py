@@ -7,7 +7,6 @@ the kernel replaced by a dense JAX model of it. It runs for real in tests/gpu/te
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from types import SimpleNamespace
 
@@ -159,8 +158,6 @@ def test_the_public_op_routes_deterministic_auto_to_mosaic(fake_hopper_gpu, monk
   ran = []
   monkeypatch.setattr(kernels, "backend_function", lambda name: (
       lambda q, *a, **kw: ran.append((name, kw.get("deterministic_backward"))) or q))
-  api = importlib.import_module("kvax_plugin.attention.api")
-  monkeypatch.setattr(api, "backend_function", kernels.backend_function)
   pos, seg = _ids(256)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
@@ -447,8 +444,6 @@ def test_auto_runs_hopper_with_the_backward_chosen_by_the_mask(fake_hopper_gpu, 
   ran = []
   monkeypatch.setattr(kernels, "backend_function", lambda name: (
       lambda q, *a, **kw: ran.append((name, kw["kernel_options"])) or q))
-  api = importlib.import_module("kvax_plugin.attention.api")
-  monkeypatch.setattr(api, "backend_function", kernels.backend_function)
   pos, seg = _ids(256)
   mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)

@@ -25,17 +25,21 @@ KERNELS = f"{ATTENTION}.kernels"
 # layers (its own kernel leaf package aside). kvax_plugin.attention.__init__ is documentation.
 ATTENTION_LAYERS: list[tuple[str, ...]] = [
     (f"{ATTENTION}.arguments",),
-    (f"{ATTENTION}.params", f"{ATTENTION}.options"),
+    (f"{ATTENTION}.params", f"{ATTENTION}.options", f"{ATTENTION}.specs"),
     (f"{ATTENTION}.block_mask",),
+    (f"{ATTENTION}.sharded_mask",),
     (f"{ATTENTION}.validation",),
     (f"{ATTENTION}.reference", f"{ATTENTION}.token_order", f"{KERNELS}.capabilities",
      f"{KERNELS}.custom_vjp"),
+    (f"{ATTENTION}.balance",),
     ("<kernel leaves>",),
     (f"{KERNELS}.hopper",),  # composes two leaves (the Mosaic forward, the CUDA C++ backward)
     (KERNELS,),
-    (f"{ATTENTION}.split_kv_attention",),
-    (f"{ATTENTION}.context_parallel",),
-    (f"{ATTENTION}.api",),
+    (f"{ATTENTION}.split_kv_attention", f"{ATTENTION}.kv_exchange"),
+    (f"{ATTENTION}.plan",),
+    (f"{ATTENTION}.sharded",),
+    (f"{ATTENTION}.run",),
+    (f"{ATTENTION}.api", f"{ATTENTION}.context_parallel"),
     (f"{ATTENTION}.compare",),
 ]
 # Modules of the kernels package that are not leaves: what every backend shares.

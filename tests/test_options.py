@@ -153,7 +153,7 @@ def test_kernel_options_ignored_by_backends_without_them():
 
 
 def test_kernel_options_reach_the_backend_under_context_parallelism(monkeypatch):
-  """On a mesh the op runs the backend per shard (context_parallel.flash_attention_sharded):
+  """On a mesh the op runs the backend per shard (sharded.run_sharded):
   the backend's own config reaches it there too, built from the flat KernelOptions and the
   memory_optimized_gqa_backward keyword. The registry is told "triton" runs here and its
   function is a recorder around the JAX backend (no GPU needed)."""

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 from kvax_plugin.attention import context_parallel, token_order
+from kvax_plugin.attention import specs as specs_lib
 from kvax_plugin.attention.api import attention, create_attention_mask, flash_attention
 from kvax_plugin.attention.block_mask import AttentionMask, mask_sparsity
 from kvax_plugin.attention.params import FlashAttentionParamsConfig
@@ -125,7 +126,7 @@ def _run(d, *, mesh=None, order="natural", soft_cap=None, causal=True, window=No
          query_specs=QUERY_SPECS, kv_specs=KV_SPECS):
   """(out, (dq, dk, dv, dsinks)) of one jitted mask + forward + backward, in natural order."""
   cp = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in
-                                            context_parallel._normalise_spec(query_specs, "q")[1]]))
+                                            specs_lib.normalise_spec(query_specs, "q")[1]]))
   names = ("q", "k", "v", "w", "pos", "seg")
   q, k, v, w, pos, seg = (d[n] for n in names)
   tok = None
@@ -284,18 +285,17 @@ def test_shape_errors(data):
   mesh = _mesh((1, 1, 8, 1))
   specs = context_parallel.resolve_specs(QUERY_SPECS, KV_SPECS)
   for kv_heads in (16, 8, 4, 1):
-    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24,
-                                  kv_heads=kv_heads)
+    specs_lib.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=kv_heads)
   with pytest.raises(ValueError, match=r"key/value heads \(12\).*kv_specs\[2\]"):
-    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=12)
+    specs_lib.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=24, kv_heads=12)
   with pytest.raises(ValueError, match=r"query heads \(12\).*query_specs\[2\]"):
-    context_parallel.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=12, kv_heads=4)
+    specs_lib.check_shapes(specs, mesh, batch=B, q_len=S, kv_len=S, heads=12, kv_heads=4)
   mesh = _mesh((1, 1, 1, 8))
   with pytest.raises(ValueError, match=r"divisible by 2 \* cp = 16"):
     create_attention_mask(pos[:, :248], seg[:, :248], pos[:, :248], seg[:, :248], mesh=mesh,
                           query_specs=QUERY_SPECS)
   with pytest.raises(ValueError, match=r"batch \(4\).*query_specs\[0\]"):
-    context_parallel.check_shapes(
+    specs_lib.check_shapes(
         context_parallel.resolve_specs(((("data", "fsdp", "tensor", "context")), None, None,
                                         None)), _mesh((2, 2, 2, 1)), batch=4, q_len=S, kv_len=S)
   with pytest.raises(ValueError, match=r"no query_specs"):

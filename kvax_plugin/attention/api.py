@@ -1,6 +1,6 @@
 """Public entry points: create_attention_mask, flash_attention (with a prebuilt mask) and
-attention (one-off). Validates arguments, picks a kernel backend (kernels/), and runs it on one
-device or, given a mesh, through context_parallel.py.
+attention (one-off). A call is validated (validation.py), planned once (plan.py: backend, options,
+token order, mesh and specs) and run (run.py, on a mesh sharded.py).
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvax_plugin.attention import block_mask, context_parallel, validation
+from kvax_plugin.attention import block_mask, sharded, specs, validation
 from kvax_plugin.attention.block_mask import AttentionMask
-from kvax_plugin.attention.kernels import (BACKENDS, BackendUnavailableError, auto_kernel_options,
-                                          backend_function, backend_options, resolve_backend,
-                                          resolve_backend_for)
+from kvax_plugin.attention.kernels import BACKENDS, BackendUnavailableError, resolve_backend
+from kvax_plugin.attention.kv_exchange import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.options import (HopperOptions, KernelOptions, MosaicOptions,
                                            TritonOptions)
-from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
+from kvax_plugin.attention.plan import make_plan
+from kvax_plugin.attention.run import run
+from kvax_plugin.attention.token_order import resolve_token_order
 
 
 def create_attention_mask(query_positions: jax.Array,
@@ -62,32 +63,23 @@ def create_attention_mask(query_positions: jax.Array,
       the other shards', so the kv exchange runs behind the first part (backends "hopper",
       "mosaic", "triton" or "jax").
     kv_grad_reduce_dtype: with context parallelism, the dtype the shards' dk / dv are summed in:
-      "auto", "float32" or "input" (see context_parallel.kv_grad_reduce_dtype).
+      "auto", "float32" or "input" (see kv_exchange.kv_grad_reduce_dtype).
   """
   options = dict(fwd_params=fwd_params, bwd_params=bwd_params, calc_bwd_mask=calc_bwd_mask,
                  skip_pad_tokens=skip_pad_tokens, causal=causal, sliding_window=sliding_window)
-  mesh = context_parallel.mesh_for_mask(mesh, query_specs)
-  order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance)
+  mesh = specs.mesh_for_mask(mesh, query_specs)
+  order = resolve_token_order(token_order, permute_tokens_for_load_balance)
   if mesh is None:
     return block_mask.create_attention_mask(query_positions, query_segment_ids, kv_positions,
                                             kv_segment_ids, **options)
   block_mask.check_mask_inputs(query_positions, query_segment_ids, kv_positions, kv_segment_ids,
                                sliding_window)
   options = block_mask.normalize_mask_options(**options)
-  return context_parallel.create_attention_mask_sharded(
+  validation.check_choice("kv_grad_reduce_dtype", kv_grad_reduce_dtype, KV_GRAD_REDUCE_CHOICES)
+  return sharded.create_attention_mask_sharded(
       query_positions, query_segment_ids, kv_positions, kv_segment_ids, mesh=mesh,
       query_specs=query_specs, kv_specs=kv_specs, token_order=order,
       overlap_kv_gather=overlap_kv_gather, kv_grad_reduce_dtype=kv_grad_reduce_dtype, **options)
-
-
-def _features(query, key, value, mask: AttentionMask, logits_soft_cap, sinks) -> tuple[str, ...]:
-  """The kernels.FEATURES a call needs."""
-  needed = {"causal": mask.spec.causal, "sliding_window": mask.spec.sliding_window is not None,
-            "logits_soft_cap": logits_soft_cap is not None, "sinks": sinks is not None,
-            "gqa": query.shape[2] != key.shape[2],
-            "distinct_v_head_dim": value.shape[3] != query.shape[3],
-            "backward": mask.has_backward}
-  return tuple(name for name, used in needed.items() if used)
 
 
 def flash_attention(query: jax.Array,
@@ -155,52 +147,19 @@ def flash_attention(query: jax.Array,
     query_specs, kv_specs: with a mesh, the BSHD specs (None: from `attention_specs`).
   """
   del assume_sequential_positions
-  validation.check_bias(bias)
-  validation.check_qkv(query, key, value)
-  b, sq, h, _ = query.shape
-  skv = key.shape[1]
-  validation.check_tokens("query_positions", query_positions, "query_segment_ids",
-                          query_segment_ids, b, sq)
-  validation.check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
-  scale, logits_soft_cap = validation.check_options(scale, logits_soft_cap, sinks, h)
-  if (token_order is None and permute_tokens_for_load_balance is None
-      and isinstance(mask, context_parallel.ShardedAttentionMask)):
-    order = mask.token_order
-  else:
-    order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance)
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  validation.check_mask(mask, b, sq, skv, fwd_params, bwd_params)
-  kernel_options = as_kernel_options(kernel_options)
-  if debug or validation.mask_input_checks_enabled():
-    validation.check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
-                                         kv_segment_ids)
-  name = resolve_backend_for(backend, query.dtype, query.shape[3], value.shape[3],
-                             _features(query, key, value, mask, logits_soft_cap, sinks), mask,
-                             deterministic_backward=deterministic_backward)
-  if backend == "auto":
-    kernel_options = auto_kernel_options(name, kernel_options)
-  if validation.is_empty(query, key):
-    # With Skv = 0 every row attends nothing: 0.
-    return jnp.zeros((b, sq, h, value.shape[3]), query.dtype)
-  mesh, query_specs, kv_specs = context_parallel.mesh_for_call(mesh, mask, query_specs, kv_specs)
-  if mesh is not None:
-    return context_parallel.flash_attention_sharded(
-        query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids,
-        mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        memory_optimized_gqa_backward=memory_optimized_gqa_backward, token_order=order,
-        backend=name, mesh=mesh, query_specs=query_specs, kv_specs=kv_specs,
-        deterministic_backward=deterministic_backward, kernel_options=kernel_options)
-  if debug:
-    print(f"kvax_plugin.flash_attention: backend={name} q={query.shape} k={key.shape} "
-          f"v={value.shape} dtype={query.dtype} mask={mask.spec}")
-  kwargs = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                **backend_options(name,
-                                  memory_optimized_gqa_backward=memory_optimized_gqa_backward,
-                                  deterministic_backward=deterministic_backward,
-                                  kernel_options=kernel_options))
-  return backend_function(name)(query, key, value, query_positions, query_segment_ids,
-                                kv_positions, kv_segment_ids, mask, **kwargs)
+  scale, logits_soft_cap, kernel_options = validation.check_call(
+      query, key, value, query_positions, query_segment_ids, kv_positions, kv_segment_ids, mask,
+      bias=bias, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks, backend=backend,
+      backends=BACKENDS, fwd_params=fwd_params, bwd_params=bwd_params,
+      kernel_options=kernel_options, debug=debug)
+  plan = make_plan(query, key, value, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                   sinks=sinks, backend=backend, token_order=token_order,
+                   permute_tokens_for_load_balance=permute_tokens_for_load_balance,
+                   deterministic_backward=deterministic_backward, kernel_options=kernel_options,
+                   memory_optimized_gqa_backward=memory_optimized_gqa_backward, mesh=mesh,
+                   query_specs=query_specs, kv_specs=kv_specs, debug=debug)
+  return run(plan, query, key, value, query_positions, query_segment_ids, kv_positions,
+             kv_segment_ids, mask, sinks)
 
 
 def positions_from_segment_ids(segment_ids: jax.Array) -> jax.Array:
@@ -244,8 +203,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   skv = key.shape[1]
   if segment_ids is None:
     segment_ids = jnp.zeros((b, sq), jnp.int32)
-  order = context_parallel.resolve_token_order(token_order, permute_tokens_for_load_balance,
-                                              default="natural")
+  order = resolve_token_order(token_order, permute_tokens_for_load_balance, default="natural")
   if positions is None:
     if mesh is not None and order != "natural":
       raise ValueError(f"positions must be given when the tokens arrive in token_order={order!r}"

@@ -75,10 +75,10 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
           b.positions, b.segment_ids, b.mask)
 
   def forward(q, k_a, v_a, k_b, v_b, s, ints):
-    q_pos, q_seg, kp_a, ks_a, m_a, kp_b, ks_b, m_b = ints
-    out_a, lse_a = parts_a.forward(q, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a)
+    q_pos, q_seg, kp_a, ks_a, mask_a, kp_b, ks_b, mask_b = ints
+    out_a, lse_a = parts_a.forward(q, k_a, v_a, q_pos, q_seg, kp_a, ks_a, mask_a)
     out_a, lse_a, q_b, k_b, v_b = jax.lax.optimization_barrier((out_a, lse_a, q, k_b, v_b))
-    out_b, lse_b = parts_b.forward(q_b, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b)
+    out_b, lse_b = parts_b.forward(q_b, k_b, v_b, q_pos, q_seg, kp_b, ks_b, mask_b)
     out, lse = merge(out_a, lse_a, out_b, lse_b, s if has_sinks else None)
     return out.astype(q.dtype), lse
 
@@ -94,17 +94,17 @@ def split_kv_attention(parts_a: KernelParts, parts_b: KernelParts, query: jax.Ar
 
   def attention_bwd(res, d_out):
     q, k_a, v_a, k_b, v_b, s, ints, out, lse = res
-    q_pos, q_seg, kp_a, ks_a, m_a, kp_b, ks_b, m_b = ints
-    for m in (m_a, m_b):
-      if not m.has_backward:
+    q_pos, q_seg, kp_a, ks_a, mask_a, kp_b, ks_b, mask_b = ints
+    for mask in (mask_a, mask_b):
+      if not mask.has_backward:
         raise ValueError("mask has no backward tables: build it with "
                          "create_attention_mask(..., calc_bwd_mask=True) to take gradients")
     d_out = d_out.astype(q.dtype)
-    dq_b, dk_b, dv_b = parts_b.backward(q, k_b, v_b, q_pos, q_seg, kp_b, ks_b, m_b, out, lse,
+    dq_b, dk_b, dv_b = parts_b.backward(q, k_b, v_b, q_pos, q_seg, kp_b, ks_b, mask_b, out, lse,
                                         d_out)
     # Part a after part b, so b's dk / dv collective runs while a's backward does.
     dq_b, dk_b, dv_b, q_a, d_out_a = jax.lax.optimization_barrier((dq_b, dk_b, dv_b, q, d_out))
-    dq_a, dk_a, dv_a = parts_a.backward(q_a, k_a, v_a, q_pos, q_seg, kp_a, ks_a, m_a, out, lse,
+    dq_a, dk_a, dv_a = parts_a.backward(q_a, k_a, v_a, q_pos, q_seg, kp_a, ks_a, mask_a, out, lse,
                                         d_out_a)
     f32 = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
     dq = (f32(dq_a) + f32(dq_b)).astype(q.dtype)

@@ -450,6 +450,63 @@ def undo_token_order(x_or_tree, order: TokenOrder, axis: int = 1):
   return _map(lambda x, n: _take(x, order.inverse, axis, n), x_or_tree, "x")
 
 
+def resolve_token_order(token_order: str | None, permute_tokens_for_load_balance: bool | None,
+                        *, default: str = "llama3") -> str:
+  """The order the inputs arrive in: `token_order` ("natural", "llama3", "balanced") or the older
+  flag (True "llama3", False "natural"); neither: `default`; contradicting: ValueError."""
+  if token_order is None:
+    if permute_tokens_for_load_balance is None:
+      return default
+    return "llama3" if permute_tokens_for_load_balance else "natural"
+  if token_order not in ORDERS:
+    raise ValueError(f"token_order must be one of {ORDERS}, got {token_order!r}")
+  if (permute_tokens_for_load_balance is not None
+      and bool(permute_tokens_for_load_balance) != (token_order == "llama3")):
+    raise ValueError(
+        f"permute_tokens_for_load_balance={permute_tokens_for_load_balance} contradicts "
+        f"token_order={token_order!r}: pass token_order alone (the flag True means \"llama3\", "
+        "False means \"natural\")")
+  return token_order
+
+
+def _reorder_chunks(x, cp: int, axis: int, inverse: bool, name: str):
+  if x is None:
+    return None
+  cp = _check_cp(cp)
+  ndim = len(x.shape)
+  ax = axis + ndim if axis < 0 else axis
+  if not 0 <= ax < ndim:
+    raise ValueError(f"axis {axis} is out of range for {name} of shape {tuple(x.shape)}")
+  n = x.shape[ax]
+  if n % (2 * cp):
+    raise ValueError(f"{name}: the sequence axis (axis {axis}, length {n}) must be divisible by "
+                     f"2 * cp = {2 * cp}")
+  if cp == 1:
+    return x
+  xp = np if isinstance(x, np.ndarray) else jnp
+  c = n // (2 * cp)
+  order = llama3_chunk_order(cp)
+  if inverse:
+    order = list(np.argsort(order))
+  # Static slices + concatenate: cheap copies whose transposes are slices again (no gathers).
+  chunks = [jax.lax.slice_in_dim(x, i * c, (i + 1) * c, axis=ax) if xp is jnp
+            else np.take(x, np.arange(i * c, (i + 1) * c), axis=ax) for i in order]
+  return xp.concatenate(chunks, axis=ax)
+
+
+def to_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
+  """Natural order -> load-balanced order for context parallelism `cp`: the sequence `axis`
+  (length a multiple of 2*cp) is cut into 2*cp chunks and rank r gets chunks r and 2*cp-1-r.
+  Takes an array (numpy or jax) or a nested tuple / list of them (None passes through)."""
+  return _map(lambda x, n: _reorder_chunks(x, cp, axis, False, n), x_or_tuple, "x")
+
+
+def from_load_balanced_order(x_or_tuple, cp: int, axis: int = 1):
+  """Inverse of `to_load_balanced_order` (load-balanced order -> natural order)."""
+  return _map(lambda x, n: _reorder_chunks(x, cp, axis, True, n), x_or_tuple, "x")
+
+
 __all__ = ["ORDERS", "TokenOrder", "natural_order", "llama3_order", "llama3_chunk_order",
            "balanced_order", "token_order", "document_order", "unit_costs", "kept_pairs_per_token",
-           "apply_token_order", "undo_token_order"]
+           "apply_token_order", "undo_token_order", "resolve_token_order", "to_load_balanced_order",
+           "from_load_balanced_order"]

@@ -1,5 +1,5 @@
-"""Array checks shared by every entry point: each error names the argument and what was expected.
-Scalars follow kvax_plugin.attention.arguments.
+"""Checks of the op's arguments, the first step of a call (then plan.py, run.py): each error names
+the argument and what was expected. Scalars follow kvax_plugin.attention.arguments.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import numpy as np
 
 from kvax_plugin.attention.arguments import normalize_logit_options
 from kvax_plugin.attention.block_mask import AttentionMask, mask_fingerprint
+from kvax_plugin.attention.options import kernel_options as as_kernel_options
 from kvax_plugin.attention.params import check_params
+from kvax_plugin.attention.sharded_mask import ShardedAttentionMask
+from kvax_plugin.attention.specs import AttentionSpecs, mesh_axes
 
 # Multiples of 16 in [16, 256] (qk and v separately).
 MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 16, 256, 16
@@ -120,6 +123,59 @@ def check_options(scale, logits_soft_cap, sinks, num_heads: int) -> tuple[float,
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
       raise TypeError(f"sinks must be floating point, got {sinks.dtype}")
   return scale, cap
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_call(query, key, value, query_positions, query_segment_ids, kv_positions,
+               kv_segment_ids, mask, *, bias, scale, logits_soft_cap, sinks, backend, backends,
+               fwd_params, bwd_params, kernel_options, debug):
+  """Every check of flash_attention's arguments that needs no mesh; returns (scale,
+  logits_soft_cap, kernel_options) normalised. Shapes as in flash_attention."""
+  check_bias(bias)
+  check_qkv(query, key, value)
+  b, sq, h, _ = query.shape
+  skv = key.shape[1]
+  check_tokens("query_positions", query_positions, "query_segment_ids", query_segment_ids, b, sq)
+  check_tokens("kv_positions", kv_positions, "kv_segment_ids", kv_segment_ids, b, skv)
+  scale, logits_soft_cap = check_options(scale, logits_soft_cap, sinks, h)
+  check_choice("backend", backend, backends)
+  check_mask(mask, b, sq, skv, fwd_params, bwd_params)
+  kernel_options = as_kernel_options(kernel_options)
+  if debug or mask_input_checks_enabled():
+    check_mask_matches_inputs(mask, query_positions, query_segment_ids, kv_positions,
+                              kv_segment_ids)
+  return scale, logits_soft_cap, kernel_options
+
+
+def check_mask_layout(mask, specs: AttentionSpecs, mesh, order: str) -> None:
+  """A call on `mesh` needs a ShardedAttentionMask built on it, with its specs and order."""
+  if not isinstance(mask, ShardedAttentionMask):
+    raise TypeError(
+        f"mask must come from create_attention_mask(..., mesh=mesh) with the same mesh and specs "
+        f"when flash_attention runs on a mesh (mesh=, or the surrounding jax.set_mesh with "
+        f"query specs known), got a {type(mask).__name__} built without a mesh")
+  lay = mask.layout
+  if lay.mesh_axes != mesh_axes(mesh):
+    raise ValueError(f"mask was built on a mesh with axes {lay.mesh_axes}, flash_attention got "
+                     f"{mesh_axes(mesh)}: build the mask with the same mesh")
+  if (isinstance(lay.mesh, jax.sharding.Mesh) and isinstance(mesh, jax.sharding.Mesh)
+      and lay.mesh.device_ids.tolist() != mesh.device_ids.tolist()):
+    raise ValueError("mesh has the axes of the mask's mesh but other devices (or another device "
+                     "order): build the mask with the mesh flash_attention runs on")
+  if lay.batch_axes != specs.batch_axes or lay.context_axes != specs.context_axes:
+    raise ValueError(
+        f"mask was built for batch axes {lay.batch_axes} and context axes {lay.context_axes}, "
+        f"flash_attention got query_specs with {specs.batch_axes} and {specs.context_axes}: "
+        "build the mask under the same specs")
+  if lay.token_order != order:
+    raise ValueError(
+        f"token_order {order!r} differs from the mask's ({lay.token_order!r}): pass the same "
+        "token_order (or permute_tokens_for_load_balance) to create_attention_mask and "
+        "flash_attention (it says in which order the inputs arrive)")
 
 
 # Off by default: a pass over the ids per call (a host callback under jit).

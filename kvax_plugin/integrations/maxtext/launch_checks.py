@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 
 import kvax_plugin
-from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
+from kvax_plugin.attention.kv_exchange import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.kernels import BACKENDS as KVAX_BACKENDS
 from kvax_plugin.configs import common as configs_common
 from kvax_plugin.configs.common import FAMILIES

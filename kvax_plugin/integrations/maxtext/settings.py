@@ -9,7 +9,7 @@ import functools
 from typing import Any
 
 import kvax_plugin
-from kvax_plugin.attention.context_parallel import KV_GRAD_REDUCE_CHOICES
+from kvax_plugin.attention.kv_exchange import KV_GRAD_REDUCE_CHOICES
 from kvax_plugin.attention.kernels import AUTO_DESCRIPTION, BACKENDS
 from kvax_plugin.providers.kvax_provider import KvaxOptions
 
