@@ -360,14 +360,19 @@ def test_fold_changes_dkv_rounding_only():
 # separate O staging run only here), with odd_rounds_mqa, whose odd second round (and
 # deterministic backward) only this test runs.
 @pytest.mark.parametrize("case", ["prefill_mla", "odd_rounds_mqa"])
-def test_persistent_forward_matches_reference(case, monkeypatch):
+def test_persistent_forward_matches_reference(case):
   """mosaic_forward_grid="persistent" (FwdConfig.num_ctas): 3 CTAs in the interpreter, each
   taking several (batch, query tile, head) items dealt as a snake draft, with one kv ring across
   them and Q loaded one item ahead; Dv != Dk with Sq != Skv (the separate O staging); odd
-  rounds with MQA and padding; against the float32 reference, and lowered for CUDA (one CTA per
-  SM there). The kernel must really run persistent; "per_tile" must really not."""
+  rounds with MQA and padding; against the float32 reference. The kernel must really run
+  persistent."""
   run = check_case(case, options=KernelOptions(mosaic_forward_grid="persistent"))
   assert [cfg.num_ctas for cfg in run.forward] == [3], run.forward
+
+
+def test_persistent_and_per_tile_grids_lower_for_cuda(monkeypatch):
+  """The persistent forward lowered for CUDA: one CTA per SM there; "per_tile" must really
+  not be persistent. (Once: the lowering does not depend on the interpreter cases above.)"""
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
