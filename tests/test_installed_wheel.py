@@ -54,9 +54,12 @@ def installed(wheel, tmp_path_factory) -> str:
                         capture_output=True, text=True, check=True).stdout.strip()
   with open(os.path.join(site, "test-environment-packages.pth"), "w") as f:
     f.write(sysconfig.get_paths()["purelib"] + "\n")
+  # Without PYTHONPATH (as _run): a checkout on it, with its kvax_plugin.egg-info, reads to pip
+  # as kvax-plugin of the same version already installed, and pip would install nothing.
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   done = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q",
                          "--no-deps", "--no-index", wheel],
-                        capture_output=True, text=True, timeout=300)
+                        env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   return python
 

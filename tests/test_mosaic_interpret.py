@@ -196,11 +196,17 @@ def _reference(c: dict, seed: int):
   return _REFERENCES[key]
 
 
-def case_run(name: str, **changes) -> Run:
+def case_run(name: str, forward_only: bool = False, **changes) -> Run:
   """CASES[name] (or OTHER_CASES[name]) with `changes` (det, options), run once per process in
-  the interpreter with the race detector on; memoised."""
+  the interpreter with the race detector on; memoised. forward_only: the forward kernel alone
+  (Run.mine is (out,), no backward calls): for a run only compared by its output, as the
+  backward is half or more of a run; a full run of the same case serves it too."""
   c = _case(name, changes)
   key = _key(c)
+  if forward_only and key in _RUNS:
+    return _RUNS[key]
+  if forward_only:
+    key += " forward only"
   if key not in _RUNS:
     seed = sum(map(ord, name))
     (q, k, v, sinks, cot), ints, mask = _inputs(c, seed)
@@ -219,7 +225,11 @@ def case_run(name: str, **changes) -> Run:
     bk.dq_call = lambda cfg, *a: (backward.append(("dq", cfg)), real[2](cfg, *a))[1]
     try:
       with race_detection(), race_reports.captured_reports() as printed:
-        mine = jax.block_until_ready(_outputs_and_grads(ours, q, k, v, sinks, cot, ints, mask))
+        if forward_only:
+          mine = (jax.block_until_ready(jax.jit(ours)(q, k, v, sinks, ints, mask)),)
+        else:
+          mine = jax.block_until_ready(_outputs_and_grads(ours, q, k, v, sinks, cot, ints,
+                                                          mask))
     finally:
       fw.forward_call, bk.dkv_call, bk.dq_call = real
     _RUNS[key] = Run(c, mine, _reference(c, seed), np.asarray(ints[1]),
@@ -350,14 +360,19 @@ def test_fold_changes_dkv_rounding_only():
 # separate O staging run only here), with odd_rounds_mqa, whose odd second round (and
 # deterministic backward) only this test runs.
 @pytest.mark.parametrize("case", ["prefill_mla", "odd_rounds_mqa"])
-def test_persistent_forward_matches_reference(case, monkeypatch):
+def test_persistent_forward_matches_reference(case):
   """mosaic_forward_grid="persistent" (FwdConfig.num_ctas): 3 CTAs in the interpreter, each
   taking several (batch, query tile, head) items dealt as a snake draft, with one kv ring across
   them and Q loaded one item ahead; Dv != Dk with Sq != Skv (the separate O staging); odd
-  rounds with MQA and padding; against the float32 reference, and lowered for CUDA (one CTA per
-  SM there). The kernel must really run persistent; "per_tile" must really not."""
+  rounds with MQA and padding; against the float32 reference. The kernel must really run
+  persistent."""
   run = check_case(case, options=KernelOptions(mosaic_forward_grid="persistent"))
   assert [cfg.num_ctas for cfg in run.forward] == [3], run.forward
+
+
+def test_persistent_and_per_tile_grids_lower_for_cuda(monkeypatch):
+  """The persistent forward lowered for CUDA: one CTA per SM there; "per_tile" must really
+  not be persistent. (Once: the lowering does not depend on the interpreter cases above.)"""
   seen = []
   real = fw.forward_call
   monkeypatch.setattr(fw, "forward_call", lambda cfg, *a: (seen.append(cfg.num_ctas),
@@ -444,14 +459,16 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
                           ("mla_docs", 2)])
 def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
   """Against the float32 reference (outputs and gradients, no race), and the forward output
-  bitwise equal to the ping-pong's: the schedule changes, the sums and their order do not.
-  The per-tile grid: mla_docs, prefill_mla (MLA's "auto"); the others run the persistent one."""
+  bitwise equal to the ping-pong's (a forward-only run: only its output is compared): the
+  schedule changes, the sums and their order do not. The per-tile grid: mla_docs, prefill_mla
+  (MLA's "auto"); the others run the persistent one."""
   grid = dict(mosaic_forward_grid="per_tile") if name == "mla_docs" else {}
   run = check_case(name, options=KernelOptions(mosaic_forward_overlap_blocks=blocks, **grid))
   assert {cfg.overlap_min_blocks for cfg in run.forward} == {blocks}, run.forward
   if grid:
     assert all(cfg.num_ctas == 0 for cfg in run.forward), run.forward
-  plain = case_run(name, options=KernelOptions(mosaic_forward_overlap_blocks=0, **grid))
+  plain = case_run(name, forward_only=True,
+                   options=KernelOptions(mosaic_forward_overlap_blocks=0, **grid))
   assert {cfg.overlap_min_blocks for cfg in plain.forward} == {0}, plain.forward
   np.testing.assert_array_equal(np.asarray(run.mine[0], np.float32),
                                 np.asarray(plain.mine[0], np.float32))
