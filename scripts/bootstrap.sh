@@ -50,6 +50,10 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   # Its exit status is ignored as pip ignores it: some packages ship files that are not Python
   # 3 on purpose (test data), and a file left uncompiled is compiled when imported.
-  "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+  # KVAX_PRECOMPILE=0 skips it: an environment set up while tests run (scripts/test.sh) leaves
+  # the cores to them and compiles only what it imports.
+  if [ "${KVAX_PRECOMPILE:-1}" != 0 ]; then
+    "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+  fi
   rm -f "$VENV"/.installed-*; touch "$stamp"
 fi

@@ -31,9 +31,11 @@ if [ $# -eq 0 ]; then
   logs=$(mktemp -d)
   trap 'rm -rf "$logs"' EXIT
   (
-    bash scripts/bootstrap_levanter.sh >"$logs/setup" 2>&1 &
+    # Set up while both lines run: no byte-compiling ahead (KVAX_PRECOMPILE=0), the cores are
+    # the tests'.
+    KVAX_PRECOMPILE=0 bash scripts/bootstrap_levanter.sh >"$logs/setup" 2>&1 &
     setup=$!
-    bootstrap_jax_next >"$logs/setup-jax-next" 2>&1 &
+    KVAX_PRECOMPILE=0 bootstrap_jax_next >"$logs/setup-jax-next" 2>&1 &
     setup_next=$!
     status=0
     .venv/bin/python -m pytest -q "$slowest" integration || status=$?
