@@ -182,7 +182,8 @@ def flash_attention_hopper(query, key, value, query_positions, query_segment_ids
   type, bfloat16 or float16; any Sq, Skv; mask backward tables with kv blocks of 128 and query
   blocks a multiple of 64. Returns [B, Sq, H, Dv]; differentiable in query, key, value, sinks.
   deterministic_backward True raises ValueError (dq is reduce-added in no fixed order).
-  kernel_options: HopperOptions (or a KernelOptions): the Mosaic forward's fields.
+  kernel_options: HopperOptions (or a KernelOptions): the Mosaic forward's fields and the
+  backward ("cuda"; "by_mask": the CUDA or the Mosaic backward per call, from the mask).
   """
   if deterministic_backward:
     raise ValueError("deterministic_backward=True: the hopper backend's backward reduce-adds dq "
