@@ -97,8 +97,8 @@ struct Params {
   const int* upper;      // [B, n_tiles]: one past the last
   const int* full_lower; // [B, n_tiles]: the first 64-row query block the tile keeps whole
   const int* full_upper; // [B, n_tiles]: one past the last (those steps skip the mask)
-  const int* order;      // [B, Skv / CTA tile]: launch position -> kv tile, longest first
-                         // (block_mask.longest_first); the position and kv head: cta_tile
+  const int* order;      // [B, Skv / CTA tile]: launch position -> kv tile (fused_backward.py's
+                         // launch_order); the position and kv head: cta_tile
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
   float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
@@ -1613,7 +1613,7 @@ static ffi::Error FusedBackwardImpl(
   const auto order_d = order.dimensions();
   if (order_d.size() != 2 || order_d[0] != b || order_d[1] != skv / kv_tile)
     return ffi::Error::InvalidArgument(
-        "order: expected [B, Skv / kv tile] (block_mask.longest_first)");
+        "order: expected [B, Skv / kv tile] (fused_backward.launch_order)");
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
                      make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd_v),
                      make_map(&p.tm_k, k.untyped_data(), b * skv, kh, kv_tile, half, hd),
@@ -1658,12 +1658,12 @@ static ffi::Error FusedBackwardImpl(
                                 ") is not the stream's (" + std::to_string(stream_device) + ")");
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  // One CTA per (kv head, kv tile) of each batch row, the tiles in `order`'s sequence (longest
-  // first: packed documents' launch tail). At head dims 64 / 128 the heads launch fastest, so the
-  // heads' copies of a long tile start together. With a sliding window, and at head dims 256 and
-  // 192, they launch slowest, so the CTAs in flight are one head's neighbouring tiles, whose dq
-  // reduce-adds meet in L2 (docs/performance.md). The plain kernel reads the layout from its
-  // WINDOW bit, the wide kernels always read it as heads slowest (cta_tile).
+  // One CTA per (kv head, kv tile) of each batch row, the tiles in `order`'s sequence. At head
+  // dims 64 / 128 the heads launch fastest, so the heads' copies of a tile start together. With a
+  // sliding window, and at head dims 256 and 192, they launch slowest, so the CTAs in flight are
+  // one head's neighbouring tiles, whose dq reduce-adds meet in L2 (docs/status.md). The plain
+  // kernel reads the layout from its WINDOW bit, the wide kernels always read it as heads
+  // slowest (cta_tile).
   const bool heads_slowest = (variant & WINDOW) != 0 || hd >= 192;
   const unsigned n_pos = static_cast<unsigned>(skv / kv_tile), n_kh = static_cast<unsigned>(kh);
   const dim3 grid(heads_slowest ? n_pos : n_kh, heads_slowest ? n_kh : n_pos,

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvax_plugin.attention.block_mask import longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT
@@ -158,6 +157,17 @@ def unpermute_vector_order(accum):
   return x.reshape(*lead, 64, 64)
 
 
+def launch_order(bounds, n_tiles: int):
+  """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input): the
+  tiles in sequence order. The CTAs in flight then work on neighbouring tiles, mostly of the same
+  documents, whose Q / dO reads and dq reduce-adds meet in L2; under a causal mask a document's
+  first tile is also its longest. Launching the tiles longest first over the whole row spread
+  the CTAs in flight over the documents, which cost more in L2 misses than it gained at the
+  launch tail (docs/status.md)."""
+  batch = bounds[0].shape[0]
+  return jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (batch, n_tiles))
+
+
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
                    scale: float, causal: bool, variant: str = DEFAULT_VARIANT,
                    soft_cap: float = 0.0, window: int = 0):
@@ -200,9 +210,9 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     bits |= MASK_IN_LOOP
   if d not in MAIN_LAYOUT_HEAD_DIMS:
     bits &= ~(DECOUPLE | MASK_IN_LOOP)
-  # Launch order: kv tiles longest first (the wide kernels run 64-row tiles, two per table row).
+  # The wide kernels run 64-row kv tiles, two per table row.
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
-  order = longest_first(*map(i32, bounds[:2]), KV_TILE // cta_tile, skv // cta_tile)
+  order = launch_order(bounds, skv // cta_tile)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),

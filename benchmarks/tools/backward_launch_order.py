@@ -1,0 +1,141 @@
+"""The kernels' launch orders, compared in one process: forward+backward of backend="hopper"
+with the CUDA backward's kv tiles launched in sequence order (the default), longest first, and
+in reverse sequence order; with --forward, the forward alone with the persistent Mosaic
+forward's deal of query tiles longest first (its default), in sequence order and in reverse. The
+order is an input of each kernel, so the variants share one library and one kernel build and
+alternate call by call in one process, free of the noise between processes.
+
+    python -m benchmarks.tools.backward_launch_order [--seqs 16384,65536] [--head-dims 128]
+        [--forward] [--rounds 9] [--out F]
+
+Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
+query / 8 kv heads, bf16; ms per call, median over rounds of about 20 ms of back-to-back calls
+each, the variants round-robin with a rotating start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import kvax_plugin
+from benchmarks.cases import layout
+from benchmarks.timing import round_ms
+from kvax_plugin.attention import block_mask
+from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
+from kvax_plugin.attention.kernels.mosaic import forward
+
+
+def _ascending(lower, upper, tiles_per_row, n_tiles):
+  return jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (lower.shape[0], n_tiles))
+
+
+def _descending(lower, upper, tiles_per_row, n_tiles):
+  return _ascending(lower, upper, tiles_per_row, n_tiles)[:, ::-1]
+
+
+# The forward's deal: block_mask.longest_first's signature (forward.py calls it by that name).
+FORWARD_ORDERS = {"longest_first": block_mask.longest_first, "ascending": _ascending,
+                  "descending": _descending}
+
+
+def _on_bounds(order):
+  """A forward-style order as fused_backward.launch_order (bounds, n_tiles)."""
+  def launch(bounds, n_tiles):
+    lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
+    return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
+  return launch
+
+
+BACKWARD_ORDERS = {name: _on_bounds(FORWARD_ORDERS[name])
+                   for name in ("ascending", "longest_first", "descending")}
+
+
+@contextlib.contextmanager
+def launch_order(module, name: str, fn):
+  """module.name (the order function a kernel's wrapper calls) replaced by fn while tracing."""
+  saved = getattr(module, name)
+  setattr(module, name, fn)
+  try:
+    yield
+  finally:
+    setattr(module, name, saved)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seqs", default="16384,65536")
+  ap.add_argument("--head-dims", default="128")
+  ap.add_argument("--forward", action="store_true",
+                  help="time the forward's deal orders instead of the backward's launch orders")
+  ap.add_argument("--rounds", type=int, default=9)
+  ap.add_argument("--out")
+  args = ap.parse_args(argv)
+  heads, kv_heads = 32, 8
+  if args.forward:
+    target, name, orders = forward, "longest_first", FORWARD_ORDERS
+  else:
+    target, name, orders = fused_backward, "launch_order", BACKWARD_ORDERS
+  rows = []
+  for d, seq in itertools.product(map(int, args.head_dims.split(",")),
+                                  map(int, args.seqs.split(","))):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (1, seq, heads, d), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, seq, kv_heads, d), jnp.bfloat16) for x in keys[1:3])
+    cot = jax.random.normal(keys[3], (1, seq, heads, d), jnp.bfloat16)
+
+    def attend(q, k, v, pos, seg, mask):
+      return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5,
+                                         backend="hopper")
+
+    def loss(q, k, v, pos, seg, mask):
+      return jnp.sum(attend(q, k, v, pos, seg, mask).astype(jnp.float32)
+                     * cot.astype(jnp.float32))
+
+    for case in ("causal", "docs"):
+      pos, seg, _ = layout(case, seq, seed=0, counted_padding=True)
+      pos, seg = jnp.asarray(pos), jnp.asarray(seg)
+      mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+      call = (q, k, v, pos, seg, mask)
+      fns, inner = {}, {}
+      timed = (jax.jit(lambda q, k, v, pos, seg, mask: attend(q, k, v, pos, seg, mask))
+               if args.forward else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+      for label, order in orders.items():
+        with launch_order(target, name, order):
+          fns[label] = timed.lower(*call).compile()
+        for _ in range(3):
+          jax.block_until_ready(fns[label](*call))
+        inner[label] = max(1, int(20.0 / max(round_ms(fns[label], call, 1), 1e-3)))
+      times = {n: [] for n in fns}
+      names = list(fns)
+      for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+          times[name].append(round_ms(fns[name], call, inner[name]))
+      row = dict(head_dim=d, seq=seq, case=case, ms={n: statistics.median(t) for n, t in times.items()},
+                 ms_rounds=times)
+      rows.append(row)
+      print(f"D={d} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),
+            flush=True)
+  result = dict(conditions=dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
+      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
+      timed=("jit(flash_attention), the forward's deal order" if args.forward else
+             "jit(grad(sum(out * dO))) over q, k, v, the backward's launch order")
+      + "; the mask prebuilt; backend hopper"),
+      rows=rows)
+  if args.out:
+    Path(args.out).write_text(json.dumps(result, indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()
