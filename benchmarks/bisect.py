@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                   metavar="NAME=PATH", help="a tree to time (at least two; the first is the "
                   "reference of the ratios)")
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--calls", type=int, default=10, help="timed calls per case and process")
+  ap.add_argument("--calls", type=int, default=10, help="timed rounds of back-to-back calls per case and process")
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--only", action="append", default=None, metavar="CASE",
                   help="keep only these cases of the set (e.g. 16k-docs); repeatable")

@@ -17,8 +17,10 @@ a GPU machine), extract the base beforehand where the history is and pass the fo
 Only kvax_plugin/ of a tree is used (its CUDA sources included). Each timing process is
 benchmarks/gate_worker.py with PYTHONPATH=<tree>, timing the public API that every commit has
 (create_attention_mask, flash_attention, jax.grad of sum(out * dO)); it prints the medians
-(ms) of `--calls` calls after 3 warm-ups, per case: the mask build alone, then the forward and
-the forward+backward with the prebuilt mask as a jit argument.
+(ms per call) of `--calls` rounds of back-to-back calls (about 20 ms each) after 3 warm-ups, per
+case: the mask build alone, then the forward and the forward+backward with the prebuilt mask as
+a jit argument. Back to back, not each call waited for: the host's dispatch latency varies
+between processes by up to 10% of a 16k documents forward (0.8 ms), and that is not the GPU's.
 
 First one warm-up process per tree (backend "hopper" compiles its CUDA library with nvcc on
 first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two libraries; and the
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
                   "--base-tree has no git history)")
   ap.add_argument("--candidate-name", help="what the candidate is (recorded)")
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--calls", type=int, default=10, help="timed calls per case and process")
+  ap.add_argument("--calls", type=int, default=10, help="timed rounds of back-to-back calls per case and process")
   ap.add_argument("--threshold", type=float, default=0.03)
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--backend", default="auto", help="flash_attention's backend (default auto)")

@@ -11,7 +11,8 @@ gate (benchmarks/cases.py) as .npz files named in the spec.
 
 Per case: the mask build (jit of create_attention_mask) timed on its own, then the forward and
 forward+backward, each taking the prebuilt mask as a jit argument: `warmup` untimed calls, then
-`calls` calls each waited for. Prints one line `GATE_RESULT {json}` with the medians (ms).
+`calls` rounds of back-to-back calls (about 20 ms each). Prints one line `GATE_RESULT {json}`
+with the medians (ms per call).
 """
 
 from __future__ import annotations
@@ -31,16 +32,24 @@ import kvax_plugin
 RESULT_PREFIX = "GATE_RESULT "
 
 
-def call_times(fn, args, warmup: int, calls: int) -> list[float]:
-  """ms of each of `calls` calls after `warmup` untimed ones, each call waited for (the same
-  loop as benchmarks/timing.call_times; repeated here, see the docstring)."""
+def round_times(fn, args, warmup: int, rounds: int, min_round_ms: float = 20.0) -> list[float]:
+  """ms per call of each of `rounds` rounds after `warmup` untimed calls; a round is as many
+  back-to-back calls as last about min_round_ms, waited for at its end (the loop of
+  benchmarks/timing.round_ms; repeated here, see the docstring). Back to back, the GPU's time is
+  measured, not the host's dispatch latency, which varies between processes by more than a
+  millisecond-long call's differences."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  inner = max(1, int(min_round_ms / max((time.perf_counter() - t0) * 1e3, 1e-3)))
   times = []
-  for _ in range(calls):
+  for _ in range(rounds):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) * 1e3 / inner)
   return times
 
 
@@ -61,7 +70,7 @@ def time_case(spec: dict, case: dict) -> dict[str, list[float]]:
   warmup, calls = spec["warmup"], spec["calls"]
 
   build = jax.jit(lambda p, s: kvax_plugin.create_attention_mask(p, s, p, s, calc_bwd_mask=True))
-  out = {"mask": call_times(build, (pos, seg), warmup, calls)}
+  out = {"mask": round_times(build, (pos, seg), warmup, calls)}
   mask = build(pos, seg)
 
   def attend(q, k, v, p, s, mask):
@@ -72,7 +81,7 @@ def time_case(spec: dict, case: dict) -> dict[str, list[float]]:
 
   fns = {"fwd": jax.jit(attend), "fwd_bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
   for name in spec["passes"]:
-    out[name] = call_times(fns[name], (q, k, v, pos, seg, mask), warmup, calls)
+    out[name] = round_times(fns[name], (q, k, v, pos, seg, mask), warmup, calls)
   return out
 
 

@@ -126,3 +126,18 @@ def test_an_extracted_tree_is_not_given_its_enclosing_checkouts_commit(tmp_path)
     assert len(head) == 40 and all(c in "0123456789abcdef" for c in head)
   finally:
     inside.rmdir()
+
+
+def test_gate_worker_times_rounds_of_back_to_back_calls():
+  """Each timed value is one round's ms per call, a round as many calls as last about 20 ms,
+  waited for once at its end (the host's dispatch latency is not what the gate compares)."""
+  from benchmarks import gate_worker
+  calls = []
+
+  def fn(x):
+    calls.append(x)
+    return x
+
+  times = gate_worker.round_times(fn, (1,), warmup=3, rounds=4, min_round_ms=1e-6)
+  assert len(times) == 4 and all(t >= 0 for t in times)
+  assert len(calls) == 3 + 1 + 4  # warm-ups, the call that sizes a round, 4 rounds of 1 call

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvax_plugin.attention.block_mask import longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT
@@ -157,15 +158,20 @@ def unpermute_vector_order(accum):
   return x.reshape(*lead, 64, 64)
 
 
-def launch_order(bounds, n_tiles: int):
-  """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input): the
-  tiles in sequence order. The CTAs in flight then work on neighbouring tiles, mostly of the same
-  documents, whose Q / dO reads and dq reduce-adds meet in L2; under a causal mask a document's
-  first tile is also its longest. Launching the tiles longest first over the whole row spread
-  the CTAs in flight over the documents, which cost more in L2 misses than it gained at the
-  launch tail (docs/status.md)."""
-  batch = bounds[0].shape[0]
-  return jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (batch, n_tiles))
+def launch_order(bounds, n_tiles: int, heads_slowest: bool):
+  """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input).
+
+  Heads fastest (head dims 64 / 128 without a window): the tiles in sequence order. The CTAs in
+  flight then work on neighbouring tiles, mostly of the same documents, whose Q / dO reads and
+  dq reduce-adds meet in L2; under a causal mask a document's first tile is also its longest.
+  Longest first over the whole row spread the CTAs in flight over the documents, which cost
+  more in L2 misses than it saved at the launch tail. Heads slowest (a sliding window, head dims
+  256 and 192 / 128): the CTAs in flight are one head's tiles, and there longest first is
+  ahead (docs/status.md)."""
+  lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
+  if heads_slowest:
+    return longest_first(lower, upper, n_tiles // lower.shape[1], n_tiles)
+  return jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (lower.shape[0], n_tiles))
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
@@ -210,9 +216,11 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     bits |= MASK_IN_LOOP
   if d not in MAIN_LAYOUT_HEAD_DIMS:
     bits &= ~(DECOUPLE | MASK_IN_LOOP)
-  # The wide kernels run 64-row kv tiles, two per table row.
+  # The wide kernels run 64-row kv tiles, two per table row, and launch the heads slowest, as
+  # the windowed kernels do (fused_backward.cu's grid).
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
-  order = launch_order(bounds, skv // cta_tile)
+  heads_slowest = bool(window) or d not in MAIN_LAYOUT_HEAD_DIMS
+  order = launch_order(bounds, skv // cta_tile, heads_slowest)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
