@@ -26,9 +26,9 @@ First one warm-up process per tree (backend "hopper" compiles its CUDA library w
 first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two libraries; and the
 processes share a JAX persistent compilation cache of this run, which the warm-ups fill, unless
 --no-compilation-cache), then --rounds rounds, each one process of the base then one of the
-candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's; the gate fails (exit 1) when
-any forward or forward+backward case is slower by more than --threshold (the mask build's ratio
-is reported, not gated). Exit 2: a process failed.
+candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's;
+the gate fails (exit 1) when any forward or forward+backward case is slower by more than
+--threshold (the mask build's ratio is reported, not gated). Exit 2: a process failed.
 
 Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv heads, head dim 128,
 bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
                   "--base-tree has no git history)")
   ap.add_argument("--candidate-name", help="what the candidate is (recorded)")
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--calls", type=int, default=10, help="timed rounds of back-to-back calls per case and process")
+  ap.add_argument("--calls", type=int, default=10,
+                  help="timed rounds of back-to-back calls per case and process")
   ap.add_argument("--threshold", type=float, default=0.03)
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--backend", default="auto", help="flash_attention's backend (default auto)")

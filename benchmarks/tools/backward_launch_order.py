@@ -1,10 +1,10 @@
 """The kernels' launch orders, compared in one process: forward+backward of backend="hopper"
 with the CUDA backward's kv tiles launched in sequence order (the default where the kv heads
 launch fastest: head dims 64 / 128 without a window), longest first (the default where they
-launch slowest), and in reverse sequence order; with --forward, the forward alone with the persistent Mosaic
-forward's deal of query tiles longest first (its default), in sequence order and in reverse. The
-order is an input of each kernel, so the variants share one library and one kernel build and
-alternate call by call in one process, free of the noise between processes.
+launch slowest), and in reverse sequence order; with --forward, the forward alone with the
+persistent Mosaic forward's deal of query tiles longest first (its default), in sequence order
+and in reverse. The order is an input of each kernel, so the variants share one library and one
+kernel build and alternate call by call in one process, free of the noise between processes.
 
     python -m benchmarks.tools.backward_launch_order [--seqs 16384,65536] [--head-dims 128]
         [--forward] [--rounds 9] [--out F]
@@ -120,7 +120,8 @@ def main(argv=None):
       for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
           times[name].append(round_ms(fns[name], call, inner[name]))
-      row = dict(head_dim=d, seq=seq, case=case, ms={n: statistics.median(t) for n, t in times.items()},
+      row = dict(head_dim=d, seq=seq, case=case,
+                 ms={n: statistics.median(t) for n, t in times.items()},
                  ms_rounds=times)
       rows.append(row)
       print(f"D={d} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),

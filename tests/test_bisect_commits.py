@@ -1,6 +1,6 @@
-"""benchmarks/bisect.py (several trees alternated in one call) on CPU: the summary's arithmetic
-on made-up rounds, its argument checks, and a dry run end to end (--smoke, backend "jax") over
-this tree and a copy of its kvax_plugin, keeping one case."""
+"""benchmarks/bisect_commits.py (several trees alternated in one call) on CPU: the summary's
+arithmetic on made-up rounds, its argument checks, and a dry run end to end (--smoke, backend
+"jax") over this tree and a copy of its kvax_plugin, keeping one case."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
   sys.path.insert(0, str(ROOT))
 
-from benchmarks import bisect  # noqa: E402
+from benchmarks import bisect_commits as bisect  # noqa: E402
 
 
 def test_summary_is_each_trees_median_over_rounds_against_the_first():
@@ -51,9 +51,10 @@ def test_bisect_smoke_over_two_trees(tmp_path):
   env = dict(os.environ, XLA_FLAGS=" ".join(
       f for f in os.environ.get("XLA_FLAGS", "").split()
       if "xla_force_host_platform_device_count" not in f))
-  done = subprocess.run([sys.executable, "-m", "benchmarks.bisect", "--tree", f"copy={copy}",
-                         "--tree", f"here={ROOT}", "--backend", "jax", "--smoke", "--rounds", "2",
-                         "--calls", "2", "--only", "256-docs", "--out", str(out)],
+  done = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
+                         "--tree", f"copy={copy}", "--tree", f"here={ROOT}", "--backend", "jax",
+                         "--smoke", "--rounds", "2", "--calls", "2", "--only", "256-docs",
+                         "--out", str(out)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   result = json.loads(out.read_text())
@@ -68,7 +69,8 @@ def test_bisect_smoke_over_two_trees(tmp_path):
   assert cond["trees"] == {"copy": str(copy), "here": str(ROOT)} and cond["rounds"] == 2
   assert cond["gpu"] == "cpu" and cond["backend"] == "jax" and cond["smoke"]
   assert "| 256-docs/fwd_bwd |" in done.stdout
-  bad = subprocess.run([sys.executable, "-m", "benchmarks.bisect", "--tree", f"copy={copy}",
-                        "--tree", f"here={ROOT}", "--smoke", "--only", "nope"],
+  bad = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
+                        "--tree", f"copy={copy}", "--tree", f"here={ROOT}", "--smoke",
+                        "--only", "nope"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert bad.returncode == 2 and "--only ['nope']: not among the cases" in bad.stderr

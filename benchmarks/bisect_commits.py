@@ -1,7 +1,7 @@
 """Several trees timed against each other on this machine's GPU, alternated in one call: where
 along a line of commits a case got slower.
 
-    python -m benchmarks.bisect --tree NAME=PATH --tree NAME=PATH [...] [--rounds 3]
+    python -m benchmarks.bisect_commits --tree NAME=PATH --tree NAME=PATH [...] [--rounds 3]
         [--cases quick|full] [--only 16k-docs] [--backend hopper] [--deadline SECONDS] [--out FILE]
 
 Each PATH holds a kvax_plugin/ (extract a commit with `git archive <commit> kvax_plugin | tar -x
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
                   metavar="NAME=PATH", help="a tree to time (at least two; the first is the "
                   "reference of the ratios)")
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--calls", type=int, default=10, help="timed rounds of back-to-back calls per case and process")
+  ap.add_argument("--calls", type=int, default=10,
+                  help="timed rounds of back-to-back calls per case and process")
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--only", action="append", default=None, metavar="CASE",
                   help="keep only these cases of the set (e.g. 16k-docs); repeatable")
