@@ -2,7 +2,8 @@
 (median over rounds, candidate / base, fail above 1 + threshold, the mask build reported but not
 gated), and a dry run end to end (--smoke, backend "jax", 2 rounds) against a copy of this
 tree's kvax_plugin: each tree's processes import their own kvax_plugin, and the results file
-holds the conditions, every round and a ratio for every case."""
+holds the conditions, every round and a ratio for every case. The same for
+benchmarks/bisect_commits.py, the gate's timing over several trees."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
   sys.path.insert(0, str(ROOT))
 
-from benchmarks import cases, gate  # noqa: E402
+from benchmarks import bisect_commits, cases, gate  # noqa: E402
 
 
 def _rounds(**medians):
@@ -73,15 +74,21 @@ def test_gate_documents_layout_is_the_specified_one(tmp_path):
                                         .read_text())["cases"]][2:] == ["64k-causal", "64k-docs"]
 
 
-def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
-  base = tmp_path / "base"
-  shutil.copytree(ROOT / "kvax_plugin", base / "kvax_plugin",
+def _copy_of_this_tree(folder: Path) -> tuple[Path, dict]:
+  """A copy of this tree's kvax_plugin under folder, and the environment of a timing run on one
+  CPU device."""
+  shutil.copytree(ROOT / "kvax_plugin", folder / "kvax_plugin",
                   ignore=shutil.ignore_patterns("__pycache__"))
-  out = tmp_path / "gate.json"
-  # one CPU device; CPU timings of two equal trees differ by noise: a loose threshold
   env = dict(os.environ, XLA_FLAGS=" ".join(
       f for f in os.environ.get("XLA_FLAGS", "").split()
       if "xla_force_host_platform_device_count" not in f))
+  return folder, env
+
+
+def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
+  base, env = _copy_of_this_tree(tmp_path / "base")
+  out = tmp_path / "gate.json"
+  # CPU timings of two equal trees differ by noise: a loose threshold
   done = subprocess.run([sys.executable, "-m", "benchmarks.gate", "--base-tree", str(base),
                          "--backend", "jax", "--smoke", "--rounds", "2", "--threshold", "10",
                          "--base-name", "da03dbb (a copy)",
@@ -141,3 +148,60 @@ def test_gate_worker_times_rounds_of_back_to_back_calls():
   times = gate_worker.round_times(fn, (1,), warmup=3, rounds=4, min_round_ms=1e-6)
   assert len(times) == 4 and all(t >= 0 for t in times)
   assert len(calls) == 3 + 1 + 4  # warm-ups, the call that sizes a round, 4 rounds of 1 call
+
+
+def test_bisect_summary_is_each_trees_median_over_rounds_against_the_first():
+  rounds = {"old": [{"c/fwd": 10.0}, {"c/fwd": 12.0}, {"c/fwd": 11.0}],
+            "mid": [{"c/fwd": 11.0}, {"c/fwd": 30.0}, {"c/fwd": 11.0}],
+            "new": [{"c/fwd": 9.0}, {"c/fwd": 8.0}, {"c/fwd": 8.5}]}
+  cases = bisect_commits.summarize(rounds)
+  assert list(cases["c/fwd"]) == ["old", "mid", "new"]
+  assert cases["c/fwd"]["old"] == dict(ms=11.0, ratio=1.0)
+  assert cases["c/fwd"]["mid"]["ms"] == 11.0  # one slow round does not move the median
+  assert cases["c/fwd"]["new"]["ratio"] == pytest.approx(8.5 / 11.0)
+  table = bisect_commits.table(cases)
+  assert "| c/fwd | 11.000 (1.000) | 11.000 (1.000) | 8.500 (0.773) |" in table
+
+
+def test_bisect_tree_arguments_are_checked(tmp_path):
+  with pytest.raises(Exception, match="expected NAME=PATH"):
+    bisect_commits.parse_tree(str(tmp_path))
+  with pytest.raises(Exception, match="has no kvax_plugin"):
+    bisect_commits.parse_tree(f"x={tmp_path}")
+  with pytest.raises(SystemExit):
+    bisect_commits.main(["--tree", f"a={ROOT}"])  # one tree: nothing to compare
+  with pytest.raises(SystemExit):
+    bisect_commits.main(["--tree", f"a={ROOT}", "--tree", f"a={ROOT}"])  # names must differ
+
+
+def test_bisect_smoke_over_two_trees(tmp_path):
+  copy = tmp_path / "copy"
+  shutil.copytree(ROOT / "kvax_plugin", copy / "kvax_plugin",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  out = tmp_path / "bisect.json"
+  env = dict(os.environ, XLA_FLAGS=" ".join(
+      f for f in os.environ.get("XLA_FLAGS", "").split()
+      if "xla_force_host_platform_device_count" not in f))
+  done = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
+                         "--tree", f"copy={copy}", "--tree", f"here={ROOT}", "--backend", "jax",
+                         "--smoke", "--rounds", "2", "--calls", "2", "--only", "256-docs",
+                         "--out", str(out)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  result = json.loads(out.read_text())
+  keys = {f"256-docs/{p}" for p in ("mask", "fwd", "fwd_bwd")}
+  assert set(result["cases"]) == keys
+  for per in result["cases"].values():
+    assert list(per) == ["copy", "here"] and per["copy"]["ratio"] == 1.0
+    assert all(t["ms"] > 0 for t in per.values())
+  assert [len(result["rounds"][n]) for n in ("copy", "here")] == [2, 2]
+  assert set(result["warmup"]) == {"copy", "here"}
+  cond = result["conditions"]
+  assert cond["trees"] == {"copy": str(copy), "here": str(ROOT)} and cond["rounds"] == 2
+  assert cond["gpu"] == "cpu" and cond["backend"] == "jax" and cond["smoke"]
+  assert "| 256-docs/fwd_bwd |" in done.stdout
+  bad = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
+                        "--tree", f"copy={copy}", "--tree", f"here={ROOT}", "--smoke",
+                        "--only", "nope"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert bad.returncode == 2 and "--only ['nope']: not among the cases" in bad.stderr
