@@ -127,3 +127,32 @@ def test_remat_clone_check_says_it_needs_a_hopper_gpu(capsys):
     pytest.skip("a GPU is here: the check itself is tests/gpu/test_remat_gpu.py's")
   with pytest.raises(SystemExit, match="needs the Mosaic GPU backend"):
     remat_clone_check.main([])
+
+
+def test_launch_orders_patches_what_the_kernels_call():
+  """tools/launch_orders.py replaces each kernel wrapper's order function by name: every name
+  exists where it is replaced, the replacement is in place only while tracing, and every order
+  it compares is a permutation of the launch positions per batch row."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from benchmarks.tools import launch_orders as lo
+  lower = jnp.asarray([[0, 2, 2, 7], [1, 1, 3, 3]], jnp.int32)
+  upper = jnp.asarray([[2, 5, 5, 8], [4, 4, 4, 4]], jnp.int32)
+  for kernel, (module, name, orders, backend, _) in lo.KERNELS.items():
+    default = getattr(module, name)
+    assert backend in ("hopper", "mosaic"), kernel
+    for label, order in orders.items():
+      with lo.launch_order(module, name, order):
+        assert getattr(module, name) is order
+      assert getattr(module, name) is default
+      if kernel == "hopper_backward":
+        got = order((lower, upper, lower, upper), 8, False)
+        n = 8
+      elif kernel == "mosaic_backward":
+        got, n = order(lower, upper, 1, 4, 3), 12
+      else:
+        got, n = order(lower, upper, 2, 8), 8
+      got = np.asarray(got)
+      assert got.shape == (2, n), (kernel, label)
+      assert all(sorted(row) == list(range(n)) for row in got.tolist()), (kernel, label)

@@ -1,13 +1,18 @@
-"""The kernels' launch orders, compared in one process: forward+backward of backend="hopper"
-with the CUDA backward's kv tiles launched in sequence order (the default where the kv heads
-launch fastest: head dims 64 / 128 without a window), longest first (the default where they
-launch slowest), and in reverse sequence order; with --forward, the forward alone with the
-persistent Mosaic forward's deal of query tiles longest first (its default), in sequence order
-and in reverse. The order is an input of each kernel, so the variants share one library and one
-kernel build and alternate call by call in one process, free of the noise between processes.
+"""The kernels' launch orders compared in one process. Each order is an input of its kernel, so
+the variants share one build and alternate call by call, free of the noise between processes.
 
-    python -m benchmarks.tools.backward_launch_order [--seqs 16384,65536] [--head-dims 128]
-        [--forward] [--rounds 9] [--out F]
+    python -m benchmarks.tools.launch_orders [--kernel hopper_backward|mosaic_forward|
+        mosaic_backward] [--seqs 16384,65536] [--head-dims 128] [--rounds 9] [--out F]
+
+--kernel (what is timed, backend):
+  hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles in sequence order
+                   (the default where the kv heads launch fastest: head dims 64 / 128 without a
+                   window), longest first (the default where they launch slowest), reversed;
+  mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
+                   deal of query tiles longest first (its default), in sequence order, reversed;
+  mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
+                   positions longest first over the heads (their default), in sequence order
+                   with the heads fastest, reversed.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, bf16; ms per call, median over rounds of about 20 ms of back-to-back calls
@@ -32,6 +37,7 @@ from benchmarks.cases import layout
 from benchmarks.timing import round_ms
 from kvax_plugin.attention import block_mask
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
+from kvax_plugin.attention.kernels.mosaic import backward as mosaic_backward
 from kvax_plugin.attention.kernels.mosaic import forward
 
 
@@ -60,6 +66,27 @@ BACKWARD_ORDERS = {name: _on_bounds(FORWARD_ORDERS[name])
                    for name in ("ascending", "longest_first", "descending")}
 
 
+def _over_heads_ascending(lower, upper, tiles_per_row, n_tiles, n_heads):
+  n = n_tiles * n_heads
+  return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (lower.shape[0], n))
+
+
+# The Mosaic backward kernels' order: block_mask.longest_first_over_heads's signature, codes
+# tile * n_heads + head.
+MOSAIC_BACKWARD_ORDERS = {
+    "longest_first": block_mask.longest_first_over_heads, "ascending": _over_heads_ascending,
+    "descending": lambda *a: _over_heads_ascending(*a)[:, ::-1]}
+
+# --kernel: (the module whose order function is replaced, its name there, the orders, backend,
+# forward only)
+KERNELS = {
+    "hopper_backward": (fused_backward, "launch_order", BACKWARD_ORDERS, "hopper", False),
+    "mosaic_forward": (forward, "longest_first", FORWARD_ORDERS, "hopper", True),
+    "mosaic_backward": (mosaic_backward, "longest_first_over_heads", MOSAIC_BACKWARD_ORDERS,
+                        "mosaic", False),
+}
+
+
 @contextlib.contextmanager
 def launch_order(module, name: str, fn):
   """module.name (the order function a kernel's wrapper calls) replaced by fn while tracing."""
@@ -75,16 +102,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seqs", default="16384,65536")
   ap.add_argument("--head-dims", default="128")
-  ap.add_argument("--forward", action="store_true",
-                  help="time the forward's deal orders instead of the backward's launch orders")
+  ap.add_argument("--kernel", choices=tuple(KERNELS), default="hopper_backward")
   ap.add_argument("--rounds", type=int, default=9)
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   heads, kv_heads = 32, 8
-  if args.forward:
-    target, attr, orders = forward, "longest_first", FORWARD_ORDERS
-  else:
-    target, attr, orders = fused_backward, "launch_order", BACKWARD_ORDERS
+  target, attr, orders, backend, forward_only = KERNELS[args.kernel]
   rows = []
   for d, seq in itertools.product(map(int, args.head_dims.split(",")),
                                   map(int, args.seqs.split(","))):
@@ -95,7 +118,7 @@ def main(argv=None):
 
     def attend(q, k, v, pos, seg, mask):
       return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5,
-                                         backend="hopper")
+                                         backend=backend)
 
     def loss(q, k, v, pos, seg, mask):
       return jnp.sum(attend(q, k, v, pos, seg, mask).astype(jnp.float32)
@@ -108,7 +131,7 @@ def main(argv=None):
       call = (q, k, v, pos, seg, mask)
       fns, inner = {}, {}
       timed = (jax.jit(lambda q, k, v, pos, seg, mask: attend(q, k, v, pos, seg, mask))
-               if args.forward else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+               if forward_only else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
       for label, order in orders.items():
         with launch_order(target, attr, order):
           fns[label] = timed.lower(*call).compile()
@@ -130,9 +153,9 @@ def main(argv=None):
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
       shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
-      timed=("jit(flash_attention), the forward's deal order" if args.forward else
-             "jit(grad(sum(out * dO))) over q, k, v, the backward's launch order")
-      + "; the mask prebuilt; backend hopper"),
+      kernel=args.kernel, backend=backend,
+      timed=("jit(flash_attention)" if forward_only else
+             "jit(grad(sum(out * dO))) over q, k, v") + ", the mask prebuilt"),
       rows=rows)
   if args.out:
     Path(args.out).write_text(json.dumps(result, indent=1))
