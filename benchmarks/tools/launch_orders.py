@@ -7,7 +7,8 @@ the variants share one build and alternate call by call, free of the noise betwe
 --kernel (what is timed, backend):
   hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles in sequence order
                    (the default where the kv heads launch fastest: head dims 64 / 128 without a
-                   window), longest first (the default where they launch slowest), reversed;
+                   window), longest first (the default where they launch slowest), reversed,
+                   and documents longest first with each document's tiles in sequence;
   mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
                    deal of query tiles longest first (its default), in sequence order, reversed;
   mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
@@ -54,6 +55,19 @@ FORWARD_ORDERS = {"longest_first": block_mask.longest_first, "ascending": _ascen
                   "descending": _descending}
 
 
+def _documents_longest_first(lower, upper, tiles_per_row, n_tiles):
+  """The tiles grouped by their last visited query block (under causal packed documents, one
+  group per document), groups by descending summed visited blocks, each group's tiles in
+  sequence order: locality within a document, the longest documents first. A list-scheduling
+  model of 16k documents puts its launch tail at 1.6-2.6%, sequence order's at 2.6-5.7%."""
+  up = jnp.repeat(upper, tiles_per_row, axis=1)[:, :n_tiles]
+  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
+  same = up[:, :, None] == up[:, None, :]
+  group_work = jnp.sum(jnp.where(same, counts[:, None, :], 0), axis=2)
+  tiles = jnp.broadcast_to(jnp.arange(n_tiles), up.shape)
+  return jnp.lexsort((tiles, -group_work), axis=1).astype(jnp.int32)
+
+
 def _on_bounds(order):
   """A forward-style order as fused_backward.launch_order (bounds, n_tiles, heads_slowest)."""
   def launch(bounds, n_tiles, heads_slowest):
@@ -64,6 +78,7 @@ def _on_bounds(order):
 
 BACKWARD_ORDERS = {name: _on_bounds(FORWARD_ORDERS[name])
                    for name in ("ascending", "longest_first", "descending")}
+BACKWARD_ORDERS["documents_longest_first"] = _on_bounds(_documents_longest_first)
 
 
 def _over_heads_ascending(lower, upper, tiles_per_row, n_tiles, n_heads):
