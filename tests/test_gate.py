@@ -184,7 +184,7 @@ def test_bisect_smoke_over_two_trees(tmp_path):
       if "xla_force_host_platform_device_count" not in f))
   done = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
                          "--tree", f"copy={copy}", "--tree", f"here={ROOT}", "--backend", "jax",
-                         "--smoke", "--rounds", "2", "--calls", "2", "--only", "256-docs",
+                         "--smoke", "--rounds", "1", "--calls", "2", "--only", "256-docs",
                          "--out", str(out)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -194,10 +194,10 @@ def test_bisect_smoke_over_two_trees(tmp_path):
   for per in result["cases"].values():
     assert list(per) == ["copy", "here"] and per["copy"]["ratio"] == 1.0
     assert all(t["ms"] > 0 for t in per.values())
-  assert [len(result["rounds"][n]) for n in ("copy", "here")] == [2, 2]
+  assert [len(result["rounds"][n]) for n in ("copy", "here")] == [1, 1]
   assert set(result["warmup"]) == {"copy", "here"}
   cond = result["conditions"]
-  assert cond["trees"] == {"copy": str(copy), "here": str(ROOT)} and cond["rounds"] == 2
+  assert cond["trees"] == {"copy": str(copy), "here": str(ROOT)} and cond["rounds"] == 1
   assert cond["gpu"] == "cpu" and cond["backend"] == "jax" and cond["smoke"]
   assert "| 256-docs/fwd_bwd |" in done.stdout
   bad = subprocess.run([sys.executable, "-m", "benchmarks.bisect_commits",
