@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         conditions=dict(
             date=date.isoformat(timespec="seconds"), gpu=gpu, jax=first["jax"],
             jaxlib=first["jaxlib"], trees={n: str(t) for n, t in args.tree},
-            backend=args.backend, cases=[c for c in next(iter(rounds.values()))[0]],
+            backend=args.backend, cases=list(cases),
             rounds=done, calls=args.calls, smoke=args.smoke,
             shapes=dict(SMOKE_SHAPES if args.smoke else SHAPES, batch=1, seed=0),
             seconds=round(time.monotonic() - start)),
