@@ -156,3 +156,28 @@ def test_launch_orders_patches_what_the_kernels_call():
       got = np.asarray(got)
       assert got.shape == (2, n), (kernel, label)
       assert all(sorted(row) == list(range(n)) for row in got.tolist()), (kernel, label)
+
+
+def test_launch_orders_compiles_each_order_not_the_first_trace_again():
+  """Each variant is traced anew with its order in place (JAX's trace cache would otherwise hand
+  every variant the first one's program), and variants that lower to the same program are
+  refused rather than timed."""
+  import types
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import pytest
+
+  from benchmarks.tools import launch_orders as lo
+  toy = types.ModuleType("toy")
+  toy.order = lambda n: jnp.arange(n)
+  fn = jax.jit(lambda x: x[toy.order(x.shape[0])])  # one function object for every variant
+  x = jnp.arange(5.0)
+  fns = lo.compile_variants(lambda: fn, (x,), toy, "order",
+                            {"up": lambda n: jnp.arange(n), "down": lambda n: jnp.arange(n)[::-1]})
+  np.testing.assert_array_equal(fns["up"](x), [0, 1, 2, 3, 4])
+  np.testing.assert_array_equal(fns["down"](x), [4, 3, 2, 1, 0])
+  with pytest.raises(RuntimeError, match="identical programs"):
+    lo.compile_variants(lambda: fn, (x,), toy, "order",
+                        {"a": lambda n: jnp.arange(n), "b": lambda n: jnp.arange(n)})

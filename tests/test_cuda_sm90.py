@@ -296,23 +296,24 @@ def ffi_call(monkeypatch):
 def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
   """The `order` input (the CTAs' kv tiles): per batch row a permutation of the kernel's kv tiles
   (64-row tiles at head dims 256 and 192 / 128, two per table row). Where the kernel launches
-  the kv heads of a tile together (head dims 64 / 128 without a window) the tiles in sequence
-  order, whatever the table's visited blocks; where it launches one head's tiles after another
-  (head dims 256 and 192 / 128, or a sliding window) by descending visited blocks of the dk/dv
-  table, ties in tile order."""
+  the kv heads of a tile together (head dims 64 / 128 without a window) the tiles grouped by
+  their last visited block, groups by descending summed visited blocks, each in tile order;
+  where it launches one head's tiles after another (head dims 256 and 192 / 128, or a sliding
+  window) by descending visited blocks of the dk/dv table, ties in tile order."""
   d, dv_dim = head_dims
   b, s, h, kh = 2, 512, 4, 2
   x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   ids = jnp.zeros((b, s), jnp.int32)
   lse = jnp.zeros((b, h, s), jnp.float32)
-  # visited 64-row query blocks per 128-row kv tile (4 table rows): row 0 causal-like, row 1
-  # packed documents whose longest tiles are not the first, with a tie between tiles 1 and 2
-  lower = jnp.array([[0, 2, 4, 6], [0, 2, 2, 7]], jnp.int32)
-  upper = jnp.array([[8, 8, 8, 8], [2, 5, 5, 8]], jnp.int32)
+  # visited 64-row query blocks per 128-row kv tile (4 table rows): row 0 causal-like (one
+  # document: sequence order either way), row 1 three documents (tiles 0 | 1, 2 | 3 by their
+  # last visited block) whose longest tile is not the first, with a tie between tiles 0 and 2
+  lower = jnp.array([[0, 2, 4, 6], [0, 1, 2, 7]], jnp.int32)
+  upper = jnp.array([[8, 8, 8, 8], [3, 5, 5, 8]], jnp.int32)
   per_table_row = 128 // cta_rows
-  in_sequence = np.tile(np.arange(s // cta_rows), (b, 1))
+  by_documents = np.array([[0, 1, 2, 3], [1, 2, 0, 3]])  # row 1: documents' work 3, 7, 1
   longest = np.array([[per_table_row * t + j for t in row for j in range(per_table_row)]
-                      for row in [[0, 1, 2, 3], [1, 2, 0, 3]]])  # row 1: counts 2, 3, 3, 1
+                      for row in [[0, 1, 2, 3], [1, 0, 2, 3]]])  # row 1: counts 3, 4, 3, 1
   for window in (0, 100):
     cuda_bwd.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, dv_dim),
                             x(b, s, h, dv_dim), lse, lse, ids, ids, ids, ids,
@@ -320,7 +321,7 @@ def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
     order = np.asarray(ffi_call["args"][-1])  # the handler's last input
     assert order.dtype == np.int32 and order.shape == (b, s // cta_rows)
     heads_fastest = d in (64, 128) and not window
-    np.testing.assert_array_equal(order, in_sequence if heads_fastest else longest)
+    np.testing.assert_array_equal(order, by_documents if heads_fastest else longest)
 
 
 @pytest.mark.parametrize("scale, soft_cap, head_dim, in_loop", [

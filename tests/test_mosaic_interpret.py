@@ -303,6 +303,27 @@ def test_kernel_options_match_reference_in_interpreter(fields):
   test_kernels_lower_for_cuda((128, 128), True, options=KernelOptions(**fields))
 
 
+def test_documents_longest_first():
+  """block_mask.documents_longest_first (the CUDA backward's order where the kv heads launch
+  fastest): a permutation of the tiles per batch row; tiles sharing their last visited block
+  stay together in tile order; groups by descending summed visited blocks, a tie going to the
+  group that ends first; one causal document is sequence order; padding tiles (nothing
+  visited) last."""
+  from kvax_plugin.attention import block_mask as bm
+  # row 0: documents of tiles {0, 1} (ends 4, work 4 + 2), {2} (ends 6, work 2), {3, 4, 5}
+  # (ends 12, work 6 + 4 + 2 = 12), then a padding tile; row 1 one causal document; row 2 a
+  # tie: {0} and {1} both 3 blocks of work
+  lower = jnp.asarray([[0, 2, 4, 6, 8, 10, 0], [0, 1, 2, 3, 4, 5, 6], [0, 3, 6, 6, 6, 6, 6]])
+  upper = jnp.asarray([[4, 4, 6, 12, 12, 12, 0], [7, 7, 7, 7, 7, 7, 7], [3, 6, 7, 7, 7, 7, 7]])
+  order = bm.documents_longest_first(lower, upper, 1, 7).tolist()
+  assert order[0] == [3, 4, 5, 0, 1, 2, 6]
+  assert order[1] == list(range(7))
+  assert order[2] == [2, 3, 4, 5, 6, 0, 1]  # {2..6}: 5, then {0}: 3 before {1}: 3
+  # two table rows per kernel tile: each row's tiles follow each other
+  assert bm.documents_longest_first(lower[:1], upper[:1], 2, 14).tolist() == [
+      [6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 12, 13]]
+
+
 def test_longest_first_orders():
   """block_mask.longest_first (the persistent forward's deal: a permutation, descending visited
   blocks, ties in tile order) and block_mask.longest_first_over_heads (both Mosaic backward

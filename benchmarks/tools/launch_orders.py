@@ -5,10 +5,11 @@ the variants share one build and alternate call by call, free of the noise betwe
         mosaic_backward] [--seqs 16384,65536] [--head-dims 128] [--rounds 9] [--out F]
 
 --kernel (what is timed, backend):
-  hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles in sequence order
-                   (the default where the kv heads launch fastest: head dims 64 / 128 without a
-                   window), longest first (the default where they launch slowest), reversed,
-                   and documents longest first with each document's tiles in sequence;
+  hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles by documents,
+                   longest first, each document's tiles in sequence (the default where the kv
+                   heads launch fastest: head dims 64 / 128 without a window), in sequence
+                   order, longest first over the row (the default where they launch slowest),
+                   reversed;
   mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
                    deal of query tiles longest first (its default), in sequence order, reversed;
   mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
@@ -55,19 +56,6 @@ FORWARD_ORDERS = {"longest_first": block_mask.longest_first, "ascending": _ascen
                   "descending": _descending}
 
 
-def _documents_longest_first(lower, upper, tiles_per_row, n_tiles):
-  """The tiles grouped by their last visited query block (under causal packed documents, one
-  group per document), groups by descending summed visited blocks, each group's tiles in
-  sequence order: sequence order's locality within a document, and the longest documents
-  started first so that none is left to run alone at the launch tail."""
-  up = jnp.repeat(upper, tiles_per_row, axis=1)[:, :n_tiles]
-  counts = jnp.repeat(upper - lower, tiles_per_row, axis=1)[:, :n_tiles]
-  same = up[:, :, None] == up[:, None, :]
-  group_work = jnp.sum(jnp.where(same, counts[:, None, :], 0), axis=2)
-  tiles = jnp.broadcast_to(jnp.arange(n_tiles), up.shape)
-  return jnp.lexsort((tiles, -group_work), axis=1).astype(jnp.int32)
-
-
 def _on_bounds(order):
   """A forward-style order as fused_backward.launch_order (bounds, n_tiles, heads_slowest)."""
   def launch(bounds, n_tiles, heads_slowest):
@@ -76,9 +64,9 @@ def _on_bounds(order):
   return launch
 
 
-BACKWARD_ORDERS = {name: _on_bounds(FORWARD_ORDERS[name])
-                   for name in ("ascending", "longest_first", "descending")}
-BACKWARD_ORDERS["documents_longest_first"] = _on_bounds(_documents_longest_first)
+BACKWARD_ORDERS = {"documents_longest_first": _on_bounds(block_mask.documents_longest_first)}
+BACKWARD_ORDERS.update((name, _on_bounds(FORWARD_ORDERS[name]))
+                       for name in ("ascending", "longest_first", "descending"))
 
 
 def _over_heads_ascending(lower, upper, tiles_per_row, n_tiles, n_heads):
@@ -113,6 +101,27 @@ def launch_order(module, name: str, fn):
     setattr(module, name, saved)
 
 
+def compile_variants(make, args, module, name: str, orders: dict) -> dict:
+  """{label: make() lowered on args and compiled with module.name replaced by orders[label]}.
+
+  JAX caches a traced function by its identity and argument types, so a second lowering of the
+  same function would silently reuse the first order's trace: the caches are cleared before
+  each variant, and variants whose lowered programs are identical are refused (the patch did
+  not reach the kernel's wrapper)."""
+  fns, texts = {}, {}
+  for label, order in orders.items():
+    jax.clear_caches()
+    with launch_order(module, name, order):
+      lowered = make().lower(*args)
+    texts[label] = lowered.as_text()
+    fns[label] = lowered.compile()
+  same = [(a, b) for a, b in itertools.combinations(texts, 2) if texts[a] == texts[b]]
+  if same:
+    raise RuntimeError(f"launch orders {same} lowered to identical programs: "
+                       f"{module.__name__}.{name} is not what the kernel's wrapper calls")
+  return fns
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seqs", default="16384,65536")
@@ -144,12 +153,11 @@ def main(argv=None):
       pos, seg = jnp.asarray(pos), jnp.asarray(seg)
       mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
       call = (q, k, v, pos, seg, mask)
-      fns, inner = {}, {}
-      timed = (jax.jit(lambda q, k, v, pos, seg, mask: attend(q, k, v, pos, seg, mask))
-               if forward_only else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
-      for label, order in orders.items():
-        with launch_order(target, attr, order):
-          fns[label] = timed.lower(*call).compile()
+      inner = {}
+      make = lambda: (jax.jit(attend) if forward_only
+                      else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+      fns = compile_variants(make, call, target, attr, orders)
+      for label in fns:
         for _ in range(3):
           jax.block_until_ready(fns[label](*call))
         inner[label] = max(1, int(20.0 / max(round_ms(fns[label], call, 1), 1e-3)))

@@ -462,6 +462,30 @@ def longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   return jnp.argsort(-counts, axis=1, stable=True).astype(jnp.int32)
 
 
+def documents_longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
+  """int32 [B, n_tiles]: the kernel tiles grouped by their last visited block (under a causal
+  mask on packed documents, one group per document), the groups by descending summed visited
+  blocks, each group's tiles in tile order (ties between groups: the group ending first).
+
+  Each group's tiles run next to each other, so the tiles in flight share their documents'
+  blocks in L2, and the documents with the most work start first, so that none is left to run
+  alone at the end of the launch."""
+  counts = _blocks_per_tile(lower, upper, tiles_per_row, n_tiles)
+  ends = jnp.repeat(upper, tiles_per_row, axis=1)[:, :n_tiles]
+  tiles = jnp.arange(n_tiles, dtype=jnp.int32)
+
+  def row(ends, counts):
+    by_end = jnp.argsort(ends, stable=True)
+    sorted_ends = ends[by_end]
+    group = jnp.cumsum(jnp.concatenate(
+        [jnp.zeros(1, jnp.int32), (sorted_ends[1:] != sorted_ends[:-1]).astype(jnp.int32)]))
+    work = jax.ops.segment_sum(counts[by_end], group, num_segments=n_tiles)[group]
+    group_work = jnp.zeros_like(counts).at[by_end].set(work)
+    return jnp.lexsort((tiles, ends, -group_work))
+
+  return jax.vmap(row)(ends, counts).astype(jnp.int32)
+
+
 def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
   """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position of a backward grid runs,
   coded tile * n_heads + head: tiles by descending visited blocks, heads interleaved."""

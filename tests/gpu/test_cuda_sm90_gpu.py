@@ -220,6 +220,7 @@ def test_any_launch_order_gives_the_same_gradients(monkeypatch, head_dim):
   with the tiles reversed or shuffled, each CTA still computes its own tile, so dk and dv are
   bitwise the default's and dq (float32 reduce-adds in another order) within rounding; every
   run matches the reference."""
+  import jax
   import jax.numpy as jnp
   import numpy as np
 
@@ -231,8 +232,11 @@ def test_any_launch_order_gives_the_same_gradients(monkeypatch, head_dim):
             lambda bounds, n, slowest: jnp.asarray(
                 np.stack([perm(n) for _ in range(bounds[0].shape[0])]), jnp.int32))
   for order, results in zip(orders, others):
-    monkeypatch.setattr(cuda_bwd, "launch_order", order)
+    calls = []
+    monkeypatch.setattr(cuda_bwd, "launch_order", lambda *a: calls.append(a) or order(*a))
+    jax.clear_caches()  # a cached trace would run the default order again
     assert _errors(640, 640, 4, 2, True, head_dim=head_dim, results=results) < 2e-2
+    assert calls, "the patched launch order was never called"
     np.testing.assert_array_equal(results[0], default[0])  # out: the forward's
     np.testing.assert_array_equal(results[2], default[2])  # dk
     np.testing.assert_array_equal(results[3], default[3])  # dv

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvax_plugin.attention.block_mask import longest_first
+from kvax_plugin.attention.block_mask import documents_longest_first, longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT
@@ -161,17 +161,17 @@ def unpermute_vector_order(accum):
 def launch_order(bounds, n_tiles: int, heads_slowest: bool):
   """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input).
 
-  Heads fastest (head dims 64 / 128 without a window): the tiles in sequence order. The CTAs in
-  flight then work on neighbouring tiles, mostly of the same documents, whose Q / dO reads and
-  dq reduce-adds meet in L2; under a causal mask a document's first tile is also its longest.
-  Longest first over the whole row spread the CTAs in flight over the documents, which cost
-  more in L2 misses than it saved at the launch tail. Heads slowest (a sliding window, head dims
-  256 and 192 / 128): the CTAs in flight are one head's tiles, and there longest first is
-  ahead (docs/status.md)."""
+  Heads fastest (head dims 64 / 128 without a window): block_mask.documents_longest_first, each
+  document's tiles in sequence, the documents with the most work first. The CTAs in flight then
+  work on neighbouring tiles of the same documents, whose Q / dO reads and dq reduce-adds meet
+  in L2 (longest first over the whole row spread them over the documents and cost more in L2
+  misses than it saved at the launch tail); under a causal mask on one document this is
+  sequence order, whose first tile is the longest. Heads slowest (a sliding window, head dims
+  256 and 192 / 128): the CTAs in flight are one head's tiles, and there longest first is ahead
+  (docs/status.md)."""
   lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
-  if heads_slowest:
-    return longest_first(lower, upper, n_tiles // lower.shape[1], n_tiles)
-  return jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), (lower.shape[0], n_tiles))
+  order = longest_first if heads_slowest else documents_longest_first
+  return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
