@@ -74,10 +74,12 @@ def versions():
 def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 128),),
             heads=32, kv_heads=8, dtype=jnp.bfloat16, rounds=15, min_round_ms=20.0,
             interleaved=True, max_dense_mask_seq=32768, num_docs=12, pad=1000, split=False,
-            check=False, variants=(), features=NO_FEATURES):
+            check=False, variants=(), features=NO_FEATURES, after_case=None):
   """Time every implementation on every (head dims, length, case, pass); the rows as dicts
   (impl, seq, case, head_dim, head_dim_v, pass, ms, tflops, pairs, ...; error where one failed).
-  features: window / soft_cap / sinks for our backends (NO_FEATURES: none)."""
+  features: window / soft_cap / sinks for our backends (NO_FEATURES: none). after_case: called
+  with the rows so far after each (head dims, length, case), e.g. to save them before a time
+  limit cuts the run."""
   results = []
   for d, dv in head_dims:
     for seq in seqs:
@@ -162,6 +164,8 @@ def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 1
             results.append(dict(impl=f"check_{other}_vs_{first}", **base, **{"pass": "check"},
                                 rel_l2=err, ms=None))
         del fns, outs
+        if after_case is not None:
+          after_case(results)
   return results
 
 

@@ -160,7 +160,6 @@ def main(argv=None):
     if args.preset == "long":
       out = out / "long"
   print(f"device: {dev.device_kind}; preset {args.preset}; results -> {out}", flush=True)
-  kernels = bench.measure(dtype=dtype, interleaved=interleaved, **k)
   cond = bench.conditions(heads=k["heads"], kv_heads=k["kv_heads"], dtype=dtype,
                           num_docs=k["num_docs"], pad=k["pad"], rounds=k["rounds"],
                           interleaved=interleaved, argv=["python", "-m", "benchmarks.run"]
@@ -173,6 +172,16 @@ def main(argv=None):
               kernel_timing=cond.pop("timing"), kernel_shapes=dict(
                   seqs=list(k["seqs"]), cases=list(k["cases"]), passes=list(k["passes"]),
                   impls=list(k["impls"]), rounds=k["rounds"], min_round_ms=k["min_round_ms"]))
+
+  def save_partial(rows):
+    """The finished cases' rows, so that a run cut by a time limit leaves them; the complete
+    run overwrites this file."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(
+        conditions=dict(cond, partial="cut before the end: the rows of the cases finished"),
+        kernels=rows), indent=1))
+
+  kernels = bench.measure(dtype=dtype, interleaved=interleaved, after_case=save_partial, **k)
   result = dict(conditions=cond, kernels=kernels)
   if args.no_e2e or preset["e2e"] is None:
     result["maxtext"] = {"skipped": "--no-e2e" if args.no_e2e else

@@ -81,6 +81,36 @@ def test_benchmarks_run_long_preset_is_kernels_only_and_not_interleaved(tmp_path
   assert (tmp_path / "long" / "results.json").exists()
 
 
+def test_benchmarks_run_saves_each_finished_case(tmp_path, monkeypatch):
+  """A run cut by a time limit keeps the cases it finished: results.json is written after each
+  case (marked partial), and the complete run overwrites it."""
+  import pytest
+  from benchmarks import bench_attention, run
+  measure = bench_attention.measure
+
+  class Cut(Exception):
+    pass
+
+  def cut_after_first_case(*, after_case, **kw):
+    def save_then_cut(rows):
+      after_case(rows)
+      raise Cut
+    return measure(after_case=save_then_cut, **kw)
+
+  monkeypatch.setattr(bench_attention, "measure", cut_after_first_case)
+  with pytest.raises(Cut):
+    run.main(["--preset", "smoke", "--no-e2e", "--impls", "auto", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["conditions"]["partial"].startswith("cut before the end")
+  timed = [r for r in saved["kernels"] if r["impl"] == "auto"]
+  assert {(r["case"], r["pass"]) for r in timed} == {("causal", "fwd"), ("causal", "fwd_bwd")}
+  assert all(r["ms"] > 0 for r in timed)
+  monkeypatch.setattr(bench_attention, "measure", measure)
+  result = run.main(["--preset", "smoke", "--no-e2e", "--impls", "auto", "--out", str(tmp_path)])
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert "partial" not in saved["conditions"] and saved == json.loads(json.dumps(result))
+
+
 def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
   """Without maxtext the MaxText table is skipped, and the reason (how to install it) is what
   the results and the printed table say."""

@@ -181,3 +181,7 @@ def test_launch_orders_compiles_each_order_not_the_first_trace_again():
   with pytest.raises(RuntimeError, match="identical programs"):
     lo.compile_variants(lambda: fn, (x,), toy, "order",
                         {"a": lambda n: jnp.arange(n), "b": lambda n: jnp.arange(n)})
+  with pytest.raises(SystemExit):  # an unknown name is refused before anything is compiled
+    lo.main(["--orders", "ascending,sideways"])
+  with pytest.raises(SystemExit):
+    lo.main(["--orders", "ascending"])

@@ -2,7 +2,11 @@
 the variants share one build and alternate call by call, free of the noise between processes.
 
     python -m benchmarks.tools.launch_orders [--kernel hopper_backward|mosaic_forward|
-        mosaic_backward] [--seqs 16384,65536] [--head-dims 128] [--rounds 9] [--out F]
+        mosaic_backward] [--seqs 16384,65536] [--cases causal,docs] [--head-dims 128]
+        [--orders NAME,NAME] [--rounds 9] [--out F]
+
+Each variant is compiled on its own (about 20 s at 64k on an H200): name the --orders and
+--cases a question needs.
 
 --kernel (what is timed, backend):
   hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles by documents,
@@ -127,11 +131,28 @@ def main(argv=None):
   ap.add_argument("--seqs", default="16384,65536")
   ap.add_argument("--head-dims", default="128")
   ap.add_argument("--kernel", choices=tuple(KERNELS), default="hopper_backward")
+  ap.add_argument("--cases", default="causal,docs")
+  ap.add_argument("--orders", help="comma-separated order names (default: all of --kernel's)")
   ap.add_argument("--rounds", type=int, default=9)
-  ap.add_argument("--out")
+  ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
   heads, kv_heads = 32, 8
   target, attr, orders, backend, forward_only = KERNELS[args.kernel]
+  if args.orders:
+    unknown = set(args.orders.split(",")) - set(orders)
+    if unknown:
+      ap.error(f"--orders: {sorted(unknown)} unknown for --kernel {args.kernel} "
+               f"(known: {', '.join(orders)})")
+    orders = {name: orders[name] for name in args.orders.split(",")}
+  if len(orders) < 2:
+    ap.error("--orders: name two orders or more (one order has nothing to compare with)")
+  conditions = dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
+      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
+      kernel=args.kernel, backend=backend,
+      timed=("jit(flash_attention)" if forward_only else
+             "jit(grad(sum(out * dO))) over q, k, v") + ", the mask prebuilt")
   rows = []
   for d, seq in itertools.product(map(int, args.head_dims.split(",")),
                                   map(int, args.seqs.split(","))):
@@ -148,7 +169,7 @@ def main(argv=None):
       return jnp.sum(attend(q, k, v, pos, seg, mask).astype(jnp.float32)
                      * cot.astype(jnp.float32))
 
-    for case in ("causal", "docs"):
+    for case in args.cases.split(","):
       pos, seg, _ = layout(case, seq, seed=0, counted_padding=True)
       pos, seg = jnp.asarray(pos), jnp.asarray(seg)
       mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
@@ -172,17 +193,9 @@ def main(argv=None):
       rows.append(row)
       print(f"D={d} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),
             flush=True)
-  result = dict(conditions=dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
-      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
-      kernel=args.kernel, backend=backend,
-      timed=("jit(flash_attention)" if forward_only else
-             "jit(grad(sum(out * dO))) over q, k, v") + ", the mask prebuilt"),
-      rows=rows)
-  if args.out:
-    Path(args.out).write_text(json.dumps(result, indent=1))
-  return result
+      if args.out:
+        Path(args.out).write_text(json.dumps(dict(conditions=conditions, rows=rows), indent=1))
+  return dict(conditions=conditions, rows=rows)
 
 
 if __name__ == "__main__":
