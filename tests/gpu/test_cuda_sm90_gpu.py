@@ -199,19 +199,24 @@ def test_by_mask_runs_the_backward_its_threshold_picks(monkeypatch):
   """HopperOptions(backward="by_mask") (what "auto" runs): from threshold 0 every call takes the
   Mosaic backward, whose gradients then equal backend="mosaic"'s bit for bit; above 1 none does,
   and the CUDA backward matches the reference."""
+  import jax
   import numpy as np
 
   import kvax_plugin as kp
   from kvax_plugin.attention.kernels import hopper
   by_mask = kp.HopperOptions(backward="by_mask")
-  mosaic_grads, by_mask_grads = [], []
+  mosaic_grads, by_mask_grads, cuda_grads = [], [], []
   monkeypatch.setattr(hopper, "mosaic_backward_from", lambda *a, **k: 0.0)
+  jax.clear_caches()  # a cached trace would keep the threshold it was traced with
   assert _errors(640, 640, 4, 2, True, kernel_options=by_mask, results=by_mask_grads) < 2e-2
   assert _errors(640, 640, 4, 2, True, backend="mosaic", results=mosaic_grads) < 2e-2
   for ours, theirs in zip(by_mask_grads, mosaic_grads):
     np.testing.assert_array_equal(ours, theirs)
   monkeypatch.setattr(hopper, "mosaic_backward_from", lambda *a, **k: 2.0)
-  assert _errors(640, 640, 4, 2, True, kernel_options=by_mask) < 2e-2
+  jax.clear_caches()
+  assert _errors(640, 640, 4, 2, True, kernel_options=by_mask, results=cuda_grads) < 2e-2
+  # the CUDA backward ran: its dq (float32 reduce-adds in launch order) is not the Mosaic one's
+  assert not np.array_equal(cuda_grads[1], mosaic_grads[1])
 
 
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
