@@ -452,6 +452,9 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
   docs = lom.model(16384, "docs", sms=132, overhead=2.0)
   assert docs["dkv/head_major"]["tail"] > 0.15 and docs["dkv/per_head_lpt"]["tail"] > 0.15
   assert docs["dkv/over_heads"]["tail"] < 0.05 and docs["dq/over_heads"]["tail"] < 0.02
+  # documents longest first leaves less tail than plain sequence order (the CUDA backward's two
+  # heads-fastest orders; sequence order's L2 locality is outside the model)
+  assert docs["dkv/documents"]["tail"] < docs["dkv/sequence"]["tail"]
   causal = lom.model(16384, "causal", sms=132, overhead=2.0)
   assert all(row["tail"] < 0.01 for key, row in causal.items() if not key.startswith("fwd/"))
   # the Triton grids interleave the heads already: no tail worth an order of their own
@@ -465,6 +468,7 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
   assert {(r["case"], r["kernel"], r["order"]) for r in rows} == {
       (c, k, o) for c in ("causal", "docs") for k in ("dkv", "dq")
       for o in ("head_major", "per_head_lpt", "over_heads")} | {
+      (c, "dkv", o) for c in ("causal", "docs") for o in ("sequence", "documents")} | {
       (c, "fwd", o) for c in ("causal", "docs")
       for o in ("round_robin", "round_robin_lpt", "snake", "snake_lpt")} | {
       (c, k, f"grid_{n}_per_sm") for c in ("causal", "docs")

@@ -6,36 +6,29 @@ Model (greedy list scheduling, what the CTA scheduler does): one CTA per SM at a
 and dq kernels' shared memory allows one), `--sms` SMs, CTAs taken in launch order by the first
 free SM; a CTA's time is its visited blocks (upper - lower of its table row, the unit every step
 of that kernel costs) plus `--overhead` blocks of prologue and epilogue. The makespan against
-the perfect split (total / SMs) is the tail. Orders, over the grid's (head, tile) positions:
+the perfect split (total / SMs) is the tail. It models no cache: an order that keeps the CTAs
+in flight on the same documents can win in L2 what it loses here (docs/tuning-history.md).
+Orders, over the grid's (head, tile) positions:
 
     head_major     the grid's own order (head slowest; the dq kernel's causal tiles reversed)
-    per_head_lpt   each head's tiles longest first, heads one after another (a switch of
-                   2026-11-24, since removed: docs/tuning-history.md)
+    per_head_lpt   each head's tiles longest first, heads one after another (heads slowest:
+                   the CUDA backward with a sliding window, and at head dims 256 and 192 / 128)
     over_heads     longest tile first over all (head, tile) pairs, heads of a tile together
-                   (block_mask.longest_first_over_heads, the Mosaic kernels' order since
-                   2026-11-25)
+                   (block_mask.longest_first_over_heads: the Mosaic backward kernels' order)
+    sequence       (dkv only) the tiles in sequence, heads of a tile together
+    documents      (dkv only) block_mask.documents_longest_first, heads of a tile together
+                   (the CUDA backward's order at head dims 64 / 128 without a window)
 
 The `dkv` rows model the CUDA C++ backward ("hopper") too: one CTA per 128 kv rows and kv head,
-its whole query group inside, on the same table. It launched head_major until 2026-11-27 and
-over_heads from then until 2026-11-29 (heads fastest, tiles by block_mask.longest_first); with a
-sliding window, and since 2026-11-28 at head dims 256 and 192 / 128, per_head_lpt (heads
-slowest: the CTAs in flight share one head's query rows in L2). Since 2026-11-29 its heads-fastest
-launch takes the tiles in sequence order, which this model (no cache) rates worse than
-over_heads and which measured 6-12% faster on documents (fused_backward.launch_order).
+its whole query group inside, on the same table (fused_backward.launch_order).
 
 The persistent forward (one CTA per SM) deals its (tile, head) items statically instead:
-round_robin (the default until 2026-11-25, since removed), round_robin_lpt (longest-first
-tiles), snake (odd rounds mirrored; a zigzag switch of 2026-11-24, since removed) and snake_lpt
-(both: the persistent forward's deal since 2026-11-25, mosaic/forward.FwdConfig.num_ctas).
+round_robin, round_robin_lpt (longest-first tiles), snake (odd rounds mirrored) and snake_lpt
+(the persistent forward's deal, mosaic/forward.FwdConfig.num_ctas).
 
 The layouts are bench_attention.py's (causal; 12 random documents + 1000 padding tokens, the
-same seed), 32 query / 8 kv heads. We measured (H100, interleaved) 16k documents
-fwd+bwd 3.27 vs 3.75 ms with over_heads against head_major; the model says why per-head order
-(2026-11-24) did not help: the last head's long tiles start in the last waves either way.
-The Triton backend's grids (heads fastest, `triton_*` rows) leave at most ~1% of tail in these
-layouts, so they need no reordering: interleaving the heads is what the Mosaic backward's order
-does. A later run measured the forward the model predicted (16k documents tail 6.7% -> 1.2%): 0.789 ->
-0.736 ms interleaved (0.736 -> 0.702 alone).
+same seed), 32 query / 8 kv heads. The Triton backend's grids (heads fastest, `triton_*` rows)
+leave at most ~1% of tail in these layouts, so they need no reordering.
 """
 
 from __future__ import annotations
@@ -61,20 +54,29 @@ def makespan(works, sms: int, overhead: float) -> float:
   return max(free)
 
 
-def orders(table, tiles_per_row: int, n_tiles: int, n_heads: int, reverse_grid: bool):
+def orders(table, tiles_per_row: int, n_tiles: int, n_heads: int, reverse_grid: bool,
+           cuda_backward: bool = False):
   """Per-CTA works in each launch order, the orders taken from the kernels' own functions
-  (block_mask.longest_first, longest_first_over_heads) on the block table."""
+  (block_mask.longest_first, longest_first_over_heads, documents_longest_first) on the block
+  table; with cuda_backward also the CUDA backward's heads-fastest orders (sequence,
+  documents)."""
   from kvax_plugin.attention import block_mask as bm
   counts = tile_counts(table, tiles_per_row, n_tiles)
   grid = counts[::-1] if reverse_grid else counts
   per_head = np.asarray(bm.longest_first(table.lower, table.upper, tiles_per_row, n_tiles))[0]
   codes = np.asarray(bm.longest_first_over_heads(table.lower, table.upper, tiles_per_row,
                                                  n_tiles, n_heads))[0]
-  return {
+  works = {
       "head_major": np.tile(grid, n_heads),
       "per_head_lpt": np.tile(counts[per_head], n_heads),
       "over_heads": counts[codes // n_heads],  # code = tile * n_heads + head
   }
+  if cuda_backward:
+    documents = np.asarray(bm.documents_longest_first(table.lower, table.upper, tiles_per_row,
+                                                      n_tiles))[0]
+    works.update(sequence=np.repeat(counts, n_heads),
+                 documents=np.repeat(counts[documents], n_heads))
+  return works
 
 
 def dealt(works, ctas: int, overhead: float, snake: bool) -> float:
@@ -105,7 +107,8 @@ def model(seq: int, case: str, sms: int, overhead: float, h: int = 32, kh: int =
       ("dkv", mask.dkv, 128, kh, bkv, False), ("dq", mask.dq, 128, h, bq, case == "causal")):
     counts = tile_counts(table, block // tile, seq // tile)
     total = counts.sum() * n_heads + overhead * len(counts) * n_heads
-    for name, works in orders(table, block // tile, seq // tile, n_heads, reverse).items():
+    for name, works in orders(table, block // tile, seq // tile, n_heads, reverse,
+                              cuda_backward=kernel == "dkv").items():
       span = makespan(works, sms, overhead)
       rows[f"{kernel}/{name}"] = dict(makespan=span, ideal=total / sms,
                                       tail=span / (total / sms) - 1.0)
