@@ -295,10 +295,9 @@ def ffi_call(monkeypatch):
                                                   ((256, 256), 64), ((192, 128), 64)])
 def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
   """The `order` input (the CTAs' kv tiles): per batch row a permutation of the kernel's kv tiles
-  (64-row tiles at head dims 256 and 192 / 128, two per table row). Where the kernel launches
-  the kv heads of a tile together (head dims 64 / 128 without a window) the tiles grouped by
-  their last visited block, groups by descending summed visited blocks, each in tile order;
-  where it launches one head's tiles after another (head dims 256 and 192 / 128, or a sliding
+  (64-row tiles at head dims 256 and 192 / 128, two per table row). At head dim 128 without a
+  window the tiles grouped by their last visited block, groups by descending summed visited
+  blocks, each in tile order; elsewhere (head dim 64, head dims 256 and 192 / 128, a sliding
   window) by descending visited blocks of the dk/dv table, ties in tile order."""
   d, dv_dim = head_dims
   b, s, h, kh = 2, 512, 4, 2
@@ -320,8 +319,7 @@ def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
                             (lower, upper, lower, lower), scale=0.1, causal=True, window=window)
     order = np.asarray(ffi_call["args"][-1])  # the handler's last input
     assert order.dtype == np.int32 and order.shape == (b, s // cta_rows)
-    heads_fastest = d in (64, 128) and not window
-    np.testing.assert_array_equal(order, by_documents if heads_fastest else longest)
+    np.testing.assert_array_equal(order, by_documents if d == 128 and not window else longest)
 
 
 @pytest.mark.parametrize("scale, soft_cap, head_dim, in_loop", [

@@ -10,10 +10,9 @@ Each variant is compiled on its own (about 20 s at 64k on an H200): name the --o
 
 --kernel (what is timed, backend):
   hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles by documents,
-                   longest first, each document's tiles in sequence (the default where the kv
-                   heads launch fastest: head dims 64 / 128 without a window), in sequence
-                   order, longest first over the row (the default where they launch slowest),
-                   reversed;
+                   longest first, each document's tiles in sequence (the default at head dim
+                   128 without a window), in sequence order, longest first over the row (the
+                   default elsewhere), reversed;
   mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
                    deal of query tiles longest first (its default), in sequence order, reversed;
   mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
@@ -61,8 +60,8 @@ FORWARD_ORDERS = {"longest_first": block_mask.longest_first, "ascending": _ascen
 
 
 def _on_bounds(order):
-  """A forward-style order as fused_backward.launch_order (bounds, n_tiles, heads_slowest)."""
-  def launch(bounds, n_tiles, heads_slowest):
+  """A forward-style order as fused_backward.launch_order (bounds, n_tiles, by_documents)."""
+  def launch(bounds, n_tiles, by_documents):
     lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
     return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
   return launch

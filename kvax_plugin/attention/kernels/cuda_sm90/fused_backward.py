@@ -158,19 +158,20 @@ def unpermute_vector_order(accum):
   return x.reshape(*lead, 64, 64)
 
 
-def launch_order(bounds, n_tiles: int, heads_slowest: bool):
+def launch_order(bounds, n_tiles: int, by_documents: bool):
   """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input).
 
-  Heads fastest (head dims 64 / 128 without a window): block_mask.documents_longest_first, each
-  document's tiles in sequence, the documents with the most work first. The CTAs in flight then
-  work on neighbouring tiles of the same documents, whose Q / dO reads and dq reduce-adds meet
-  in L2 (longest first over the whole row spread them over the documents and cost more in L2
-  misses than it saved at the launch tail); under a causal mask on one document this is
-  sequence order, whose first tile is the longest. Heads slowest (a sliding window, head dims
-  256 and 192 / 128): the CTAs in flight are one head's tiles, and there longest first is ahead
-  (docs/status.md)."""
+  by_documents (head dim 128 without a window, where the kv heads launch fastest):
+  block_mask.documents_longest_first, each document's tiles in sequence, the documents with the
+  most work first. The CTAs in flight then work on neighbouring tiles of the same documents,
+  whose Q / dO reads and dq reduce-adds meet in L2 (longest first over the whole row spread them
+  over the documents and cost more in L2 misses than it saved at the launch tail); under a
+  causal mask on one document this is sequence order, whose first tile is the longest.
+  Otherwise block_mask.longest_first: where the heads launch slowest (a sliding window, head
+  dims 256 and 192 / 128) the CTAs in flight are one head's tiles and longest first is ahead;
+  head dim 64 keeps it until its orders are measured apart (docs/status.md)."""
   lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
-  order = longest_first if heads_slowest else documents_longest_first
+  order = documents_longest_first if by_documents else longest_first
   return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
 
 
@@ -219,8 +220,7 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   # The wide kernels run 64-row kv tiles, two per table row, and launch the heads slowest, as
   # the windowed kernels do (fused_backward.cu's grid).
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
-  heads_slowest = bool(window) or d not in MAIN_LAYOUT_HEAD_DIMS
-  order = launch_order(bounds, skv // cta_tile, heads_slowest)
+  order = launch_order(bounds, skv // cta_tile, by_documents=d == 128 and not window)
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
