@@ -233,12 +233,13 @@ def test_any_launch_order_gives_the_same_gradients(monkeypatch, head_dim):
   assert _errors(640, 640, 4, 2, True, head_dim=head_dim, results=default) < 2e-2
   perm = np.random.default_rng(head_dim).permutation
   launch_order = cuda_bwd.launch_order  # the default, before the patches below replace it
-  orders = (lambda bounds, n, by_docs: launch_order(bounds, n, by_docs)[:, ::-1],
-            lambda bounds, n, by_docs: jnp.asarray(
+  orders = (lambda bounds, n, by_documents: launch_order(bounds, n, by_documents)[:, ::-1],
+            lambda bounds, n, by_documents: jnp.asarray(
                 np.stack([perm(n) for _ in range(bounds[0].shape[0])]), jnp.int32))
   for order, results in zip(orders, others):
     calls = []
-    monkeypatch.setattr(cuda_bwd, "launch_order", lambda *a: calls.append(a) or order(*a))
+    monkeypatch.setattr(cuda_bwd, "launch_order",
+                        lambda *a, **kw: calls.append(a) or order(*a, **kw))
     jax.clear_caches()  # a cached trace would run the default order again
     assert _errors(640, 640, 4, 2, True, head_dim=head_dim, results=results) < 2e-2
     assert calls, "the patched launch order was never called"

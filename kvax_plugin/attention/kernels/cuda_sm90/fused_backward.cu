@@ -244,6 +244,15 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint
   return d;
 }
 
+// Descriptor d with its start address moved by off bytes (a multiple of 16): a 32-bit add to the
+// low word, which cannot carry into the LBO field while the address stays below 256 KiB (all of
+// shared memory). With off a compile-time constant, each wgmma of an unrolled k loop costs one
+// add on a descriptor built once, instead of a descriptor rebuilt from its address.
+__device__ __forceinline__ uint64_t desc_moved(uint64_t d, uint32_t off) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // The float32 accumulator operands of the wgmmas: the m64n64 / m64n128 register lists in the PTX
 // text and the read-write constraints, 16 at a time (m64n64: 32, m64n128: 64).
 #define KVAX_REGS32                                                                            \
@@ -561,7 +570,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
-  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  // The warpgroup index through a shuffle from lane 0: the compiler then knows it is the same in
+  // every lane and keeps what derives from it (the consumer's K / V descriptors) in uniform
+  // registers, which the wgmmas read without a move per product. Not at head dim 64 or with the
+  // soft cap, where ptxas then spills.
+  constexpr bool UNIFORM_WG = HD == 128 && !CAP;
+  const int wg = UNIFORM_WG ? __shfl_sync(0xFFFFFFFF, threadIdx.x / 128, 0) : threadIdx.x / 128;
+  const int t = threadIdx.x % 128;
   init_ring_barriers(ring);
 
   if (wg == 0) {  // ------------------------------------------------------------ producer
@@ -594,9 +609,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + L::OFF_K + 64 * c * 128, v_c = base + L::OFF_V + 64 * c * 128;
 
-  // The wgmmas' shared-memory descriptors, rebuilt from the address at each k step.
+  // The wgmmas' shared-memory descriptors: the operand's base descriptor moved by the k step's
+  // constant offset.
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
-    return desc_sw128(addr + off, lbo, 1024);
+    return desc_moved(desc_sw128(addr, lbo, 1024), off);
   };
   // Head dim 128: dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows,
   // N = 64 (d), K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the
@@ -658,11 +674,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   };
   int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
+  // Step n's query head and QB-row query block, kv_head * group + n / steps_per_head and
+  // lo + n % steps_per_head: at head dim 128 counted along (step_head, step_qb, advanced at the
+  // end of each step) rather than divided out at each step; at 64 the two counters spill.
+  constexpr bool COUNT_STEPS = HD == 128;
+  int step_head = kv_head * group, step_qb = lo;
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = kv_head * group + n / steps_per_head;
-    const int qb = lo + n % steps_per_head;  // this step's QB-row query block
+    const int head = COUNT_STEPS ? step_head : kv_head * group + n / steps_per_head;
+    const int qb = COUNT_STEPS ? step_qb : lo + n % steps_per_head;  // this step's query block
     const int q0 = qb * QB;
     const uint32_t slot = base + L::OFF_RING + s * L::SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + L::OFF_IDS + s * L::IDS);
@@ -871,6 +892,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     } else {
       named_sync(1, 256);  // both consumers' dS halves written
       dq_part(n, head, q0, bar_empty + 8 * s);
+    }
+    if constexpr (COUNT_STEPS) {
+      if (++step_qb == hi) {
+        step_qb = lo;
+        ++step_head;
+      }
     }
   }
   if constexpr (DECOUPLE) {
