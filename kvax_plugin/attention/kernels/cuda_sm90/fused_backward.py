@@ -169,7 +169,8 @@ def launch_order(bounds, n_tiles: int, by_documents: bool):
   causal mask on one document this is sequence order, whose first tile is the longest.
   Otherwise block_mask.longest_first: where the heads launch slowest (a sliding window, head
   dims 256 and 192 / 128) the CTAs in flight are one head's tiles and longest first is ahead;
-  head dim 64 keeps it until its orders are measured apart (docs/status.md)."""
+  at head dim 64 the documents order gained less on documents than it lost on causal rows
+  (docs/status.md)."""
   lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
   order = documents_longest_first if by_documents else longest_first
   return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
