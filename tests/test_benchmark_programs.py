@@ -142,6 +142,47 @@ def test_benchmarks_run_redraws_the_saved_h200_results(tmp_path):
   assert (tmp_path / "speed.png").stat().st_size > 10_000
 
 
+def test_readme_speed_table_is_its_results_file():
+  """The README's speed table is benchmarks.readme_table's rendering of the results file its
+  section links (a run of `benchmarks.run --preset full`), so it cannot drift from the run it
+  cites; the plot it shows is that run's."""
+  from benchmarks import readme_table
+  text = readme_table.README.read_text()
+  results = readme_table.cited_results(text)
+  assert results.is_file(), results
+  assert readme_table.render(text, results) == text, (
+      f"python -m benchmarks.readme_table {results.relative_to(ROOT)}")
+  start, end = readme_table.speed_section(text)
+  plot = results.parent.relative_to(ROOT).as_posix() + "/speed.png"
+  assert plot in text[start:end] and (ROOT / plot).is_file()
+  assert readme_table.main(["--check"]) == 0
+
+
+def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path):
+  """Given another run's results file, the table, the results link and the plot's path change to
+  that run's; a stale cell is rewritten; the prose around them is kept."""
+  from benchmarks import readme_table
+  text = readme_table.README.read_text()
+  results = readme_table.cited_results(text)
+  start, end = readme_table.speed_section(text)
+  first_row = next(line for line in text[start:end].split("\n")
+                   if line.startswith("| 16k causal | fwd |"))
+  stale = text.replace(first_row, "| 16k causal | fwd | 99.99 (1) | - | - | - | - | - | - |")
+  assert stale != text
+  assert readme_table.render(stale, results) == text
+  readme = tmp_path / "README.md"
+  readme.write_text(stale)
+  assert readme_table.main(["--check", "--readme", str(readme)]) == 1
+  other = SAVED / "2026-11-29-h200" / "quick_fa3" / "results.json"
+  assert readme_table.main([str(other), "--readme", str(readme)]) == 0
+  new = readme.read_text()
+  s, e = readme_table.speed_section(new)
+  assert "2026-11-29-h200/quick_fa3/results.json" in new[s:e]
+  assert "2026-11-29-h200/quick_fa3/speed.png" in new[s:e]
+  assert "full_a70747e" not in new[s:e]
+  assert new[:s] == text[:start] and new[e:] == text[end:]
+
+
 def test_gpu_names_become_folder_names():
   from benchmarks import results
   assert results.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
