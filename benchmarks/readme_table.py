@@ -64,7 +64,10 @@ def render(text: str, results: Path) -> str:
   """README text with its speed section showing `results` (a results.json of benchmarks.run)."""
   from benchmarks.results import kernel_table  # matplotlib: only where a table is made
 
-  rows = json.loads(results.read_text())["kernels"]
+  rows = json.loads(results.read_text()).get("kernels")
+  if not isinstance(rows, list):
+    raise ValueError(f"results: {results} has no 'kernels' rows (expected a results.json of "
+                     "python -m benchmarks.run)")
   rel = results.resolve().relative_to(ROOT).as_posix()
   start, end = speed_section(text)
   section = text[start:end]

@@ -181,6 +181,10 @@ def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path):
   assert "2026-11-29-h200/quick_fa3/speed.png" in new[s:e]
   assert "full_a70747e" not in new[s:e]
   assert new[:s] == text[:start] and new[e:] == text[end:]
+  not_a_run = tmp_path / "results.json"
+  not_a_run.write_text('{"rows": []}')
+  with pytest.raises(ValueError, match="has no 'kernels' rows"):
+    readme_table.render(text, not_a_run)
 
 
 def test_gpu_names_become_folder_names():

@@ -538,6 +538,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   // The mask tested only on steps the table does not keep whole (below); MASK_IN_LOOP and the
   // soft cap's kernels test it on every step.
   constexpr bool SKIP_WHOLE = !CAP && !(F & MASK_IN_LOOP);
+  // The lean step (descriptors moved by constants, the step's head and query block counted
+  // along, the warpgroup index warp-uniform): only where it was timed against the step before
+  // it and tested on a GPU, head dim 128 without the soft cap or the window; the other kernels
+  // keep the step they were measured with (at head dim 64 and with the soft cap its counters
+  // and uniform index spill).
+  constexpr bool LEAN_STEP = HD == 128 && SKIP_WHOLE && !WIN;
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -570,12 +576,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   const int steps_per_head = hi - lo;
   const int steps = steps_per_head * group;
-  // The warpgroup index through a shuffle from lane 0: the compiler then knows it is the same in
-  // every lane and keeps what derives from it (the consumer's K / V descriptors) in uniform
-  // registers, which the wgmmas read without a move per product. Not at head dim 64 or with the
-  // soft cap, where ptxas then spills.
-  constexpr bool UNIFORM_WG = HD == 128 && !CAP;
-  const int wg = UNIFORM_WG ? __shfl_sync(0xFFFFFFFF, threadIdx.x / 128, 0) : threadIdx.x / 128;
+  // LEAN_STEP: the warpgroup index through a shuffle from lane 0, so that the compiler knows it
+  // is the same in every lane and keeps what derives from it (the consumer's K / V descriptors)
+  // in uniform registers, which the wgmmas read without a move per product.
+  const int wg = LEAN_STEP ? __shfl_sync(0xFFFFFFFF, threadIdx.x / 128, 0) : threadIdx.x / 128;
   const int t = threadIdx.x % 128;
   init_ring_barriers(ring);
 
@@ -609,10 +613,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   // K_c / V_c rows of this consumer, as A operands (K-major): the tile's rows 64c.., two halves.
   const uint32_t k_c = base + L::OFF_K + 64 * c * 128, v_c = base + L::OFF_V + 64 * c * 128;
 
-  // The wgmmas' shared-memory descriptors: the operand's base descriptor moved by the k step's
-  // constant offset.
+  // The wgmmas' shared-memory descriptors: LEAN_STEP, the operand's base descriptor moved by the
+  // k step's constant offset; else rebuilt from the address.
   auto desc_at = [&](uint32_t addr, uint32_t off, uint32_t lbo) -> uint64_t {
-    return desc_moved(desc_sw128(addr, lbo, 1024), off);
+    return LEAN_STEP ? desc_moved(desc_sw128(addr, lbo, 1024), off)
+                     : desc_sw128(addr + off, lbo, 1024);
   };
   // Head dim 128: dQ[:, 64c : 64c + 64] of step m = dS K[:, 64c : 64c + 64] (M = 64 query rows,
   // N = 64 (d), K = 128 kv rows; dS K-major from buffer m % 2, K MN-major: column half c of the
@@ -675,15 +680,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
   // Step n's query head and QB-row query block, kv_head * group + n / steps_per_head and
-  // lo + n % steps_per_head: at head dim 128 counted along (step_head, step_qb, advanced at the
-  // end of each step) rather than divided out at each step; at 64 the two counters spill.
-  constexpr bool COUNT_STEPS = HD == 128;
+  // lo + n % steps_per_head: LEAN_STEP counts them along (step_head, step_qb, advanced at the
+  // end of each step) rather than dividing them out at each step.
   int step_head = kv_head * group, step_qb = lo;
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = COUNT_STEPS ? step_head : kv_head * group + n / steps_per_head;
-    const int qb = COUNT_STEPS ? step_qb : lo + n % steps_per_head;  // this step's query block
+    const int head = LEAN_STEP ? step_head : kv_head * group + n / steps_per_head;
+    const int qb = LEAN_STEP ? step_qb : lo + n % steps_per_head;  // this step's query block
     const int q0 = qb * QB;
     const uint32_t slot = base + L::OFF_RING + s * L::SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + L::OFF_IDS + s * L::IDS);
@@ -893,7 +897,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       named_sync(1, 256);  // both consumers' dS halves written
       dq_part(n, head, q0, bar_empty + 8 * s);
     }
-    if constexpr (COUNT_STEPS) {
+    if constexpr (LEAN_STEP) {
       if (++step_qb == hi) {
         step_qb = lo;
         ++step_head;
