@@ -24,6 +24,8 @@
 //       dQ[:, 64c:64c+64] = dS K[:, 64c:64c+64]   (wgmma m64n64k16 x 8: the column split keeps
 //                            each consumer's dQ accumulator at 32 registers)
 //       the dQ part staged in shared memory and bulk reduce-added (float32) into dq_accum.
+//     The plain head dim 128 kernels (DK_LAST below) issue dK after the previous step's dQ, so
+//     that dK is still in the tensor cores while the dQ part is staged.
 //   Live accumulators at a step's peak: dK 64 + dV 64 + S^T 32 + dP^T 32 registers per thread;
 //   dQ's 32 live only after S^T / dP^T are converted (16 + 16 registers of bf16 A operands).
 //
@@ -544,6 +546,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // keep the step they were measured with (at head dim 64 and with the soft cap its counters
   // and uniform index spill).
   constexpr bool LEAN_STEP = HD == 128 && SKIP_WHOLE && !WIN;
+  // DK_LAST: dK += dS^T Q issued after step n - 1's dQ product rather than with dV, so that the
+  // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order; the lean step's
+  // kernels, where it was timed).
+  constexpr bool DK_LAST = LEAN_STEP && DECOUPLE;
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -629,10 +635,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   // i of thread t at float offset (i / 2 * 128 + t) * 2, one conflict-free 256-byte run per warp
   // and pair (the JAX side undoes the order). release: the ring slot's "empty" barrier to
   // arrive at once the products are done (0: none).
-  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release) {
-    const int bm = m % 2;
-    if constexpr (DECOUPLE) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
-    float dq[32];
+  // m < 0 (DK_LAST's first step): the products run on whatever dS buffer 1 holds, and
+  // dq_finish discards them; issued all the same, so that every step has the same wgmma
+  // sequence (a dQ product issued on one path only makes ptxas serialize the step's wgmmas).
+  auto dq_issue = [&](int m, float (&dq)[32]) {
+    const int bm = DK_LAST ? (m & 1) : m % 2;
+    if constexpr (DECOUPLE) {
+      if (!DK_LAST || m >= 0) named_sync(BAR_DS_FULL + 2 * bm + c, 256);  // the other half written
+    }
     wg_fence();
     const uint32_t ds_base = base + L::OFF_DS + bm * L::DS_BUF;
     if constexpr (HD == 128) {
@@ -652,7 +662,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     wg_commit();
-    wg_wait<0>();
+  };
+  // pending: the wgmma groups committed after dQ's that may stay in flight (DK_LAST's dK: 1).
+  auto dq_finish = [&](int m, int head_m, int q0_m, uint32_t release, const float (&dq)[32],
+                       auto pending) {
+    const int bm = DK_LAST ? (m & 1) : m % 2;
+    wg_wait<decltype(pending)::value ? 1 : 0>();
+    if (DK_LAST && m < 0) return;
     if (release && t == 0) mbar_arrive(release);  // Q / dO slot free
     if constexpr (DECOUPLE) {  // buffer bm read: the other consumer may write its half at m + 2
       if (m + 2 < steps) named_arrive(BAR_DS_FREE + 2 * bm + (1 - c), 256);
@@ -677,6 +693,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       bulk_reduce_add_f32(dst, smem_u32(stage), DQ_STAGE);
       bulk_commit();
     }
+  };
+  auto dq_part = [&](int m, int head_m, int q0_m, uint32_t release) {
+    float dq[32];
+    dq_issue(m, dq);
+    dq_finish(m, head_m, q0_m, release, dq, BoolTag<false>{});
   };
   int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
   // Step n's query head and QB-row query block, kv_head * group + n / steps_per_head and
@@ -834,11 +855,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       const uint32_t a[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
       wgmma_64xN_rs<HALF, HD>(dv, a, desc_at(slot, HALVES * L::Q_PIECE + kk * 2048, L::Q_PIECE));
     }
+    auto dk_products = [&] {
 #pragma unroll
-    for (int kk = 0; kk < QB / 16; ++kk) {
-      const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
-      wgmma_64xN_rs<HALF, HD>(dk, a, desc_at(slot, kk * 2048, L::Q_PIECE));
-    }
+      for (int kk = 0; kk < QB / 16; ++kk) {
+        const uint32_t a[4] = {dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]};
+        wgmma_64xN_rs<HALF, HD>(dk, a, desc_at(slot, kk * 2048, L::Q_PIECE));
+      }
+    };
+    if constexpr (!DK_LAST) dk_products();
     wg_commit();
 
     // dS [q][kv] in shared memory (K-major A of the dQ product: rows = query, 64 kv per 128-byte
@@ -885,7 +909,16 @@ __global__ void __launch_bounds__(THREADS, 1)
       // consumers may drift up to a step apart: one's element-wise stretch can overlap the
       // other's products instead of both idling the tensor cores at once.
       named_arrive(BAR_DS_FULL + 2 * buf + (1 - c), 256);
-      if (n >= 1) {
+      if constexpr (DK_LAST) {
+        float dq[32];
+        dq_issue(n - 1, dq);
+        wg_fence();
+        dk_products();
+        wg_commit();
+        dq_finish(n - 1, prev_head, prev_q0, 0, dq, BoolTag<true>{});
+        wg_wait<0>();  // dK done: it has read Q
+        if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
+      } else if (n >= 1) {
         dq_part(n - 1, prev_head, prev_q0, bar_empty + 8 * s);  // waits for all
       } else {
         wg_wait<0>();
