@@ -547,8 +547,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   // and uniform index spill).
   constexpr bool LEAN_STEP = HD == 128 && SKIP_WHOLE && !WIN;
   // DK_LAST: dK += dS^T Q issued after step n - 1's dQ product rather than with dV, so that the
-  // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order; the lean step's
-  // kernels, where it was timed).
+  // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order, where dQ runs a
+  // step late; in the lean step's kernels, like LEAN_STEP).
   constexpr bool DK_LAST = LEAN_STEP && DECOUPLE;
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
