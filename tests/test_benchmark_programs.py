@@ -485,6 +485,32 @@ def test_profile_kernels_summarize_counts_overlaps_once():
   assert s["span_ms_per_step"] == pytest.approx(0.2) and s["events"] == 3
 
 
+def test_l2_reuse_model_ranks_the_backward_walks():
+  """benchmarks/tools/l2_reuse_model.py: an exact replay on one SM, then the 16k rankings behind
+  docs/performance.md's L2 paragraph: the snake walk keeps more of the kernel's blocks in L2 at
+  no launch tail, the heads-slowest grid keeps nearly all of a causal row's but leaves a 16k
+  documents tail, and one CTA per query head (FlashAttention-3's order) is the reference."""
+  from benchmarks.tools import l2_reuse_model as l2
+  two = [(0, 4, [0, 1]), (2, 4, [0, 1])]
+  big, one_step = 100 * l2.STEP_BYTES, l2.STEP_BYTES
+  # the second CTA finds its four blocks (heads 0, 1 x blocks 2, 3) left by the first
+  assert l2.replay(two, 1, big) == dict(hit_rate=4 / 12, steps=12, makespan=12, ideal=12.0,
+                                        tail=0.0)
+  assert l2.replay(two, 1, one_step)["hit_rate"] == 0.0
+  # on two SMs they run side by side: (0, 2) and (0, 3) are read again 2 time units later
+  assert l2.replay(two, 2, big)["makespan"] == 8
+  # snake: head 1 walks down from block 3, which the cache of two blocks still holds
+  walked = list(l2._steps((0, 4, [0, -2])))
+  assert walked == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (1, 2), (1, 1), (1, 0)]
+  causal, docs = l2.model("causal", 16384, 132, 50.0), l2.model("docs", 16384, 132, 50.0)
+  assert causal["heads_fastest/snake"]["hit_rate"] > causal["heads_fastest/up"]["hit_rate"] + 0.05
+  assert causal["heads_slowest/up"]["hit_rate"] > 0.95
+  assert causal["per_query_head"]["hit_rate"] > 0.95
+  assert docs["heads_fastest/snake"]["hit_rate"] >= docs["heads_fastest/up"]["hit_rate"]
+  assert docs["heads_slowest/up"]["tail"] > 0.15 > 0.05 > docs["heads_fastest/up"]["tail"]
+  assert causal["heads_fastest/snake"]["tail"] == causal["heads_fastest/up"]["tail"]
+
+
 def test_launch_order_model_shows_the_documents_tail(tmp_path):
   """benchmarks/tools/launch_order_model.py (the model behind the backward's head-interleaved
   launch order): list scheduling reproduces the 16k documents tail of the head-major grid (the

@@ -1,0 +1,202 @@
+"""How much of the hopper backward's Q / dO / dq traffic an L2 of a given size can serve, per
+launch order and walk, from the block tables alone (CPU).
+
+    python -m benchmarks.tools.l2_reuse_model [--seq 16384 65536] [--cases causal,docs]
+        [--l2-mb 50] [--sms 132] [--out F]
+
+Each step of a backward CTA reads the Q and dO rows of one 64-row query block of one query head
+and reduce-adds that block's dq (float32): 64 x 128 x (2 + 2 + 4) bytes at head dim 128, the
+model's unit. The model plays the steps of every CTA in launch order on `--sms` SMs (one CTA per
+SM, the next CTA in order to the first free SM, every step one time unit, the SMs' steps of a
+time unit one after another) through a least-recently-used cache of `--l2-mb` MB, and reports
+the share of steps whose block was in it (the hit rate) and the makespan against the perfect
+split (the launch tail, as benchmarks/tools/launch_order_model.py computes it).
+
+Layouts: benchmarks.cases (causal; 12 documents + 1000 padding tokens, seed 0), 32 query / 8 kv
+heads; each 128-row kv tile visits the query blocks of fused_backward.tile_bounds (the kernel's
+own input). Rows:
+
+    heads_fastest/up        the kernel today: grid (kv heads, tiles), the tiles in
+                            fused_backward.launch_order's documents order, each CTA walking its
+                            group's query heads one after another, each head's blocks upwards
+    heads_fastest/snake     the same, the odd heads of the group walked downwards, so that each
+                            head starts where the one before ended
+    heads_slowest/up,snake  grid (tiles, kv heads), each kv head's tiles longest first
+                            (block_mask.longest_first): what the window's kernels launch
+    per_query_head          one CTA per (tile, query head), the heads in sections as many as fit
+                            40 MB of Q / dO / dq together, a section's heads fastest and its
+                            tiles in sequence: FlashAttention-3's backward scheduler on a
+                            causal row (its dK / dV of a GQA group then summed in float32)
+
+It counts what the real L2 also serves (K / V once per CTA, ids, lse / delta) as nothing, and a
+reduce-add as one access: it ranks orders, it does not predict ncu's percentages. Against ncu on
+an H200 (benchmarks/results/2026-11-29-h200/ncu_backward_l2/hopper_fa3_16k_64k.json; 50 MB, 132
+SMs): 16k causal, the kernel today 0.81 (ncu 0.82), FlashAttention-3 0.98 (ncu 0.97); 64k
+causal 0.82 (ncu 0.89) and 1.00 (ncu 0.99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.cases import layout  # noqa: E402
+
+HEAD_DIM = 128
+BLOCK_ROWS = 64
+STEP_BYTES = BLOCK_ROWS * HEAD_DIM * (2 + 2 + 4)  # Q, dO (16-bit) and dq (float32) of a block
+SECTION_BYTES = 40 * 2**20  # the per-query-head order's sections: Q, dO, dq of this many bytes
+
+
+def cta_walks(lower, upper, order, n_kv_heads: int, group: int, *, heads_slowest: bool,
+              snake: bool):
+  """[(first block, end block, query heads)] per CTA in launch order, for the grid of kv tiles
+  `order` (launch position -> tile) and kv heads; query heads walked in turn (snake: the odd ones
+  downwards, marked by a negative head number + 1 in the list: -(h + 1))."""
+  positions = ([(k, t) for k in range(n_kv_heads) for t in order] if heads_slowest
+               else [(k, t) for t in order for k in range(n_kv_heads)])
+  ctas = []
+  for k, t in positions:
+    if upper[t] <= lower[t]:
+      continue
+    heads = [k * group + j if not (snake and j % 2) else -(k * group + j + 1)
+             for j in range(group)]
+    ctas.append((int(lower[t]), int(upper[t]), heads))
+  return ctas
+
+
+def per_query_head_walks(lower, upper, n_heads: int, seq: int):
+  """FlashAttention-3's backward order (one CTA per tile and query head): sections of
+  2^floor(log2(SECTION_BYTES / one head's Q, dO, dq)) heads, at least one, a section's tiles in
+  sequence and its heads fastest."""
+  per_head = seq * HEAD_DIM * (2 + 2 + 4)
+  section = 1 << max(0, int(np.floor(np.log2(max(1, SECTION_BYTES // per_head)))))
+  ctas = []
+  for h0 in range(0, n_heads, section):
+    for t in range(len(lower)):
+      for h in range(h0, min(h0 + section, n_heads)):
+        if upper[t] > lower[t]:
+          ctas.append((int(lower[t]), int(upper[t]), [h]))
+  return ctas
+
+
+def _steps(cta):
+  lo, hi, heads = cta
+  for h in heads:
+    if h >= 0:
+      for blk in range(lo, hi):
+        yield (h, blk)
+    else:
+      for blk in range(hi - 1, lo - 1, -1):
+        yield (-h - 1, blk)
+
+
+def replay(ctas, sms: int, l2_bytes: int) -> dict:
+  """Plays the CTAs' steps (see the module docstring): hit rate, steps, makespan, ideal."""
+  capacity = max(1, l2_bytes // STEP_BYTES)
+  queue = iter(ctas)
+  running = [None] * sms
+  cache: collections.OrderedDict = collections.OrderedDict()
+  hits = steps = time = 0
+  total = sum((hi - lo) * len(heads) for lo, hi, heads in ctas)
+  for s in range(sms):
+    nxt = next(queue, None)
+    running[s] = None if nxt is None else _steps(nxt)
+  while any(r is not None for r in running):
+    busy = False
+    for s in range(sms):
+      walk = running[s]
+      step = None
+      while walk is not None:
+        step = next(walk, None)
+        if step is not None:
+          break
+        nxt = next(queue, None)
+        walk = running[s] = None if nxt is None else _steps(nxt)
+      if step is None:
+        continue
+      busy = True
+      steps += 1
+      if step in cache:
+        hits += 1
+        cache.move_to_end(step)
+      else:
+        cache[step] = None
+        if len(cache) > capacity:
+          cache.popitem(last=False)
+    time += busy
+  return dict(hit_rate=hits / max(steps, 1), steps=steps, makespan=time,
+              ideal=total / sms, tail=time / max(total / sms, 1e-9) - 1.0)
+
+
+def tables(case: str, seq: int):
+  """(lower, upper) int [n_tiles]: each 128-row kv tile's visited 64-row query blocks, and the
+  kernel's launch order of the tiles where the heads launch fastest and slowest."""
+  import jax.numpy as jnp
+
+  from kvax_plugin.attention import block_mask as bm
+  from kvax_plugin.attention.block_mask import create_attention_mask
+  from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as fb
+  pos, seg, _ = layout(case, seq, seed=0)
+  mask = create_attention_mask(jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(pos),
+                               jnp.asarray(seg), calc_bwd_mask=True)
+  bounds = fb.tile_bounds(mask)
+  n_tiles = seq // fb.KV_TILE
+  fastest = np.asarray(fb.launch_order(bounds, n_tiles, by_documents=True))[0]
+  lower, upper = (np.asarray(x)[0] for x in bounds[:2])
+  slowest = np.asarray(bm.longest_first(bounds[0], bounds[1], 1, n_tiles))[0]
+  return lower, upper, fastest, slowest
+
+
+def model(case: str, seq: int, sms: int, l2_mb: float, heads: int = 32, kv_heads: int = 8):
+  lower, upper, fastest, slowest = tables(case, seq)
+  group = heads // kv_heads
+  l2 = int(l2_mb * 2**20)
+  rows = {}
+  for name, order, slow in (("heads_fastest", fastest, False), ("heads_slowest", slowest, True)):
+    for walk in ("up", "snake"):
+      ctas = cta_walks(lower, upper, order, kv_heads, group, heads_slowest=slow,
+                       snake=walk == "snake")
+      rows[f"{name}/{walk}"] = replay(ctas, sms, l2)
+  rows["per_query_head"] = replay(per_query_head_walks(lower, upper, heads, seq), sms, l2)
+  return rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
+  ap.add_argument("--cases", default="causal,docs")
+  ap.add_argument("--l2-mb", type=float, default=50.0)
+  ap.add_argument("--sms", type=int, default=132)
+  ap.add_argument("--out", type=Path, default=None)
+  args = ap.parse_args(argv)
+  if args.sms < 1 or not args.l2_mb > 0:
+    ap.error(f"--sms {args.sms} / --l2-mb {args.l2_mb}: expected >= 1 / > 0")
+  bad = [s for s in args.seq if s % 128 or s < 2048]
+  if bad:
+    ap.error(f"--seq {bad}: expected multiples of 128 of at least 2048 (the documents layout "
+             "has 1000 padding tokens)")
+  results = []
+  for seq in args.seq:
+    for case in args.cases.split(","):
+      for key, row in model(case, seq, args.sms, args.l2_mb).items():
+        results.append(dict(seq=seq, case=case, order=key, **row))
+        print(f"{seq:6d} {case:6s} {key:20s} hit {row['hit_rate']:.3f}  "
+              f"tail {100 * row['tail']:5.1f}%", flush=True)
+  if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    conditions = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps(dict(conditions=conditions, step_bytes=STEP_BYTES,
+                                        results=results), indent=1) + "\n")
+  return results
+
+
+if __name__ == "__main__":
+  main()
