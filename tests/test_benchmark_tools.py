@@ -185,3 +185,44 @@ def test_launch_orders_compiles_each_order_not_the_first_trace_again():
     lo.main(["--orders", "ascending,sideways"])
   with pytest.raises(SystemExit):
     lo.main(["--orders", "ascending"])
+
+
+def test_launch_orders_times_libraries_through_targets_of_their_own(monkeypatch, tmp_path):
+  """--libraries: each build is traced with fused_backward.TARGET set to its own target name,
+  which the wrapper reads when it is traced (so two traces call two libraries); specs that name
+  no library, or the wrong kernel, are refused before anything is loaded."""
+  import jax
+  import jax.numpy as jnp
+  import pytest
+
+  from benchmarks.tools import launch_orders as lo
+  from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as fb
+  monkeypatch.setattr(fb, "load", lambda *a, **k: None)
+  targets = []
+
+  def fake_ffi_call(target, results):
+    targets.append(target)
+    return lambda *args, **attrs: tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+  monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
+  b, s, h, kh, d = 1, 256, 4, 2, 128
+  x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  ids, lse = jnp.zeros((b, s), jnp.int32), jnp.zeros((b, h, s), jnp.float32)
+  bounds = (jnp.zeros((b, 2), jnp.int32),) * 4
+  for name in ("kvax_sm90_fused_backward_base", "kvax_sm90_fused_backward_cand"):
+    with lo.launch_order(fb, "TARGET", name):
+      fb.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, d), x(b, s, h, d), lse, lse,
+                        ids, ids, ids, ids, bounds, scale=0.1, causal=True)
+  assert targets == ["kvax_sm90_fused_backward_base", "kvax_sm90_fused_backward_cand"]
+  assert fb.TARGET == "kvax_sm90_fused_backward"
+  with pytest.raises(ValueError, match="NAME=PATH"):
+    lo.library_targets("base")
+  with pytest.raises(FileNotFoundError, match="no such file"):
+    lo.library_targets(f"base={tmp_path / 'missing.so'}")
+  not_a_library = tmp_path / "x.so"
+  not_a_library.write_bytes(b"not an ELF file")
+  with pytest.raises(OSError):
+    lo.library_targets(f"base={not_a_library}")
+  with pytest.raises(SystemExit):
+    lo.main(["--libraries", f"base={tmp_path / 'missing.so'},cand={tmp_path / 'missing.so'}"])
+  with pytest.raises(SystemExit):
+    lo.main(["--kernel", "mosaic_forward", "--libraries", "a=x.so,b=y.so"])

@@ -19,6 +19,13 @@ Each variant is compiled on its own (about 20 s at 64k on an H200): name the --o
                    positions longest first over the heads (their default), in sequence order
                    with the heads fastest, reversed.
 
+--libraries NAME=PATH,NAME=PATH (with --kernel hopper_backward) compares builds of
+fused_backward.cu instead of orders: each library is loaded and registered as an FFI target of
+its own, and each variant traces the backward with fused_backward.TARGET set to its target. The
+JAX side is this tree's, so this is the same-process A/B for a change to the kernel source alone
+(build each with `python -m kvax_plugin.attention.kernels.cuda_sm90.build --cache-dir DIR`);
+the gate (benchmarks/gate.py) compares whole trees, one process per tree and round.
+
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, bf16; ms per call, median over rounds of about 20 ms of back-to-back calls
 each, the variants round-robin with a rotating start.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import itertools
 import json
@@ -93,6 +101,29 @@ KERNELS = {
 }
 
 
+def library_targets(spec: str) -> dict:
+  """{name: FFI target} for --libraries "NAME=PATH,...": each library loaded, checked for this
+  tree's interface version (fused_backward.check_abi) and registered under a target of its own,
+  the TARGET value its variant is traced with."""
+  targets = {}
+  for item in spec.split(","):
+    name, sep, path = item.partition("=")
+    if not sep or not name.isidentifier() or not path:
+      raise ValueError(f"--libraries {item!r}: expected NAME=PATH (NAME an identifier)")
+    if name in targets:
+      raise ValueError(f"--libraries: {name!r} named twice")
+    lib_path = Path(path).resolve()
+    if not lib_path.is_file():
+      raise FileNotFoundError(f"--libraries {name}={path}: no such file")
+    lib = ctypes.CDLL(str(lib_path))
+    fused_backward.check_abi(lib, lib_path)
+    target = f"{fused_backward.TARGET}_{name}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
+                                platform="CUDA")
+    targets[name] = target
+  return targets
+
+
 @contextlib.contextmanager
 def launch_order(module, name: str, fn):
   """module.name (the order function a kernel's wrapper calls) replaced by fn while tracing."""
@@ -132,12 +163,22 @@ def main(argv=None):
   ap.add_argument("--kernel", choices=tuple(KERNELS), default="hopper_backward")
   ap.add_argument("--cases", default="causal,docs")
   ap.add_argument("--orders", help="comma-separated order names (default: all of --kernel's)")
+  ap.add_argument("--libraries", help="NAME=PATH,NAME=PATH: builds of fused_backward.cu to "
+                  "compare instead of orders (--kernel hopper_backward)")
   ap.add_argument("--rounds", type=int, default=9)
   ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
   heads, kv_heads = 32, 8
   target, attr, orders, backend, forward_only = KERNELS[args.kernel]
-  if args.orders:
+  if args.libraries:
+    if args.kernel != "hopper_backward" or args.orders:
+      ap.error("--libraries: with --kernel hopper_backward and without --orders")
+    try:
+      orders = library_targets(args.libraries)
+    except (ValueError, OSError, RuntimeError) as e:
+      ap.error(str(e))
+    attr = "TARGET"
+  elif args.orders:
     unknown = set(args.orders.split(",")) - set(orders)
     if unknown:
       ap.error(f"--orders: {sorted(unknown)} unknown for --kernel {args.kernel} "
@@ -150,6 +191,7 @@ def main(argv=None):
       gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
       shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
       kernel=args.kernel, backend=backend,
+      libraries=args.libraries and dict(x.split("=", 1) for x in args.libraries.split(",")),
       timed=("jit(flash_attention)" if forward_only else
              "jit(grad(sum(out * dO))) over q, k, v") + ", the mask prebuilt")
   rows = []
