@@ -59,7 +59,7 @@ def cta_walks(lower, upper, order, n_kv_heads: int, group: int, *, heads_slowest
               snake: bool):
   """[(first block, end block, query heads)] per CTA in launch order, for the grid of kv tiles
   `order` (launch position -> tile) and kv heads; query heads walked in turn (snake: the odd ones
-  downwards, marked by a negative head number + 1 in the list: -(h + 1))."""
+  downwards, listed as -(h + 1))."""
   positions = ([(k, t) for k in range(n_kv_heads) for t in order] if heads_slowest
                else [(k, t) for t in order for k in range(n_kv_heads)])
   ctas = []
