@@ -3,7 +3,7 @@ the variants share one build and alternate call by call, free of the noise betwe
 
     python -m benchmarks.tools.launch_orders [--kernel hopper_backward|mosaic_forward|
         mosaic_backward] [--seqs 16384,65536] [--cases causal,docs] [--head-dims 128]
-        [--orders NAME,NAME] [--rounds 9] [--out F]
+        [--orders NAME,NAME] [--dtype bfloat16|float16] [--rounds 9] [--out F]
 
 Each variant is compiled on its own (about 20 s at 64k on an H200): name the --orders and
 --cases a question needs.
@@ -27,8 +27,8 @@ JAX side is this tree's, so this is the same-process A/B for a change to the ker
 the gate (benchmarks/gate.py) compares whole trees, one process per tree and round.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
-query / 8 kv heads, bf16; ms per call, median over rounds of about 20 ms of back-to-back calls
-each, the variants round-robin with a rotating start.
+query / 8 kv heads, bf16 unless --dtype; ms per call, median over rounds of about 20 ms of
+back-to-back calls each, the variants round-robin with a rotating start.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def main(argv=None):
   ap.add_argument("--orders", help="comma-separated order names (default: all of --kernel's)")
   ap.add_argument("--libraries", help="NAME=PATH,NAME=PATH: builds of fused_backward.cu to "
                   "compare instead of orders (--kernel hopper_backward)")
+  ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   ap.add_argument("--rounds", type=int, default=9)
   ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
@@ -189,18 +190,19 @@ def main(argv=None):
   conditions = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
-      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype="bfloat16"),
+      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype=args.dtype),
       kernel=args.kernel, backend=backend,
       libraries=args.libraries and dict(x.split("=", 1) for x in args.libraries.split(",")),
       timed=("jit(flash_attention)" if forward_only else
              "jit(grad(sum(out * dO))) over q, k, v") + ", the mask prebuilt")
+  dtype = jnp.dtype(args.dtype)
   rows = []
   for d, seq in itertools.product(map(int, args.head_dims.split(",")),
                                   map(int, args.seqs.split(","))):
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(keys[0], (1, seq, heads, d), jnp.bfloat16)
-    k, v = (jax.random.normal(x, (1, seq, kv_heads, d), jnp.bfloat16) for x in keys[1:3])
-    cot = jax.random.normal(keys[3], (1, seq, heads, d), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (1, seq, heads, d), dtype)
+    k, v = (jax.random.normal(x, (1, seq, kv_heads, d), dtype) for x in keys[1:3])
+    cot = jax.random.normal(keys[3], (1, seq, heads, d), dtype)
 
     def attend(q, k, v, pos, seg, mask):
       return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5,
