@@ -500,6 +500,32 @@ def test_the_hand_over_simulation_catches_a_missing_barrier():
   assert any(f and "overwrites buffer" in f for f in found)
 
 
+def test_snake_walk_counters_follow_the_producers_blocks():
+  """SNAKE (the DK_LAST kernels): the producer loads step n's block by snake_block (the odd heads
+  of the group walked downwards) and the consumers count (step_head, step_qb, step_dir) along;
+  both orders, as written in fused_backward.cu, visit the same blocks, each head's range once."""
+  from pathlib import Path
+  src = (Path(cuda_bwd.__file__).parent / "fused_backward.cu").read_text()
+  assert "SNAKE && (n / steps_per_head) % 2 ? lo + steps_per_head - 1 - r : lo + r" in src
+  assert "if (step_qb == (step_dir > 0 ? hi - 1 : lo)) {" in src
+  assert "constexpr bool SNAKE = DK_LAST;" in src
+  for lo, hi, group in [(0, 1, 4), (3, 7, 4), (0, 5, 1), (2, 4, 8)]:
+    spb = hi - lo
+    producer = []
+    for n in range(spb * group):
+      r, j = n % spb, n // spb
+      producer.append((j, lo + spb - 1 - r if j % 2 else lo + r))
+    head, qb, step_dir, consumer = 0, lo, 1, []
+    for _ in range(spb * group):
+      consumer.append((head, qb))
+      if qb == (hi - 1 if step_dir > 0 else lo):
+        step_dir, head = -step_dir, head + 1
+      else:
+        qb += step_dir
+    assert consumer == producer, (lo, hi, group)
+    for j in range(group):
+      assert sorted(b for h, b in producer if h == j) == list(range(lo, hi))
+
 # --- Head dim 256: the consumers' P^T / dS^T hand-over, simulated ------------------------------
 # backward_d256_kernel's order of named-barrier operations and buffer accesses per consumer, as
 # written in fused_backward.cu: consumer 0 writes P^T (one buffer) and reads dS^T, consumer 1

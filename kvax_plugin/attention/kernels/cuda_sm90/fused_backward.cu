@@ -406,6 +406,19 @@ __device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
   return row * 128 + chunk * 16 + (col & 7) * 2;
 }
 
+// The query block of step n of a CTA that walks blocks lo .. lo + steps_per_head - 1 for each of
+// its query heads in turn: upwards for every head, or (SNAKE) upwards for the even heads of the
+// group and downwards for the odd ones, so that each head starts at the block where the one
+// before ended. A CTA's walk takes a while per head, and the CTAs in flight change heads at
+// different steps: in the upward walk a CTA entering its next head starts at the bottom of the
+// range while the CTAs of later tiles are still at the top of the head before, so more distinct
+// Q / dO / dq blocks are live in L2 at once than where each head turns back.
+template <bool SNAKE>
+__device__ __forceinline__ int snake_block(int n, int lo, int steps_per_head) {
+  const int r = n % steps_per_head;
+  return SNAKE && (n / steps_per_head) % 2 ? lo + steps_per_head - 1 - r : lo + r;
+}
+
 // The two layouts' shared parts: the ring's barriers and the producer warpgroup. A layout's
 // shared memory holds K and V of the CTA's kv tile (PIECES column pieces of 64 each, KV_PIECE
 // bytes apart) and a ring of STAGES slots, each with the query block's Q pieces (Q_PIECE bytes
@@ -436,9 +449,10 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 // of the group's query heads of kv_head) the block's Q and dO pieces and ids into slot
 // n % STAGES, once both consumers released step n - STAGES. PIECES: the column pieces of Q and
 // K; V_PIECES: of V and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded
-// as 64-row boxes (the tensor maps' box) one under the other.
+// as 64-row boxes (the tensor maps' box) one under the other. SNAKE: the group's odd heads walk
+// their query blocks from the last to the first (snake_block).
 template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES,
-          int QB = Q_BLOCK>
+          int QB = Q_BLOCK, bool SNAKE = false>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
                                         int b, int group, int lo, int steps_per_head, int steps) {
   mbar_expect_tx(r.kv, (PIECES + V_PIECES) * KV_PIECE);
@@ -457,7 +471,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
     const int s = n % STAGES;
     if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
     const int head = kv_head * group + n / steps_per_head;
-    const int q0 = (lo + n % steps_per_head) * QB;
+    const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * QB;
     const uint32_t slot = r.slots + s * r.slot_bytes;
     const uint32_t ids = r.ids + s * (4 * QB * 4);
     const uint32_t full = r.full + 8 * s;
@@ -550,6 +564,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order, where dQ runs a
   // step late; in the lean step's kernels, like LEAN_STEP).
   constexpr bool DK_LAST = LEAN_STEP && DECOUPLE;
+  // SNAKE: the odd heads of the group walk their query blocks downwards (snake_block); in
+  // DK_LAST's kernels only, whose counters walk it (the lean step's).
+  constexpr bool SNAKE = DK_LAST;
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -592,7 +609,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB>(
+      produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB, SNAKE>(
           p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
     }
     return;
@@ -701,14 +718,16 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   int prev_head = 0, prev_q0 = 0;  // DECOUPLE: the step whose dQ is still to do
   // Step n's query head and QB-row query block, kv_head * group + n / steps_per_head and
-  // lo + n % steps_per_head: LEAN_STEP counts them along (step_head, step_qb, advanced at the
-  // end of each step) rather than dividing them out at each step.
-  int step_head = kv_head * group, step_qb = lo;
+  // snake_block: LEAN_STEP counts them along (step_head, step_qb, advanced at the end of each
+  // step by step_dir, which SNAKE turns at each head's last block) rather than dividing them out
+  // at each step.
+  int step_head = kv_head * group, step_qb = lo, step_dir = 1;
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = LEAN_STEP ? step_head : kv_head * group + n / steps_per_head;
     const int qb = LEAN_STEP ? step_qb : lo + n % steps_per_head;  // this step's query block
+    static_assert(!SNAKE || LEAN_STEP, "SNAKE: the lean step's counters walk it");
     const int q0 = qb * QB;
     const uint32_t slot = base + L::OFF_RING + s * L::SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + L::OFF_IDS + s * L::IDS);
@@ -930,7 +949,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       named_sync(1, 256);  // both consumers' dS halves written
       dq_part(n, head, q0, bar_empty + 8 * s);
     }
-    if constexpr (LEAN_STEP) {
+    if constexpr (SNAKE) {
+      if (step_qb == (step_dir > 0 ? hi - 1 : lo)) {
+        step_dir = -step_dir;
+        ++step_head;
+      } else {
+        step_qb += step_dir;
+      }
+    } else if constexpr (LEAN_STEP) {
       if (++step_qb == hi) {
         step_qb = lo;
         ++step_head;
