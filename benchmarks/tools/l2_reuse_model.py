@@ -16,11 +16,13 @@ Layouts: benchmarks.cases (causal; 12 documents + 1000 padding tokens, seed 0), 
 heads; each 128-row kv tile visits the query blocks of fused_backward.tile_bounds (the kernel's
 own input). Rows:
 
-    heads_fastest/up        the kernel today: grid (kv heads, tiles), the tiles in
-                            fused_backward.launch_order's documents order, each CTA walking its
-                            group's query heads one after another, each head's blocks upwards
+    heads_fastest/up        grid (kv heads, tiles), the tiles in fused_backward.launch_order's
+                            documents order, each CTA walking its group's query heads one after
+                            another, each head's blocks upwards (the walk of the kernels without
+                            DK_LAST)
     heads_fastest/snake     the same, the odd heads of the group walked downwards, so that each
-                            head starts where the one before ended
+                            head starts where the one before ended (the DK_LAST kernels' walk:
+                            head dim 128 without soft cap or window)
     heads_slowest/up,snake  grid (tiles, kv heads), each kv head's tiles longest first
                             (block_mask.longest_first): what the window's kernels launch
     per_query_head          one CTA per (tile, query head), the heads in sections as many as fit
@@ -31,8 +33,10 @@ own input). Rows:
 It counts what the real L2 also serves (K / V once per CTA, ids, lse / delta) as nothing, and a
 reduce-add as one access: it ranks orders, it does not predict ncu's percentages. Against ncu on
 an H200 (benchmarks/results/2026-11-29-h200/ncu_backward_l2/hopper_fa3_16k_64k.json; 50 MB, 132
-SMs): 16k causal, the kernel today 0.81 (ncu 0.82), FlashAttention-3 0.98 (ncu 0.97); 64k
-causal 0.82 (ncu 0.89) and 1.00 (ncu 0.99).
+SMs): 16k causal, the upward walk 0.81 (ncu 0.82), FlashAttention-3 0.98 (ncu 0.97); 64k
+causal 0.82 (ncu 0.89) and 1.00 (ncu 0.99). It overstates the snake walk's gain: 0.93 / 0.94
+against ncu's 0.85 / 0.91 (ncu_backward_l2/hopper_snake_5708961.json), as its replay keeps the
+CTAs in step where real ones drift apart over a walk.
 """
 
 from __future__ import annotations
