@@ -185,6 +185,8 @@ def test_launch_orders_compiles_each_order_not_the_first_trace_again():
     lo.main(["--orders", "ascending,sideways"])
   with pytest.raises(SystemExit):
     lo.main(["--orders", "ascending"])
+  with pytest.raises(SystemExit):  # --dtype: the kernels' 16-bit types only
+    lo.main(["--dtype", "float32"])
 
 
 def test_launch_orders_times_libraries_through_targets_of_their_own(monkeypatch, tmp_path):
