@@ -228,3 +228,29 @@ def test_launch_orders_times_libraries_through_targets_of_their_own(monkeypatch,
     lo.main(["--libraries", f"base={tmp_path / 'missing.so'},cand={tmp_path / 'missing.so'}"])
   with pytest.raises(SystemExit):
     lo.main(["--kernel", "mosaic_forward", "--libraries", "a=x.so,b=y.so"])
+
+
+def test_gqa_as_mha_computes_the_gqa_gradients():
+  """tools/gqa_as_mha.py: the repeated-K / V call gives the GQA call's output, and jax.grad sums
+  the group's dK / dV through the repeat (float32, the dense "jax" backend, a small packed row)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import kvax_plugin
+  from benchmarks.tools import gqa_as_mha as tool
+  b, s, d = 1, 256, 32
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  q = jax.random.normal(keys[0], (b, s, tool.HEADS, d), jnp.float32)
+  k, v = (jax.random.normal(x, (b, s, tool.KV_HEADS, d), jnp.float32) for x in keys[1:3])
+  cot = jax.random.normal(keys[3], (b, s, tool.HEADS, d), jnp.float32)
+  seg = jnp.asarray(np.repeat([0, 1, 2, -1], [100, 1, 120, 35])[None], jnp.int32)
+  pos = jnp.asarray(np.concatenate([np.arange(n) for n in (100, 1, 120, 35)])[None], jnp.int32)
+  mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+  call = (q, k, v, pos, seg, mask)
+  (fwd_gqa, loss_gqa), (fwd_mha, loss_mha) = tool.variants("jax", cot).values()
+  np.testing.assert_allclose(fwd_mha(*call), fwd_gqa(*call), rtol=1e-5, atol=1e-5)
+  grads = [jax.grad(f, argnums=(0, 1, 2))(*call) for f in (loss_gqa, loss_mha)]
+  for a, g in zip(*grads):
+    assert a.shape == g.shape and bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+    np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,118 @@
+"""GQA through the kernels' one-head-per-kv-head path, timed against the GQA path in one process.
+
+    python -m benchmarks.tools.gqa_as_mha [--seqs 16384,65536] [--cases causal,docs]
+        [--passes fwd_bwd,fwd] [--backend hopper] [--rounds 7] [--deadline S] [--out F]
+
+"gqa" calls flash_attention with the 8 kv heads as they are: the CUDA backward launches one CTA
+per (kv head, kv tile), which walks the group's 4 query heads one after another. "as_mha"
+repeats K and V over the group (32 kv heads) before the call, so every CTA walks one query head
+and the CTAs in flight share that head's Q, dO and dq blocks in L2, as FlashAttention-3's backward
+does; jax.grad sums the 4 heads' dK / dV through the repeat's transpose (in the inputs' dtype,
+where FA3 sums in float32). The repeat and the sum are timed with it. This asks whether the
+per-query-head launch is worth a kernel of its own before one is written.
+
+Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
+query / 8 kv heads, head dim 128, bf16, the mask prebuilt; ms per call, median over rounds of
+about 20 ms of back-to-back calls each, the variants alternated with a rotating start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import kvax_plugin
+from benchmarks.cases import layout
+from benchmarks.timing import round_ms
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def variants(backend: str, cot):
+  """{name: loss(q, k, v, pos, seg, mask)} for the two ways of calling GQA."""
+  group = HEADS // KV_HEADS
+
+  def attend(q, k, v, pos, seg, mask):
+    return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask,
+                                       scale=q.shape[-1] ** -0.5, backend=backend)
+
+  def as_mha(q, k, v, pos, seg, mask):
+    return attend(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), pos, seg, mask)
+
+  def loss(fn):
+    return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot.astype(jnp.float32))
+
+  return {"gqa": (attend, loss(attend)), "as_mha": (as_mha, loss(as_mha))}
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seqs", default="16384,65536")
+  ap.add_argument("--cases", default="causal,docs")
+  ap.add_argument("--passes", default="fwd_bwd,fwd")
+  ap.add_argument("--backend", default="hopper")
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--deadline", type=float, default=None,
+                  help="seconds: start no new case after this many")
+  ap.add_argument("--out", help="results file, rewritten after each case")
+  args = ap.parse_args(argv)
+  t0 = time.monotonic()
+  conditions = dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
+      backend=args.backend, kvax_plugin=kvax_plugin.__version__,
+      shapes=dict(batch=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
+      timed="fwd: jit(flash_attention); fwd_bwd: jit(grad(sum(out * dO))) over q, k, v; "
+            "the mask prebuilt")
+  rows = []
+  for seq, case in itertools.product(map(int, args.seqs.split(",")), args.cases.split(",")):
+    if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+      print(f"deadline: {seq} {case} not run", flush=True)
+      break
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (1, seq, HEADS, HEAD_DIM), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, seq, KV_HEADS, HEAD_DIM), jnp.bfloat16) for x in keys[1:3])
+    cot = jax.random.normal(keys[3], (1, seq, HEADS, HEAD_DIM), jnp.bfloat16)
+    pos, seg, _ = layout(case, seq, seed=0, counted_padding=True)
+    pos, seg = jnp.asarray(pos), jnp.asarray(seg)
+    mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+    call = (q, k, v, pos, seg, mask)
+    for pass_ in args.passes.split(","):
+      fns = {name: (jax.jit(fwd) if pass_ == "fwd" else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+             for name, (fwd, loss) in variants(args.backend, cot).items()}
+      inner = {}
+      for name, fn in fns.items():
+        for _ in range(3):
+          jax.block_until_ready(fn(*call))
+        inner[name] = max(1, int(20.0 / max(round_ms(fn, call, 1), 1e-3)))
+      # The two variants compute the same gradients up to the rounding of the summed dK / dV.
+      agree = {}
+      if pass_ == "fwd_bwd":
+        ref, got = fns["gqa"](*call), fns["as_mha"](*call)
+        for name, a, b in zip(("dq", "dk", "dv"), ref, got):
+          a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+          agree[name] = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(a)), 1e-30))
+      names, times = list(fns), {n: [] for n in fns}
+      for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+          times[name].append(round_ms(fns[name], call, inner[name]))
+      ms = {n: statistics.median(t) for n, t in times.items()}
+      rows.append(dict(seq=seq, case=case, pass_=pass_, ms=ms, ms_rounds=times,
+                       as_mha_over_gqa=ms["as_mha"] / ms["gqa"], max_rel_diff=agree))
+      print(f"{seq} {case} {pass_}: gqa {ms['gqa']:.3f}  as_mha {ms['as_mha']:.3f}  "
+            f"ratio {ms['as_mha'] / ms['gqa']:.3f}  {agree}", flush=True)
+      if args.out:
+        Path(args.out).write_text(json.dumps(dict(conditions=conditions, rows=rows), indent=1))
+  return dict(conditions=conditions, rows=rows)
+
+
+if __name__ == "__main__":
+  main()
