@@ -64,6 +64,9 @@ def main(argv=None):
                   help="seconds: start no new case after this many")
   ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
+  unknown = set(args.passes.split(",")) - {"fwd", "fwd_bwd"}
+  if unknown:
+    ap.error(f"--passes: {sorted(unknown)} unknown (expected fwd, fwd_bwd)")
   t0 = time.monotonic()
   conditions = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
