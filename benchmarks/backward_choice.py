@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks.cases import kept_pairs, layout, parse_head_dims, random_inputs  # noqa: E402
-from benchmarks.timing import round_ms  # noqa: E402
+from benchmarks.timing import alternate  # noqa: E402
 import kvax_plugin  # noqa: E402
 from kvax_plugin.attention import block_mask  # noqa: E402
 from kvax_plugin.attention.kernels import hopper  # noqa: E402
@@ -80,15 +80,9 @@ def measure(seqs, num_docs, head_dims, impls, rounds: int, heads=32, kv_heads=8,
         mask = kvax_plugin.create_attention_mask(jpos, jseg, jpos, jseg, calc_bwd_mask=True)
         share = float(block_mask.partial_share(mask.dkv))
         args = (q, k, v, jpos, jseg, mask)
-        inner = {}
-        for name, f in fns.items():
-          jax.block_until_ready(f(*args))  # compile (first layout) and warm up
-          inner[name] = max(1, int(min_round_ms / max(round_ms(f, args, 1), 1e-3)))
-        times = {name: [] for name in fns}
+        # one warm-up call each (the first layout's compiles them)
+        times = alternate(fns, args, rounds, warmup=1, min_round_ms=min_round_ms)
         names = list(fns)
-        for r in range(rounds):
-          for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(round_ms(fns[name], args, inner[name]))
         start = hopper.mosaic_backward_from(jnp.bfloat16, d, dv)
         picked = "mosaic" if start is not None and share >= start else "cuda"
         for name in names:

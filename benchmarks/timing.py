@@ -4,6 +4,7 @@ round-robin that interleaves implementations so a drift of the GPU's clocks favo
     time_fn(f, args, rounds, inner)      median ms per call over rounds of `inner` calls
     call_times(f, args, warmup, calls)   ms of each of `calls` single calls, each waited for
     interleave(timed, args, rounds, ...) the round-robin of bench_attention --interleave
+    alternate(fns, args, rounds)         the same round-robin over {name: compiled call}
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def call_times(fn, args, warmup: int, calls: int) -> list[float]:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
+  return times
+
+
+def alternate(fns: dict, args, rounds: int, *, warmup: int = 3,
+              min_round_ms: float = 20.0) -> dict:
+  """{name: [ms per call of each round]}: after `warmup` calls of each, every round times one
+  round of each of `fns` (as many back-to-back calls as fill about `min_round_ms`), in an order
+  rotated every round so that a drift of the clocks favours none."""
+  inner = {}
+  for name, fn in fns.items():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+    inner[name] = max(1, int(min_round_ms / max(round_ms(fn, args, 1), 1e-3)))
+  names, times = list(fns), {name: [] for name in fns}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      times[name].append(round_ms(fns[name], args, inner[name]))
   return times
 
 

@@ -249,6 +249,27 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
     assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
 
 
+def test_alternate_warms_up_then_rotates_the_start_each_round():
+  """timing.alternate (launch_orders, gqa_as_mha, backward_choice): `warmup` untimed calls of
+  each, one calibration call of each, then per round one round of each, the start rotated."""
+  import jax.numpy as jnp
+  from benchmarks import timing
+
+  calls = []
+
+  def make(name):
+    def fn(x):
+      calls.append(name)
+      return jnp.sin(x)
+    return fn
+  x = jnp.ones((64,), jnp.float32)
+  # min_round_ms=0: every round is one call
+  times = timing.alternate({n: make(n) for n in "abc"}, (x,), rounds=3, warmup=2,
+                           min_round_ms=0.0)
+  assert calls == list("aaa" "bbb" "ccc" "abc" "bca" "cab")
+  assert set(times) == set("abc") and all(len(t) == 3 and min(t) > 0 for t in times.values())
+
+
 def test_bench_attention_split_parts_run_in_the_interpreter():
   """bench_attention --split's Mosaic parts (every kernel alone, tools/kernel_parts.py) build
   and run through Pallas' interpreter, so a GPU run never finds a Python error there; the

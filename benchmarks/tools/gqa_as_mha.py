@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import kvax_plugin
 from benchmarks.cases import layout
-from benchmarks.timing import round_ms
+from benchmarks.timing import alternate
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -91,11 +91,6 @@ def main(argv=None):
     for pass_ in args.passes.split(","):
       fns = {name: (jax.jit(fwd) if pass_ == "fwd" else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
              for name, (fwd, loss) in variants(args.backend, cot).items()}
-      inner = {}
-      for name, fn in fns.items():
-        for _ in range(3):
-          jax.block_until_ready(fn(*call))
-        inner[name] = max(1, int(20.0 / max(round_ms(fn, call, 1), 1e-3)))
       # The two variants compute the same gradients up to the rounding of the summed dK / dV.
       agree = {}
       if pass_ == "fwd_bwd":
@@ -103,10 +98,7 @@ def main(argv=None):
         for name, a, b in zip(("dq", "dk", "dv"), ref, got):
           a, b = a.astype(jnp.float32), b.astype(jnp.float32)
           agree[name] = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(a)), 1e-30))
-      names, times = list(fns), {n: [] for n in fns}
-      for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-          times[name].append(round_ms(fns[name], call, inner[name]))
+      times = alternate(fns, call, args.rounds)
       ms = {n: statistics.median(t) for n, t in times.items()}
       rows.append(dict(seq=seq, case=case, pass_=pass_, ms=ms, ms_rounds=times,
                        as_mha_over_gqa=ms["as_mha"] / ms["gqa"], max_rel_diff=agree))

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 import kvax_plugin
 from benchmarks.cases import layout
-from benchmarks.timing import round_ms
+from benchmarks.timing import alternate
 from kvax_plugin.attention import block_mask
 from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
 from kvax_plugin.attention.kernels.mosaic import backward as mosaic_backward
@@ -217,19 +217,10 @@ def main(argv=None):
       pos, seg = jnp.asarray(pos), jnp.asarray(seg)
       mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
       call = (q, k, v, pos, seg, mask)
-      inner = {}
       make = lambda: (jax.jit(attend) if forward_only
                       else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
       fns = compile_variants(make, call, target, attr, orders)
-      for label in fns:
-        for _ in range(3):
-          jax.block_until_ready(fns[label](*call))
-        inner[label] = max(1, int(20.0 / max(round_ms(fns[label], call, 1), 1e-3)))
-      times = {n: [] for n in fns}
-      names = list(fns)
-      for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-          times[name].append(round_ms(fns[name], call, inner[name]))
+      times = alternate(fns, call, args.rounds)
       row = dict(head_dim=d, seq=seq, case=case,
                  ms={n: statistics.median(t) for n, t in times.items()},
                  ms_rounds=times)
