@@ -276,15 +276,18 @@ def test_fused_backward_registers_its_target_itself(monkeypatch):
 
 @pytest.fixture
 def ffi_call(monkeypatch):
-  """fused_backward's FFI call recorded instead of run (no library needed): the dict gets the
-  call's inputs ("args") and attributes ("attrs"); the results are zeros of their shapes."""
+  """fused_backward's FFI calls recorded instead of run (no library needed): the dict gets the
+  backward's inputs ("args") and attributes ("attrs"), and every call as (target, args, attrs,
+  results) in "calls"; the results are zeros of their shapes."""
   import jax
   monkeypatch.setattr(cuda_bwd, "load", lambda *a: None)
-  got = {}
+  got = {"calls": []}
 
   def fake_ffi_call(target, results):
     def call(*args, **attrs):
-      got.update(args=args, attrs=attrs)
+      got["calls"].append((target, args, attrs, results))
+      if target == cuda_bwd.TARGET:
+        got.update(args=args, attrs=attrs)
       return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     return call
   monkeypatch.setattr(jax.ffi, "ffi_call", fake_ffi_call)
@@ -345,6 +348,58 @@ def test_fused_backward_masks_in_the_loop_when_the_scale_is_not_positive(
   variant = int(ffi_call["attrs"]["variant"])
   assert bool(variant & cuda_bwd.MASK_IN_LOOP) == in_loop
   assert bool(variant & cuda_bwd.SOFTCAP) == bool(soft_cap)
+
+
+@pytest.mark.parametrize("head_dims", [(128, 128), (64, 64), (256, 256), (192, 128)])
+def test_fused_backward_converts_dq_on_the_gpu(ffi_call, head_dims):
+  """dq comes from the library's second target: the backward's dq_accum and the lse it was given
+  (+inf on the rows to zero), the scale, and the staging order (FRAG at head dims 64 / 128, which
+  every built variant stages in; the vector order in the wide kernels), into q's shape and type."""
+  d, dv = head_dims
+  x = lambda *shape: jnp.zeros(shape, jnp.float16)
+  ids = jnp.zeros((1, 256), jnp.int32)
+  lse = jnp.full((1, 4, 256), jnp.inf, jnp.float32).at[:, :, :100].set(1.0)
+  bounds = (jnp.zeros((1, 2), jnp.int32),) * 4
+  dq, _, _ = cuda_bwd.fused_backward(x(1, 256, 4, d), x(1, 256, 2, d), x(1, 256, 2, dv),
+                                     x(1, 256, 4, dv), lse, lse, ids, ids, ids, ids, bounds,
+                                     scale=0.25, causal=True)
+  (t0, *_, backward_results), (t1, args, attrs, results) = ffi_call["calls"]
+  assert (t0, t1) == (cuda_bwd.TARGET, cuda_bwd.DQ_TARGET)
+  assert args[0].shape == backward_results[2].shape == (1, 4, d // 64, 256 // 64, 4096)
+  np.testing.assert_array_equal(args[1], lse)
+  assert float(attrs["scale"]) == 0.25
+  assert int(attrs["vector_order"]) == (d not in cuda_bwd.MAIN_LAYOUT_HEAD_DIMS)
+  assert results[0].shape == dq.shape == (1, 256, 4, d) and dq.dtype == jnp.float16
+  assert all(bits & cuda_bwd.FRAG for bits in cuda_bwd.VARIANTS.values())
+
+
+def test_dq_conversion_kernel_reads_the_staging_orders():
+  """dq_from_accum_kernel's index arithmetic, as written in fused_backward.cu, against the
+  staging orders' definitions (unpermute_fragment_order, unpermute_vector_order): thread i of a
+  (batch, head, block) CTA writes row (i / 8) % 64, columns 8 (i % 8) .. + 7 of part i / 512,
+  from these accumulator offsets."""
+  from pathlib import Path
+  src = (Path(cuda_bwd.__file__).parent / "fused_backward.cu").read_text()
+  frag = "src + (((g * 2 + a1) * 4 + a2) * 8 + a3) * 8"
+  vector = "src + ((((g * 4 + c1) * 8 + c2) * 4 + c3) * 2 + c4) * 2"
+  assert frag in src and vector in src
+  assert "const int part = i / 512, g = i % 8, row = (i / 8) % 64;" in src
+  accum = np.arange(4096, dtype=np.float32)
+  for order, unpermute in ((frag, cuda_bwd.unpermute_fragment_order),
+                           (vector, cuda_bwd.unpermute_vector_order)):
+    want = np.asarray(unpermute(jnp.asarray(accum)))
+    got = np.full((64, 64), -1.0, np.float32)
+    for i in range(512):
+      g, row = i % 8, (i // 8) % 64
+      if order is frag:
+        a2, a1, a3 = row // 16, (row // 8) % 2, row % 8
+        got[row, 8 * g:8 * g + 8] = accum[(((g * 2 + a1) * 4 + a2) * 8 + a3) * 8 + np.arange(8)]
+      else:
+        c1, c4, c2 = row // 16, (row // 8) % 2, row % 8
+        for c3 in range(4):
+          off = ((((g * 4 + c1) * 8 + c2) * 4 + c3) * 2 + c4) * 2
+          got[row, 8 * g + 2 * c3:8 * g + 2 * c3 + 2] = accum[off:off + 2]
+    np.testing.assert_array_equal(got, want)
 
 
 # --- DECOUPLE (v7): the consumers' dS hand-over, simulated -------------------------------------

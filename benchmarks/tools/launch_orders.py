@@ -22,7 +22,8 @@ Each variant is compiled on its own (about 20 s at 64k on an H200): name the --o
 --libraries NAME=PATH,NAME=PATH (with --kernel hopper_backward) compares builds of
 fused_backward.cu instead of orders: each library is loaded and registered as an FFI target of
 its own, and each variant traces the backward with fused_backward.TARGET set to its target. The
-JAX side is this tree's, so this is the same-process A/B for a change to the kernel source alone
+JAX side and dq's conversion kernel are this tree's (so each library must report this tree's
+ABI version), so this is the same-process A/B for a change to the kernel source alone
 (build each with `python -m kvax_plugin.attention.kernels.cuda_sm90.build --cache-dir DIR`);
 the gate (benchmarks/gate.py) compares whole trees, one process per tree and round.
 

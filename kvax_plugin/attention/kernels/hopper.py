@@ -160,9 +160,8 @@ def _cuda_backward(cfg, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: Atte
                                        cuda_bwd.tile_bounds(mask), scale=cfg.scale,
                                        causal=cfg.causal, variant=cfg.variant,
                                        soft_cap=cfg.soft_cap, window=cfg.window)
+  # Rows with nothing to attend (lse +inf) come back exactly 0 (fused_backward's dq).
   dq, dk, dv = dq[:, :sq], dk[:, :skv], dv[:, :skv]
-  # Rows with nothing to attend (lse +inf) get exactly 0, even through 0 * NaN in dS K.
-  dq = jnp.where((lse == jnp.inf).transpose(0, 2, 1)[..., None], jnp.zeros_like(dq), dq)
   # The lse holds the sinks, so dq / dk / dv need nothing more.
   dsinks = sinks_gradient(sinks, lse, delta) if cfg.has_sinks else jnp.zeros_like(sinks)
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), dsinks

@@ -1782,11 +1782,108 @@ static ffi::Error FusedBackwardImpl(
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// dq from dq_accum: dq [B, Sq, H, D] (q's type) = scale * dq_accum, each 64 x 64 part moved from
+// its staging order to row-major, and 0 on the rows whose lse is +inf (nothing to attend, or the
+// padding rows): one pass over dq_accum, where the separate transpose, scale, cast and select of
+// XLA's fusion moved the same bytes at about half the bandwidth. Block i of a part holds
+// accumulator run i (8 floats): FRAG (head dims 64 / 128) stages run (a0, a1, a2, a3) (sizes 8, 2,
+// 4, 8, a0 slowest) at row 16 a2 + 8 a1 + a3, columns 8 a0 .. 8 a0 + 7, contiguous; the wide
+// kernels' vector order stages element (c0, c1, c2, c3, c4, c5) (sizes 8, 4, 8, 4, 2, 2) at row
+// 16 c1 + 8 c4 + c2, column 8 c0 + 2 c3 + c5 (fused_backward.py unpermute_*_order).
+constexpr int DQ_THREADS = 256;
+
+template <bool HALF, bool VECTOR_ORDER>
+__global__ void __launch_bounds__(DQ_THREADS)
+    dq_from_accum_kernel(const float* __restrict__ accum, const float* __restrict__ lse,
+                         void* __restrict__ dq, int s_q, int heads, int parts, float scale) {
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, blocks = s_q / 64;
+  // Thread order: the 8 column groups fastest, then the rows, so that 8 lanes write a row's 64
+  // columns of a part (128 contiguous bytes) and, in FRAG, a warp's 4 rows of one column group
+  // read 4 neighbouring runs (128 contiguous bytes).
+  for (int i = threadIdx.x; i < parts * 512; i += DQ_THREADS) {
+    const int part = i / 512, g = i % 8, row = (i / 8) % 64;
+    const float* src = accum + ((((int64_t)b * heads + h) * parts + part) * blocks + blk) * 4096;
+    float x[8];
+    if constexpr (VECTOR_ORDER) {
+      // Row 16 c1 + 8 c4 + c2, columns 8 g + 2 c3 + c5: pairs (c5) contiguous.
+      const int c1 = row / 16, c4 = (row / 8) % 2, c2 = row % 8;
+#pragma unroll
+      for (int c3 = 0; c3 < 4; ++c3) {
+        const float2 v = *reinterpret_cast<const float2*>(
+            src + ((((g * 4 + c1) * 8 + c2) * 4 + c3) * 2 + c4) * 2);
+        x[2 * c3] = v.x;
+        x[2 * c3 + 1] = v.y;
+      }
+    } else {
+      const int a2 = row / 16, a1 = (row / 8) % 2, a3 = row % 8;
+      const float4* run =
+          reinterpret_cast<const float4*>(src + (((g * 2 + a1) * 4 + a2) * 8 + a3) * 8);
+      const float4 v0 = run[0], v1 = run[1];
+      x[0] = v0.x, x[1] = v0.y, x[2] = v0.z, x[3] = v0.w;
+      x[4] = v1.x, x[5] = v1.y, x[6] = v1.z, x[7] = v1.w;
+    }
+    const int s = blk * 64 + row;
+    const float row_lse = lse[((int64_t)b * heads + h) * s_q + s];
+    uint4 out = make_uint4(0, 0, 0, 0);  // +inf lse: exactly 0, even where dS K held 0 * NaN
+    if (!(isinf(row_lse) && row_lse > 0.f)) {
+      out.x = pack2<HALF>(x[0] * scale, x[1] * scale);
+      out.y = pack2<HALF>(x[2] * scale, x[3] * scale);
+      out.z = pack2<HALF>(x[4] * scale, x[5] * scale);
+      out.w = pack2<HALF>(x[6] * scale, x[7] * scale);
+    }
+    uint16_t* dst = static_cast<uint16_t*>(dq) +
+                    (((int64_t)b * s_q + s) * heads + h) * (parts * 64) + part * 64 + g * 8;
+    *reinterpret_cast<uint4*>(dst) = out;
+  }
+}
+
+static ffi::Error DqFromAccumImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dq_accum,
+                                  ffi::Buffer<ffi::F32> lse, float scale, int32_t vector_order,
+                                  ffi::Result<ffi::AnyBuffer> dq) {
+  const auto ad = dq_accum.dimensions(), ld = lse.dimensions(), dd = dq->dimensions();
+  if (ad.size() != 5 || ad[4] != 64 * 64)
+    return ffi::Error::InvalidArgument("dq_accum: expected [B, H, head dim / 64, Sq / 64, 4096]");
+  const int64_t b = ad[0], h = ad[1], parts = ad[2], sq = ad[3] * 64;
+  if (ld.size() != 3 || ld[0] != b || ld[1] != h || ld[2] != sq)
+    return ffi::Error::InvalidArgument("lse: expected [B, H, Sq] (dq_accum's B, H and Sq)");
+  if (dd.size() != 4 || dd[0] != b || dd[1] != sq || dd[2] != h || dd[3] != parts * 64)
+    return ffi::Error::InvalidArgument("dq: expected [B, Sq, H, head dim] (dq_accum's)");
+  const ffi::DataType type = dq->element_type();
+  if (type != ffi::DataType::BF16 && type != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("dq: expected bfloat16 or float16");
+  if (b == 0 || h == 0 || sq == 0) return ffi::Error::Success();
+  const dim3 grid(static_cast<unsigned>(sq / 64), static_cast<unsigned>(h),
+                  static_cast<unsigned>(b));
+  const bool half = type == ffi::DataType::F16;
+  const int args_sq = static_cast<int>(sq), args_h = static_cast<int>(h);
+  const int args_parts = static_cast<int>(parts);
+  if (half && vector_order)
+    dq_from_accum_kernel<true, true><<<grid, DQ_THREADS, 0, stream>>>(
+        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
+        scale);
+  else if (half)
+    dq_from_accum_kernel<true, false><<<grid, DQ_THREADS, 0, stream>>>(
+        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
+        scale);
+  else if (vector_order)
+    dq_from_accum_kernel<false, true><<<grid, DQ_THREADS, 0, stream>>>(
+        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
+        scale);
+  else
+    dq_from_accum_kernel<false, false><<<grid, DQ_THREADS, 0, stream>>>(
+        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
+        scale);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace kvax_sm90
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 14; }
+extern "C" int KvaxSm90AbiVersion() { return 15; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()
@@ -1814,3 +1911,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImp
                                   .Ret<ffi::AnyBuffer>()           // dk (q's type)
                                   .Ret<ffi::AnyBuffer>()           // dv
                                   .Ret<ffi::Buffer<ffi::F32>>());  // dq_accum
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90DqFromAccum, kvax_sm90::DqFromAccumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dq_accum
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse [B, H, Sq]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("vector_order")  // 0: FRAG, 1: the wide kernels'
+                                  .Ret<ffi::AnyBuffer>());        // dq [B, Sq, H, D]

@@ -18,6 +18,7 @@ from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT
 TARGET = "kvax_sm90_fused_backward"
+DQ_TARGET = "kvax_sm90_dq_from_accum"  # dq from the kernel's dq_accum (dq_from_accum_kernel)
 HEAD_DIM = 128
 # (q / k, v / d_out) head dims built; 256 and MLA's 192 / 128 in wide kernels (64-row kv tiles).
 HEAD_DIMS = ((128, 128), (64, 64), (256, 256), (192, 128))
@@ -29,7 +30,7 @@ Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: bump both together when the interface changes.
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 _LOADED: list[ctypes.CDLL] = []
 _FAILED: list[tuple[type, str]] = []
@@ -98,6 +99,8 @@ def load(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike 
         _FAILED.append((RuntimeError, f"{build.LIB_NAME} could not be built or loaded: {e}"))
         raise RuntimeError(_FAILED[0][1]) from e
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
+                                platform="CUDA")
+    jax.ffi.register_ffi_target(DQ_TARGET, jax.ffi.pycapsule(lib.KvaxSm90DqFromAccum),
                                 platform="CUDA")
     _LOADED.append(lib)
     return lib
@@ -182,7 +185,8 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
   """q [B, Sq, H, D], k [B, Skv, KH, D], v [B, Skv, KH, Dv], d_out [B, Sq, H, Dv] ((D, Dv) one
   of HEAD_DIMS; Sq, Skv multiples of 128), q bf16 or fp16 (the others are cast to it); lse, delta
   [B, H, Sq] float32; ids int32; bounds from tile_bounds; soft_cap / window 0 for none. Returns
-  dq [B, Sq, H, D], dk [B, Skv, KH, D], dv [B, Skv, KH, Dv] in q's type."""
+  dq [B, Sq, H, D] (exactly 0 on the rows whose lse is +inf), dk [B, Skv, KH, D],
+  dv [B, Skv, KH, Dv] in q's type."""
   b, s, h, d = q.shape
   skv, kh = k.shape[1], k.shape[2]
   dv_dim = v.shape[3] if v.ndim == 4 else -1
@@ -231,12 +235,18 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     *map(i32, bounds), order, scale=np.float32(scale), causal=np.int32(bool(causal)),
     variant=np.int32(bits), soft_cap=np.float32(soft_cap),
     window=np.int32(min(int(window), MAX_WINDOW)))
-  return dq_from_accum(dq_accum, variant, scale, q.dtype), dk, dv
+  # dq_from_accum below, in one pass on the GPU (every built variant stages dq in FRAG's order
+  # at head dims 64 / 128, the vector order above), with the +inf-lse rows set to 0.
+  dq, = jax.ffi.ffi_call(DQ_TARGET, (jax.ShapeDtypeStruct(q.shape, dtype),))(
+      dq_accum, lse.astype(jnp.float32), scale=np.float32(scale),
+      vector_order=np.int32(d not in MAIN_LAYOUT_HEAD_DIMS))
+  return dq, dk, dv
 
 
 def dq_from_accum(dq_accum, variant: str, scale: float, dtype):
   """dq [B, Sq, H, D] from the kernel's float32 dq_accum [B, H, D / 64, Sq / 64, 4096] (dS K
-  unscaled, per 64-column part and 64-row block, in the layout's order)."""
+  unscaled, per 64-column part and 64-row block, in the layout's order): the definition of
+  fused_backward.cu's dq_from_accum_kernel (which also zeroes the +inf-lse rows), in jnp."""
   b, h, parts, blocks, _ = dq_accum.shape
   if parts * 64 not in MAIN_LAYOUT_HEAD_DIMS:
     block = unpermute_vector_order(dq_accum)
