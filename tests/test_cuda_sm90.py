@@ -556,14 +556,26 @@ def test_the_hand_over_simulation_catches_a_missing_barrier():
 
 
 def test_snake_walk_counters_follow_the_producers_blocks():
-  """SNAKE (the DK_LAST kernels): the producer loads step n's block by snake_block (the odd heads
-  of the group walked downwards) and the consumers count (step_head, step_qb, step_dir) along;
-  both orders, as written in fused_backward.cu, visit the same blocks, each head's range once."""
+  """SNAKE (every kernel without a window or the mask in the loop): the producer loads step n's
+  block by snake_block (the odd heads of the group walked downwards); the lean step's consumers
+  count (step_head, step_qb, step_dir) along, the other kernels' consumers call snake_block with
+  the producer's SNAKE. Both orders, as written in fused_backward.cu, visit the same blocks, each
+  head's range once."""
+  import re
   from pathlib import Path
   src = (Path(cuda_bwd.__file__).parent / "fused_backward.cu").read_text()
   assert "SNAKE && (n / steps_per_head) % 2 ? lo + steps_per_head - 1 - r : lo + r" in src
   assert "if (step_qb == (step_dir > 0 ? hi - 1 : lo)) {" in src
-  assert "constexpr bool SNAKE = DK_LAST;" in src
+  assert "constexpr bool SNAKE = !WIN && !(F & MASK_IN_LOOP);" in src
+  # Each kernel (the main one, head dim 256's, MLA's) hands its SNAKE to the producer and walks
+  # the same blocks in its consumers; no consumer computes a block without snake_block.
+  kernels = re.split(r"\n(?=template <int F, bool HALF)", src)
+  walking = [k for k in kernels if "produce<" in k]
+  assert len(walking) == 3
+  for k in walking:
+    assert re.search(r"produce<[^>]*, SNAKE>\(", k), k[:200]
+    assert "snake_block<SNAKE>(n, lo, steps_per_head)" in k
+    assert "lo + n % steps_per_head" not in k
   for lo, hi, group in [(0, 1, 4), (3, 7, 4), (0, 5, 1), (2, 4, 8)]:
     spb = hi - lo
     producer = []

@@ -564,9 +564,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order, where dQ runs a
   // step late; in the lean step's kernels, like LEAN_STEP).
   constexpr bool DK_LAST = LEAN_STEP && DECOUPLE;
-  // SNAKE: the odd heads of the group walk their query blocks downwards (snake_block); in
-  // DK_LAST's kernels only, whose counters walk it (the lean step's).
-  constexpr bool SNAKE = DK_LAST;
+  // SNAKE: the odd heads of the group walk their query blocks downwards (snake_block). Not with
+  // a window: its tiles' walks are equally long, so the CTAs in flight change heads together.
+  // Nor with the mask in the loop (a scale <= 0, rare), whose head dim 64 kernels it spills.
+  constexpr bool SNAKE = !WIN && !(F & MASK_IN_LOOP);
   static_assert(HD == 128 || DECOUPLE, "head dim 64's 128-row steps need DECOUPLE's dS hand-over");
   using L = Plan<HD>;
   constexpr int HALVES = L::PIECES;  // 64-column pieces of Q, K, V, dO (and of dQ's parts)
@@ -726,8 +727,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = LEAN_STEP ? step_head : kv_head * group + n / steps_per_head;
-    const int qb = LEAN_STEP ? step_qb : lo + n % steps_per_head;  // this step's query block
-    static_assert(!SNAKE || LEAN_STEP, "SNAKE: the lean step's counters walk it");
+    // This step's query block.
+    const int qb = LEAN_STEP ? step_qb : snake_block<SNAKE>(n, lo, steps_per_head);
     const int q0 = qb * QB;
     const uint32_t slot = base + L::OFF_RING + s * L::SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + L::OFF_IDS + s * L::IDS);
@@ -949,7 +950,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       named_sync(1, 256);  // both consumers' dS halves written
       dq_part(n, head, q0, bar_empty + 8 * s);
     }
-    if constexpr (SNAKE) {
+    if constexpr (LEAN_STEP && SNAKE) {
       if (step_qb == (step_dir > 0 ? hi - 1 : lo)) {
         step_dir = -step_dir;
         ++step_head;
@@ -1037,6 +1038,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BAR_P_FULL = d256::BAR_P_FULL, BAR_P_FREE = d256::BAR_P_FREE;
   constexpr int BAR_DS_FULL = d256::BAR_DS_FULL, BAR_DS_FREE = d256::BAR_DS_FREE;
   constexpr bool FAST_EXP = F & EXP, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  constexpr bool SNAKE = !WIN;  // the group's odd heads walked downwards (snake_block)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
@@ -1057,8 +1059,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      produce<PIECES, PIECE, PIECE, PIECES>(p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b,
-                                            group, lo, steps_per_head, steps);
+      produce<PIECES, PIECE, PIECE, PIECES, PIECES, Q_BLOCK, SNAKE>(
+          p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
     }
     return;
   }
@@ -1088,7 +1090,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = kv_head * group + n / steps_per_head;
-    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     const int* qpos = reinterpret_cast<const int*>(ids);
@@ -1310,6 +1312,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int BAR_P_FULL = mla::BAR_P_FULL, BAR_P_FREE = mla::BAR_P_FREE;
   constexpr int BAR_DS_FULL = mla::BAR_DS_FULL, BAR_DS_FREE = mla::BAR_DS_FREE;
   constexpr bool FAST_EXP = F & EXP, CAP = F & SOFTCAP, WIN = F & WINDOW;
+  constexpr bool SNAKE = !WIN;  // the group's odd heads walked downwards (snake_block)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = smem_u32(smem);
@@ -1330,7 +1333,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      produce<QK_PIECES, PIECE, PIECE, QK_PIECES, V_PIECES>(
+      produce<QK_PIECES, PIECE, PIECE, QK_PIECES, V_PIECES, Q_BLOCK, SNAKE>(
           p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
     }
     return;
@@ -1371,7 +1374,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     const int head = kv_head * group + n / steps_per_head;
-    const int q0 = (lo + n % steps_per_head) * Q_BLOCK;
+    const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
     const int* qpos = reinterpret_cast<const int*>(ids);
