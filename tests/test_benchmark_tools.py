@@ -232,6 +232,39 @@ def test_launch_orders_times_libraries_through_targets_of_their_own(monkeypatch,
     lo.main(["--kernel", "mosaic_forward", "--libraries", "a=x.so,b=y.so"])
 
 
+def test_library_targets_load_the_trees_own_library_first(monkeypatch, tmp_path):
+  """launch_orders --libraries: fused_backward.load (which registers the running tree's library
+  under the module's TARGET) runs before any variant's target is registered, so it is never
+  first called while compile_variants has TARGET patched to a variant's name."""
+  import ctypes
+  import jax
+  from benchmarks.tools import launch_orders as lo
+  from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward as fb
+  calls = []
+  monkeypatch.setattr(fb, "load", lambda: calls.append(("load", fb.TARGET)))
+
+  class FakeLibrary:
+    KvaxSm90FusedBackward = object()
+    def __init__(self, path):
+      self.path = path
+    def KvaxSm90AbiVersion(self):
+      return fb.ABI_VERSION
+  monkeypatch.setattr(ctypes, "CDLL", FakeLibrary)
+  monkeypatch.setattr(jax.ffi, "pycapsule", lambda fn: fn)
+  monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                      lambda name, fn, platform: calls.append(("register", name)))
+  paths = []
+  for name in ("a", "b"):
+    paths.append(tmp_path / f"{name}.so")
+    paths[-1].write_bytes(b"")
+  targets = lo.library_targets(f"base={paths[0]},cand={paths[1]}")
+  assert targets == {"base": "kvax_sm90_fused_backward_base",
+                     "cand": "kvax_sm90_fused_backward_cand"}
+  assert calls == [("load", "kvax_sm90_fused_backward"),
+                   ("register", "kvax_sm90_fused_backward_base"),
+                   ("register", "kvax_sm90_fused_backward_cand")]
+
+
 def test_gqa_as_mha_computes_the_gqa_gradients():
   """tools/gqa_as_mha.py: the repeated-K / V call gives the GQA call's output, and jax.grad sums
   the group's dK / dV through the repeat (float32, the dense "jax" backend, a small packed row)."""

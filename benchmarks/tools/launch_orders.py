@@ -105,19 +105,28 @@ KERNELS = {
 def library_targets(spec: str) -> dict:
   """{name: FFI target} for --libraries "NAME=PATH,...": each library loaded, checked for this
   tree's interface version (fused_backward.check_abi) and registered under a target of its own,
-  the TARGET value its variant is traced with."""
-  targets = {}
+  the TARGET value its variant is traced with.
+
+  The running tree's own library is loaded before any of them is registered: fused_backward.load
+  registers it under the module's TARGET, which compile_variants patches while tracing, so a
+  first load during a variant's trace would register that variant's target a second time, with
+  the tree's library, and XLA refuses a second handler under one name."""
+  libraries = {}
   for item in spec.split(","):
     name, sep, path = item.partition("=")
     if not sep or not name.isidentifier() or not path:
       raise ValueError(f"--libraries {item!r}: expected NAME=PATH (NAME an identifier)")
-    if name in targets:
+    if name in libraries:
       raise ValueError(f"--libraries: {name!r} named twice")
     lib_path = Path(path).resolve()
     if not lib_path.is_file():
       raise FileNotFoundError(f"--libraries {name}={path}: no such file")
     lib = ctypes.CDLL(str(lib_path))
     fused_backward.check_abi(lib, lib_path)
+    libraries[name] = lib
+  fused_backward.load()
+  targets = {}
+  for name, lib in libraries.items():
     target = f"{fused_backward.TARGET}_{name}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.KvaxSm90FusedBackward),
                                 platform="CUDA")
