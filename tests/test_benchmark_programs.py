@@ -510,7 +510,8 @@ def test_l2_reuse_model_ranks_the_backward_walks():
   """benchmarks/tools/l2_reuse_model.py: an exact replay on one SM, then the 16k rankings behind
   docs/performance.md's L2 paragraph: the snake walk keeps more of the kernel's blocks in L2 at
   no launch tail, the heads-slowest grid keeps nearly all of a causal row's but leaves a 16k
-  documents tail, and one CTA per query head (FlashAttention-3's order) is the reference."""
+  documents tail, the documents layout keeps a causal row's blocks as it does without the tail,
+  and one CTA per query head (FlashAttention-3's order) is the reference."""
   from benchmarks.tools import l2_reuse_model as l2
   two = [(0, 4, [0, 1]), (2, 4, [0, 1])]
   big, one_step = 100 * l2.STEP_BYTES, l2.STEP_BYTES
@@ -524,12 +525,17 @@ def test_l2_reuse_model_ranks_the_backward_walks():
   walked = list(l2._steps((0, 4, [0, -2])))
   assert walked == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (1, 2), (1, 1), (1, 0)]
   causal, docs = l2.model("causal", 16384, 132, 50.0), l2.model("docs", 16384, 132, 50.0)
-  assert causal["heads_fastest/snake"]["hit_rate"] > causal["heads_fastest/up"]["hit_rate"] + 0.05
+  together = "documents_heads_together"
+  assert causal[f"{together}/snake"]["hit_rate"] > causal[f"{together}/up"]["hit_rate"] + 0.05
   assert causal["heads_slowest/up"]["hit_rate"] > 0.95
+  assert causal["documents/snake"]["hit_rate"] > 0.95  # one document: each head's tiles in turn
   assert causal["per_query_head"]["hit_rate"] > 0.95
-  assert docs["heads_fastest/snake"]["hit_rate"] >= docs["heads_fastest/up"]["hit_rate"]
-  assert docs["heads_slowest/up"]["tail"] > 0.15 > 0.05 > docs["heads_fastest/up"]["tail"]
-  assert causal["heads_fastest/snake"]["tail"] == causal["heads_fastest/up"]["tail"]
+  assert docs[f"{together}/snake"]["hit_rate"] >= docs[f"{together}/up"]["hit_rate"]
+  assert docs["heads_slowest/up"]["tail"] > 0.15 > 0.05 > docs[f"{together}/up"]["tail"]
+  # the documents layout: documents of more pairs than a wave head by head, no more tail
+  assert docs["documents/snake"]["hit_rate"] >= docs[f"{together}/snake"]["hit_rate"]
+  assert docs["documents/snake"]["tail"] <= docs[f"{together}/snake"]["tail"] + 1e-9
+  assert causal[f"{together}/snake"]["tail"] == causal[f"{together}/up"]["tail"]
 
 
 def test_launch_order_model_shows_the_documents_tail(tmp_path):

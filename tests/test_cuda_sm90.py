@@ -296,33 +296,71 @@ def ffi_call(monkeypatch):
 
 @pytest.mark.parametrize("head_dims,cta_rows", [((128, 128), 128), ((64, 64), 128),
                                                   ((256, 256), 64), ((192, 128), 64)])
-def test_fused_backward_launch_order(ffi_call, head_dims, cta_rows):
-  """The `order` input (the CTAs' kv tiles): per batch row a permutation of the kernel's kv tiles
-  (64-row tiles at head dims 256 and 192 / 128, two per table row). At head dim 128 without a
-  window the tiles grouped by their last visited block, groups by descending summed visited
-  blocks, each in tile order; elsewhere (head dim 64, head dims 256 and 192 / 128, a sliding
-  window) by descending visited blocks of the dk/dv table, ties in tile order."""
+def test_fused_backward_launch_order(ffi_call, monkeypatch, head_dims, cta_rows):
+  """The `order` input: per batch row every (kv head, kv tile) pair of the kernel once (64-row
+  tiles at head dims 256 and 192 / 128, two per table row), coded (head << 20) | tile. At head
+  dim 128 without a window ("documents"): the tiles grouped by their last visited block, the
+  groups by descending summed visited blocks; a group of more pairs than the GPU's wave (4 here)
+  runs its tiles in tile order once per head, the heads one after another, a smaller one each
+  tile's heads together. Head dim 64 without a window ("heads_fastest"): the tiles by
+  descending visited blocks (ties in tile order), each tile's heads together. Head dims 256 and
+  192 / 128, and any head dim with a window ("heads_slowest"): that tile order once per head."""
+  monkeypatch.setattr(cuda_bwd, "gpu_wave", lambda: 4)
   d, dv_dim = head_dims
   b, s, h, kh = 2, 512, 4, 2
   x = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   ids = jnp.zeros((b, s), jnp.int32)
   lse = jnp.zeros((b, h, s), jnp.float32)
   # visited 64-row query blocks per 128-row kv tile (4 table rows): row 0 causal-like (one
-  # document: sequence order either way), row 1 three documents (tiles 0 | 1, 2 | 3 by their
-  # last visited block) whose longest tile is not the first, with a tie between tiles 0 and 2
+  # document), row 1 three documents (tiles 0 | 1, 2 | 3 by their last visited block) whose
+  # longest tile is not the first, with a tie between tiles 0 and 2
   lower = jnp.array([[0, 2, 4, 6], [0, 1, 2, 7]], jnp.int32)
   upper = jnp.array([[8, 8, 8, 8], [3, 5, 5, 8]], jnp.int32)
   per_table_row = 128 // cta_rows
-  by_documents = np.array([[0, 1, 2, 3], [1, 2, 0, 3]])  # row 1: documents' work 3, 7, 1
-  longest = np.array([[per_table_row * t + j for t in row for j in range(per_table_row)]
-                      for row in [[0, 1, 2, 3], [1, 0, 2, 3]]])  # row 1: counts 3, 4, 3, 1
+  # row 0: one document of 8 pairs, head by head; row 1's documents: work 3 (tile 0), 7
+  # (tiles 1, 2), 1 (tile 3), each of at most 4 pairs, so each tile's heads together
+  documents = [[(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)],
+               [(0, 1), (1, 1), (0, 2), (1, 2), (0, 0), (1, 0), (0, 3), (1, 3)]]
+  longest = [[per_table_row * t + j for t in row for j in range(per_table_row)]
+             for row in [[0, 1, 2, 3], [1, 0, 2, 3]]]  # row 1: counts 3, 4, 3, 1
+  heads_slowest = [[(k, t) for k in range(kh) for t in row] for row in longest]
+  heads_fastest = [[(k, t) for t in row for k in range(kh)] for row in longest]
   for window in (0, 100):
     cuda_bwd.fused_backward(x(b, s, h, d), x(b, s, kh, d), x(b, s, kh, dv_dim),
                             x(b, s, h, dv_dim), lse, lse, ids, ids, ids, ids,
                             (lower, upper, lower, lower), scale=0.1, causal=True, window=window)
     order = np.asarray(ffi_call["args"][-1])  # the handler's last input
-    assert order.dtype == np.int32 and order.shape == (b, s // cta_rows)
-    np.testing.assert_array_equal(order, by_documents if d == 128 and not window else longest)
+    assert order.dtype == np.int32 and order.shape == (b, kh * s // cta_rows)
+    pairs = [list(zip((row >> 20).tolist(), (row & (2**20 - 1)).tolist())) for row in order]
+    expected = (documents if d == 128 and not window else
+                heads_fastest if d == 64 and not window else heads_slowest)
+    assert pairs == expected, (d, window)
+
+
+@pytest.mark.parametrize("layout", cuda_bwd.LAYOUTS)
+def test_launch_order_runs_every_pair_once(layout):
+  """Each layout's order is, per batch row, a permutation of every (kv head, kv tile) pair, on
+  random tables (documents of random lengths, empty tiles, tiles visiting nothing), for waves
+  that put every document, some or none head by head."""
+  rng = np.random.default_rng(7)
+  b, n_tiles, kv_heads = 3, 24, 5
+  lower = rng.integers(0, 30, (b, n_tiles))
+  upper = np.where(rng.random((b, n_tiles)) < 0.2, lower, lower + rng.integers(0, 20, (b, n_tiles)))
+  bounds = (jnp.asarray(lower, jnp.int32), jnp.asarray(upper, jnp.int32))
+  for wave in (1, 12, 10**6):
+    order = np.asarray(cuda_bwd.launch_order(bounds, n_tiles, kv_heads, layout, wave=wave))
+    assert order.shape == (b, kv_heads * n_tiles)
+    everything = sorted((k << 20) | t for k in range(kv_heads) for t in range(n_tiles))
+    for row in order:
+      assert sorted(row.tolist()) == everything
+
+
+def test_launch_order_refuses_what_its_code_cannot_hold():
+  bounds = (jnp.zeros((1, 4), jnp.int32),) * 2
+  with pytest.raises(ValueError, match="layout='sideways'"):
+    cuda_bwd.launch_order(bounds, 4, 2, "sideways")
+  with pytest.raises(ValueError, match="2048 kv heads"):
+    cuda_bwd.launch_order(bounds, 4, 4096, "heads_slowest")
 
 
 @pytest.mark.parametrize("scale, soft_cap, head_dim, in_loop", [

@@ -16,15 +16,17 @@ Layouts: benchmarks.cases (causal; 12 documents + 1000 padding tokens, seed 0), 
 heads; each 128-row kv tile visits the query blocks of fused_backward.tile_bounds (the kernel's
 own input). Rows:
 
-    heads_fastest/up        grid (kv heads, tiles), the tiles in fused_backward.launch_order's
-                            documents order, each CTA walking its group's query heads one after
-                            another, each head's blocks upwards (the walk of the kernels without
-                            DK_LAST)
-    heads_fastest/snake     the same, the odd heads of the group walked downwards, so that each
+    documents/up            fused_backward.launch_order's "documents" layout (head dim 128
+                            without a window, the wave `--sms`): the (kv head, tile) pairs by
+                            documents, a document of more pairs than a wave head by head; each
+                            CTA walks its group's query heads in turn, each head's blocks upwards
+    documents/snake         the same, the odd heads of the group walked downwards, so that each
                             head starts where the one before ended (the DK_LAST kernels' walk:
                             head dim 128 without soft cap or window)
-    heads_slowest/up,snake  grid (tiles, kv heads), each kv head's tiles longest first
-                            (block_mask.longest_first): what the window's kernels launch
+    documents_heads_together/up,snake  the tiles in documents order, each tile's kv heads
+                            together (the head dim 128 layout before ABI 16)
+    heads_slowest/up,snake  each kv head's tiles longest first (block_mask.longest_first), the
+                            heads one after another: what the window's kernels launch
     per_query_head          one CTA per (tile, query head), the heads in sections as many as fit
                             40 MB of Q / dO / dq together, a section's heads fastest and its
                             tiles in sequence: FlashAttention-3's backward scheduler on a
@@ -59,15 +61,12 @@ STEP_BYTES = BLOCK_ROWS * HEAD_DIM * (2 + 2 + 4)  # Q, dO (16-bit) and dq (float
 SECTION_BYTES = 40 * 2**20  # the per-query-head order's sections: Q, dO, dq of this many bytes
 
 
-def cta_walks(lower, upper, order, n_kv_heads: int, group: int, *, heads_slowest: bool,
-              snake: bool):
-  """[(first block, end block, query heads)] per CTA in launch order, for the grid of kv tiles
-  `order` (launch position -> tile) and kv heads; query heads walked in turn (snake: the odd ones
-  downwards, listed as -(h + 1))."""
-  positions = ([(k, t) for k in range(n_kv_heads) for t in order] if heads_slowest
-               else [(k, t) for t in order for k in range(n_kv_heads)])
+def cta_walks(lower, upper, pairs, group: int, *, snake: bool):
+  """[(first block, end block, query heads)] per CTA in launch order, for the (kv head, tile)
+  `pairs` in launch order; query heads walked in turn (snake: the odd ones downwards, listed as
+  -(h + 1))."""
   ctas = []
-  for k, t in positions:
+  for k, t in pairs:
     if upper[t] <= lower[t]:
       continue
     heads = [k * group + j if not (snake and j % 2) else -(k * group + j + 1)
@@ -140,9 +139,9 @@ def replay(ctas, sms: int, l2_bytes: int) -> dict:
               ideal=total / sms, tail=time / max(total / sms, 1e-9) - 1.0)
 
 
-def tables(case: str, seq: int):
-  """(lower, upper) int [n_tiles]: each 128-row kv tile's visited 64-row query blocks, and the
-  kernel's launch order of the tiles where the heads launch fastest and slowest."""
+def tables(case: str, seq: int, kv_heads: int, sms: int):
+  """(lower, upper) int [n_tiles]: each 128-row kv tile's visited 64-row query blocks, and
+  {layout: [(kv head, tile)] in launch order} for the layouts the model compares."""
   import jax.numpy as jnp
 
   from kvax_plugin.attention import block_mask as bm
@@ -153,22 +152,31 @@ def tables(case: str, seq: int):
                                jnp.asarray(seg), calc_bwd_mask=True)
   bounds = fb.tile_bounds(mask)
   n_tiles = seq // fb.KV_TILE
-  fastest = np.asarray(fb.launch_order(bounds, n_tiles, by_documents=True))[0]
   lower, upper = (np.asarray(x)[0] for x in bounds[:2])
-  slowest = np.asarray(bm.longest_first(bounds[0], bounds[1], 1, n_tiles))[0]
-  return lower, upper, fastest, slowest
+
+  def pairs(order):
+    order = np.asarray(order)[0]
+    return list(zip((order >> fb.ORDER_TILE_BITS).tolist(),
+                    (order & (fb.MAX_ORDER_TILES - 1)).tolist()))
+
+  by_documents = np.asarray(bm.documents_longest_first(bounds[0], bounds[1], 1, n_tiles))[0]
+  layouts = {
+      "documents": pairs(fb.launch_order(bounds, n_tiles, kv_heads, "documents", wave=sms)),
+      "documents_heads_together": [(k, int(t)) for t in by_documents for k in range(kv_heads)],
+      "heads_slowest": pairs(fb.launch_order(bounds, n_tiles, kv_heads, "heads_slowest")),
+  }
+  return lower, upper, layouts
 
 
 def model(case: str, seq: int, sms: int, l2_mb: float, heads: int = 32, kv_heads: int = 8):
-  lower, upper, fastest, slowest = tables(case, seq)
+  lower, upper, layouts = tables(case, seq, kv_heads, sms)
   group = heads // kv_heads
   l2 = int(l2_mb * 2**20)
   rows = {}
-  for name, order, slow in (("heads_fastest", fastest, False), ("heads_slowest", slowest, True)):
+  for name, order in layouts.items():
     for walk in ("up", "snake"):
-      ctas = cta_walks(lower, upper, order, kv_heads, group, heads_slowest=slow,
-                       snake=walk == "snake")
-      rows[f"{name}/{walk}"] = replay(ctas, sms, l2)
+      rows[f"{name}/{walk}"] = replay(cta_walks(lower, upper, order, group, snake=walk == "snake"),
+                                      sms, l2)
   rows["per_query_head"] = replay(per_query_head_walks(lower, upper, heads, seq), sms, l2)
   return rows
 

@@ -9,10 +9,11 @@ Each variant is compiled on its own (about 20 s at 64k on an H200): name the --o
 --cases a question needs.
 
 --kernel (what is timed, backend):
-  hopper_backward  forward+backward, "hopper": the CUDA backward's kv tiles by documents,
-                   longest first, each document's tiles in sequence (the default at head dim
-                   128 without a window), in sequence order, longest first over the row (the
-                   default elsewhere), reversed;
+  hopper_backward  forward+backward, "hopper": the CUDA backward's (kv head, kv tile) pairs
+                   in fused_backward.launch_order's layouts ("documents", the default at head
+                   dim 128 without a window, also with every document head by head and with
+                   each tile's heads together; "heads_slowest"; "heads_fastest"), in sequence
+                   (each tile's heads together) and reversed;
   mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
                    deal of query tiles longest first (its default), in sequence order, reversed;
   mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
@@ -68,17 +69,33 @@ FORWARD_ORDERS = {"longest_first": block_mask.longest_first, "ascending": _ascen
                   "descending": _descending}
 
 
-def _on_bounds(order):
-  """A forward-style order as fused_backward.launch_order (bounds, n_tiles, by_documents)."""
-  def launch(bounds, n_tiles, by_documents):
-    lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
-    return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
+def _layout(layout: str, wave: int | None = None):
+  """fused_backward.launch_order's layout `layout` (wave: its "documents" wave; None the GPU's)
+  as the order function the wrapper calls, whatever layout it asks for."""
+  saved = fused_backward.launch_order
+
+  def launch(bounds, n_tiles, kv_heads, _layout, wave_=None):
+    return saved(bounds, n_tiles, kv_heads, layout, wave=wave)
   return launch
 
 
-BACKWARD_ORDERS = {"documents_longest_first": _on_bounds(block_mask.documents_longest_first)}
-BACKWARD_ORDERS.update((name, _on_bounds(FORWARD_ORDERS[name]))
-                       for name in ("ascending", "longest_first", "descending"))
+def _ascending_pairs(bounds, n_tiles, kv_heads, _layout, wave=None):
+  tiles = jnp.arange(n_tiles, dtype=jnp.int32)
+  heads = jnp.arange(kv_heads, dtype=jnp.int32)
+  codes = fused_backward.pack_order(jnp.tile(heads, n_tiles), jnp.repeat(tiles, kv_heads))
+  return jnp.broadcast_to(codes, (bounds[0].shape[0], n_tiles * kv_heads))
+
+
+# The CUDA backward's (kv head, tile) orders: fused_backward.launch_order's signature.
+BACKWARD_ORDERS = {
+    "documents": _layout("documents"),
+    "documents_by_head": _layout("documents", wave=0),  # every document head by head
+    "documents_heads_together": _layout("documents", wave=2**31 - 1),  # each tile's heads
+    "heads_slowest": _layout("heads_slowest"),
+    "heads_fastest": _layout("heads_fastest"),
+    "ascending": _ascending_pairs,
+    "descending": lambda *a, **k: _ascending_pairs(*a, **k)[:, ::-1],
+}
 
 
 def _over_heads_ascending(lower, upper, tiles_per_row, n_tiles, n_heads):

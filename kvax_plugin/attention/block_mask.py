@@ -486,6 +486,37 @@ def documents_longest_first(lower, upper, tiles_per_row: int, n_tiles: int):
   return jax.vmap(row)(ends, counts).astype(jnp.int32)
 
 
+def documents_longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int,
+                                       n_heads: int, wave: int):
+  """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position runs, coded
+  head * n_tiles + tile: documents_longest_first's groups (under a causal mask on packed
+  documents, one per document) in its order, each group's pairs together.
+
+  A group with more pairs (tiles x heads) than `wave` (the CTAs the GPU runs at once) runs its
+  tiles in tile order once per head, the heads one after another: the pairs in flight are then
+  one head's neighbouring tiles, which read the same query blocks (on one causal document, each
+  head's tiles in sequence). A smaller group runs in one wave whatever its order, so its tiles'
+  heads go together, and its longest tiles start first for every head."""
+  order = documents_longest_first(lower, upper, tiles_per_row, n_tiles)
+  ends = jnp.repeat(upper, tiles_per_row, axis=1)[:, :n_tiles]
+  positions = jnp.arange(n_tiles, dtype=jnp.int32)
+
+  def row(order, ends):
+    sorted_ends = ends[order]
+    first = jnp.concatenate([jnp.ones(1, bool), sorted_ends[1:] != sorted_ends[:-1]])
+    start = jax.lax.cummax(jnp.where(first, positions, 0))  # the group's first position
+    group = jnp.cumsum(first.astype(jnp.int32)) - 1
+    size = jax.ops.segment_sum(jnp.ones(n_tiles, jnp.int32), group, num_segments=n_tiles)[group]
+    heads = jnp.arange(n_heads, dtype=jnp.int32)[:, None]
+    by_head = start * n_heads + heads * size + (positions - start)  # [n_heads, n_tiles]
+    together = (start + (positions - start)) * n_heads + heads
+    where = jnp.where(size * n_heads > wave, by_head, together)
+    codes = heads * n_tiles + order
+    return jnp.zeros(n_heads * n_tiles, jnp.int32).at[where.reshape(-1)].set(codes.reshape(-1))
+
+  return jax.vmap(row)(order, ends)
+
+
 def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_heads: int):
   """int32 [B, n_heads * n_tiles]: the (head, tile) each launch position of a backward grid runs,
   coded tile * n_heads + head: tiles by descending visited blocks, heads interleaved."""

@@ -221,10 +221,10 @@ def test_by_mask_runs_the_backward_its_threshold_picks(monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
 def test_any_launch_order_gives_the_same_gradients(monkeypatch, head_dim):
-  """The kernel runs the kv tiles in its `order` input's sequence (fused_backward.launch_order):
-  with the tiles reversed or shuffled, each CTA still computes its own tile, so dk and dv are
-  bitwise the default's and dq (float32 reduce-adds in another order) within rounding; every
-  run matches the reference."""
+  """The kernel runs the (kv head, kv tile) pairs in its `order` input's sequence
+  (fused_backward.launch_order): with the pairs reversed or shuffled, each CTA still computes its
+  own pair, so dk and dv are bitwise the default's and dq (float32 reduce-adds in another order)
+  within rounding; every run matches the reference."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -233,9 +233,12 @@ def test_any_launch_order_gives_the_same_gradients(monkeypatch, head_dim):
   assert _errors(640, 640, 4, 2, True, head_dim=head_dim, results=default) < 2e-2
   perm = np.random.default_rng(head_dim).permutation
   launch_order = cuda_bwd.launch_order  # the default, before the patches below replace it
-  orders = (lambda bounds, n, by_documents: launch_order(bounds, n, by_documents)[:, ::-1],
-            lambda bounds, n, by_documents: jnp.asarray(
-                np.stack([perm(n) for _ in range(bounds[0].shape[0])]), jnp.int32))
+
+  def shuffled(bounds, n_tiles, kv_heads, layout, wave=None):
+    codes = np.array([(k << 20) | t for k in range(kv_heads) for t in range(n_tiles)])
+    return jnp.asarray(np.stack([codes[perm(codes.size)] for _ in range(bounds[0].shape[0])]),
+                       jnp.int32)
+  orders = (lambda *a, **kw: launch_order(*a, **kw)[:, ::-1], shuffled)
   for order, results in zip(orders, others):
     calls = []
     monkeypatch.setattr(cuda_bwd, "launch_order",

@@ -99,8 +99,9 @@ struct Params {
   const int* upper;      // [B, n_tiles]: one past the last
   const int* full_lower; // [B, n_tiles]: the first 64-row query block the tile keeps whole
   const int* full_upper; // [B, n_tiles]: one past the last (those steps skip the mask)
-  const int* order;      // [B, Skv / CTA tile]: launch position -> kv tile (fused_backward.py's
-                         // launch_order); the position and kv head: cta_tile
+  const int* order;      // [B, KH * Skv / CTA tile]: launch position -> (kv head, kv tile),
+                         // coded (kv head << ORDER_TILE_BITS) | tile (fused_backward.py's
+                         // launch_order; cta_tile, cta_kv_head)
   void* dk;              // [B, Skv, KH, HD], the inputs' 16-bit type
   void* dv;
   float* dq_accum;       // [B, H, HD / 64, Sq / 64, 64 x 64]: per 64-column part and 64-row block,
@@ -122,35 +123,39 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The CTA's kv tile, from the launch order (Params::order) at its launch position: blockIdx.y,
-// the kv head blockIdx.x (heads fastest), or with a sliding window or a head dim of 256 / 192
-// (HEADS_SLOWEST) blockIdx.x, the kv head blockIdx.y (the launch's grid, KvaxSm90FusedBackward).
-// Read again where used instead of held in a register across the step loop (blockIdx, which it
-// replaced, costs no register until read): asm volatile keeps the compiler from merging the
-// reads, and the index is computed inside the asm so that it is not hoisted and held either.
-// The position's dimension (x or y) is pasted into the asm: a string literal, not an operand.
-#define KVAX_SM90_CTA_TILE_ASM(DIM)   \
+// Each launch position (blockIdx.x; the batch row blockIdx.z) runs the (kv head, kv tile) pair
+// Params::order codes there, (kv head << ORDER_TILE_BITS) | tile: the host decides which pairs
+// are in flight together (fused_backward.py's launch_order). The pair is read again where used
+// instead of held in a register across the step loop (blockIdx, which it replaced, cost no
+// register until read): asm volatile keeps the compiler from merging the reads, and the entry is
+// decoded inside the asm so that it is not hoisted and held either.
+constexpr int ORDER_TILE_BITS = 20;
+#define KVAX_SM90_ORDER_ASM(DECODE)   \
   "{\n"                               \
-  ".reg .u32 y, n, z, i;\n"           \
+  ".reg .u32 x, n, z, i, e;\n"        \
   ".reg .u64 a;\n"                    \
-  "mov.u32 y, %%ctaid." DIM ";\n"     \
-  "mov.u32 n, %%nctaid." DIM ";\n"    \
+  "mov.u32 x, %%ctaid.x;\n"           \
+  "mov.u32 n, %%nctaid.x;\n"          \
   "mov.u32 z, %%ctaid.z;\n"           \
-  "mad.lo.u32 i, z, n, y;\n"          \
+  "mad.lo.u32 i, z, n, x;\n"          \
   "mad.wide.u32 a, i, 4, %1;\n"       \
-  "ld.global.nc.b32 %0, [a];\n"       \
+  "ld.global.nc.b32 e, [a];\n"        \
+  DECODE                              \
   "}"
-template <bool HEADS_SLOWEST>
+// The CTA's kv tile.
 __device__ __forceinline__ int cta_tile(const Params& p) {
   int tile;
-  if constexpr (HEADS_SLOWEST) {
-    asm volatile(KVAX_SM90_CTA_TILE_ASM("x") : "=r"(tile) : "l"(p.order));
-  } else {
-    asm volatile(KVAX_SM90_CTA_TILE_ASM("y") : "=r"(tile) : "l"(p.order));
-  }
+  asm volatile(KVAX_SM90_ORDER_ASM("and.b32 %0, e, 1048575;\n") : "=r"(tile) : "l"(p.order));
   return tile;
 }
-#undef KVAX_SM90_CTA_TILE_ASM
+// The CTA's kv head.
+__device__ __forceinline__ int cta_kv_head(const Params& p) {
+  int kv_head;
+  asm volatile(KVAX_SM90_ORDER_ASM("shr.u32 %0, e, 20;\n") : "=r"(kv_head) : "l"(p.order));
+  return kv_head;
+}
+static_assert((1 << ORDER_TILE_BITS) - 1 == 1048575, "cta_tile's mask");
+#undef KVAX_SM90_ORDER_ASM
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
@@ -470,7 +475,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
-    const int head = kv_head * group + n / steps_per_head;
+    const int head = cta_kv_head(p) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * QB;
     const uint32_t slot = r.slots + s * r.slot_bytes;
     const uint32_t ids = r.ids + s * (4 * QB * 4);
@@ -584,7 +589,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + L::OFF_BAR + 8 * STAGES, base + L::OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  const int tile = cta_tile<WIN>(p), kv_head = WIN ? blockIdx.y : blockIdx.x, b = blockIdx.z;
+  const int tile = cta_tile(p), b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_tiles = p.s_kv / KV_TILE;
   // The table's bounds count 64-row query blocks; a 128-row step covers two of them (one may have
@@ -611,7 +616,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     set_max_regs_dec<24>();
     if (t == 0) {
       produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB, SNAKE>(
-          p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
+          p, ring, b * p.s_kv + tile * KV_TILE, cta_kv_head(p), b, group, lo, steps_per_head, steps);
     }
     return;
   }
@@ -722,11 +727,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   // snake_block: LEAN_STEP counts them along (step_head, step_qb, advanced at the end of each
   // step by step_dir, which SNAKE turns at each head's last block) rather than dividing them out
   // at each step.
-  int step_head = kv_head * group, step_qb = lo, step_dir = 1;
+  int step_head = LEAN_STEP ? cta_kv_head(p) * group : 0, step_qb = lo, step_dir = 1;
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = LEAN_STEP ? step_head : kv_head * group + n / steps_per_head;
+    // Step n's query head, computed where used: the lean step counts it along, the other
+    // kernels read the kv head again rather than hold it across the step.
+    auto step_query_head = [&] {
+      return LEAN_STEP ? step_head : cta_kv_head(p) * group + n / steps_per_head;
+    };
     // This step's query block.
     const int qb = LEAN_STEP ? step_qb : snake_block<SNAKE>(n, lo, steps_per_head);
     const int q0 = qb * QB;
@@ -944,11 +953,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         wg_wait<0>();
         if (t == 0) mbar_arrive(bar_empty + 8 * s);  // Q / dO slot free
       }
-      prev_head = head;
+      prev_head = step_query_head();
       prev_q0 = q0;
     } else {
       named_sync(1, 256);  // both consumers' dS halves written
-      dq_part(n, head, q0, bar_empty + 8 * s);
+      dq_part(n, step_query_head(), q0, bar_empty + 8 * s);
     }
     if constexpr (LEAN_STEP && SNAKE) {
       if (step_qb == (step_dir > 0 ? hi - 1 : lo)) {
@@ -971,13 +980,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled) and dV of this consumer's 64 kv rows: accumulator element i at row
   // r0 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2.
-  const int done_tile = cta_tile<WIN>(p);
+  const int done_tile = cta_tile(p), done_kv_head = cta_kv_head(p);
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
     const int row = done_tile * KV_TILE + 64 * c + r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
     const size_t off =
-        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
+        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + done_kv_head) * HD + col;
     reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
     reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
@@ -1047,7 +1056,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
-  const int tile = cta_tile<true>(p), kv_head = blockIdx.y, b = blockIdx.z;
+  const int tile = cta_tile(p), kv_head = cta_kv_head(p), b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1089,7 +1098,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = kv_head * group + n / steps_per_head;
+    const int head = cta_kv_head(p) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
@@ -1247,13 +1256,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled) and dV: rows r0 + 8 ((i / 2) % 2) of the tile, columns 128c + 8 (i / 4)
   // + 2 (lane % 4).
-  const int done_tile = cta_tile<true>(p);
+  const int done_tile = cta_tile(p), done_kv_head = cta_kv_head(p);
 #pragma unroll
   for (int i = 0; i < 64; i += 2) {
     const int row = done_tile * KV_TILE + r0 + 8 * ((i / 2) % 2);
     const int col = 128 * c + 8 * (i / 4) + 2 * (lane % 4);
     const size_t off =
-        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + kv_head) * HD + col;
+        ((static_cast<size_t>(b) * p.s_kv + row) * p.kv_heads + done_kv_head) * HD + col;
     reinterpret_cast<uint32_t*>(p.dk)[off / 2] = pack2<HALF>(dk[i] * p.scale, dk[i + 1] * p.scale);
     reinterpret_cast<uint32_t*>(p.dv)[off / 2] = pack2<HALF>(dv[i], dv[i + 1]);
   }
@@ -1321,7 +1330,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
   // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
-  const int tile = cta_tile<true>(p), kv_head = blockIdx.y, b = blockIdx.z;
+  const int tile = cta_tile(p), kv_head = cta_kv_head(p), b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
   const int lo = p.lower[b * n_table + tile / 2], hi = p.upper[b * n_table + tile / 2];
@@ -1373,7 +1382,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = kv_head * group + n / steps_per_head;
+    const int head = cta_kv_head(p) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
@@ -1538,13 +1547,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // dK (scaled; consumer 0, 3 pieces) and dV (piece c): rows r0 + 8 ((i / 2) % 2) of the tile,
   // columns 64 piece + 8 (i / 4) + 2 (lane % 4).
-  const int done_tile = cta_tile<true>(p);
+  const int done_tile = cta_tile(p), done_kv_head = cta_kv_head(p);
   const size_t kv_row = static_cast<size_t>(b) * p.s_kv + done_tile * KV_TILE;
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
     const int row = r0 + 8 * ((i / 2) % 2);
     const int col = 8 * (i / 4) + 2 * (lane % 4);
-    const size_t tok = (kv_row + row) * p.kv_heads + kv_head;
+    const size_t tok = (kv_row + row) * p.kv_heads + done_kv_head;
     reinterpret_cast<uint32_t*>(p.dv)[(tok * mla::DV + 64 * c + col) / 2] =
         pack2<HALF>(dv[i], dv[i + 1]);
     if (c == 0) {
@@ -1704,9 +1713,13 @@ static ffi::Error FusedBackwardImpl(
   // kv rows per CTA
   const uint32_t kv_tile = hd == 256 ? d256::KV_TILE : (hd == 192 ? mla::KV_TILE : KV_TILE);
   const auto order_d = order.dimensions();
-  if (order_d.size() != 2 || order_d[0] != b || order_d[1] != skv / kv_tile)
+  if (order_d.size() != 2 || order_d[0] != b || order_d[1] != kh * (skv / kv_tile))
     return ffi::Error::InvalidArgument(
-        "order: expected [B, Skv / kv tile] (fused_backward.launch_order)");
+        "order: expected [B, kv heads * Skv / kv tile] (fused_backward.launch_order)");
+  if (skv / kv_tile > (1 << ORDER_TILE_BITS) || kh > (1 << (31 - ORDER_TILE_BITS)))
+    return ffi::Error::InvalidArgument(
+        "order: its entries code (kv head, tile) in 32 bits: expected at most 2^20 kv tiles and "
+        "2^11 kv heads");
   const int rc[4] = {make_map(&p.tm_q, q.untyped_data(), b * sq, h, Q_BLOCK, half, hd),
                      make_map(&p.tm_do, d_out.untyped_data(), b * sq, h, Q_BLOCK, half, hd_v),
                      make_map(&p.tm_k, k.untyped_data(), b * skv, kh, kv_tile, half, hd),
@@ -1751,16 +1764,9 @@ static ffi::Error FusedBackwardImpl(
                                 ") is not the stream's (" + std::to_string(stream_device) + ")");
   cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_accum->size_bytes(), stream);
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  // One CTA per (kv head, kv tile) of each batch row, the tiles in `order`'s sequence. At head
-  // dims 64 / 128 the heads launch fastest, so the heads' copies of a tile start together. With a
-  // sliding window, and at head dims 256 and 192, they launch slowest, so the CTAs in flight are
-  // one head's neighbouring tiles, whose dq reduce-adds meet in L2 (docs/status.md). The plain
-  // kernel reads the layout from its WINDOW bit, the wide kernels always read it as heads
-  // slowest (cta_tile).
-  const bool heads_slowest = (variant & WINDOW) != 0 || hd >= 192;
-  const unsigned n_pos = static_cast<unsigned>(skv / kv_tile), n_kh = static_cast<unsigned>(kh);
-  const dim3 grid(heads_slowest ? n_pos : n_kh, heads_slowest ? n_kh : n_pos,
-                  static_cast<unsigned>(b));
+  // One CTA per (kv head, kv tile) of each batch row, in `order`'s sequence: the host chooses
+  // which pairs are in flight together (fused_backward.py's launch_order).
+  const dim3 grid(static_cast<unsigned>(kh * (skv / kv_tile)), 1, static_cast<unsigned>(b));
   bool launched;
   if (hd == 128 && half)
     launched = launch<true, 128, KVAX_SM90_VARIANTS>(variant, device, grid, p, stream, &err);
@@ -1886,7 +1892,7 @@ static ffi::Error DqFromAccumImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dq_
 
 // The interface this file implements: the handler's arguments and the variants' feature bits.
 // fused_backward.py refuses a library that reports another (built from an older source).
-extern "C" int KvaxSm90AbiVersion() { return 15; }
+extern "C" int KvaxSm90AbiVersion() { return 16; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvaxSm90FusedBackward, kvax_sm90::FusedBackwardImpl,
                               ffi::Ffi::Bind()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvax_plugin.attention.block_mask import documents_longest_first, longest_first
+from kvax_plugin.attention.block_mask import documents_longest_first_over_heads, longest_first
 from kvax_plugin.attention.kernels.cuda_sm90 import build
 
 PREBUILT = build.OUTPUT
@@ -30,7 +30,7 @@ Q_BLOCK = 64
 
 
 # fused_backward.cu's KvaxSm90AbiVersion: bump both together when the interface changes.
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 _LOADED: list[ctypes.CDLL] = []
 _FAILED: list[tuple[type, str]] = []
@@ -161,22 +161,71 @@ def unpermute_vector_order(accum):
   return x.reshape(*lead, 64, 64)
 
 
-def launch_order(bounds, n_tiles: int, by_documents: bool):
-  """int32 [B, n_tiles]: the kv tile each launch position runs (the kernel's `order` input).
+# An `order` entry codes its (kv head, kv tile) pair as (kv head << ORDER_TILE_BITS) | tile
+# (fused_backward.cu's cta_tile / cta_kv_head).
+ORDER_TILE_BITS = 20
+MAX_ORDER_TILES = 1 << ORDER_TILE_BITS
+MAX_ORDER_KV_HEADS = 1 << (31 - ORDER_TILE_BITS)
+# launch_order's layouts, and the one each kernel takes (layout_for).
+LAYOUTS = ("documents", "heads_slowest", "heads_fastest")
 
-  by_documents (head dim 128 without a window, where the kv heads launch fastest):
-  block_mask.documents_longest_first, each document's tiles in sequence, the documents with the
-  most work first. The CTAs in flight then work on neighbouring tiles of the same documents,
-  whose Q / dO reads and dq reduce-adds meet in L2 (longest first over the whole row spread them
-  over the documents and cost more in L2 misses than it saved at the launch tail); under a
-  causal mask on one document this is sequence order, whose first tile is the longest.
-  Otherwise block_mask.longest_first: where the heads launch slowest (a sliding window, head
-  dims 256 and 192 / 128) the CTAs in flight are one head's tiles and longest first is ahead;
-  at head dim 64 the documents order gained less on documents than it lost on causal rows
-  (docs/status.md)."""
+
+def layout_for(head_dim: int, window: int) -> str:
+  """The launch layout of the kernel for head_dim (q / k) with or without a sliding window.
+
+  "documents" (head dim 128 without a window): the tiles by documents, most work first
+  (block_mask.documents_longest_first_over_heads); a document with more pairs than the GPU runs
+  at once goes head by head, so the pairs in flight are one head's neighbouring tiles, which
+  read the same query blocks (on one causal document: each head's tiles in sequence, the heads
+  slowest); a smaller one runs each tile's heads together.
+  "heads_slowest" (a window; head dims 256 and 192 / 128): each head's tiles longest first, the
+  heads one after another, so the pairs in flight share one head's query rows (a window's tiles
+  all walk equally far). "heads_fastest" (head dim 64): the tiles longest first, each tile's
+  heads together (docs/status.md has the measurements behind each)."""
+  if head_dim == 128 and not window:
+    return "documents"
+  return "heads_fastest" if head_dim == 64 and not window else "heads_slowest"
+
+
+def pack_order(heads, tiles):
+  """int32 entries of the kernel's `order` from kv heads and kv tiles (same shapes)."""
+  return (heads.astype(jnp.int32) << ORDER_TILE_BITS) | tiles.astype(jnp.int32)
+
+
+def gpu_wave() -> int:
+  """The CTAs of this kernel the first GPU runs at once: one per SM (its core count), or an
+  H100 / H200's 132 where the device does not say."""
+  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  count = getattr(gpus[0], "core_count", None) if gpus else None
+  return count if isinstance(count, int) and count > 0 else 132
+
+
+def launch_order(bounds, n_tiles: int, kv_heads: int, layout: str, wave: int | None = None):
+  """int32 [B, kv_heads * n_tiles]: the (kv head, kv tile) pair each launch position runs, the
+  kernel's `order` input (pack_order's code); layout one of LAYOUTS (layout_for).
+
+  bounds: tile_bounds(mask); n_tiles: the kernel's kv tiles per row (twice the table's rows for
+  the wide kernels' 64-row tiles); wave: the CTAs the GPU runs at once ("documents"; default
+  gpu_wave())."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+  if n_tiles > MAX_ORDER_TILES or kv_heads > MAX_ORDER_KV_HEADS:
+    raise ValueError(f"{n_tiles} kv tiles, {kv_heads} kv heads: the launch order codes a pair "
+                     f"in 32 bits, at most {MAX_ORDER_TILES} tiles and {MAX_ORDER_KV_HEADS} "
+                     "kv heads")
   lower, upper = (x.astype(jnp.int32) for x in bounds[:2])
-  order = documents_longest_first if by_documents else longest_first
-  return order(lower, upper, n_tiles // lower.shape[1], n_tiles)
+  b, tiles_per_row = lower.shape[0], n_tiles // lower.shape[1]
+  if layout == "documents":
+    codes = documents_longest_first_over_heads(lower, upper, tiles_per_row, n_tiles, kv_heads,
+                                               gpu_wave() if wave is None else wave)
+    return pack_order(codes // n_tiles, codes % n_tiles)
+  tiles = longest_first(lower, upper, tiles_per_row, n_tiles)  # [B, n_tiles]
+  heads = jnp.arange(kv_heads, dtype=jnp.int32)
+  if layout == "heads_slowest":
+    return pack_order(jnp.broadcast_to(jnp.repeat(heads, n_tiles), (b, kv_heads * n_tiles)),
+                      jnp.tile(tiles, (1, kv_heads)))
+  return pack_order(jnp.broadcast_to(jnp.tile(heads, n_tiles), (b, kv_heads * n_tiles)),
+                    jnp.repeat(tiles, kv_heads, axis=1))
 
 
 def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bounds, *,
@@ -222,10 +271,9 @@ def fused_backward(q, k, v, d_out, lse, delta, q_pos, q_seg, kv_pos, kv_seg, bou
     bits |= MASK_IN_LOOP
   if d not in MAIN_LAYOUT_HEAD_DIMS:
     bits &= ~(DECOUPLE | MASK_IN_LOOP)
-  # The wide kernels run 64-row kv tiles, two per table row, and launch the heads slowest, as
-  # the windowed kernels do (fused_backward.cu's grid).
+  # The wide kernels run 64-row kv tiles, two per table row.
   cta_tile = KV_TILE if d in MAIN_LAYOUT_HEAD_DIMS else KV_TILE // 2
-  order = launch_order(bounds, skv // cta_tile, by_documents=d == 128 and not window)
+  order = launch_order(bounds, skv // cta_tile, kh, layout_for(d, window))
   dk, dv, dq_accum = jax.ffi.ffi_call(
       TARGET,
       (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype),
