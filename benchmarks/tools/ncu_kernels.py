@@ -15,6 +15,7 @@ steady state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -39,7 +40,19 @@ def main(argv=None) -> None:
   ap.add_argument("--head-dim", type=int, default=128)
   ap.add_argument("--steps", type=int, default=1)
   ap.add_argument("--window", type=int, default=None, help="sliding window (our backends only)")
+  ap.add_argument("--backward-order", default=None,
+                  help="the CUDA backward's launch order, a name of benchmarks/tools/"
+                       "launch_orders.py's BACKWARD_ORDERS (default: the kernel's own)")
   args = ap.parse_args(argv)
+  order_patch = contextlib.nullcontext()
+  if args.backward_order is not None:
+    from benchmarks.tools import launch_orders
+    from kvax_plugin.attention.kernels.cuda_sm90 import fused_backward
+    if args.backward_order not in launch_orders.BACKWARD_ORDERS:
+      ap.error(f"--backward-order {args.backward_order!r}: expected one of "
+               f"{sorted(launch_orders.BACKWARD_ORDERS)}")
+    order_patch = launch_orders.launch_order(
+        fused_backward, "launch_order", launch_orders.BACKWARD_ORDERS[args.backward_order])
   h, kh, d = 32, 8, args.head_dim
   pos, seg, _ = layout(args.case, args.seq, args.seq)
   features = dict(NO_FEATURES, window=args.window)
@@ -58,7 +71,7 @@ def main(argv=None) -> None:
   def loss(q, k, v):
     return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot.astype(jnp.float32))
 
-  with environment(getattr(fn, "env", {})):
+  with environment(getattr(fn, "env", {})), order_patch:
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
   for _ in range(args.steps):
     jax.block_until_ready(step(q, k, v))
