@@ -304,8 +304,8 @@ def test_kernel_options_match_reference_in_interpreter(fields):
 
 
 def test_documents_longest_first():
-  """block_mask.documents_longest_first (the CUDA backward's order where the kv heads launch
-  fastest): a permutation of the tiles per batch row; tiles sharing their last visited block
+  """block_mask.documents_longest_first (the grouping of the CUDA backward's "documents" launch
+  layout): a permutation of the tiles per batch row; tiles sharing their last visited block
   stay together in tile order; groups by descending summed visited blocks, a tie going to the
   group that ends first; one causal document is sequence order; padding tiles (nothing
   visited) last."""

@@ -1055,7 +1055,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
+  // Head dims 256 and 192 launch the kv heads slowest (fused_backward.py's layout_for).
   const int tile = cta_tile(p), kv_head = cta_kv_head(p), b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
@@ -1329,7 +1329,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                   base + OFF_BAR, base + OFF_BAR + 8 * STAGES, base + OFF_BAR + 16 * STAGES};
   const uint32_t bar_full = ring.full, bar_empty = ring.empty, bar_kv = ring.kv;
 
-  // Head dims 256 and 192 launch the kv heads slowest (KvaxSm90FusedBackward).
+  // Head dims 256 and 192 launch the kv heads slowest (fused_backward.py's layout_for).
   const int tile = cta_tile(p), kv_head = cta_kv_head(p), b = blockIdx.z;
   const int group = p.heads / p.kv_heads;
   const int n_table = p.s_kv / 128;  // the mask's 128-row kv blocks: this tile's is tile / 2
