@@ -1867,22 +1867,12 @@ static ffi::Error DqFromAccumImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> dq_
   const bool half = type == ffi::DataType::F16;
   const int args_sq = static_cast<int>(sq), args_h = static_cast<int>(h);
   const int args_parts = static_cast<int>(parts);
-  if (half && vector_order)
-    dq_from_accum_kernel<true, true><<<grid, DQ_THREADS, 0, stream>>>(
-        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
-        scale);
-  else if (half)
-    dq_from_accum_kernel<true, false><<<grid, DQ_THREADS, 0, stream>>>(
-        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
-        scale);
-  else if (vector_order)
-    dq_from_accum_kernel<false, true><<<grid, DQ_THREADS, 0, stream>>>(
-        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
-        scale);
-  else
-    dq_from_accum_kernel<false, false><<<grid, DQ_THREADS, 0, stream>>>(
-        dq_accum.typed_data(), lse.typed_data(), dq->untyped_data(), args_sq, args_h, args_parts,
-        scale);
+  // The instantiation for the output type and staging order.
+  void (*const kernel)(const float*, const float*, void*, int, int, int, float) =
+      half ? (vector_order ? dq_from_accum_kernel<true, true> : dq_from_accum_kernel<true, false>)
+           : (vector_order ? dq_from_accum_kernel<false, true> : dq_from_accum_kernel<false, false>);
+  kernel<<<grid, DQ_THREADS, 0, stream>>>(dq_accum.typed_data(), lse.typed_data(),
+                                          dq->untyped_data(), args_sq, args_h, args_parts, scale);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   return ffi::Error::Success();
