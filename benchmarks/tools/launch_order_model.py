@@ -17,7 +17,9 @@ Orders, over the grid's (head, tile) positions:
                    (block_mask.longest_first_over_heads: the Mosaic backward kernels' order)
     sequence       (dkv only) the tiles in sequence, heads of a tile together
     documents      (dkv only) block_mask.documents_longest_first, heads of a tile together
-                   (the CUDA backward's order at head dim 128 without a window)
+                   (the CUDA backward's head dim 128 order for documents of at most a wave of
+                   pairs; larger ones run head by head: fused_backward.launch_order's
+                   "documents" layout, modelled with L2 in benchmarks/tools/l2_reuse_model.py)
 
 The `dkv` rows model the CUDA C++ backward ("hopper") too: one CTA per 128 kv rows and kv head,
 its whole query group inside, on the same table (fused_backward.launch_order).
