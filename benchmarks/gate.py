@@ -1,7 +1,7 @@
 """Speed gate: a candidate tree against a base commit, on this machine's GPU.
 
     python -m benchmarks.gate --base <commit> [--candidate <path or commit>] [--rounds N]
-        [--threshold 0.03] [--cases quick|full] [--backend auto] [--out FILE]
+        [--threshold 0.03] [--cases quick|full] [--backend auto] [--head-dim 128] [--out FILE]
     python -m benchmarks.gate --base-tree <path> ...     # the base already extracted
 
 The trees: --candidate defaults to this working tree; a commit (for --base always) is extracted
@@ -30,8 +30,8 @@ candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over round
 the gate fails (exit 1) when any forward or forward+backward case is slower by more than
 --threshold (the mask build's ratio is reported, not gated). Exit 2: a process failed.
 
-Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv heads, head dim 128,
-bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
+Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv heads, head dim 128
+(--head-dim 64 or 256 for those kernels), bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
 then 1000 padding tokens with positions 0..999), forward and forward+backward; "full" adds 64k.
 --smoke: 256 tokens, 2 / 1 heads, head dim 32, float32, 16 padding tokens (a CPU dry run with
 --backend jax).
@@ -70,6 +70,7 @@ CASE_SETS = {"quick": ((16384, "causal"), (16384, "docs")),
 SHAPES = dict(heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", num_docs=12, pad=1000)
 SMOKE_SHAPES = dict(heads=2, kv_heads=1, head_dim=32, dtype="float32", num_docs=12, pad=16)
 SMOKE_SEQ = 256
+HEAD_DIMS = (64, 128, 256)  # --head-dim: the head dims "auto" has one kernel family each for
 GATED_PASSES = ("fwd", "fwd_bwd")
 WARMUP_CALLS = 3
 
@@ -78,9 +79,18 @@ def case_name(seq: int, case: str) -> str:
   return (f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)) + f"-{case}"
 
 
-def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int) -> Path:
+def shapes_for(smoke: bool, head_dim: int | None = None) -> dict:
+  """The timed shapes: SHAPES (or SMOKE_SHAPES), with head_dim instead of theirs if given."""
+  shapes = dict(SMOKE_SHAPES if smoke else SHAPES)
+  if head_dim is not None:
+    shapes["head_dim"] = head_dim
+  return shapes
+
+
+def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int,
+               head_dim: int | None = None) -> Path:
   """The workers' spec (shapes, backend, warm-ups, calls) and one .npz layout per case."""
-  shapes = SMOKE_SHAPES if smoke else SHAPES
+  shapes = shapes_for(smoke, head_dim)
   specs = []
   for seq, case in CASE_SETS[cases]:
     seq = SMOKE_SEQ if smoke else seq
@@ -205,6 +215,8 @@ def main(argv=None) -> int:
   ap.add_argument("--threshold", type=float, default=0.03)
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--backend", default="auto", help="flash_attention's backend (default auto)")
+  ap.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=None,
+                  help="q / k / v head dim (default 128; the smoke run's 32)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU dry run)")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
   ap.add_argument("--no-compilation-cache", action="store_true",
@@ -236,7 +248,7 @@ def main(argv=None) -> int:
     for name, tree in (("base", base_tree), ("candidate", cand_tree)):
       if not (tree / "kvax_plugin" / "__init__.py").exists():
         raise SystemExit(f"{name} tree {tree} has no kvax_plugin/__init__.py")
-    spec = write_spec(work, args.cases, args.smoke, args.backend, args.calls)
+    spec = write_spec(work, args.cases, args.smoke, args.backend, args.calls, args.head_dim)
     trees = (("base", base_tree), ("candidate", cand_tree))
     cache = None if args.no_compilation_cache else work / "jax_cache"
     rounds = {"base": [], "candidate": []}
@@ -259,7 +271,7 @@ def main(argv=None) -> int:
     gpu = gpu_name(info["candidate"]) if info["candidate"]["platform"] == "gpu" else "cpu"
     out = Path(args.out) if args.out else (
         ROOT / "benchmarks" / "results" / "gate" / f"{date:%Y-%m-%d}-{gpu_slug(gpu)}.json")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = shapes_for(args.smoke, args.head_dim)
     result = dict(
         conditions=dict(
             date=date.isoformat(timespec="seconds"), gpu=gpu,
