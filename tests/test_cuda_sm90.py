@@ -355,6 +355,19 @@ def test_launch_order_runs_every_pair_once(layout):
       assert sorted(row.tolist()) == everything
 
 
+def test_gpu_wave_is_the_first_gpus_core_count(monkeypatch):
+  """The "documents" layout's wave: the first GPU's SM count (the device's core_count), 132 (an
+  H100 / H200's) where no GPU or no count is reported."""
+  import types
+  import jax
+  gpu = lambda **kw: types.SimpleNamespace(platform="gpu", **kw)
+  cpu = types.SimpleNamespace(platform="cpu", core_count=4)
+  for devices, expected in (([cpu, gpu(core_count=114)], 114), ([gpu()], 132), ([cpu], 132),
+                            ([gpu(core_count=0)], 132)):
+    monkeypatch.setattr(jax, "local_devices", lambda devices=devices: devices)
+    assert cuda_bwd.gpu_wave() == expected, devices
+
+
 def test_launch_order_refuses_what_its_code_cannot_hold():
   bounds = (jnp.zeros((1, 4), jnp.int32),) * 2
   with pytest.raises(ValueError, match="layout='sideways'"):
