@@ -125,10 +125,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // Each launch position (blockIdx.x; the batch row blockIdx.z) runs the (kv head, kv tile) pair
 // Params::order codes there, (kv head << ORDER_TILE_BITS) | tile: the host decides which pairs
-// are in flight together (fused_backward.py's launch_order). The pair is read again where used
-// instead of held in a register across the step loop (blockIdx, which it replaced, cost no
-// register until read): asm volatile keeps the compiler from merging the reads, and the entry is
-// decoded inside the asm so that it is not hoisted and held either.
+// are in flight together (fused_backward.py's launch_order). The producer and the wide kernels'
+// consumers read the kv head once and hold it: read at each step, its global load sits on the
+// step's path (the consumer's first use waits for it). The head dim 128 / 64 kernels' consumers,
+// where one more register held across the step loop spills, read it again where used (blockIdx,
+// which it replaced, cost no register until read): asm volatile keeps the compiler from merging
+// the reads, and the entry is decoded inside the asm so that it is not hoisted and held either.
 constexpr int ORDER_TILE_BITS = 20;
 #define KVAX_SM90_ORDER_ASM(DECODE)   \
   "{\n"                               \
@@ -475,7 +477,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
-    const int head = cta_kv_head(p) * group + n / steps_per_head;
+    const int head = kv_head * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * QB;
     const uint32_t slot = r.slots + s * r.slot_bytes;
     const uint32_t ids = r.ids + s * (4 * QB * 4);
@@ -1098,7 +1100,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = cta_kv_head(p) * group + n / steps_per_head;
+    const int head = kv_head * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
@@ -1382,7 +1384,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = cta_kv_head(p) * group + n / steps_per_head;
+    const int head = kv_head * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
