@@ -1,7 +1,8 @@
 """Speed gate: a candidate tree against a base commit, on this machine's GPU.
 
     python -m benchmarks.gate --base <commit> [--candidate <path or commit>] [--rounds N]
-        [--threshold 0.03] [--cases quick|full] [--backend auto] [--head-dim 128] [--out FILE]
+        [--threshold 0.03] [--cases quick|full] [--backend auto] [--head-dim 128 | --head-dims
+        64,128,256 | --head-dims all] [--out FILE]
     python -m benchmarks.gate --base-tree <path> ...     # the base already extracted
 
 The trees: --candidate defaults to this working tree; a commit (for --base always) is extracted
@@ -31,7 +32,8 @@ the gate fails (exit 1) when any forward or forward+backward case is slower by m
 --threshold (the mask build's ratio is reported, not gated). Exit 2: a process failed.
 
 Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv heads, head dim 128
-(--head-dim 64 or 256 for those kernels), bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
+(--head-dim 64 or 256 for those kernels; --head-dims 64,128,256 or all: every case at each, in
+the same processes, for a change that every kernel family shares), bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
 then 1000 padding tokens with positions 0..999), forward and forward+backward; "full" adds 64k.
 --smoke: 256 tokens, 2 / 1 heads, head dim 32, float32, 16 padding tokens (a CPU dry run with
 --backend jax).
@@ -88,9 +90,13 @@ def shapes_for(smoke: bool, head_dim: int | None = None) -> dict:
 
 
 def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int,
-               head_dim: int | None = None) -> Path:
-  """The workers' spec (shapes, backend, warm-ups, calls) and one .npz layout per case."""
-  shapes = shapes_for(smoke, head_dim)
+               head_dim: int | tuple[int, ...] | None = None) -> Path:
+  """The workers' spec (shapes, backend, warm-ups, calls) and one .npz layout per case.
+
+  head_dim: one head dim, or several: then every case runs at each, named "<case>-d<head dim>"
+  (a change to code that every kernel family shares is timed at each in the same processes)."""
+  head_dims = head_dim if isinstance(head_dim, tuple) else (head_dim,)
+  shapes = shapes_for(smoke, head_dims[0])
   specs = []
   for seq, case in CASE_SETS[cases]:
     seq = SMOKE_SEQ if smoke else seq
@@ -99,7 +105,10 @@ def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int,
     name = case_name(seq, case)
     path = folder / f"{name}.npz"
     np.savez(path, positions=pos, segment_ids=seg)
-    specs.append(dict(name=name, seq=seq, case=case, layout=str(path)))
+    for d in head_dims:
+      d = shapes_for(smoke, d)["head_dim"]
+      suffix = f"-d{d}" if len(head_dims) > 1 else ""
+      specs.append(dict(name=name + suffix, seq=seq, case=case, layout=str(path), head_dim=d))
   spec = dict(backend=backend, heads=shapes["heads"], kv_heads=shapes["kv_heads"],
               head_dim=shapes["head_dim"], dtype=shapes["dtype"], seed=0, warmup=WARMUP_CALLS,
               calls=calls, passes=list(GATED_PASSES), cases=specs)
@@ -215,8 +224,13 @@ def main(argv=None) -> int:
   ap.add_argument("--threshold", type=float, default=0.03)
   ap.add_argument("--cases", choices=tuple(CASE_SETS), default="quick")
   ap.add_argument("--backend", default="auto", help="flash_attention's backend (default auto)")
-  ap.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=None,
-                  help="q / k / v head dim (default 128; the smoke run's 32)")
+  dims = ap.add_mutually_exclusive_group()
+  dims.add_argument("--head-dim", type=int, choices=HEAD_DIMS, default=None,
+                    help="q / k / v head dim (default 128; the smoke run's 32)")
+  dims.add_argument("--head-dims", default=None, metavar="D,D,...",
+                    help="several head dims of " + ", ".join(map(str, HEAD_DIMS)) + " (or "
+                    "'all'), each case timed at each in the same processes: for a change to "
+                    "what every kernel family shares (about as long as one gate per head dim)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU dry run)")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
   ap.add_argument("--no-compilation-cache", action="store_true",
@@ -226,6 +240,17 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.rounds < 1 or args.calls < 1:
     ap.error("--rounds and --calls must be at least 1")
+  head_dim = args.head_dim
+  if args.head_dims is not None:
+    try:
+      head_dim = (HEAD_DIMS if args.head_dims == "all"
+                  else tuple(int(d) for d in args.head_dims.split(",")))
+    except ValueError:
+      head_dim = ()
+    if not head_dim or any(d not in HEAD_DIMS for d in head_dim) or len(set(head_dim)) != len(
+        head_dim):
+      ap.error(f"--head-dims {args.head_dims!r}: expected distinct values of {HEAD_DIMS}, "
+               "comma-separated, or 'all'")
 
   work = Path(tempfile.mkdtemp(prefix="kvax-gate-"))
   try:
@@ -248,7 +273,7 @@ def main(argv=None) -> int:
     for name, tree in (("base", base_tree), ("candidate", cand_tree)):
       if not (tree / "kvax_plugin" / "__init__.py").exists():
         raise SystemExit(f"{name} tree {tree} has no kvax_plugin/__init__.py")
-    spec = write_spec(work, args.cases, args.smoke, args.backend, args.calls, args.head_dim)
+    spec = write_spec(work, args.cases, args.smoke, args.backend, args.calls, head_dim)
     trees = (("base", base_tree), ("candidate", cand_tree))
     cache = None if args.no_compilation_cache else work / "jax_cache"
     rounds = {"base": [], "candidate": []}
@@ -271,7 +296,9 @@ def main(argv=None) -> int:
     gpu = gpu_name(info["candidate"]) if info["candidate"]["platform"] == "gpu" else "cpu"
     out = Path(args.out) if args.out else (
         ROOT / "benchmarks" / "results" / "gate" / f"{date:%Y-%m-%d}-{gpu_slug(gpu)}.json")
-    shapes = shapes_for(args.smoke, args.head_dim)
+    shapes = shapes_for(args.smoke, head_dim[0] if isinstance(head_dim, tuple) else head_dim)
+    if isinstance(head_dim, tuple):
+      shapes["head_dims"] = [shapes_for(args.smoke, d)["head_dim"] for d in head_dim]
     result = dict(
         conditions=dict(
             date=date.isoformat(timespec="seconds"), gpu=gpu,

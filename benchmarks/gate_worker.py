@@ -58,7 +58,7 @@ def time_case(spec: dict, case: dict) -> dict[str, list[float]]:
   arrays = np.load(case["layout"])
   pos, seg = jnp.asarray(arrays["positions"]), jnp.asarray(arrays["segment_ids"])
   batch, seq = pos.shape
-  h, kh, d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+  h, kh, d = spec["heads"], spec["kv_heads"], case.get("head_dim", spec["head_dim"])
   dtype = jnp.dtype(spec["dtype"])
   keys = jax.random.split(jax.random.PRNGKey(spec["seed"]), 4)
   q = jax.random.normal(keys[0], (batch, seq, h, d), dtype)

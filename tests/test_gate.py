@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a package of the repository, not installed
   sys.path.insert(0, str(ROOT))
 
-from benchmarks import bisect_commits, cases, gate  # noqa: E402
+from benchmarks import bisect_commits, cases, gate, gate_worker  # noqa: E402
 
 
 def _rounds(**medians):
@@ -77,6 +77,39 @@ def test_gate_documents_layout_is_the_specified_one(tmp_path):
   assert (wide["heads"], wide["kv_heads"], wide["head_dim"], wide["dtype"]) == (
       32, 8, 256, "bfloat16")
   assert gate.shapes_for(True, 64) == dict(gate.SMOKE_SHAPES, head_dim=64)
+  # several head dims: every case at each, named by it, one layout file per case
+  many = json.loads(gate.write_spec(tmp_path, "quick", False, "auto", 10, (64, 256)).read_text())
+  assert [(c["name"], c["head_dim"]) for c in many["cases"]] == [
+      ("16k-causal-d64", 64), ("16k-causal-d256", 256), ("16k-docs-d64", 64),
+      ("16k-docs-d256", 256)]
+  assert many["cases"][0]["layout"] == many["cases"][1]["layout"]
+  assert [c["head_dim"] for c in spec["cases"]] == [128, 128]
+
+
+def test_gate_worker_times_each_case_at_its_head_dim(tmp_path, monkeypatch):
+  """The worker builds q / k / v / dO at the case's head dim (a spec of several head dims)."""
+  seen = []
+
+  def fake_attention(q, k, v, *args, **kwargs):
+    seen.append((q.shape[-1], k.shape[-1], v.shape[-1], kwargs["scale"]))
+    return q
+
+  monkeypatch.setattr(gate_worker.kvax_plugin, "flash_attention", fake_attention)
+  spec = json.loads(gate.write_spec(tmp_path, "quick", True, "jax", 1, (64, 128)).read_text())
+  spec["warmup"] = 0
+  for case in spec["cases"][:2]:
+    gate_worker.time_case(spec, case)
+  assert {s[:3] for s in seen} == {(64, 64, 64), (128, 128, 128)}
+  assert sorted({round(s[3], 6) for s in seen}) == [round(128 ** -0.5, 6), round(64 ** -0.5, 6)]
+
+
+def test_gate_refuses_bad_head_dims(tmp_path, capsys):
+  for bad in ("96", "64,64", "64,x", ""):
+    with pytest.raises(SystemExit):
+      gate.main(["--base-tree", str(tmp_path), "--smoke", "--head-dims", bad])
+    assert "--head-dims" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    gate.main(["--base-tree", str(tmp_path), "--head-dim", "64", "--head-dims", "64,128"])
 
 
 def _copy_of_this_tree(folder: Path) -> tuple[Path, dict]:
