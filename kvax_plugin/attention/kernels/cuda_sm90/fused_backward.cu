@@ -127,10 +127,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // Params::order codes there, (kv head << ORDER_TILE_BITS) | tile: the host decides which pairs
 // are in flight together (fused_backward.py's launch_order). The producer and the wide kernels'
 // consumers read the kv head once and hold it: read at each step, its global load sits on the
-// step's path (the consumer's first use waits for it). The head dim 128 / 64 kernels' consumers,
-// where one more register held across the step loop spills, read it again where used (blockIdx,
-// which it replaced, cost no register until read): asm volatile keeps the compiler from merging
-// the reads, and the entry is decoded inside the asm so that it is not hoisted and held either.
+// step's path (the consumer's first use waits for it). The head dim 128 / 64 consumers either
+// count the step's query head along from one read (the lean step) or read it again where used
+// (the others: held across the step loop, it spills at head dim 64; blockIdx, which it replaced,
+// cost no register until read): asm volatile keeps the compiler from merging the reads, and the
+// entry is decoded inside the asm so that it is not hoisted and held either.
 constexpr int ORDER_TILE_BITS = 20;
 #define KVAX_SM90_ORDER_ASM(DECODE)   \
   "{\n"                               \
