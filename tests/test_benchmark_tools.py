@@ -232,6 +232,44 @@ def test_launch_orders_times_libraries_through_targets_of_their_own(monkeypatch,
     lo.main(["--kernel", "mosaic_forward", "--libraries", "a=x.so,b=y.so"])
 
 
+def test_launch_orders_passes_window_soft_cap_and_value_head_dim(monkeypatch):
+  """launch_orders --window / --soft-cap / --value-head-dim reach the mask and every call (the
+  kernel families beyond the plain one), and bad values are refused before any GPU work."""
+  import jax
+  import kvax_plugin
+  from benchmarks.tools import launch_orders as lo
+  seen = {}
+
+  def fake_mask(*args, **kwargs):
+    seen["mask"] = kwargs
+    return None
+
+  def fake_attention(q, k, v, *args, **kwargs):
+    seen["call"] = dict(kwargs, q=q.shape, k=k.shape, v=v.shape)
+    return q[..., :v.shape[-1]]
+
+  def fake_compile(make, call, module, name, orders):
+    jax.eval_shape(make(), *call)
+    return dict.fromkeys(orders)
+
+  monkeypatch.setattr(kvax_plugin, "create_attention_mask", fake_mask)
+  monkeypatch.setattr(kvax_plugin, "flash_attention", fake_attention)
+  monkeypatch.setattr(lo, "compile_variants", fake_compile)
+  monkeypatch.setattr(lo, "alternate", lambda fns, call, rounds: {n: [1.0] for n in fns})
+  result = lo.main(["--seqs", "1024", "--cases", "causal", "--head-dims", "192",
+                    "--value-head-dim", "128", "--window", "256", "--soft-cap", "30",
+                    "--orders", "ascending,descending", "--rounds", "1"])
+  assert seen["mask"]["sliding_window"] == 256
+  assert seen["call"]["logits_soft_cap"] == 30.0
+  assert seen["call"]["q"] == (1, 1024, 32, 192) and seen["call"]["k"] == (1, 1024, 8, 192)
+  assert seen["call"]["v"] == (1, 1024, 8, 128)
+  assert result["conditions"]["features"] == dict(window=256, soft_cap=30.0)
+  assert result["rows"][0]["value_head_dim"] == 128
+  for bad in (["--window", "0"], ["--soft-cap", "-1"], ["--value-head-dim", "0"]):
+    with pytest.raises(SystemExit):
+      lo.main(bad + ["--orders", "ascending,descending"])
+
+
 def test_library_targets_load_the_trees_own_library_first(monkeypatch, tmp_path):
   """launch_orders --libraries: fused_backward.load (which registers the running tree's library
   under the module's TARGET) runs before any variant's target is registered, so it is never

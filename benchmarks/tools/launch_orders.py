@@ -3,7 +3,8 @@ the variants share one build and alternate call by call, free of the noise betwe
 
     python -m benchmarks.tools.launch_orders [--kernel hopper_backward|mosaic_forward|
         mosaic_backward] [--seqs 16384,65536] [--cases causal,docs] [--head-dims 128]
-        [--orders NAME,NAME] [--dtype bfloat16|float16] [--rounds 9] [--out F]
+        [--orders NAME,NAME] [--dtype bfloat16|float16] [--window W] [--soft-cap C]
+        [--value-head-dim DV] [--rounds 9] [--out F]
 
 Each variant is compiled on its own (about 20 s at 64k on an H200): name the --orders and
 --cases a question needs.
@@ -27,6 +28,9 @@ JAX side and dq's conversion kernel are this tree's (so each library must report
 ABI version), so this is the same-process A/B for a change to the kernel source alone
 (build each with `python -m kvax_plugin.attention.kernels.cuda_sm90.build --cache-dir DIR`);
 the gate (benchmarks/gate.py) compares whole trees, one process per tree and round.
+
+--window, --soft-cap and --value-head-dim (MLA's value head dim, e.g. --head-dims 192
+--value-head-dim 128) select the kernel families beyond the plain one; all apply to every case.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, bf16 unless --dtype; ms per call, median over rounds of about 20 ms of
@@ -193,10 +197,18 @@ def main(argv=None):
   ap.add_argument("--libraries", help="NAME=PATH,NAME=PATH: builds of fused_backward.cu to "
                   "compare instead of orders (--kernel hopper_backward)")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+  ap.add_argument("--window", type=int, help="sliding window (tokens) of every case's mask")
+  ap.add_argument("--soft-cap", type=float, help="logits soft cap of every call")
+  ap.add_argument("--value-head-dim", type=int,
+                  help="value head dim when it differs from --head-dims (MLA: 192 / 128)")
   ap.add_argument("--rounds", type=int, default=9)
   ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
   heads, kv_heads = 32, 8
+  for name in ("window", "soft_cap", "value_head_dim"):
+    value = getattr(args, name)
+    if value is not None and value <= 0:
+      ap.error(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
   target, attr, orders, backend, forward_only = KERNELS[args.kernel]
   if args.libraries:
     if args.kernel != "hopper_backward" or args.orders:
@@ -217,7 +229,9 @@ def main(argv=None):
   conditions = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
-      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype=args.dtype),
+      shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype=args.dtype,
+                  value_head_dim=args.value_head_dim),
+      features=dict(window=args.window, soft_cap=args.soft_cap),
       kernel=args.kernel, backend=backend,
       libraries=args.libraries and dict(x.split("=", 1) for x in args.libraries.split(",")),
       timed=("jit(flash_attention)" if forward_only else
@@ -228,12 +242,14 @@ def main(argv=None):
                                   map(int, args.seqs.split(","))):
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(keys[0], (1, seq, heads, d), dtype)
-    k, v = (jax.random.normal(x, (1, seq, kv_heads, d), dtype) for x in keys[1:3])
-    cot = jax.random.normal(keys[3], (1, seq, heads, d), dtype)
+    dv = args.value_head_dim or d
+    k = jax.random.normal(keys[1], (1, seq, kv_heads, d), dtype)
+    v = jax.random.normal(keys[2], (1, seq, kv_heads, dv), dtype)
+    cot = jax.random.normal(keys[3], (1, seq, heads, dv), dtype)
 
     def attend(q, k, v, pos, seg, mask):
       return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5,
-                                         backend=backend)
+                                         logits_soft_cap=args.soft_cap, backend=backend)
 
     def loss(q, k, v, pos, seg, mask):
       return jnp.sum(attend(q, k, v, pos, seg, mask).astype(jnp.float32)
@@ -242,17 +258,18 @@ def main(argv=None):
     for case in args.cases.split(","):
       pos, seg, _ = layout(case, seq, seed=0, counted_padding=True)
       pos, seg = jnp.asarray(pos), jnp.asarray(seg)
-      mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
+      mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
+                                               sliding_window=args.window)
       call = (q, k, v, pos, seg, mask)
       make = lambda: (jax.jit(attend) if forward_only
                       else jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
       fns = compile_variants(make, call, target, attr, orders)
       times = alternate(fns, call, args.rounds)
-      row = dict(head_dim=d, seq=seq, case=case,
+      row = dict(head_dim=d, value_head_dim=dv, seq=seq, case=case,
                  ms={n: statistics.median(t) for n, t in times.items()},
                  ms_rounds=times)
       rows.append(row)
-      print(f"D={d} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),
+      print(f"D={d}/{dv} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),
             flush=True)
       if args.out:
         Path(args.out).write_text(json.dumps(dict(conditions=conditions, rows=rows), indent=1))
