@@ -624,7 +624,7 @@ def test_snake_walk_counters_follow_the_producers_blocks():
   walking = [k for k in kernels if "produce<" in k]
   assert len(walking) == 3
   for k in walking:
-    assert re.search(r"produce<[^>]*, SNAKE>\(", k), k[:200]
+    assert re.search(r"produce<[^>]*, SNAKE(, [^>]*)?>\(", k), k[:200]
     assert "snake_block<SNAKE>(n, lo, steps_per_head)" in k
     assert "lo + n % steps_per_head" not in k
   for lo, hi, group in [(0, 1, 4), (3, 7, 4), (0, 5, 1), (2, 4, 8)]:

@@ -125,9 +125,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // Each launch position (blockIdx.x; the batch row blockIdx.z) runs the (kv head, kv tile) pair
 // Params::order codes there, (kv head << ORDER_TILE_BITS) | tile: the host decides which pairs
-// are in flight together (fused_backward.py's launch_order). The producer and the wide kernels'
+// are in flight together (fused_backward.py's launch_order). The producer and head dim 256's
 // consumers read the kv head once and hold it: read at each step, its global load sits on the
-// step's path (the consumer's first use waits for it). The head dim 128 / 64 consumers either
+// step's path (the consumer's first use waits for it). MLA's kernel and the soft cap's producer
+// at head dim 128 read it at each step (each kernel keeps the way it was timed faster, in one
+// process against the other: docs/tuning-history.md). The head dim 128 / 64 consumers either
 // count the step's query head along from one read (the lean step) or read it again where used
 // (the others: held across the step loop, it spills at head dim 64; blockIdx, which it replaced,
 // cost no register until read): asm volatile keeps the compiler from merging the reads, and the
@@ -458,9 +460,11 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 // n % STAGES, once both consumers released step n - STAGES. PIECES: the column pieces of Q and
 // K; V_PIECES: of V and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded
 // as 64-row boxes (the tensor maps' box) one under the other. SNAKE: the group's odd heads walk
-// their query blocks from the last to the first (snake_block).
+// their query blocks from the last to the first (snake_block). HEAD_EACH_STEP: the step's kv
+// head read from Params::order at each step rather than the kv_head argument held (the kernels
+// that were timed faster so: the soft cap's at head dim 128, MLA's).
 template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES,
-          int QB = Q_BLOCK, bool SNAKE = false>
+          int QB = Q_BLOCK, bool SNAKE = false, bool HEAD_EACH_STEP = false>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
                                         int b, int group, int lo, int steps_per_head, int steps) {
   mbar_expect_tx(r.kv, (PIECES + V_PIECES) * KV_PIECE);
@@ -478,7 +482,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_r
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
     if (n >= STAGES) mbar_wait(r.empty + 8 * s, ((n / STAGES) - 1) & 1);
-    const int head = kv_head * group + n / steps_per_head;
+    const int head = (HEAD_EACH_STEP ? cta_kv_head(p) : kv_head) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * QB;
     const uint32_t slot = r.slots + s * r.slot_bytes;
     const uint32_t ids = r.ids + s * (4 * QB * 4);
@@ -618,7 +622,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB, SNAKE>(
+      produce<HALVES, L::KV_PIECE, L::Q_PIECE, HALVES, HALVES, QB, SNAKE, CAP && HD == 128>(
           p, ring, b * p.s_kv + tile * KV_TILE, cta_kv_head(p), b, group, lo, steps_per_head, steps);
     }
     return;
@@ -1345,7 +1349,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {  // ------------------------------------------------------------ producer
     set_max_regs_dec<24>();
     if (t == 0) {
-      produce<QK_PIECES, PIECE, PIECE, QK_PIECES, V_PIECES, Q_BLOCK, SNAKE>(
+      produce<QK_PIECES, PIECE, PIECE, QK_PIECES, V_PIECES, Q_BLOCK, SNAKE, true>(
           p, ring, b * p.s_kv + tile * KV_TILE, kv_head, b, group, lo, steps_per_head, steps);
     }
     return;
@@ -1385,7 +1389,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    const int head = kv_head * group + n / steps_per_head;
+    // Read at each step, not held: MLA's kernel was timed faster so (head dim 256's slower).
+    const int head = cta_kv_head(p) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
     const float* ids = reinterpret_cast<const float*>(smem + OFF_IDS + s * IDS_SLOT);
