@@ -152,6 +152,54 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
   assert "verdict: PASS" in done.stdout and "| 256-docs/fwd_bwd |" in done.stdout
 
 
+def _scripted_gate(tmp_path, monkeypatch, candidate_ms, argv):
+  """gate.main with its timing processes replaced: the base's rounds time every case at 1.0 ms,
+  the candidate's k-th process (warm-up first) candidate_ms[k] on 256-docs/fwd, 1.0 elsewhere."""
+  (tmp_path / "base" / "kvax_plugin").mkdir(parents=True)
+  (tmp_path / "base" / "kvax_plugin" / "__init__.py").write_text("")
+  keys = [f"256-{c}/{p}" for c in ("causal", "docs") for p in ("mask", "fwd", "fwd_bwd")]
+  calls = {"base": 0, "candidate": 0}
+
+  def worker(tree, spec, timeout, cache=None):
+    name = "base" if tree == (tmp_path / "base").resolve() else "candidate"
+    k = calls[name]
+    calls[name] += 1
+    medians = dict.fromkeys(keys, 1.0)
+    if name == "candidate":
+      medians["256-docs/fwd"] = candidate_ms[k]
+    return dict(medians_ms=medians, platform="cpu", jax="x", jaxlib="x",
+                kvax_plugin_file=str(tree / "kvax_plugin" / "__init__.py"))
+
+  monkeypatch.setattr(gate, "run_worker", worker)
+  out = tmp_path / "gate.json"
+  code = gate.main(["--base-tree", str(tmp_path / "base"), "--smoke", "--out", str(out)] + argv)
+  return code, json.loads(out.read_text()), calls
+
+
+def test_gate_confirms_a_failure_before_its_verdict(tmp_path, monkeypatch):
+  """A case slower than the threshold after --rounds is timed again (--confirm-rounds more
+  rounds of both trees) and judged over all rounds: one slow process among few passes, a
+  slowdown in every round still fails; --confirm-rounds 0 keeps the first verdict."""
+  # warm-up, then 3 rounds (one 5% slower: the median of 1.0, 1.05, 1.05 fails), 3 confirming
+  code, result, calls = _scripted_gate(tmp_path / "a", monkeypatch,
+                                       [1.0, 1.0, 1.05, 1.05, 1.0, 1.0, 1.0], ["--rounds", "3"])
+  assert code == 0 and calls == {"base": 7, "candidate": 7}
+  assert result["first_verdict"]["failed"] == ["256-docs/fwd"]
+  assert result["verdict"]["passed"] and len(result["rounds"]["candidate"]) == 6
+  assert result["conditions"]["confirm_rounds"] == 3
+  code, result, calls = _scripted_gate(tmp_path / "b", monkeypatch, [1.0] + [1.05] * 6,
+                                       ["--rounds", "3"])
+  assert code == 1 and result["verdict"]["failed"] == ["256-docs/fwd"]
+  assert len(result["rounds"]["base"]) == 6
+  code, result, calls = _scripted_gate(tmp_path / "c", monkeypatch, [1.0, 1.0, 1.05, 1.05],
+                                       ["--rounds", "3", "--confirm-rounds", "0"])
+  assert code == 1 and result["first_verdict"] is None and calls["candidate"] == 4
+  code, result, calls = _scripted_gate(tmp_path / "d", monkeypatch, [1.0] * 3, ["--rounds", "2"])
+  assert code == 0 and result["first_verdict"] is None and calls["candidate"] == 3
+  with pytest.raises(SystemExit):
+    gate.main(["--base-tree", str(tmp_path / "a" / "base"), "--smoke", "--confirm-rounds", "-1"])
+
+
 def test_gate_refuses_a_tree_without_kvax_plugin(tmp_path):
   with pytest.raises(SystemExit, match="has no kvax_plugin"):
     gate.main(["--base-tree", str(tmp_path), "--smoke", "--rounds", "1"])
