@@ -330,3 +330,30 @@ def test_gqa_as_mha_computes_the_gqa_gradients():
     np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4)
   with pytest.raises(SystemExit):  # a pass it does not time is refused before anything runs
     tool.main(["--passes", "bwd"])
+
+
+def test_clocks_power_summarizes_each_implementations_windows():
+  """tools/clocks_power.py: nvidia-smi's lines parsed (a line that is not numbers dropped), each
+  implementation's samples taken from 1 s into its own windows only, medians and cycles per call;
+  the GPU sampled is the one CUDA_VISIBLE_DEVICES names first (nvidia-smi ignores it)."""
+  from benchmarks.tools import clocks_power as cp
+  assert cp.parse_sample("1980, 650.5, 60, 0x0000000000000004") == dict(
+      sm_clock_mhz=1980.0, power_w=650.5, temperature_c=60.0, throttle="0x0000000000000004")
+  assert cp.parse_sample("[N/A], 650.5, 60, 0x0") is None
+  windows = [dict(impl="auto", t0=0.0, t1=4.0, ms=200.0), dict(impl="fa3", t0=5.0, t1=9.0, ms=198.0),
+             dict(impl="fa3", t0=10.0, t1=14.0, ms=202.0), dict(impl="auto", t0=15.0, t1=19.0, ms=210.0)]
+  line = lambda clock, power: cp.parse_sample(f"{clock}, {power}, 50, 0x4")
+  samples = ([(0.5, line(1000, 100))]  # settling: dropped
+             + [(t, line(1800, 650)) for t in (1.5, 2.0, 3.0, 16.5, 18.0)]
+             + [(t, line(1700, 550)) for t in (6.5, 7.0, 11.5)]
+             + [(4.5, line(500, 80)), (12.0, None)])  # between windows; unparsed
+  got = cp.summarize(windows, samples)
+  assert got["auto"] == dict(ms=205.0, sm_clock_mhz=1800.0, power_w=650.0, throttle=["0x4"],
+                             samples=5, mcycles_per_call=205.0 * 1800.0 / 1e3)
+  assert got["fa3"]["ms"] == 200.0 and got["fa3"]["samples"] == 3
+  assert got["fa3"]["sm_clock_mhz"] == 1700.0 and got["fa3"]["mcycles_per_call"] == 340.0
+  assert cp.gpu_index("1") == 1 and cp.gpu_index("1,0") == 1 and cp.gpu_index(None) == 0
+  with pytest.raises(ValueError, match="gpu-index"):
+    cp.gpu_index("GPU-3f2a")
+  with pytest.raises(SystemExit):
+    cp.main(["--window-s", "0.5"])

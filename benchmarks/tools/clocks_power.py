@@ -1,0 +1,158 @@
+"""The GPU's SM clock and power draw while each implementation runs, in alternating windows.
+
+    python -m benchmarks.tools.clocks_power [--seq 65536] [--case causal|docs]
+        [--impls auto,fa3] [--windows 4] [--window-s 4] [--gpu-index I] [--out F]
+
+Asks whether a same-run speed difference comes from the work per clock cycle or from the clock
+the GPU holds under each kernel (a kernel that draws more power is clocked down by the power
+cap). Each implementation's forward+backward (jit(grad(sum(out * dO))), the mask prebuilt, as
+benchmarks/bench_attention.py times it) is called back to back for --window-s seconds, the
+implementations alternating window by window with the order reversed every other round, a pause
+of 0.5 s between windows; nvidia-smi samples the SM clock, the power draw and the active clock
+throttle reasons every 50 ms meanwhile. Per implementation: the median ms per call over its
+windows and, over the samples from 1 s into each of its windows to its end, the median clock,
+the median power and the throttle reasons seen (NVML bits: 0x1 idle, 0x4 software power cap,
+0x20 / 0x40 thermal). Cycles per call = ms x clock.
+
+nvidia-smi does not follow CUDA_VISIBLE_DEVICES: it is asked for one GPU by index (--gpu-index;
+default the first entry of CUDA_VISIBLE_DEVICES, else 0), so that another job on another GPU of
+the host does not enter the samples. The raw samples are saved with the result.
+
+Shapes: B=1, 32 query / 8 kv heads, head dim 128, bf16; the cases of benchmarks/cases.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+SAMPLE_MS = 50
+SETTLE_S = 1.0  # samples this long into a window are dropped (the clock moving to its level)
+
+
+def parse_sample(line: str) -> dict | None:
+  """One nvidia-smi CSV line (QUERY, no units) as numbers; None where a field is not one."""
+  parts = [x.strip() for x in line.split(",")]
+  try:
+    return dict(sm_clock_mhz=float(parts[0]), power_w=float(parts[1]),
+                temperature_c=float(parts[2]), throttle=parts[3])
+  except (ValueError, IndexError):
+    return None
+
+
+def gpu_index(visible: str | None) -> int:
+  """nvidia-smi's index of the GPU this process runs on: the first entry of CUDA_VISIBLE_DEVICES
+  (visible) where it is a number, else 0 (refused where it names a GPU by UUID)."""
+  first = (visible or "0").split(",")[0].strip() or "0"
+  if not first.isdigit():
+    raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: name the GPU with --gpu-index")
+  return int(first)
+
+
+def summarize(windows: list[dict], samples: list[tuple[float, dict]]) -> dict:
+  """Per implementation: median ms over its windows ({impl, t0, t1, ms}), and over the samples
+  ((time, parse_sample)) from SETTLE_S into each of its windows to the window's end: the median
+  clock and power, the throttle reasons seen, the sample count and the cycles per call."""
+  out = {}
+  for impl in dict.fromkeys(w["impl"] for w in windows):
+    mine = [w for w in windows if w["impl"] == impl]
+    kept = [s for t, s in samples if s is not None
+            and any(w["t0"] + SETTLE_S <= t <= w["t1"] for w in mine)]
+    ms = statistics.median(w["ms"] for w in mine)
+    clock = statistics.median(s["sm_clock_mhz"] for s in kept) if kept else None
+    out[impl] = dict(
+        ms=ms, sm_clock_mhz=clock,
+        power_w=statistics.median(s["power_w"] for s in kept) if kept else None,
+        throttle=sorted({s["throttle"] for s in kept}), samples=len(kept),
+        mcycles_per_call=ms * clock / 1e3 if clock else None)
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--seq", type=int, default=65536)
+  ap.add_argument("--case", choices=("causal", "docs"), default="causal")
+  ap.add_argument("--impls", default="auto,fa3", help="benchmarks.impls names, comma-separated")
+  ap.add_argument("--windows", type=int, default=4, help="windows per implementation")
+  ap.add_argument("--window-s", type=float, default=4.0)
+  ap.add_argument("--gpu-index", type=int, default=None,
+                  help="nvidia-smi's index of the GPU timed (default: CUDA_VISIBLE_DEVICES's first)")
+  ap.add_argument("--out", help="results file (JSON)")
+  args = ap.parse_args(argv)
+  try:
+    index = args.gpu_index if args.gpu_index is not None else gpu_index(
+        os.environ.get("CUDA_VISIBLE_DEVICES"))
+  except ValueError as e:
+    ap.error(str(e))
+  if args.windows < 1 or args.window_s <= SETTLE_S:
+    ap.error(f"--windows >= 1 and --window-s > {SETTLE_S} (the settling time)")
+
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.cases import layout, random_inputs
+  from benchmarks.impls import make_impls
+
+  names = args.impls.split(",")
+  pos, seg, _ = layout(args.case, args.seq, seed=args.seq)
+  fns, _ = make_impls(args.case, pos, seg, 128 ** -0.5, names)
+  q, k, v, cot = random_inputs(args.seq + 128, args.seq, 32, 8, 128, 128, jnp.bfloat16)
+  compiled = {}
+  for name in names:
+    if isinstance(fns.get(name), str) or name not in fns:
+      ap.error(f"--impls {name}: {fns.get(name, 'unknown')}")
+    compiled[name] = jax.jit(jax.grad(
+        lambda q, k, v, fn=fns[name]: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
+        argnums=(0, 1, 2)))
+    for _ in range(3):
+      jax.block_until_ready(compiled[name](q, k, v))
+
+  samples: list[tuple[float, dict]] = []
+  proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                           "-i", str(index), "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
+
+  def read():
+    for line in proc.stdout:
+      samples.append((time.time(), parse_sample(line)))
+  threading.Thread(target=read, daemon=True).start()
+  windows = []
+  try:
+    for r in range(args.windows):
+      for name in (names if r % 2 == 0 else names[::-1]):
+        t0, calls = time.time(), 0
+        while time.time() - t0 < args.window_s:
+          out = compiled[name](q, k, v)
+          calls += 1
+        jax.block_until_ready(out)
+        t1 = time.time()
+        windows.append(dict(impl=name, t0=t0, t1=t1, ms=(t1 - t0) * 1e3 / calls))
+        print(f"{name}: {windows[-1]['ms']:.3f} ms per call", flush=True)
+        time.sleep(0.5)
+  finally:
+    proc.terminate()
+  result = dict(
+      conditions=dict(
+          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          gpu=jax.devices()[0].device_kind, jax=jax.__version__, seq=args.seq, case=args.case,
+          shapes=dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"),
+          windows=args.windows, window_s=args.window_s, sample_ms=SAMPLE_MS, settle_s=SETTLE_S,
+          nvidia_smi_index=index,
+          timed="jit(grad(sum(out * dO))) over q, k, v, the mask prebuilt; back to back"),
+      result=summarize(windows, samples), windows=windows,
+      samples=[dict(t=t, **s) for t, s in samples if s is not None])
+  print(json.dumps(result["result"], indent=1))
+  if args.out:
+    Path(args.out).write_text(json.dumps(result, indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()
