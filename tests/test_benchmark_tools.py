@@ -333,20 +333,26 @@ def test_gqa_as_mha_computes_the_gqa_gradients():
 
 
 def test_clocks_power_summarizes_each_implementations_windows():
-  """tools/clocks_power.py: nvidia-smi's lines parsed (a line that is not numbers dropped), each
-  implementation's samples taken from 1 s into its own windows only, medians and cycles per call;
-  the GPU sampled is the one CUDA_VISIBLE_DEVICES names first (nvidia-smi ignores it)."""
+  """tools/clocks_power.py: nvidia-smi's lines parsed with their own timestamps (lines arrive late
+  through the pipe), a line that does not parse dropped; each implementation's samples taken from
+  1 s into its own windows only, medians and cycles per call; the GPU sampled is the one
+  CUDA_VISIBLE_DEVICES names first (nvidia-smi ignores it)."""
+  import datetime
   from benchmarks.tools import clocks_power as cp
-  assert cp.parse_sample("1980, 650.5, 60, 0x0000000000000004") == dict(
-      sm_clock_mhz=1980.0, power_w=650.5, temperature_c=60.0, throttle="0x0000000000000004")
-  assert cp.parse_sample("[N/A], 650.5, 60, 0x0") is None
+  got = cp.parse_sample("2026/11/30 03:58:20.250, 1980, 650.5, 60, 0x0000000000000004")
+  assert got == dict(t=datetime.datetime(2026, 11, 30, 3, 58, 20, 250000).timestamp(),
+                     sm_clock_mhz=1980.0, power_w=650.5, temperature_c=60.0,
+                     throttle="0x0000000000000004")
+  assert cp.parse_sample("2026/11/30 03:58:20.250, [N/A], 650.5, 60, 0x0") is None
+  assert cp.parse_sample("1980, 650.5, 60, 0x0") is None
   windows = [dict(impl="auto", t0=0.0, t1=4.0, ms=200.0), dict(impl="fa3", t0=5.0, t1=9.0, ms=198.0),
              dict(impl="fa3", t0=10.0, t1=14.0, ms=202.0), dict(impl="auto", t0=15.0, t1=19.0, ms=210.0)]
-  line = lambda clock, power: cp.parse_sample(f"{clock}, {power}, 50, 0x4")
-  samples = ([(0.5, line(1000, 100))]  # settling: dropped
-             + [(t, line(1800, 650)) for t in (1.5, 2.0, 3.0, 16.5, 18.0)]
-             + [(t, line(1700, 550)) for t in (6.5, 7.0, 11.5)]
-             + [(4.5, line(500, 80)), (12.0, None)])  # between windows; unparsed
+  at = lambda t, clock, power: dict(t=t, sm_clock_mhz=clock, power_w=power, temperature_c=50.0,
+                                    throttle="0x4")
+  samples = ([at(0.5, 1000, 100)]  # settling: dropped
+             + [at(t, 1800, 650) for t in (1.5, 2.0, 3.0, 16.5, 18.0)]
+             + [at(t, 1700, 550) for t in (6.5, 7.0, 11.5)]
+             + [at(4.5, 500, 80)])  # between windows
   got = cp.summarize(windows, samples)
   assert got["auto"] == dict(ms=205.0, sm_clock_mhz=1800.0, power_w=650.0, throttle=["0x4"],
                              samples=5, mcycles_per_call=205.0 * 1800.0 / 1e3)

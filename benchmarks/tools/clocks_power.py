@@ -6,10 +6,11 @@
 Asks whether a same-run speed difference comes from the work per clock cycle or from the clock
 the GPU holds under each kernel (a kernel that draws more power is clocked down by the power
 cap). Each implementation's forward+backward (jit(grad(sum(out * dO))), the mask prebuilt, as
-benchmarks/bench_attention.py times it) is called back to back for --window-s seconds, the
-implementations alternating window by window with the order reversed every other round, a pause
-of 0.5 s between windows; nvidia-smi samples the SM clock, the power draw and the active clock
-throttle reasons every 50 ms meanwhile. Per implementation: the median ms per call over its
+benchmarks/bench_attention.py times it) is called back to back for about --window-s seconds (as
+many calls as one timed call says fill it), the implementations alternating window by window
+with the order reversed every other round, a pause of 0.5 s between windows; nvidia-smi samples
+the SM clock, the power draw and the active clock throttle reasons every 50 ms meanwhile, each
+sample placed by its own timestamp. Per implementation: the median ms per call over its
 windows and, over the samples from 1 s into each of its windows to its end, the median clock,
 the median power and the throttle reasons seen (NVML bits: 0x1 idle, 0x4 software power cap,
 0x20 / 0x40 thermal). Cycles per call = ms x clock.
@@ -27,23 +28,29 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's, in the machine's local time
 SAMPLE_MS = 50
 SETTLE_S = 1.0  # samples this long into a window are dropped (the clock moving to its level)
 
 
 def parse_sample(line: str) -> dict | None:
-  """One nvidia-smi CSV line (QUERY, no units) as numbers; None where a field is not one."""
+  """One nvidia-smi CSV line (QUERY, no units): t, the sample's own time (seconds since the epoch,
+  as time.time()), and the numbers; None where a field does not parse. The sample's time is
+  nvidia-smi's, not when the line is read: writing into a pipe, nvidia-smi buffers its output,
+  and lines arrive seconds late in bursts."""
   parts = [x.strip() for x in line.split(",")]
   try:
-    return dict(sm_clock_mhz=float(parts[0]), power_w=float(parts[1]),
-                temperature_c=float(parts[2]), throttle=parts[3])
+    return dict(t=datetime.datetime.strptime(parts[0], TIMESTAMP).timestamp(),
+                sm_clock_mhz=float(parts[1]), power_w=float(parts[2]),
+                temperature_c=float(parts[3]), throttle=parts[4])
   except (ValueError, IndexError):
     return None
 
@@ -57,15 +64,14 @@ def gpu_index(visible: str | None) -> int:
   return int(first)
 
 
-def summarize(windows: list[dict], samples: list[tuple[float, dict]]) -> dict:
+def summarize(windows: list[dict], samples: list[dict]) -> dict:
   """Per implementation: median ms over its windows ({impl, t0, t1, ms}), and over the samples
-  ((time, parse_sample)) from SETTLE_S into each of its windows to the window's end: the median
-  clock and power, the throttle reasons seen, the sample count and the cycles per call."""
+  (parse_sample's) from SETTLE_S into each of its windows to the window's end: the median clock
+  and power, the throttle reasons seen, the sample count and the cycles per call."""
   out = {}
   for impl in dict.fromkeys(w["impl"] for w in windows):
     mine = [w for w in windows if w["impl"] == impl]
-    kept = [s for t, s in samples if s is not None
-            and any(w["t0"] + SETTLE_S <= t <= w["t1"] for w in mine)]
+    kept = [s for s in samples if any(w["t0"] + SETTLE_S <= s["t"] <= w["t1"] for w in mine)]
     ms = statistics.median(w["ms"] for w in mine)
     clock = statistics.median(s["sm_clock_mhz"] for s in kept) if kept else None
     out[impl] = dict(
@@ -114,30 +120,45 @@ def main(argv=None):
         argnums=(0, 1, 2)))
     for _ in range(3):
       jax.block_until_ready(compiled[name](q, k, v))
+  # Calls are dispatched asynchronously: a window enqueues the number of calls that fills about
+  # --window-s (from one timed call), then waits for them.
+  calls = {}
+  for name in names:
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled[name](q, k, v))
+    calls[name] = max(1, round(args.window_s / (time.perf_counter() - t0)))
 
-  samples: list[tuple[float, dict]] = []
-  proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                           "-i", str(index), "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
+  samples: list[dict] = []
+  command = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+             "-i", str(index), "-lms", str(SAMPLE_MS)]
+  if shutil.which("stdbuf"):  # line-buffered, so that terminating it loses no buffered samples
+    command = ["stdbuf", "-oL"] + command
+  proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
   def read():
     for line in proc.stdout:
-      samples.append((time.time(), parse_sample(line)))
-  threading.Thread(target=read, daemon=True).start()
+      sample = parse_sample(line)
+      if sample is not None:
+        samples.append(sample)
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
   windows = []
   try:
     for r in range(args.windows):
       for name in (names if r % 2 == 0 else names[::-1]):
-        t0, calls = time.time(), 0
-        while time.time() - t0 < args.window_s:
+        t0 = time.time()
+        for _ in range(calls[name]):
           out = compiled[name](q, k, v)
-          calls += 1
         jax.block_until_ready(out)
         t1 = time.time()
-        windows.append(dict(impl=name, t0=t0, t1=t1, ms=(t1 - t0) * 1e3 / calls))
+        windows.append(dict(impl=name, t0=t0, t1=t1, calls=calls[name],
+                            ms=(t1 - t0) * 1e3 / calls[name]))
         print(f"{name}: {windows[-1]['ms']:.3f} ms per call", flush=True)
         time.sleep(0.5)
   finally:
+    time.sleep(1.0)
     proc.terminate()
+    reader.join(timeout=5.0)
   result = dict(
       conditions=dict(
           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -147,7 +168,7 @@ def main(argv=None):
           nvidia_smi_index=index,
           timed="jit(grad(sum(out * dO))) over q, k, v, the mask prebuilt; back to back"),
       result=summarize(windows, samples), windows=windows,
-      samples=[dict(t=t, **s) for t, s in samples if s is not None])
+      samples=samples)
   print(json.dumps(result["result"], indent=1))
   if args.out:
     Path(args.out).write_text(json.dumps(result, indent=1))
