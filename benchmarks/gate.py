@@ -1,8 +1,8 @@
 """Speed gate: a candidate tree against a base commit, on this machine's GPU.
 
     python -m benchmarks.gate --base <commit> [--candidate <path or commit>] [--rounds N]
-        [--threshold 0.03] [--confirm-rounds N] [--cases quick|full] [--backend auto] [--head-dim 128 | --head-dims
-        64,128,256 | --head-dims all] [--out FILE]
+        [--threshold 0.03] [--confirm-rounds N] [--cases quick|full] [--backend auto]
+        [--head-dim 128 | --head-dims 64,128,256 | --head-dims all] [--out FILE]
     python -m benchmarks.gate --base-tree <path> ...     # the base already extracted
 
 The trees: --candidate defaults to this working tree; a commit (for --base always) is extracted
@@ -37,8 +37,9 @@ a slowdown present in every round still does. Exit 2: a process failed.
 
 Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv heads, head dim 128
 (--head-dim 64 or 256 for those kernels; --head-dims 64,128,256 or all: every case at each, in
-the same processes, for a change that every kernel family shares), bf16; "quick" = 16k causal and 16k documents (12 documents, numpy.random.default_rng(0) cuts,
-then 1000 padding tokens with positions 0..999), forward and forward+backward; "full" adds 64k.
+the same processes, for a change that every kernel family shares), bf16; "quick" = 16k causal
+and 16k documents (12 documents, numpy.random.default_rng(0) cuts, then 1000 padding tokens
+with positions 0..999), forward and forward+backward; "full" adds 64k.
 --smoke: 256 tokens, 2 / 1 heads, head dim 32, float32, 16 padding tokens (a CPU dry run with
 --backend jax).
 

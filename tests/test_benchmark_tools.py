@@ -345,8 +345,10 @@ def test_clocks_power_summarizes_each_implementations_windows():
                      throttle="0x0000000000000004")
   assert cp.parse_sample("2026/11/30 03:58:20.250, [N/A], 650.5, 60, 0x0") is None
   assert cp.parse_sample("1980, 650.5, 60, 0x0") is None
-  windows = [dict(impl="auto", t0=0.0, t1=4.0, ms=200.0), dict(impl="fa3", t0=5.0, t1=9.0, ms=198.0),
-             dict(impl="fa3", t0=10.0, t1=14.0, ms=202.0), dict(impl="auto", t0=15.0, t1=19.0, ms=210.0)]
+  windows = [dict(impl="auto", t0=0.0, t1=4.0, ms=200.0),
+             dict(impl="fa3", t0=5.0, t1=9.0, ms=198.0),
+             dict(impl="fa3", t0=10.0, t1=14.0, ms=202.0),
+             dict(impl="auto", t0=15.0, t1=19.0, ms=210.0)]
   at = lambda t, clock, power: dict(t=t, sm_clock_mhz=clock, power_w=power, temperature_c=50.0,
                                     throttle="0x4")
   samples = ([at(0.5, 1000, 100)]  # settling: dropped

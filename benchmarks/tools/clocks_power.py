@@ -90,7 +90,8 @@ def main(argv=None):
   ap.add_argument("--windows", type=int, default=4, help="windows per implementation")
   ap.add_argument("--window-s", type=float, default=4.0)
   ap.add_argument("--gpu-index", type=int, default=None,
-                  help="nvidia-smi's index of the GPU timed (default: CUDA_VISIBLE_DEVICES's first)")
+                  help="nvidia-smi's index of the GPU timed (default: CUDA_VISIBLE_DEVICES's "
+                  "first)")
   ap.add_argument("--out", help="results file (JSON)")
   args = ap.parse_args(argv)
   try:

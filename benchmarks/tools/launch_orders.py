@@ -269,8 +269,8 @@ def main(argv=None):
                  ms={n: statistics.median(t) for n, t in times.items()},
                  ms_rounds=times)
       rows.append(row)
-      print(f"D={d}/{dv} {seq} {case}: " + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()),
-            flush=True)
+      print(f"D={d}/{dv} {seq} {case}: "
+            + "  ".join(f"{n} {ms:.3f}" for n, ms in row["ms"].items()), flush=True)
       if args.out:
         Path(args.out).write_text(json.dumps(dict(conditions=conditions, rows=rows), indent=1))
   return dict(conditions=conditions, rows=rows)
