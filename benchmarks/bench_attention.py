@@ -49,7 +49,7 @@ from benchmarks.cases import (FLOPS_FWD_BWD, NO_FEATURES, PAD, kept_pairs, layou
                               parse_head_dims, random_inputs)
 from benchmarks.impls import IMPLS, auto_choice, make_impls, parse_variant  # noqa: E402
 from benchmarks.results import kernel_table, plot_kernels  # noqa: E402
-from benchmarks.timing import interleave, time_fn  # noqa: E402
+from benchmarks.timing import fwd_bwd, interleave, time_fn  # noqa: E402
 from benchmarks.tools import kernel_parts  # noqa: E402
 from kvax_plugin.attention.block_mask import create_attention_mask  # noqa: E402
 
@@ -122,9 +122,7 @@ def measure(*, seqs, cases, impls, passes=("fwd", "fwd_bwd"), head_dims=((128, 1
               if p == "fwd":
                 f = jax.jit(fn)
               else:
-                f = jax.jit(jax.grad(
-                    lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
-                    argnums=(0, 1, 2)))
+                f = fwd_bwd(fn, cot)
               if p == "fwd" and check:
                 outs[name] = f(q, k, v)
               # one round lasts about min_round_ms: short kernels are called many times a round

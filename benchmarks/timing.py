@@ -1,6 +1,7 @@
 """How the benchmarks time a compiled call: rounds of back-to-back calls, medians, and the
 round-robin that interleaves implementations so a drift of the GPU's clocks favours none.
 
+    fwd_bwd(fn, cot)                     jit(grad(sum(fn(q, k, v) * cot))) over q, k, v
     time_fn(f, args, rounds, inner)      median ms per call over rounds of `inner` calls
     call_times(f, args, warmup, calls)   ms of each of `calls` single calls, each waited for
     interleave(timed, args, rounds, ...) the round-robin of bench_attention --interleave
@@ -13,8 +14,16 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.cases import FLOPS_FWD_BWD
+
+
+def fwd_bwd(fn, cot):
+  """jit(grad(sum(fn(q, k, v) * cot))) over q, k, v: the forward+backward every benchmark times
+  (float32 sum, so the cotangent of fn's output is cot)."""
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
+                          argnums=(0, 1, 2)))
 
 
 def round_ms(fn, args, inner: int) -> float:

@@ -261,10 +261,14 @@ def test_launch_orders_passes_window_soft_cap_and_value_head_dim(monkeypatch):
                     "--orders", "ascending,descending", "--rounds", "1"])
   assert seen["mask"]["sliding_window"] == 256
   assert seen["call"]["logits_soft_cap"] == 30.0
+  assert seen["call"]["scale"] == 192 ** -0.5
   assert seen["call"]["q"] == (1, 1024, 32, 192) and seen["call"]["k"] == (1, 1024, 8, 192)
   assert seen["call"]["v"] == (1, 1024, 8, 128)
   assert result["conditions"]["features"] == dict(window=256, soft_cap=30.0)
   assert result["rows"][0]["value_head_dim"] == 128
+  lo.main(["--seqs", "1024", "--cases", "causal", "--scale", "-0.1",
+           "--orders", "ascending,descending", "--rounds", "1"])
+  assert seen["call"]["scale"] == -0.1 and seen["call"]["logits_soft_cap"] is None
   for bad in (["--window", "0"], ["--soft-cap", "-1"], ["--value-head-dim", "0"]):
     with pytest.raises(SystemExit):
       lo.main(bad + ["--orders", "ascending,descending"])

@@ -107,6 +107,7 @@ def main(argv=None):
 
   from benchmarks.cases import layout, random_inputs
   from benchmarks.impls import make_impls
+  from benchmarks.timing import fwd_bwd
 
   names = args.impls.split(",")
   pos, seg, _ = layout(args.case, args.seq, seed=args.seq)
@@ -116,9 +117,7 @@ def main(argv=None):
   for name in names:
     if isinstance(fns.get(name), str) or name not in fns:
       ap.error(f"--impls {name}: {fns.get(name, 'unknown')}")
-    compiled[name] = jax.jit(jax.grad(
-        lambda q, k, v, fn=fns[name]: jnp.sum(fn(q, k, v).astype(jnp.float32) * cot),
-        argnums=(0, 1, 2)))
+    compiled[name] = fwd_bwd(fns[name], cot)
     for _ in range(3):
       jax.block_until_ready(compiled[name](q, k, v))
   # Calls are dispatched asynchronously: a window enqueues the number of calls that fills about

@@ -4,7 +4,7 @@ the variants share one build and alternate call by call, free of the noise betwe
     python -m benchmarks.tools.launch_orders [--kernel hopper_backward|mosaic_forward|
         mosaic_backward] [--seqs 16384,65536] [--cases causal,docs] [--head-dims 128]
         [--orders NAME,NAME] [--dtype bfloat16|float16] [--window W] [--soft-cap C]
-        [--value-head-dim DV] [--rounds 9] [--out F]
+        [--value-head-dim DV] [--scale S] [--rounds 9] [--out F]
 
 Each variant is compiled on its own (about 20 s at 64k on an H200): name the --orders and
 --cases a question needs.
@@ -31,6 +31,8 @@ the gate (benchmarks/gate.py) compares whole trees, one process per tree and rou
 
 --window, --soft-cap and --value-head-dim (MLA's value head dim, e.g. --head-dims 192
 --value-head-dim 128) select the kernel families beyond the plain one; all apply to every case.
+--scale (default head dim ** -0.5): a scale <= 0 without a soft cap runs the CUDA backward's
+mask-in-loop kernels.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, bf16 unless --dtype; ms per call, median over rounds of about 20 ms of
@@ -201,6 +203,8 @@ def main(argv=None):
   ap.add_argument("--soft-cap", type=float, help="logits soft cap of every call")
   ap.add_argument("--value-head-dim", type=int,
                   help="value head dim when it differs from --head-dims (MLA: 192 / 128)")
+  ap.add_argument("--scale", type=float, help="softmax scale of every call (default head dim "
+                  "** -0.5; <= 0 without a soft cap: the mask-in-loop kernels)")
   ap.add_argument("--rounds", type=int, default=9)
   ap.add_argument("--out", help="results file, rewritten after each case")
   args = ap.parse_args(argv)
@@ -231,7 +235,7 @@ def main(argv=None):
       gpu=jax.devices()[0].device_kind, jax=jax.__version__, rounds=args.rounds,
       shapes=dict(batch=1, heads=heads, kv_heads=kv_heads, dtype=args.dtype,
                   value_head_dim=args.value_head_dim),
-      features=dict(window=args.window, soft_cap=args.soft_cap),
+      features=dict(window=args.window, soft_cap=args.soft_cap), scale=args.scale,
       kernel=args.kernel, backend=backend,
       libraries=args.libraries and dict(x.split("=", 1) for x in args.libraries.split(",")),
       timed=("jit(flash_attention)" if forward_only else
@@ -248,7 +252,8 @@ def main(argv=None):
     cot = jax.random.normal(keys[3], (1, seq, heads, dv), dtype)
 
     def attend(q, k, v, pos, seg, mask):
-      return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=d ** -0.5,
+      scale = d ** -0.5 if args.scale is None else args.scale
+      return kvax_plugin.flash_attention(q, k, v, pos, seg, pos, seg, mask, scale=scale,
                                          logits_soft_cap=args.soft_cap, backend=backend)
 
     def loss(q, k, v, pos, seg, mask):
