@@ -26,6 +26,18 @@ def fwd_bwd(fn, cot):
                           argnums=(0, 1, 2)))
 
 
+def one_pass(fn, cot, which: str, q, k, v):
+  """A callable of (q, k, v) that runs one pass of fn: "fwd", jit(fn); "bwd", the jitted vjp of
+  fn's residuals at (q, k, v) applied to cot (the forward runs once, here, not in the call)."""
+  if which == "fwd":
+    return jax.jit(fn)
+  if which != "bwd":
+    raise ValueError(f"which: expected 'fwd' or 'bwd', got {which!r}")
+  _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
+  backward = jax.jit(lambda f, c: f(c))
+  return lambda *_: backward(vjp_fn, cot)
+
+
 def round_ms(fn, args, inner: int) -> float:
   """ms per call of one round: `inner` back-to-back calls, waited for at the end."""
   t0 = time.perf_counter()

@@ -361,7 +361,8 @@ def test_clocks_power_summarizes_each_implementations_windows():
              + [at(4.5, 500, 80)])  # between windows
   got = cp.summarize(windows, samples)
   assert got["auto"] == dict(ms=205.0, sm_clock_mhz=1800.0, power_w=650.0, throttle=["0x4"],
-                             samples=5, mcycles_per_call=205.0 * 1800.0 / 1e3)
+                             samples=5, mcycles_per_call=205.0 * 1800.0 / 1e3,
+                             joules_per_call=205.0 * 650.0 / 1e3)
   assert got["fa3"]["ms"] == 200.0 and got["fa3"]["samples"] == 3
   assert got["fa3"]["sm_clock_mhz"] == 1700.0 and got["fa3"]["mcycles_per_call"] == 340.0
   assert cp.gpu_index("1") == 1 and cp.gpu_index("1,0") == 1 and cp.gpu_index(None) == 0
@@ -369,3 +370,23 @@ def test_clocks_power_summarizes_each_implementations_windows():
     cp.gpu_index("GPU-3f2a")
   with pytest.raises(SystemExit):
     cp.main(["--window-s", "0.5"])
+  with pytest.raises(SystemExit):
+    cp.main(["--pass", "dq"])
+
+
+def test_one_pass_runs_the_forward_or_the_backward_alone():
+  """benchmarks.timing.one_pass: "fwd" is fn itself; "bwd" is the gradient that fwd_bwd computes
+  (grad of sum(fn * cot)), from residuals taken once; anything else is refused."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks.timing import fwd_bwd, one_pass
+  fn = lambda q, k, v: jnp.tanh(q @ k.T) @ v
+  q, k, v, cot = (jax.random.normal(jax.random.key(i), (5, 3)) for i in range(4))
+  np.testing.assert_allclose(one_pass(fn, cot, "fwd", q, k, v)(q, k, v), fn(q, k, v), rtol=1e-6)
+  grads = one_pass(fn, cot, "bwd", q, k, v)(q, k, v)
+  for got, want in zip(grads, fwd_bwd(fn, cot)(q, k, v)):
+    assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.abs(got).max()) > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="which"):
+    one_pass(fn, cot, "dq", q, k, v)

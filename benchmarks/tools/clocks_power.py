@@ -1,19 +1,21 @@
 """The GPU's SM clock and power draw while each implementation runs, in alternating windows.
 
     python -m benchmarks.tools.clocks_power [--seq 65536] [--case causal|docs]
-        [--impls auto,fa3] [--windows 4] [--window-s 4] [--gpu-index I] [--out F]
+        [--impls auto,fa3] [--pass fwd_bwd|fwd|bwd] [--windows 4] [--window-s 4]
+        [--gpu-index I] [--out F]
 
 Asks whether a same-run speed difference comes from the work per clock cycle or from the clock
 the GPU holds under each kernel (a kernel that draws more power is clocked down by the power
 cap). Each implementation's forward+backward (jit(grad(sum(out * dO))), the mask prebuilt, as
-benchmarks/bench_attention.py times it) is called back to back for about --window-s seconds (as
+benchmarks/bench_attention.py times it; --pass fwd: the jitted forward alone; --pass bwd: the
+jitted vjp of one forward's residuals) is called back to back for about --window-s seconds (as
 many calls as one timed call says fill it), the implementations alternating window by window
 with the order reversed every other round, a pause of 0.5 s between windows; nvidia-smi samples
 the SM clock, the power draw and the active clock throttle reasons every 50 ms meanwhile, each
 sample placed by its own timestamp. Per implementation: the median ms per call over its
 windows and, over the samples from 1 s into each of its windows to its end, the median clock,
 the median power and the throttle reasons seen (NVML bits: 0x1 idle, 0x4 software power cap,
-0x20 / 0x40 thermal). Cycles per call = ms x clock.
+0x20 / 0x40 thermal). Cycles per call = ms x clock; joules per call = ms x power.
 
 nvidia-smi does not follow CUDA_VISIBLE_DEVICES: it is asked for one GPU by index (--gpu-index;
 default the first entry of CUDA_VISIBLE_DEVICES, else 0), so that another job on another GPU of
@@ -38,6 +40,7 @@ from pathlib import Path
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's, in the machine's local time
 SAMPLE_MS = 50
+PASSES = ("fwd_bwd", "fwd", "bwd")
 SETTLE_S = 1.0  # samples this long into a window are dropped (the clock moving to its level)
 
 
@@ -67,18 +70,19 @@ def gpu_index(visible: str | None) -> int:
 def summarize(windows: list[dict], samples: list[dict]) -> dict:
   """Per implementation: median ms over its windows ({impl, t0, t1, ms}), and over the samples
   (parse_sample's) from SETTLE_S into each of its windows to the window's end: the median clock
-  and power, the throttle reasons seen, the sample count and the cycles per call."""
+  and power, the throttle reasons seen, the sample count, the cycles and the joules per call."""
   out = {}
   for impl in dict.fromkeys(w["impl"] for w in windows):
     mine = [w for w in windows if w["impl"] == impl]
     kept = [s for s in samples if any(w["t0"] + SETTLE_S <= s["t"] <= w["t1"] for w in mine)]
     ms = statistics.median(w["ms"] for w in mine)
     clock = statistics.median(s["sm_clock_mhz"] for s in kept) if kept else None
+    power = statistics.median(s["power_w"] for s in kept) if kept else None
     out[impl] = dict(
-        ms=ms, sm_clock_mhz=clock,
-        power_w=statistics.median(s["power_w"] for s in kept) if kept else None,
+        ms=ms, sm_clock_mhz=clock, power_w=power,
         throttle=sorted({s["throttle"] for s in kept}), samples=len(kept),
-        mcycles_per_call=ms * clock / 1e3 if clock else None)
+        mcycles_per_call=ms * clock / 1e3 if clock else None,
+        joules_per_call=ms * power / 1e3 if power else None)
   return out
 
 
@@ -87,6 +91,8 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=65536)
   ap.add_argument("--case", choices=("causal", "docs"), default="causal")
   ap.add_argument("--impls", default="auto,fa3", help="benchmarks.impls names, comma-separated")
+  ap.add_argument("--pass", dest="pass_", choices=PASSES, default="fwd_bwd",
+                  help="what each call runs: forward+backward, the forward, or the backward")
   ap.add_argument("--windows", type=int, default=4, help="windows per implementation")
   ap.add_argument("--window-s", type=float, default=4.0)
   ap.add_argument("--gpu-index", type=int, default=None,
@@ -107,7 +113,7 @@ def main(argv=None):
 
   from benchmarks.cases import layout, random_inputs
   from benchmarks.impls import make_impls
-  from benchmarks.timing import fwd_bwd
+  from benchmarks.timing import fwd_bwd, one_pass
 
   names = args.impls.split(",")
   pos, seg, _ = layout(args.case, args.seq, seed=args.seq)
@@ -117,7 +123,10 @@ def main(argv=None):
   for name in names:
     if isinstance(fns.get(name), str) or name not in fns:
       ap.error(f"--impls {name}: {fns.get(name, 'unknown')}")
-    compiled[name] = fwd_bwd(fns[name], cot)
+    if args.pass_ == "fwd_bwd":
+      compiled[name] = fwd_bwd(fns[name], cot)
+    else:
+      compiled[name] = one_pass(fns[name], cot, args.pass_, q, k, v)
     for _ in range(3):
       jax.block_until_ready(compiled[name](q, k, v))
   # Calls are dispatched asynchronously: a window enqueues the number of calls that fills about
@@ -165,8 +174,10 @@ def main(argv=None):
           gpu=jax.devices()[0].device_kind, jax=jax.__version__, seq=args.seq, case=args.case,
           shapes=dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"),
           windows=args.windows, window_s=args.window_s, sample_ms=SAMPLE_MS, settle_s=SETTLE_S,
-          nvidia_smi_index=index,
-          timed="jit(grad(sum(out * dO))) over q, k, v, the mask prebuilt; back to back"),
+          nvidia_smi_index=index, timed_pass=args.pass_,
+          timed={"fwd_bwd": "jit(grad(sum(out * dO))) over q, k, v",
+                 "fwd": "jit(forward)", "bwd": "jit(vjp) of one forward's residuals"}[args.pass_]
+          + ", the mask prebuilt; back to back"),
       result=summarize(windows, samples), windows=windows,
       samples=samples)
   print(json.dumps(result["result"], indent=1))
