@@ -27,12 +27,15 @@ def fwd_bwd(fn, cot):
 
 
 def one_pass(fn, cot, which: str, q, k, v):
-  """A callable of (q, k, v) that runs one pass of fn: "fwd", jit(fn); "bwd", the jitted vjp of
-  fn's residuals at (q, k, v) applied to cot (the forward runs once, here, not in the call)."""
+  """A callable of (q, k, v) that runs `which` of fn: "fwd_bwd", fwd_bwd(fn, cot); "fwd",
+  jit(fn); "bwd", the jitted vjp of fn's residuals at (q, k, v) applied to cot (the forward runs
+  once, here, not in the call)."""
+  if which == "fwd_bwd":
+    return fwd_bwd(fn, cot)
   if which == "fwd":
     return jax.jit(fn)
   if which != "bwd":
-    raise ValueError(f"which: expected 'fwd' or 'bwd', got {which!r}")
+    raise ValueError(f"which: expected 'fwd_bwd', 'fwd' or 'bwd', got {which!r}")
   _, vjp_fn = jax.vjp(jax.jit(fn), q, k, v)
   backward = jax.jit(lambda f, c: f(c))
   return lambda *_: backward(vjp_fn, cot)

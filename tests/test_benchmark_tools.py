@@ -376,7 +376,8 @@ def test_clocks_power_summarizes_each_implementations_windows():
 
 def test_one_pass_runs_the_forward_or_the_backward_alone():
   """benchmarks.timing.one_pass: "fwd" is fn itself; "bwd" is the gradient that fwd_bwd computes
-  (grad of sum(fn * cot)), from residuals taken once; anything else is refused."""
+  (grad of sum(fn * cot)), from residuals taken once, and "fwd_bwd" is fwd_bwd; anything else is
+  refused."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -384,9 +385,10 @@ def test_one_pass_runs_the_forward_or_the_backward_alone():
   fn = lambda q, k, v: jnp.tanh(q @ k.T) @ v
   q, k, v, cot = (jax.random.normal(jax.random.key(i), (5, 3)) for i in range(4))
   np.testing.assert_allclose(one_pass(fn, cot, "fwd", q, k, v)(q, k, v), fn(q, k, v), rtol=1e-6)
-  grads = one_pass(fn, cot, "bwd", q, k, v)(q, k, v)
-  for got, want in zip(grads, fwd_bwd(fn, cot)(q, k, v)):
-    assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.abs(got).max()) > 0
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  want = fwd_bwd(fn, cot)(q, k, v)
+  for which in ("bwd", "fwd_bwd"):
+    for got, w in zip(one_pass(fn, cot, which, q, k, v)(q, k, v), want):
+      assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.abs(got).max()) > 0
+      np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="which"):
     one_pass(fn, cot, "dq", q, k, v)

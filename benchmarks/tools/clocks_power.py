@@ -113,7 +113,7 @@ def main(argv=None):
 
   from benchmarks.cases import layout, random_inputs
   from benchmarks.impls import make_impls
-  from benchmarks.timing import fwd_bwd, one_pass
+  from benchmarks.timing import one_pass
 
   names = args.impls.split(",")
   pos, seg, _ = layout(args.case, args.seq, seed=args.seq)
@@ -123,10 +123,7 @@ def main(argv=None):
   for name in names:
     if isinstance(fns.get(name), str) or name not in fns:
       ap.error(f"--impls {name}: {fns.get(name, 'unknown')}")
-    if args.pass_ == "fwd_bwd":
-      compiled[name] = fwd_bwd(fns[name], cot)
-    else:
-      compiled[name] = one_pass(fns[name], cot, args.pass_, q, k, v)
+    compiled[name] = one_pass(fns[name], cot, args.pass_, q, k, v)
     for _ in range(3):
       jax.block_until_ready(compiled[name](q, k, v))
   # Calls are dispatched asynchronously: a window enqueues the number of calls that fills about
