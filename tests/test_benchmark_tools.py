@@ -365,6 +365,8 @@ def test_clocks_power_summarizes_each_implementations_windows():
                              joules_per_call=205.0 * 650.0 / 1e3)
   assert got["fa3"]["ms"] == 200.0 and got["fa3"]["samples"] == 3
   assert got["fa3"]["sm_clock_mhz"] == 1700.0 and got["fa3"]["mcycles_per_call"] == 340.0
+  # --gap-s: one call per window, every sample inside it kept (the settling one too).
+  assert cp.summarize(windows, samples, settle_s=0.0)["auto"]["samples"] == 6
   assert cp.gpu_index("1") == 1 and cp.gpu_index("1,0") == 1 and cp.gpu_index(None) == 0
   with pytest.raises(ValueError, match="gpu-index"):
     cp.gpu_index("GPU-3f2a")
@@ -372,6 +374,8 @@ def test_clocks_power_summarizes_each_implementations_windows():
     cp.main(["--window-s", "0.5"])
   with pytest.raises(SystemExit):
     cp.main(["--pass", "dq"])
+  with pytest.raises(SystemExit):
+    cp.main(["--gap-s", "0"])
 
 
 def test_one_pass_runs_the_forward_or_the_backward_alone():

@@ -2,7 +2,7 @@
 
     python -m benchmarks.tools.clocks_power [--seq 65536] [--case causal|docs]
         [--impls auto,fa3] [--pass fwd_bwd|fwd|bwd] [--windows 4] [--window-s 4]
-        [--gpu-index I] [--out F]
+        [--gap-s G] [--gpu-index I] [--out F]
 
 Asks whether a same-run speed difference comes from the work per clock cycle or from the clock
 the GPU holds under each kernel (a kernel that draws more power is clocked down by the power
@@ -16,6 +16,11 @@ sample placed by its own timestamp. Per implementation: the median ms per call o
 windows and, over the samples from 1 s into each of its windows to its end, the median clock,
 the median power and the throttle reasons seen (NVML bits: 0x1 idle, 0x4 software power cap,
 0x20 / 0x40 thermal). Cycles per call = ms x clock; joules per call = ms x power.
+
+--gap-s G asks the same of a GPU that is not held at its power cap: each window is then one call,
+timed alone after G seconds idle, and every sample inside the call is kept. Back-to-back windows
+give the speed of sustained training; the idle gaps give the work per cycle with the power cap
+(mostly) out of the way, as a profiler's replay of one kernel sees it.
 
 nvidia-smi does not follow CUDA_VISIBLE_DEVICES: it is asked for one GPU by index (--gpu-index;
 default the first entry of CUDA_VISIBLE_DEVICES, else 0), so that another job on another GPU of
@@ -67,14 +72,14 @@ def gpu_index(visible: str | None) -> int:
   return int(first)
 
 
-def summarize(windows: list[dict], samples: list[dict]) -> dict:
+def summarize(windows: list[dict], samples: list[dict], settle_s: float = SETTLE_S) -> dict:
   """Per implementation: median ms over its windows ({impl, t0, t1, ms}), and over the samples
-  (parse_sample's) from SETTLE_S into each of its windows to the window's end: the median clock
+  (parse_sample's) from settle_s into each of its windows to the window's end: the median clock
   and power, the throttle reasons seen, the sample count, the cycles and the joules per call."""
   out = {}
   for impl in dict.fromkeys(w["impl"] for w in windows):
     mine = [w for w in windows if w["impl"] == impl]
-    kept = [s for s in samples if any(w["t0"] + SETTLE_S <= s["t"] <= w["t1"] for w in mine)]
+    kept = [s for s in samples if any(w["t0"] + settle_s <= s["t"] <= w["t1"] for w in mine)]
     ms = statistics.median(w["ms"] for w in mine)
     clock = statistics.median(s["sm_clock_mhz"] for s in kept) if kept else None
     power = statistics.median(s["power_w"] for s in kept) if kept else None
@@ -95,6 +100,9 @@ def main(argv=None):
                   help="what each call runs: forward+backward, the forward, or the backward")
   ap.add_argument("--windows", type=int, default=4, help="windows per implementation")
   ap.add_argument("--window-s", type=float, default=4.0)
+  ap.add_argument("--gap-s", type=float, default=None,
+                  help="one call per window after this many seconds idle (default: windows of "
+                  "back-to-back calls)")
   ap.add_argument("--gpu-index", type=int, default=None,
                   help="nvidia-smi's index of the GPU timed (default: CUDA_VISIBLE_DEVICES's "
                   "first)")
@@ -105,8 +113,12 @@ def main(argv=None):
         os.environ.get("CUDA_VISIBLE_DEVICES"))
   except ValueError as e:
     ap.error(str(e))
-  if args.windows < 1 or args.window_s <= SETTLE_S:
-    ap.error(f"--windows >= 1 and --window-s > {SETTLE_S} (the settling time)")
+  if args.windows < 1:
+    ap.error(f"--windows {args.windows}: expected >= 1")
+  if args.gap_s is None and args.window_s <= SETTLE_S:
+    ap.error(f"--window-s {args.window_s}: expected > {SETTLE_S} (the settling time)")
+  if args.gap_s is not None and args.gap_s <= 0:
+    ap.error(f"--gap-s {args.gap_s}: expected > 0 seconds")
 
   import jax
   import jax.numpy as jnp
@@ -132,7 +144,8 @@ def main(argv=None):
   for name in names:
     t0 = time.perf_counter()
     jax.block_until_ready(compiled[name](q, k, v))
-    calls[name] = max(1, round(args.window_s / (time.perf_counter() - t0)))
+    calls[name] = (1 if args.gap_s is not None else
+                   max(1, round(args.window_s / (time.perf_counter() - t0))))
 
   samples: list[dict] = []
   command = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
@@ -149,7 +162,9 @@ def main(argv=None):
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
   windows = []
+  pause = 0.5 if args.gap_s is None else args.gap_s
   try:
+    time.sleep(pause)
     for r in range(args.windows):
       for name in (names if r % 2 == 0 else names[::-1]):
         t0 = time.time()
@@ -160,7 +175,7 @@ def main(argv=None):
         windows.append(dict(impl=name, t0=t0, t1=t1, calls=calls[name],
                             ms=(t1 - t0) * 1e3 / calls[name]))
         print(f"{name}: {windows[-1]['ms']:.3f} ms per call", flush=True)
-        time.sleep(0.5)
+        time.sleep(pause)
   finally:
     time.sleep(1.0)
     proc.terminate()
@@ -171,11 +186,13 @@ def main(argv=None):
           gpu=jax.devices()[0].device_kind, jax=jax.__version__, seq=args.seq, case=args.case,
           shapes=dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"),
           windows=args.windows, window_s=args.window_s, sample_ms=SAMPLE_MS, settle_s=SETTLE_S,
-          nvidia_smi_index=index, timed_pass=args.pass_,
+          nvidia_smi_index=index, timed_pass=args.pass_, gap_s=args.gap_s,
           timed={"fwd_bwd": "jit(grad(sum(out * dO))) over q, k, v",
                  "fwd": "jit(forward)", "bwd": "jit(vjp) of one forward's residuals"}[args.pass_]
-          + ", the mask prebuilt; back to back"),
-      result=summarize(windows, samples), windows=windows,
+          + ", the mask prebuilt; " + ("back to back" if args.gap_s is None else
+                                       f"one call after {args.gap_s} s idle")),
+      result=summarize(windows, samples, SETTLE_S if args.gap_s is None else 0.0),
+      windows=windows,
       samples=samples)
   print(json.dumps(result["result"], indent=1))
   if args.out:
