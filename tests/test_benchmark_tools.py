@@ -308,8 +308,9 @@ def test_library_targets_load_the_trees_own_library_first(monkeypatch, tmp_path)
 
 
 def test_gqa_as_mha_computes_the_gqa_gradients():
-  """tools/gqa_as_mha.py: the repeated-K / V call gives the GQA call's output, and jax.grad sums
-  the group's dK / dV through the repeat (float32, the dense "jax" backend, a small packed row)."""
+  """tools/gqa_as_mha.py: the repeated-K / V call and the two half-group calls give the GQA call's
+  output, and jax.grad sums the group's dK / dV through the repeat or over the two calls (float32,
+  the dense "jax" backend, a small packed row)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -326,14 +327,19 @@ def test_gqa_as_mha_computes_the_gqa_gradients():
   pos = jnp.asarray(np.concatenate([np.arange(n) for n in (100, 1, 120, 35)])[None], jnp.int32)
   mask = kvax_plugin.create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True)
   call = (q, k, v, pos, seg, mask)
-  (fwd_gqa, loss_gqa), (fwd_mha, loss_mha) = tool.variants("jax", cot).values()
-  np.testing.assert_allclose(fwd_mha(*call), fwd_gqa(*call), rtol=1e-5, atol=1e-5)
-  grads = [jax.grad(f, argnums=(0, 1, 2))(*call) for f in (loss_gqa, loss_mha)]
-  for a, g in zip(*grads):
-    assert a.shape == g.shape and bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
-    np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4)
+  variants = tool.variants("jax", cot)
+  fwd_gqa, loss_gqa = variants.pop("gqa")
+  assert sorted(variants) == ["as_mha", "halves"]
+  want = jax.grad(loss_gqa, argnums=(0, 1, 2))(*call)
+  for fwd, loss in variants.values():
+    np.testing.assert_allclose(fwd(*call), fwd_gqa(*call), rtol=1e-5, atol=1e-5)
+    for a, g in zip(want, jax.grad(loss, argnums=(0, 1, 2))(*call)):
+      assert a.shape == g.shape and bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+      np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4)
   with pytest.raises(SystemExit):  # a pass it does not time is refused before anything runs
     tool.main(["--passes", "bwd"])
+  with pytest.raises(SystemExit):
+    tool.main(["--variants", "thirds"])
 
 
 def test_clocks_power_summarizes_each_implementations_windows():
