@@ -367,12 +367,15 @@ def test_clocks_power_summarizes_each_implementations_windows():
              + [at(4.5, 500, 80)])  # between windows
   got = cp.summarize(windows, samples)
   assert got["auto"] == dict(ms=205.0, sm_clock_mhz=1800.0, power_w=650.0, throttle=["0x4"],
+                             sm_clock_mhz_mean=1800.0,
                              samples=5, mcycles_per_call=205.0 * 1800.0 / 1e3,
                              joules_per_call=205.0 * 650.0 / 1e3)
   assert got["fa3"]["ms"] == 200.0 and got["fa3"]["samples"] == 3
   assert got["fa3"]["sm_clock_mhz"] == 1700.0 and got["fa3"]["mcycles_per_call"] == 340.0
+  assert got["fa3"]["sm_clock_mhz_mean"] == 1700.0
   # --gap-s: one call per window, every sample inside it kept (the settling one too).
-  assert cp.summarize(windows, samples, settle_s=0.0)["auto"]["samples"] == 6
+  idle_gaps = cp.summarize(windows, samples, settle_s=0.0)["auto"]
+  assert idle_gaps["samples"] == 6 and idle_gaps["sm_clock_mhz_mean"] == (1000 + 5 * 1800) / 6
   assert cp.gpu_index("1") == 1 and cp.gpu_index("1,0") == 1 and cp.gpu_index(None) == 0
   with pytest.raises(ValueError, match="gpu-index"):
     cp.gpu_index("GPU-3f2a")

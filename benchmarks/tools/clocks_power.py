@@ -75,7 +75,9 @@ def gpu_index(visible: str | None) -> int:
 def summarize(windows: list[dict], samples: list[dict], settle_s: float = SETTLE_S) -> dict:
   """Per implementation: median ms over its windows ({impl, t0, t1, ms}), and over the samples
   (parse_sample's) from settle_s into each of its windows to the window's end: the median clock
-  and power, the throttle reasons seen, the sample count, the cycles and the joules per call."""
+  and power, the mean clock (the cap moves the clock in steps; the mean weighs them), the
+  throttle reasons seen, the sample count, the cycles (at the median clock) and the joules per
+  call."""
   out = {}
   for impl in dict.fromkeys(w["impl"] for w in windows):
     mine = [w for w in windows if w["impl"] == impl]
@@ -85,6 +87,7 @@ def summarize(windows: list[dict], samples: list[dict], settle_s: float = SETTLE
     power = statistics.median(s["power_w"] for s in kept) if kept else None
     out[impl] = dict(
         ms=ms, sm_clock_mhz=clock, power_w=power,
+        sm_clock_mhz_mean=statistics.mean(s["sm_clock_mhz"] for s in kept) if kept else None,
         throttle=sorted({s["throttle"] for s in kept}), samples=len(kept),
         mcycles_per_call=ms * clock / 1e3 if clock else None,
         joules_per_call=ms * power / 1e3 if power else None)
