@@ -142,13 +142,12 @@ def main(argv=None):
     for _ in range(3):
       jax.block_until_ready(compiled[name](q, k, v))
   # Calls are dispatched asynchronously: a window enqueues the number of calls that fills about
-  # --window-s (from one timed call), then waits for them.
-  calls = {}
-  for name in names:
+  # --window-s (from one timed call), then waits for them; with --gap-s a window is one call.
+  calls = dict.fromkeys(names, 1)
+  for name in names if args.gap_s is None else ():
     t0 = time.perf_counter()
     jax.block_until_ready(compiled[name](q, k, v))
-    calls[name] = (1 if args.gap_s is not None else
-                   max(1, round(args.window_s / (time.perf_counter() - t0))))
+    calls[name] = max(1, round(args.window_s / (time.perf_counter() - t0)))
 
   samples: list[dict] = []
   command = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",

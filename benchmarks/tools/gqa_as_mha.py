@@ -1,4 +1,5 @@
-"""GQA through the kernels' one-head-per-kv-head path, timed against the GQA path in one process.
+"""GQA with fewer query heads per CTA (one, or half the group), timed against the GQA call in one
+process.
 
     python -m benchmarks.tools.gqa_as_mha [--seqs 16384,65536] [--cases causal,docs]
         [--passes fwd_bwd,fwd] [--variants gqa,as_mha,halves] [--backend hopper] [--rounds 7]
@@ -12,8 +13,9 @@ does; jax.grad sums the 4 heads' dK / dV through the repeat's transpose (in the 
 where FA3 sums in float32). The repeat and the sum are timed with it. This asks whether the
 per-query-head launch is worth a kernel of its own before one is written. "halves" calls it
 twice, each kv head with half of its group (query heads 0, 1 and then 2, 3 of each group): each
-CTA walks 2 query heads, and with the snake walk (the second head downwards) the CTAs in flight
-stay as close in their walks as one-head CTAs do; jax.grad adds the two calls' dK / dV.
+CTA walks 2 query heads; with the snake walk (the second head downwards) neighbouring CTAs
+reach each block of either head a few steps apart, as one-head CTAs do, without repeating K and
+V; jax.grad adds the two calls' dK / dV.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, head dim 128, bf16, the mask prebuilt; ms per call, median over rounds of
