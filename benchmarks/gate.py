@@ -1,7 +1,7 @@
 """Speed gate: a candidate tree against a base commit, on this machine's GPU.
 
     python -m benchmarks.gate --base <commit> [--candidate <path or commit>] [--rounds N]
-        [--threshold 0.03] [--confirm-rounds N] [--cases quick|full] [--backend auto]
+        [--threshold 0.03] [--confirm-rounds N] [--cases quick|long|full] [--backend auto]
         [--head-dim 128 | --head-dims 64,128,256 | --head-dims all] [--out FILE]
     python -m benchmarks.gate --base-tree <path> ...     # the base already extracted
 
@@ -39,7 +39,9 @@ Cases (benchmarks/cases.py, the kernel table's shapes): B=1, 32 query / 8 kv hea
 (--head-dim 64 or 256 for those kernels; --head-dims 64,128,256 or all: every case at each, in
 the same processes, for a change that every kernel family shares), bf16; "quick" = 16k causal
 and 16k documents (12 documents, numpy.random.default_rng(0) cuts, then 1000 padding tokens
-with positions 0..999), forward and forward+backward; "full" adds 64k.
+with positions 0..999), forward and forward+backward; "full" adds 64k; "long" is the 64k cases
+alone, for a change that only rows above 16k can reach (each process compiles and times every
+case, so "full" takes about twice as long as either).
 --smoke: 256 tokens, 2 / 1 heads, head dim 32, float32, 16 padding tokens (a CPU dry run with
 --backend jax).
 
@@ -59,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +76,7 @@ from benchmarks.results import gpu_slug  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "gate_worker.py"
 CASE_SETS = {"quick": ((16384, "causal"), (16384, "docs")),
+             "long": ((65536, "causal"), (65536, "docs")),
              "full": ((16384, "causal"), (16384, "docs"), (65536, "causal"), (65536, "docs"))}
 SHAPES = dict(heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", num_docs=12, pad=1000)
 SMOKE_SHAPES = dict(heads=2, kv_heads=1, head_dim=32, dtype="float32", num_docs=12, pad=16)
@@ -293,16 +297,18 @@ def main(argv=None) -> int:
     def time_rounds(n: int, label: str):
       for r in range(n):
         for name, tree in trees:
+          t0 = time.perf_counter()
           got = run_worker(tree, spec, args.timeout, cache)
           rounds[name].append(got["medians_ms"])
-          print(f"{label} {r + 1}/{n} {name}: " + ", ".join(
+          print(f"{label} {r + 1}/{n} {name} ({time.perf_counter() - t0:.0f} s): " + ", ".join(
               f"{k} {v:.3f}" for k, v in got["medians_ms"].items()), flush=True)
 
     first = None
     try:
       for name, tree in trees:  # compiles (and the hopper library's nvcc build) outside rounds
-        print(f"warm-up process: {name} ({tree})", flush=True)
+        t0 = time.perf_counter()
         info[name] = run_worker(tree, spec, args.timeout, cache)
+        print(f"warm-up process: {name} ({tree}, {time.perf_counter() - t0:.0f} s)", flush=True)
       time_rounds(args.rounds, "round")
       v = verdict(rounds["base"], rounds["candidate"], args.threshold)
       if not v["passed"] and confirm_rounds:

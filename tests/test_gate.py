@@ -72,6 +72,8 @@ def test_gate_documents_layout_is_the_specified_one(tmp_path):
   assert (causal["positions"][0] == np.arange(s)).all() and (causal["segment_ids"] == 0).all()
   assert [c["name"] for c in json.loads(gate.write_spec(tmp_path, "full", False, "auto", 10)
                                         .read_text())["cases"]][2:] == ["64k-causal", "64k-docs"]
+  assert [c["name"] for c in json.loads(gate.write_spec(tmp_path, "long", False, "auto", 10)
+                                        .read_text())["cases"]] == ["64k-causal", "64k-docs"]
   # --head-dim replaces only the head dim
   wide = json.loads(gate.write_spec(tmp_path, "quick", False, "auto", 10, 256).read_text())
   assert (wide["heads"], wide["kv_heads"], wide["head_dim"], wide["dtype"]) == (

@@ -429,13 +429,13 @@ def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
 
 
 @pytest.mark.parametrize("grid,kv_len,dims,persistent", [
-    ("auto", 65536, (64, 64), True), ("auto", 65536 + 1, (64, 64), False),
-    ("persistent", 65536 + 1, (64, 64), True), ("per_tile", 4096, (64, 64), False),
+    ("auto", 32768, (64, 64), True), ("auto", 32768 + 1, (64, 64), False),
+    ("persistent", 32768 + 1, (64, 64), True), ("per_tile", 4096, (64, 64), False),
     ("auto", 4096, (192, 128), False), ("persistent", 4096, (192, 128), True)])
 def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
   """mosaic_forward_grid "auto" (the default): the persistent forward up to
-  backend.PERSISTENT_MAX_KV padded kv rows, one CTA per (batch, query tile, head) above (13%
-  faster at 128k causal on an H200, 2026-11-24), and also where the persistent kernel's second Q
+  backend.PERSISTENT_MAX_KV padded kv rows, one CTA per (batch, query tile, head) above (faster
+  on long causal rows, docs/status.md), and also where the persistent kernel's second Q
   buffer would cost the kv tile (MLA 192 / 128: 64 rows against 128); "persistent" / "per_tile"
   force either. Checked on the forward's config while lowering for CUDA (no GPU needed); a
   persistent request that cannot fit is refused by name, as is an unknown grid."""
