@@ -214,6 +214,18 @@ def test_kernel_options_against_reference(name, option):
        options=kvax.KernelOptions(**OPTIONS[option]))
 
 
+@pytest.mark.parametrize("name", ["softcap_sinks", "sliding_window_fused", "window_not_causal_fp16",
+                                  "not_causal_gqa8", "random_positions"])
+def test_per_tile_forward_features_against_reference(name):
+  """The per-tile forward grid (the default above backend.PERSISTENT_MAX_KV kv rows, where these
+  short cases would run the persistent one) with each mask and logits feature: soft cap and
+  sinks, windows causal and not, a wide GQA group, positions in any order."""
+  build, kwargs = CASES[name]
+  seed = sum(map(ord, name)) + 1
+  _run(name, *build(np.random.default_rng(seed)), seed=seed, **kwargs,
+       options=kvax.KernelOptions(mosaic_forward_grid="per_tile"))
+
+
 def test_kernel_parts_through_split_kv_attention():
   """The kernels as parts (the context-parallel overlap's path; a GPU run of 2026-11-24 crashed
   there): kv in halves, merged by split_kv_attention under jit and grad, against the float32
