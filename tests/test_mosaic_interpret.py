@@ -82,6 +82,10 @@ OTHER_CASES = {
     # two query tiles, documents, GQA, MLA head dims in the per-tile forward
     "mla_docs": dict(segs=[4] * 100 + [7] * 130 + [-1] * 26, h=2, kh=1, dk=192, dv=128,
                      options=KernelOptions(mosaic_forward_grid="per_tile")),
+    # three query tiles visiting 1, 2 and 1 kv blocks: the per-tile forward launches them
+    # longest first (1, 0, 2), not in reverse tile order
+    "per_tile_docs_order": dict(segs=[1] * 256 + [2] * 128, h=2, kh=1,
+                                options=KernelOptions(mosaic_forward_grid="per_tile")),
 }
 
 _WGMMA = plgpu.wgmma
@@ -250,6 +254,24 @@ def check_case(name: str, **changes) -> Run:
     assert float(jnp.max(jnp.abs(run.mine[1].astype(jnp.float32)[pad]))) == 0.0
   assert "RACE DETECTED" not in run.printed, run.printed[:4000]
   return run
+
+
+def test_per_tile_forward_launches_tiles_longest_first(monkeypatch):
+  """The per-tile forward takes each CTA's query tile from the longest-first order of the mask
+  (block_mask.longest_first), as the persistent one deals its items: the case's order is
+  (1, 0, 2), so a wrong lookup leaves a tile unwritten or written twice."""
+  seen = []
+  real = fw.longest_first
+
+  def recorded(*args):
+    order = real(*args)
+    jax.debug.callback(lambda o: seen.append(np.asarray(o).tolist()), order)
+    return order
+
+  monkeypatch.setattr(fw, "longest_first", recorded)
+  run = check_case("per_tile_docs_order")
+  assert all(cfg.num_ctas == 0 for cfg in run.forward), run.forward
+  assert seen and all(order == [[1, 0, 2]] for order in seen), seen
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

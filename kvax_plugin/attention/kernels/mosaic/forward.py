@@ -237,14 +237,10 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         w = sm + i * cfg.num_ctas
         bi, r = lax.div(w, n_tiles * h), lax.rem(w, n_tiles * h)
         t, head = lax.div(r, h), lax.rem(r, h)
-      if order_ref is not None:
-        tile = order_ref[bi, t]
-      elif cfg.causal:
-        # Causal: last tiles first, they have the most work.
-        tile = n_tiles - 1 - t
-      else:
-        tile = t
-      return bi, head, tile
+      # The tiles longest first (by visited blocks), so a long tile does not start last and run
+      # alone: dealt as a snake draft (persistent) or in launch order (per-tile), where the
+      # hardware hands the next CTA to the first free SM.
+      return bi, head, order_ref[bi, t]
 
     def item_table(bi, tile):
       row = tile // rq
@@ -522,9 +518,7 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
         plgpu.Barrier(num_arrivals=CONSUMERS),
         plgpu.Barrier(num_arrivals=CONSUMERS) if union else None,
     )
-    order_ref = None
-    if cfg.num_ctas:
-      order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
+    order_ref, refs = refs[n_in - 1], refs[:n_in - 1] + refs[n_in:]
     def scoped(q_or_union, o_smem, *rest):
       q_smem, o_smem = q_or_union if union else (q_or_union, o_smem)
       kernel(*refs, q_smem, o_smem, *rest, order_ref=order_ref)
@@ -532,9 +526,8 @@ def forward_call(cfg: FwdConfig, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, l
 
   params = dict(interpret=plgpu.InterpretGPUParams()) if cfg.interpret else dict(
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper)
-  if cfg.num_ctas:
-    inputs += (longest_first(lower, upper, rq, sq // TILE_Q),)
+  inputs = (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks, lower, upper, full_lower, full_upper,
+            longest_first(lower, upper, rq, sq // TILE_Q))
   n_in = len(inputs)
   return plgpu.kernel(
       entry,
