@@ -242,16 +242,44 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
   rows = {n: dict(ms=1.0) for n in ("a", "b", "c")}
   timed = {"fwd": [(n, make(n, i + 1), 2, rows[n]) for i, n in enumerate(rows)]}
   timing.interleave(timed, (x,), rounds=3, flops_fwd=1e6)
-  # round r starts at entry r: a b c | b c a | c a b, each `inner` = 2 calls in a row
+  # the first rounds of timing.round_orders(3): a b c | b c a | c a b, `inner` = 2 calls each
   assert calls == [n for n in "aabbcc" "bbccaa" "ccaabb"]
   for n, row in rows.items():
     assert row["interleaved"] and row["ms_sequential"] == 1.0 and len(row["ms_rounds"]) == 3
     assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
 
 
-def test_alternate_warms_up_then_rotates_the_start_each_round():
+def test_round_orders_balance_first_place_and_neighbours():
+  """Under a power cap a kernel runs faster after one that drew less power, so the round-robin
+  must not keep one implementation's predecessor fixed (a rotation does): over a full cycle of
+  timing.round_orders every implementation runs first, and right after each other one, equally
+  often."""
+  import collections
+
+  from benchmarks import timing
+
+  assert timing.round_orders(1, 2) == [[0], [0]]
+  assert timing.round_orders(2, 3) == [[0, 1], [1, 0], [0, 1]]
+  for n in range(2, 9):
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = timing.round_orders(n, 3 * cycle)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders[cycle:2 * cycle] == orders[:cycle]
+    firsts = collections.Counter(o[0] for o in orders[:cycle])
+    assert set(firsts) == set(range(n)) and len(set(firsts.values())) == 1
+    after = collections.Counter((a, b) for o in orders[:cycle] for a, b in zip(o, o[1:]))
+    assert len(after) == n * (n - 1) and set(after.values()) == {cycle // n}
+  # the plain rotation it replaces: 4 implementations, each with one fixed predecessor
+  rotation = [[(i + r) % 4 for i in range(4)] for r in range(4)]
+  assert len({(a, b) for o in rotation for a, b in zip(o, o[1:])}) == 4
+  with pytest.raises(ValueError, match="n >= 1"):
+    timing.round_orders(0, 3)
+
+
+def test_alternate_warms_up_then_runs_the_balanced_orders():
   """timing.alternate (launch_orders, gqa_as_mha, backward_choice): `warmup` untimed calls of
-  each, one calibration call of each, then per round one round of each, the start rotated."""
+  each, one calibration call of each, then per round one round of each, in the orders of
+  timing.round_orders."""
   import jax.numpy as jnp
   from benchmarks import timing
 
@@ -267,6 +295,9 @@ def test_alternate_warms_up_then_rotates_the_start_each_round():
   times = timing.alternate({n: make(n) for n in "abc"}, (x,), rounds=3, warmup=2,
                            min_round_ms=0.0)
   assert calls == list("aaa" "bbb" "ccc" "abc" "bca" "cab")
+  calls.clear()
+  timing.alternate({n: make(n) for n in "abcd"}, (x,), rounds=4, warmup=0, min_round_ms=0.0)
+  assert calls == list("abcd" "abdc" "bcad" "cdba" "dacb")
   assert set(times) == set("abc") and all(len(t) == 3 and min(t) > 0 for t in times.values())
 
 

@@ -19,7 +19,8 @@ V; jax.grad adds the two calls' dK / dV.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, head dim 128, bf16, the mask prebuilt; ms per call, median over rounds of
-about 20 ms of back-to-back calls each, the variants alternated with a rotating start.
+about 20 ms of back-to-back calls each, the variants alternated in balanced orders
+(timing.round_orders).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ mask-in-loop kernels.
 
 Cases: the gate's (benchmarks/cases.py; causal and 12 documents + 1000 padding tokens), B=1, 32
 query / 8 kv heads, bf16 unless --dtype; ms per call, median over rounds of about 20 ms of
-back-to-back calls each, the variants round-robin with a rotating start.
+back-to-back calls each, the variants round-robin in balanced orders (timing.round_orders).
 """
 
 from __future__ import annotations
