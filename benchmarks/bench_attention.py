@@ -177,7 +177,8 @@ def conditions(*, heads, kv_heads, dtype, num_docs, pad, rounds, interleaved, ar
       layout=(f"B=1, {heads} q heads, {kv_heads} kv heads, {jnp.dtype(dtype).name}; docs = "
               f"{num_docs} random-length documents + {pad} padding tokens"),
       timing=(f"median of {rounds} rounds of back-to-back calls"
-              + (", implementations interleaved round-robin" if interleaved else "")),
+              + (", implementations interleaved round-robin in balanced orders "
+                 "(timing.round_orders)" if interleaved else "")),
       flops=("fwd 2*H*(Dk+Dv)*kept_pairs (4*H*D when Dk = Dv); fwd_bwd "
              f"{FLOPS_FWD_BWD}x that"))
 
