@@ -15,8 +15,9 @@ Each variant is compiled on its own (about 20 s at 64k on an H200): name the --o
                    dim 128 without a window, also with every document head by head and with
                    each tile's heads together; "heads_slowest"; "heads_fastest"), in sequence
                    (each tile's heads together) and reversed;
-  mosaic_forward   the forward alone, "hopper" (the Mosaic forward): the persistent forward's
-                   deal of query tiles longest first (its default), in sequence order, reversed;
+  mosaic_forward   the forward alone, "hopper" (the Mosaic forward): its query tiles longest
+                   first (the default of both grids: the persistent grid's deal, the per-tile
+                   grid's launch order), in sequence order, reversed;
   mosaic_backward  forward+backward, "mosaic": both Mosaic backward kernels' (tile, head) launch
                    positions longest first over the heads (their default), in sequence order
                    with the heads fastest, reversed.
