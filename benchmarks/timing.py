@@ -1,8 +1,8 @@
 """How the benchmarks time a compiled call: rounds of back-to-back calls, medians, and the
 round-robin that interleaves implementations so a drift of the GPU's clocks favours none.
 
-Under a power cap a kernel's speed depends on what ran just before it (a kernel that draws less
-power leaves the clocks higher for the next), so the round-robin varies the neighbours too: the
+Under a power cap a kernel's speed can depend on what ran just before it (one that drew less
+power can leave the clocks higher for the next), so the round-robin varies the neighbours too: the
 rounds follow a balanced Latin square (round_orders), in which every implementation runs right
 after every other equally often. A plain rotation would keep each one's predecessor fixed.
 
