@@ -23,10 +23,10 @@ case: the mask build alone, then the forward and the forward+backward with the p
 a jit argument. Back to back, not each call waited for: the host's dispatch latency varies
 between processes by up to 10% of a 16k documents forward (0.8 ms), and that is not the GPU's.
 
-First one warm-up process per tree (backend "hopper" compiles its CUDA library with nvcc on
-first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two libraries; and the
-processes share a JAX persistent compilation cache of this run, which the warm-ups fill, unless
---no-compilation-cache), then --rounds rounds, each one process of the base then one of the
+First one warm-up process per tree, side by side (backend "hopper" compiles its CUDA library
+with nvcc on first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two
+libraries; and the processes share a JAX persistent compilation cache of this run, which the
+warm-ups fill, unless --no-compilation-cache), then --rounds rounds, each one process of the base then one of the
 candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's;
 the gate fails (exit 1) when any forward or forward+backward case is slower by more than
 --threshold (the mask build's ratio is reported, not gated). A case that fails after --rounds
@@ -53,6 +53,7 @@ medians, the ratios and the verdict; prints a table.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -104,6 +105,7 @@ def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int,
 
   head_dim: one head dim, or several: then every case runs at each, named "<case>-d<head dim>"
   (a change to code that every kernel family shares is timed at each in the same processes)."""
+  folder.mkdir(parents=True, exist_ok=True)
   head_dims = head_dim if isinstance(head_dim, tuple) else (head_dim,)
   shapes = shapes_for(smoke, head_dims[0])
   specs = []
@@ -126,10 +128,11 @@ def write_spec(folder: Path, cases: str, smoke: bool, backend: str, calls: int,
   return path
 
 
-def run_worker(tree: Path, spec: Path, timeout: float, cache: Path | None = None) -> dict:
+def run_worker(tree: Path, spec: Path, timeout: float, cache: Path | None = None,
+               env_extra: dict | None = None) -> dict:
   """One timing process on `tree`'s kvax_plugin; its GATE_RESULT. cache: JAX's persistent
-  compilation cache for the process (None: none)."""
-  env = dict(os.environ, PYTHONPATH=str(tree))
+  compilation cache for the process (None: none); env_extra: more environment variables."""
+  env = dict(os.environ, PYTHONPATH=str(tree), **(env_extra or {}))
   if cache is not None:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -141,6 +144,21 @@ def run_worker(tree: Path, spec: Path, timeout: float, cache: Path | None = None
     raise RuntimeError(f"gate worker on {tree} failed (exit {done.returncode}):\n"
                        f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
   return json.loads(line[len(RESULT_PREFIX):])
+
+
+def warm_up(trees, spec: Path, timeout: float, cache: Path | None) -> dict:
+  """{name: GATE_RESULT} of one warm-up process per tree, all at once: they compile (the hopper
+  library's nvcc build included) into the shared cache before any round, and compiling is the
+  host's work, so side by side they take about as long as the slowest alone. Their one timed
+  round each is not used. JAX's preallocation is off in them, so that they fit on one GPU."""
+  def one(name_tree):
+    name, tree = name_tree
+    t0 = time.perf_counter()
+    got = run_worker(tree, spec, timeout, cache, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    print(f"warm-up process: {name} ({tree}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    return name, got
+  with concurrent.futures.ThreadPoolExecutor(len(trees)) as pool:
+    return dict(pool.map(one, trees))
 
 
 def verdict(base_rounds: list[dict], candidate_rounds: list[dict], threshold: float) -> dict:
@@ -292,7 +310,6 @@ def main(argv=None) -> int:
     trees = (("base", base_tree), ("candidate", cand_tree))
     cache = None if args.no_compilation_cache else work / "jax_cache"
     rounds = {"base": [], "candidate": []}
-    info = {}
 
     def time_rounds(n: int, label: str):
       for r in range(n):
@@ -305,10 +322,8 @@ def main(argv=None) -> int:
 
     first = None
     try:
-      for name, tree in trees:  # compiles (and the hopper library's nvcc build) outside rounds
-        t0 = time.perf_counter()
-        info[name] = run_worker(tree, spec, args.timeout, cache)
-        print(f"warm-up process: {name} ({tree}, {time.perf_counter() - t0:.0f} s)", flush=True)
+      info = warm_up(trees, write_spec(work / "warm_up", args.cases, args.smoke, args.backend, 1,
+                                       head_dim), args.timeout, cache)
       time_rounds(args.rounds, "round")
       v = verdict(rounds["base"], rounds["candidate"], args.threshold)
       if not v["passed"] and confirm_rounds:
