@@ -26,8 +26,8 @@ between processes by up to 10% of a 16k documents forward (0.8 ms), and that is 
 First one warm-up process per tree, side by side (backend "hopper" compiles its CUDA library
 with nvcc on first use, cached under ~/.cache/kvax_plugin/sm90/ by source: two trees, two
 libraries; and the processes share a JAX persistent compilation cache of this run, which the
-warm-ups fill, unless --no-compilation-cache), then --rounds rounds, each one process of the base then one of the
-candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's;
+warm-ups fill, unless --no-compilation-cache), then --rounds rounds, each one process of the
+base then one of the candidate (A, B, A, B, ...). Per case: ratio = the candidate's median over rounds / the base's;
 the gate fails (exit 1) when any forward or forward+backward case is slower by more than
 --threshold (the mask build's ratio is reported, not gated). A case that fails after --rounds
 is timed again: --confirm-rounds more rounds (default as many as --rounds) of both trees, and

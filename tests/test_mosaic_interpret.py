@@ -457,7 +457,7 @@ def test_mla_forward_stages_output_in_q_memory(case, monkeypatch):
 def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
   """mosaic_forward_grid "auto" (the default): the persistent forward up to
   backend.PERSISTENT_MAX_KV padded kv rows, one CTA per (batch, query tile, head) above (faster
-  on long causal rows, docs/status.md), and also where the persistent kernel's second Q
+  on long causal rows, docs/tuning-history.md), and also where the persistent kernel's second Q
   buffer would cost the kv tile (MLA 192 / 128: 64 rows against 128); "persistent" / "per_tile"
   force either. Checked on the forward's config while lowering for CUDA (no GPU needed); a
   persistent request that cannot fit is refused by name, as is an unknown grid."""
