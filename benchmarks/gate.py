@@ -47,7 +47,7 @@ case, so "full" takes about twice as long as either).
 
 Writes a JSON file (--out; default benchmarks/results/gate/<date>-<gpu>.json): the conditions
 (date, GPU, jax / jaxlib, both trees and their commits, rounds, calls, threshold), every round's
-medians, the ratios and the verdict; prints a table.
+medians, each process's wall time (wall_s), the ratios and the verdict; prints a table.
 """
 
 from __future__ import annotations
@@ -146,16 +146,21 @@ def run_worker(tree: Path, spec: Path, timeout: float, cache: Path | None = None
   return json.loads(line[len(RESULT_PREFIX):])
 
 
-def warm_up(trees, spec: Path, timeout: float, cache: Path | None) -> dict:
+def warm_up(trees, spec: Path, timeout: float, cache: Path | None,
+            wall: dict | None = None) -> dict:
   """{name: GATE_RESULT} of one warm-up process per tree, all at once: they compile (the hopper
   library's nvcc build included) into the shared cache before any round, and compiling is the
   host's work, so side by side they take about as long as the slowest alone. Their one timed
-  round each is not used. JAX's preallocation is off in them, so that they fit on one GPU."""
+  round each is not used. JAX's preallocation is off in them, so that they fit on one GPU.
+  wall, if given, gets {name: seconds} of each process."""
   def one(name_tree):
     name, tree = name_tree
     t0 = time.perf_counter()
     got = run_worker(tree, spec, timeout, cache, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    print(f"warm-up process: {name} ({tree}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    seconds = time.perf_counter() - t0
+    if wall is not None:
+      wall[name] = round(seconds, 1)
+    print(f"warm-up process: {name} ({tree}, {seconds:.0f} s)", flush=True)
     return name, got
   with concurrent.futures.ThreadPoolExecutor(len(trees)) as pool:
     return dict(pool.map(one, trees))
@@ -310,20 +315,25 @@ def main(argv=None) -> int:
     trees = (("base", base_tree), ("candidate", cand_tree))
     cache = None if args.no_compilation_cache else work / "jax_cache"
     rounds = {"base": [], "candidate": []}
+    # seconds of each process: the warm-ups (side by side), then every round's, in order
+    wall = {"warm_up": {}, "rounds": {"base": [], "candidate": []}}
+    t_start = time.perf_counter()
 
     def time_rounds(n: int, label: str):
       for r in range(n):
         for name, tree in trees:
           t0 = time.perf_counter()
           got = run_worker(tree, spec, args.timeout, cache)
+          seconds = time.perf_counter() - t0
           rounds[name].append(got["medians_ms"])
-          print(f"{label} {r + 1}/{n} {name} ({time.perf_counter() - t0:.0f} s): " + ", ".join(
+          wall["rounds"][name].append(round(seconds, 1))
+          print(f"{label} {r + 1}/{n} {name} ({seconds:.0f} s): " + ", ".join(
               f"{k} {v:.3f}" for k, v in got["medians_ms"].items()), flush=True)
 
     first = None
     try:
       info = warm_up(trees, write_spec(work / "warm_up", args.cases, args.smoke, args.backend, 1,
-                                       head_dim), args.timeout, cache)
+                                       head_dim), args.timeout, cache, wall["warm_up"])
       time_rounds(args.rounds, "round")
       v = verdict(rounds["base"], rounds["candidate"], args.threshold)
       if not v["passed"] and confirm_rounds:
@@ -355,6 +365,7 @@ def main(argv=None) -> int:
             shapes=dict(shapes, batch=1, seed=0),
             command="python -m benchmarks.gate " + " ".join(
                 argv if argv is not None else sys.argv[1:])),
+        wall_s=dict(wall, total=round(time.perf_counter() - t_start, 1)),
         rounds=rounds, ratios={k: c["ratio"] for k, c in v["cases"].items()}, verdict=v,
         # the verdict after --rounds alone, where it failed and confirming rounds followed
         first_verdict=first)

@@ -153,6 +153,9 @@ def test_gate_smoke_against_a_copy_of_this_tree(tmp_path):
   assert cond["gpu"] == "cpu" and cond["jax"] and cond["jaxlib"] and cond["rounds"] == 2
   assert cond["shapes"]["head_dim"] == 32 and cond["smoke"] and cond["threshold"] == 10
   assert "verdict: PASS" in done.stdout and "| 256-docs/fwd_bwd |" in done.stdout
+  wall = result["wall_s"]
+  assert len(wall["rounds"]["base"]) == 2 and all(s > 0 for s in wall["rounds"]["candidate"])
+  assert wall["total"] >= sum(wall["rounds"]["base"]) + sum(wall["rounds"]["candidate"])
 
 
 def _scripted_gate(tmp_path, monkeypatch, candidate_ms, argv):
@@ -198,6 +201,12 @@ def test_gate_confirms_a_failure_before_its_verdict(tmp_path, monkeypatch):
   assert result["first_verdict"]["failed"] == ["256-docs/fwd"]
   assert result["verdict"]["passed"] and len(result["rounds"]["candidate"]) == 6
   assert result["conditions"]["confirm_rounds"] == 3
+  # each process's wall time: both warm-ups, then one entry per round and tree, confirming too
+  wall = result["wall_s"]
+  assert set(wall["warm_up"]) == {"base", "candidate"} and all(
+      s >= 0 for s in wall["warm_up"].values())
+  assert len(wall["rounds"]["base"]) == len(wall["rounds"]["candidate"]) == 6
+  assert wall["total"] >= max(wall["warm_up"].values())
   code, result, calls = _scripted_gate(tmp_path / "b", monkeypatch, [1.0] + [1.05] * 6,
                                        ["--rounds", "3"])
   assert code == 1 and result["verdict"]["failed"] == ["256-docs/fwd"]
