@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -495,8 +496,9 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
 
 # The forward's overlapped schedule (KernelOptions.mosaic_forward_overlap_blocks): rows of at
 # least that many kv blocks overlap a block's softmax with the previous block's P V. The CPU
-# cases' rows have 1-3 blocks, under the default 16, so the default runs above take the
-# ping-pong; here 1 overlaps every row and 2 splits the rows of a case between the schedules.
+# cases' rows have 1-3 blocks: by default (None) those of head dim 128 overlap every row and
+# those of 64 take the ping-pong; here 1 overlaps every row and 2 splits the rows of a case
+# between the schedules.
 @pytest.mark.parametrize("name,blocks", [(n, 1) for n in sorted(CASES)] +
                          [("docs_padding_gqa", 2), ("window_masked_full_masked_det", 2),
                           ("mla_docs", 2)])
@@ -561,6 +563,23 @@ def test_forward_registers_reach_the_kernel(monkeypatch):
     module = _lowered_forward(monkeypatch, options)
     assert f"setmaxnreg.inc.sync.aligned.u32 {consumers};" in module
     assert f"setmaxnreg.dec.sync.aligned.u32 {producer};" in module
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_overlap_blocks_default_is_by_head_dim(d, monkeypatch):
+  """mosaic_forward_overlap_blocks=None (the default) lowers the same kernel as the threshold of
+  its head dim in mosaic.OVERLAP_BLOCKS (128: 1, every row; 64: 16), not as the other one; an
+  explicit value holds at every head dim up to 128, and above it the ping-pong runs."""
+  assert mosaic.OVERLAP_BLOCKS == {64: 16, 128: 1}
+  # each lowering numbers its kernel (entry_0, entry_1, ...)
+  lowered = lambda blocks: re.sub(r"entry_\d+", "entry", _lowered_forward(
+      monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks), d))
+  own = mosaic.OVERLAP_BLOCKS[d]
+  default = lowered(None)
+  assert default == lowered(own)
+  assert default != lowered({1: 16, 16: 1}[own])
+  assert [mosaic.overlap_min_blocks(o, d) for o in (None, 0, 3)] == [own, 0, 3]
+  assert [mosaic.overlap_min_blocks(o, 256) for o in (None, 3)] == [0, 0]
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])

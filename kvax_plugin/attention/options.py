@@ -45,10 +45,12 @@ class KernelOptions:
   raises where it does not fit, head dim 256), "per_tile", or "auto" (persistent up to
   mosaic.backend.PERSISTENT_MAX_KV padded kv rows and where it fits)."""
 
-  mosaic_forward_overlap_blocks: int = 16
+  mosaic_forward_overlap_blocks: int | None = None
   """Mosaic forward (also "hopper"'s), head dims up to 128: rows visiting at least this many kv
-  blocks run the intra-warpgroup overlap, shorter ones the ping-pong. 0: ping-pong everywhere.
-  Bitwise the same output."""
+  blocks run the intra-warpgroup overlap, shorter ones the ping-pong. 1: every row that visits a
+  block overlaps; 0: ping-pong everywhere; None: by head dim, the faster of the two where each
+  was timed (mosaic.backend.OVERLAP_BLOCKS: 1 at head dim 128, 16 at 64). Bitwise the same
+  output."""
 
   mosaic_forward_registers: int = 240
   """Mosaic forward (also "hopper"'s): registers per consumer thread (setmaxnreg); the producer
@@ -136,8 +138,10 @@ def _check_fields(config, where: str, names: dict[str, str]) -> None:
       if value not in FORWARD_GRIDS:
         raise ValueError(f"{field}={value!r}: expected one of {FORWARD_GRIDS}")
     elif flat == "mosaic_forward_overlap_blocks":
-      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{field}={value!r}: expected an integer >= 0 (0: never overlap)")
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 0):
+        raise ValueError(f"{field}={value!r}: expected None (by head dim) or an integer >= 0 "
+                         "(0: never overlap)")
     elif flat in ("mosaic_forward_registers", "mosaic_backward_registers"):
       producer_registers(value, field)
     elif flat == "hopper_backward":
@@ -166,7 +170,7 @@ class MosaicOptions:
       "dq_after_dkv": "dq_after_dkv"}
 
   forward_grid: str = "auto"
-  forward_overlap_blocks: int = 16
+  forward_overlap_blocks: int | None = None
   forward_registers: int = 240
   backward_registers: int = 232
   paired_products: bool = True
@@ -188,7 +192,7 @@ class HopperOptions:
       "backward": "hopper_backward"}
 
   forward_grid: str = "auto"
-  forward_overlap_blocks: int = 16
+  forward_overlap_blocks: int | None = None
   forward_registers: int = 240
   backward: str | None = None
 

@@ -169,6 +169,21 @@ class _Padded:
     return x[:, :self.skv, :, :d]
 
 
+# The forward's overlap threshold where the option is None, by padded v head dim: at 128 every
+# row overlaps, at 64 rows of 16 blocks or more (each the faster where both were timed:
+# docs/tuning-history.md).
+OVERLAP_BLOCKS = {64: 16, 128: 1}
+
+
+def overlap_min_blocks(option: int | None, dv: int) -> int:
+  """The forward's FwdConfig.overlap_min_blocks for KernelOptions.mosaic_forward_overlap_blocks
+  `option` at padded v head dim dv. Above 128 the overlap's registers (O, S, P twice) do not
+  fit: 0, the ping-pong."""
+  if dv > 128:
+    return 0
+  return OVERLAP_BLOCKS[dv] if option is None else option
+
+
 def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask):
   """out [B, Sq, H, Dv] (q.dtype), lse [B, H, Sq] float32 (+inf: nothing attended)."""
   p = _Padded(mask, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
@@ -203,8 +218,7 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
-      # At head dims above 128 the overlap's registers (O, S, P twice) do not fit.
-      overlap_min_blocks=cfg.options.forward_overlap_blocks if p.v.shape[3] <= 128 else 0,
+      overlap_min_blocks=overlap_min_blocks(cfg.options.forward_overlap_blocks, p.v.shape[3]),
       consumer_registers=cfg.options.forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
