@@ -496,8 +496,8 @@ def test_forward_grid_choice(grid, kv_len, dims, persistent, monkeypatch):
 
 # The forward's overlapped schedule (KernelOptions.mosaic_forward_overlap_blocks): rows of at
 # least that many kv blocks overlap a block's softmax with the previous block's P V. The CPU
-# cases' rows have 1-3 blocks: by default (None) those of head dim 128 overlap every row and
-# those of 64 take the ping-pong; here 1 overlaps every row and 2 splits the rows of a case
+# cases' rows have 1-3 blocks: by default (None) the plain ones of head dim 128 overlap every row
+# and the others take the ping-pong; here 1 overlaps every row and 2 splits the rows of a case
 # between the schedules.
 @pytest.mark.parametrize("name,blocks", [(n, 1) for n in sorted(CASES)] +
                          [("docs_padding_gqa", 2), ("window_masked_full_masked_det", 2),
@@ -567,19 +567,23 @@ def test_forward_registers_reach_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize("d", [128, 64])
 def test_overlap_blocks_default_is_by_head_dim(d, monkeypatch):
-  """mosaic_forward_overlap_blocks=None (the default) lowers the same kernel as the threshold of
-  its head dim in mosaic.OVERLAP_BLOCKS (128: 1, every row; 64: 16), not as the other one; an
-  explicit value holds at every head dim up to 128, and above it the ping-pong runs."""
-  assert mosaic.OVERLAP_BLOCKS == {64: 16, 128: 1}
+  """mosaic_forward_overlap_blocks=None (the default) lowers the same kernel as its resolved
+  threshold (head dims 128 / 128 without soft cap, window or sinks: 1, every row; else 16), not
+  as the other one; an explicit value holds up to v head dim 128, and above it the ping-pong
+  runs."""
   # each lowering numbers its kernel (entry_0, entry_1, ...)
   lowered = lambda blocks: re.sub(r"entry_\d+", "entry", _lowered_forward(
       monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks), d))
-  own = mosaic.OVERLAP_BLOCKS[d]
+  own = mosaic.overlap_min_blocks(None, d, d, plain=True)
+  assert own == {128: 1, 64: 16}[d]
   default = lowered(None)
   assert default == lowered(own)
   assert default != lowered({1: 16, 16: 1}[own])
-  assert [mosaic.overlap_min_blocks(o, d) for o in (None, 0, 3)] == [own, 0, 3]
-  assert [mosaic.overlap_min_blocks(o, 256) for o in (None, 3)] == [0, 0]
+  assert [mosaic.overlap_min_blocks(o, d, d, plain=True) for o in (0, 3)] == [0, 3]
+  # timed only on plain calls at 128 / 128: soft cap, window, sinks and MLA keep 16
+  assert mosaic.overlap_min_blocks(None, d, d, plain=False) == 16
+  assert mosaic.overlap_min_blocks(None, 192, 128, plain=True) == 16
+  assert [mosaic.overlap_min_blocks(o, 256, 256, plain=True) for o in (None, 3)] == [0, 0]
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])

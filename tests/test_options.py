@@ -205,8 +205,8 @@ def test_per_backend_configs_check_their_fields_by_name():
   bad = [(options.MosaicOptions, dict(forward_grid="1"), ValueError,
           r"MosaicOptions.forward_grid='1': expected one of \('auto', 'persistent', 'per_tile'\)"),
          (options.MosaicOptions, dict(forward_overlap_blocks=-1), ValueError,
-          r"MosaicOptions.forward_overlap_blocks=-1: expected None \(by head dim\) or an integer "
-          r">= 0"),
+          r"MosaicOptions.forward_overlap_blocks=-1: expected None \(the measured default\) or "
+          r"an integer >= 0"),
          (options.MosaicOptions, dict(backward_registers=236), ValueError,
           "MosaicOptions.backward_registers=236: expected a multiple of 8"),
          (options.MosaicOptions, dict(paired_products="no"), TypeError,

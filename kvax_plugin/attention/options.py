@@ -48,9 +48,9 @@ class KernelOptions:
   mosaic_forward_overlap_blocks: int | None = None
   """Mosaic forward (also "hopper"'s), head dims up to 128: rows visiting at least this many kv
   blocks run the intra-warpgroup overlap, shorter ones the ping-pong. 1: every row that visits a
-  block overlaps; 0: ping-pong everywhere; None: by head dim, the faster of the two where each
-  was timed (mosaic.backend.OVERLAP_BLOCKS: 1 at head dim 128, 16 at 64). Bitwise the same
-  output."""
+  block overlaps; 0: ping-pong everywhere; None: 1 where that was timed faster (head dims
+  128 / 128 without a soft cap, window or sinks: mosaic.backend.overlap_min_blocks), else 16.
+  Bitwise the same output."""
 
   mosaic_forward_registers: int = 240
   """Mosaic forward (also "hopper"'s): registers per consumer thread (setmaxnreg); the producer
@@ -140,8 +140,8 @@ def _check_fields(config, where: str, names: dict[str, str]) -> None:
     elif flat == "mosaic_forward_overlap_blocks":
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 0):
-        raise ValueError(f"{field}={value!r}: expected None (by head dim) or an integer >= 0 "
-                         "(0: never overlap)")
+        raise ValueError(f"{field}={value!r}: expected None (the measured default) or an "
+                         "integer >= 0 (0: never overlap)")
     elif flat in ("mosaic_forward_registers", "mosaic_backward_registers"):
       producer_registers(value, field)
     elif flat == "hopper_backward":

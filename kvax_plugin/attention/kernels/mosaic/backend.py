@@ -169,19 +169,22 @@ class _Padded:
     return x[:, :self.skv, :, :d]
 
 
-# The forward's overlap threshold where the option is None, by padded v head dim: at 128 every
-# row overlaps, at 64 rows of 16 blocks or more (each the faster where both were timed:
-# docs/tuning-history.md).
-OVERLAP_BLOCKS = {64: 16, 128: 1}
+# The forward's overlap threshold where the option is None: every row overlaps (1) only where
+# that was timed faster than 16, head dims 128 / 128 without a soft cap, window or sinks; other
+# calls up to v head dim 128 overlap rows of 16 blocks or more (docs/tuning-history.md).
+EVERY_ROW_HEAD_DIMS = (128, 128)
+OVERLAP_BLOCKS = 16
 
 
-def overlap_min_blocks(option: int | None, dv: int) -> int:
+def overlap_min_blocks(option: int | None, dk: int, dv: int, plain: bool) -> int:
   """The forward's FwdConfig.overlap_min_blocks for KernelOptions.mosaic_forward_overlap_blocks
-  `option` at padded v head dim dv. Above 128 the overlap's registers (O, S, P twice) do not
-  fit: 0, the ping-pong."""
+  `option` at padded head dims dk / dv; plain: no soft cap, window or sinks. Above v head dim
+  128 the overlap's registers (O, S, P twice) do not fit: 0, the ping-pong."""
   if dv > 128:
     return 0
-  return OVERLAP_BLOCKS[dv] if option is None else option
+  if option is not None:
+    return option
+  return 1 if (dk, dv) == EVERY_ROW_HEAD_DIMS and plain else OVERLAP_BLOCKS
 
 
 def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: AttentionMask):
@@ -218,7 +221,9 @@ def _forward(cfg: Static, q, k, v, sinks, q_pos, q_seg, kv_pos, kv_seg, mask: At
       block_kv=bk, stages=stages, num_ctas=num_ctas, table_q=spec.fwd_params.query_block_size,
       table_kv=spec.fwd_params.kv_block_size, scale=cfg.scale, soft_cap=cfg.soft_cap,
       has_sinks=cfg.has_sinks, causal=cfg.causal, window=cfg.window, interpret=cfg.interpret,
-      overlap_min_blocks=overlap_min_blocks(cfg.options.forward_overlap_blocks, p.v.shape[3]),
+      overlap_min_blocks=overlap_min_blocks(
+          cfg.options.forward_overlap_blocks, p.q.shape[3], p.v.shape[3],
+          plain=not (cfg.soft_cap or cfg.window or cfg.has_sinks)),
       consumer_registers=cfg.options.forward_registers)
   out, lse = fwd_kernels.forward_call(fcfg, p.q, p.k, p.v, p.q_pos, p.q_seg, p.kv_pos, p.kv_seg,
                                       sinks, *mask.fwd)
