@@ -524,7 +524,7 @@ def test_overlapped_forward_matches_reference_and_ping_pong(name, blocks):
     assert (counts >= blocks).any() and ((counts > 0) & (counts < blocks)).any(), counts
 
 
-def _lowered_forward(monkeypatch, options, d=128):
+def _lowered_forward(monkeypatch, options, d=128, soft_cap=None):
   """The Mosaic module of the forward of a 512-token causal row (4 / 2 heads of dim d), as
   lowered for CUDA on this CPU machine (captured where Mosaic serializes it)."""
   import jax.experimental.mosaic.gpu.core as mgpu_core
@@ -538,7 +538,7 @@ def _lowered_forward(monkeypatch, options, d=128):
   q = jnp.zeros((1, 512, 4, d), jnp.bfloat16)
   kv = jnp.zeros((1, 512, 2, d), jnp.bfloat16)
   jax.jit(lambda q, kv: mosaic.flash_attention_mosaic(
-      q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=None, sinks=None,
+      q, kv, kv, pos, seg, pos, seg, mask, scale=0.1, logits_soft_cap=soft_cap, sinks=None,
       kernel_options=options)).trace(q, kv).lower(lowering_platforms=("cuda",))
   assert len(modules) == 1, len(modules)
   return modules[0]
@@ -566,7 +566,7 @@ def test_forward_registers_reach_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("d", [128, 64])
-def test_overlap_blocks_default_is_by_head_dim(d, monkeypatch):
+def test_overlap_blocks_default_resolves_where_measured(d, monkeypatch):
   """mosaic_forward_overlap_blocks=None (the default) lowers the same kernel as its resolved
   threshold (head dims 128 / 128 without soft cap, window or sinks: 1, every row; else 16), not
   as the other one; an explicit value holds up to v head dim 128, and above it the ping-pong
@@ -584,6 +584,10 @@ def test_overlap_blocks_default_is_by_head_dim(d, monkeypatch):
   assert mosaic.overlap_min_blocks(None, d, d, plain=False) == 16
   assert mosaic.overlap_min_blocks(None, 192, 128, plain=True) == 16
   assert [mosaic.overlap_min_blocks(o, 256, 256, plain=True) for o in (None, 3)] == [0, 0]
+  # and the backend passes a soft cap through: its default is the 16-block kernel
+  capped = lambda blocks: re.sub(r"entry_\d+", "entry", _lowered_forward(
+      monkeypatch, KernelOptions(mosaic_forward_overlap_blocks=blocks), d, soft_cap=30.0))
+  assert capped(None) == capped(16)
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])
