@@ -119,6 +119,13 @@ def e2e_table(result) -> str:
   return "\n".join(lines)
 
 
+def _legend_above_bars(ax, ncol: int) -> None:
+  """One legend row in headroom above the tallest bar, so no bar hides behind it."""
+  top = max((b.get_height() for b in ax.patches), default=1.0)
+  ax.set_ylim(0, 1.2 * top if top > 0 else 1.0)
+  ax.legend(fontsize=8, loc="upper center", ncol=max(1, ncol), frameon=False)
+
+
 def plot(result, path: Path) -> None:
   """speed.png: effective TFLOP/s of the kernel rows (left) and MaxText tokens/s (right)."""
   cond = result["conditions"]
@@ -143,7 +150,7 @@ def plot(result, path: Path) -> None:
                  f"{'fwd+bwd' if p == 'fwd_bwd' else 'fwd'}" for s, c, p in groups], fontsize=8)
   ax.set_ylabel("effective TFLOP/s (kept (q, kv) pairs only)")
   ax.set_title("attention kernels: " + cond.get("kernel_layout", ""), fontsize=9)
-  ax.legend(fontsize=8)
+  _legend_above_bars(ax, len(impls))
   if e2e_runs:
     ax = axes[0][1]
     labels = sorted({r["label"] for r in e2e_runs}, key=lambda x: (int(x.split("k")[0]), x))
@@ -162,7 +169,7 @@ def plot(result, path: Path) -> None:
                    for lab in labels], fontsize=8)
     ax.set_ylabel("MaxText training, real tokens/s (thousands)")
     ax.set_title("MaxText llama3-8b (4 layers), one GPU", fontsize=9)
-    ax.legend(fontsize=8)
+    _legend_above_bars(ax, len(atts))
   fig.suptitle(f"kvax-plugin on {cond.get('gpu')}, {cond.get('date', '')[:10]} "
                f"({cond.get('produced_by', 'python -m benchmarks.run')})", fontsize=10)
   fig.tight_layout()
@@ -202,7 +209,7 @@ def plot_kernels(results, path, title: str) -> None:
   ax.set_xticklabels([f"{s // 1024}k {c}\nD{d} {p}" for s, c, d, p in groups], fontsize=7)
   ax.set_ylabel("effective TFLOP/s (kept pairs only)")
   ax.set_title(title)
-  ax.legend(fontsize=8)
+  _legend_above_bars(ax, len(impls))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
