@@ -91,6 +91,9 @@ def main(argv=None) -> int:
   results = args.results or cited_results(text)
   if not results.is_file():
     ap.error(f"results: {results} is not a file (expected a results.json of benchmarks.run)")
+  if not results.resolve().is_relative_to(ROOT):
+    ap.error(f"results: {results} is outside {ROOT}; the README links the file it shows, so copy "
+             "the run's folder under benchmarks/results/<date>-<gpu>/ first")
   new = render(text, results)
   if args.check:
     if new != text:

@@ -158,9 +158,10 @@ def test_readme_speed_table_is_its_results_file():
   assert readme_table.main(["--check"]) == 0
 
 
-def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path):
+def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path, capsys):
   """Given another run's results file, the table, the results link and the plot's path change to
-  that run's; a stale cell is rewritten; the prose around them is kept."""
+  that run's; a stale cell is rewritten; the prose around them is kept. A results file outside
+  the repository, which the README could not link, is refused by name."""
   from benchmarks import readme_table
   text = readme_table.README.read_text()
   results = readme_table.cited_results(text)
@@ -185,6 +186,13 @@ def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path):
   not_a_run.write_text('{"rows": []}')
   with pytest.raises(ValueError, match="has no 'kernels' rows"):
     readme_table.render(text, not_a_run)
+  outside = tmp_path / "run" / "results.json"  # a run left where the device wrote it
+  outside.parent.mkdir()
+  outside.write_text(other.read_text())
+  readme.write_text(stale)
+  with pytest.raises(SystemExit):
+    readme_table.main([str(outside), "--readme", str(readme)])
+  assert "is outside" in capsys.readouterr().err and readme.read_text() == stale
 
 
 def test_gpu_names_become_folder_names():
