@@ -208,6 +208,8 @@ def main():
                   help="an extra run of one of our backends with kvax_plugin.KernelOptions "
                        "fields set, e.g. 'pertile=mosaic:mosaic_forward_grid=per_tile' "
                        "(repeatable; docs/kernels.md lists the fields)")
+  ap.add_argument("--num-docs", type=int, default=12,
+                  help="documents in the 'docs' case's row (before its 1000 padding tokens)")
   ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   ap.add_argument("--window", type=int, default=None,
                   help="sliding window for our backends (the peers are then not run)")
@@ -232,10 +234,11 @@ def main():
                     heads=heads, kv_heads=kv_heads, dtype=dtype, rounds=args.rounds,
                     min_round_ms=args.min_round_ms, interleaved=args.interleave,
                     max_dense_mask_seq=args.max_dense_mask_seq, split=args.split,
-                    check=args.check, variants=variants, features=features)
+                    check=args.check, variants=variants, features=features,
+                    num_docs=args.num_docs)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  meta = conditions(heads=heads, kv_heads=kv_heads, dtype=dtype, num_docs=12, pad=1000,
+  meta = conditions(heads=heads, kv_heads=kv_heads, dtype=dtype, num_docs=args.num_docs, pad=1000,
                     rounds=args.rounds, interleaved=args.interleave)
   if features != NO_FEATURES:
     meta["features"] = features

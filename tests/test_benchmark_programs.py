@@ -257,6 +257,26 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
     assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
 
 
+def test_bench_attention_num_docs_reaches_the_layout_and_the_conditions(tmp_path, monkeypatch):
+  """--num-docs N: the 'docs' rows are measured with N documents, and the saved conditions say
+  so."""
+  from benchmarks import bench_attention
+  seen = {}
+
+  def fake_measure(**kw):
+    seen.update(kw)
+    return []
+  monkeypatch.setattr(bench_attention, "measure", fake_measure)
+  monkeypatch.setattr(bench_attention, "plot_kernels", lambda *a, **k: None)
+  out = tmp_path / "run"
+  monkeypatch.setattr(sys, "argv", ["bench_attention", "--seq", "2048", "--cases", "docs",
+                                    "--impls", "jax", "--num-docs", "48", "--out", str(out)])
+  bench_attention.main()
+  assert seen["num_docs"] == 48
+  saved = json.loads(out.with_suffix(".json").read_text())
+  assert "48 random-length documents" in saved["conditions"]["layout"]
+
+
 def test_round_orders_balance_first_place_and_neighbours():
   """Under a power cap a kernel runs faster after one that drew less power, so the round-robin
   must not keep one implementation's predecessor fixed (a rotation does): over a full cycle of
