@@ -119,11 +119,14 @@ def e2e_table(result) -> str:
   return "\n".join(lines)
 
 
-def _legend_above_bars(ax, ncol: int) -> None:
-  """One legend row in headroom above the tallest bar, so no bar hides behind it."""
-  top = max((b.get_height() for b in ax.patches), default=1.0)
-  ax.set_ylim(0, 1.2 * top if top > 0 else 1.0)
-  ax.legend(fontsize=8, loc="upper center", ncol=max(1, ncol), frameon=False)
+def _legend_above_bars(ax, entries: int) -> None:
+  """The legend in rows of up to 4 entries, in headroom above the tallest bar, so no bar hides
+  behind it."""
+  ncol = max(1, min(entries, 4))
+  rows = -(-max(entries, 1) // ncol)
+  top = max((b.get_height() for b in ax.patches), default=0.0)
+  ax.set_ylim(0, (1.1 + 0.08 * rows) * top if top > 0 else 1.0)
+  ax.legend(fontsize=8, loc="upper center", ncol=ncol, frameon=False)
 
 
 def plot(result, path: Path) -> None:

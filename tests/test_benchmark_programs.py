@@ -195,6 +195,24 @@ def test_readme_table_rewrites_a_stale_table_and_its_links(tmp_path, capsys):
   assert "is outside" in capsys.readouterr().err and readme.read_text() == stale
 
 
+def test_plot_legends_sit_above_the_bars():
+  """The speed plots' legend goes in rows of up to 4 entries above the tallest bar: the axis
+  leaves headroom for every row, so the legend covers no bar."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from benchmarks import results
+  for entries, rows in ((4, 1), (6, 2)):
+    fig, ax = plt.subplots()
+    for i in range(entries):
+      ax.bar([i], [600.0], label=f"impl {i}")
+    results._legend_above_bars(ax, entries)
+    assert ax.get_legend() is not None
+    assert ax.get_ylim() == (0.0, pytest.approx(600.0 * (1.1 + 0.08 * rows)))
+    plt.close(fig)
+
+
 def test_gpu_names_become_folder_names():
   from benchmarks import results
   assert results.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
