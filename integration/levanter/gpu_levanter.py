@@ -63,6 +63,18 @@ def parity(families, kernel: str, seq_len: int, block: int | None, seed: int) ->
   return rows
 
 
+def _resolved_backend(args) -> str:
+  """The backend `args.kernel` runs for this model's calls (bf16 compute, its head dim, no
+  features): "auto" names the kernel it picks on this machine."""
+  import jax.numpy as jnp
+  from kvax_plugin.attention.kernels import resolve_backend_for
+  head_dim = args.hidden // args.heads
+  try:
+    return resolve_backend_for(args.kernel, jnp.bfloat16, head_dim, head_dim)
+  except Exception as e:  # recorded: the run itself reports the failure
+    return f"unresolved ({type(e).__name__}: {e})"[:300]
+
+
 def throughput(attn_backend: str, args) -> dict:
   """Median tokens/s of Levanter's llama training step (forward, backward, Adam update)."""
   import draccus
@@ -85,7 +97,9 @@ def throughput(attn_backend: str, args) -> dict:
       hidden_dim=args.hidden, intermediate_dim=args.hidden * 11 // 4, num_layers=args.layers,
       num_heads=args.heads, num_kv_heads=args.kv_heads))
   row = {"attn_backend": attn_backend,
-         "kvax_kernel": args.kernel if seam.uses_kvax(attn_backend) else None, "config": {
+         "kvax_kernel": args.kernel if seam.uses_kvax(attn_backend) else None,
+         "kvax_backend": _resolved_backend(args) if seam.uses_kvax(attn_backend) else None,
+         "config": {
       "type": "llama", "seq_len": args.seq_len, "hidden_dim": cfg.hidden_dim,
       "intermediate_dim": cfg.intermediate_dim, "num_layers": cfg.num_layers,
       "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.actual_head_size,
