@@ -4,8 +4,8 @@
     python integration/levanter/gpu_levanter.py --out /tmp/l.json --cpu_check       # this script
 
 1. Parity (run second): the same shrunken Levanter configs as test_levanter_parity.py (llama, qwen3, gemma2,
-   olmo3, mixtral), float32, attn_backend=kvax with --kernel (default triton) against
-   attn_backend=vanilla on packed documents with padding: loss, logits on real tokens and the
+   olmo3, mixtral), float32, attn_backend=kvax with --kernel (default auto: Triton in float32)
+   against attn_backend=vanilla on packed documents with padding: loss, logits on real tokens and the
    worst gradient leaf, max relative differences.
 2. Tokens/s (run first): Levanter's llama (registered config, --layers x hidden 2048, 16 query / 8 kv
    heads of 128, Levanter's default remat) trained with bf16 compute / f32 params (jmp, as
@@ -155,7 +155,7 @@ def throughput(attn_backend: str, args) -> dict:
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="JSON file")
-  p.add_argument("--kernel", default="triton", help="kvax kernel (triton, mosaic, auto, jax)")
+  p.add_argument("--kernel", default="auto", help="kvax kernel (auto, hopper, mosaic, triton, jax)")
   p.add_argument("--families", default="llama,gemma2,olmo3,mixtral,qwen3",
                  help="parity families, most distinct first (qwen3 shares llama's decoder)")
   p.add_argument("--parity_seq_len", type=int, default=256)

@@ -2,6 +2,8 @@
 # Levanter + kvax on one GPU (device tool), with .whl-levanter carried (scripts/levanter_gpu_wheels.sh):
 #   bash integration/levanter/run_on_gpu.sh [gpu_levanter.py args]
 # -> $OUT/levanter_gpu.json (parity float32, tokens/s kvax vs jax_flash at 16k) and $OUT/levanter_gpu.log
+# With the device tool, .whl-levanter (about 54 MB) plus the tracked tree (about 12 MB, 9 of them
+# benchmarks/results) passes its 64 MiB limit: leave benchmarks/results out of the copy for the run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=${LEVANTER_WHEELS:-.whl-levanter}
