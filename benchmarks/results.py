@@ -3,7 +3,8 @@ README shows them), the plots, and the results folder (results.json, tables.md, 
 
     report(result, out)     writes <out>/results.json, tables.md, speed.png; returns the tables
     kernel_table(rows)      ms (effective TFLOP/s) per implementation, then ours against cuDNN,
-                            tokamax and FA3 (their ms / ours: > 1 = ours faster)
+                            tokamax and FA3 (their ms / ours: > 1 = ours faster; the rounds
+                            ours won where both were timed interleaved)
     e2e_table(result)       MaxText tokens/s, kvax against MaxText's own kernels
     gpu_slug(device_kind)   the GPU's part of a results folder's name
 """
@@ -55,10 +56,27 @@ def _fmt_seq(seq):
   return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
 
 
+def _fmt_ratio(ratio: float) -> str:
+  """'1.04x'; three decimals where two would round a ratio that is not 1 to 1.00x."""
+  return f"{ratio:.3f}x" if f"{ratio:.2f}" == "1.00" and ratio != 1 else f"{ratio:.2f}x"
+
+
+def rounds_won(ours: dict, theirs: dict) -> tuple[int, int] | None:
+  """(rounds in which ours was faster, rounds) of two interleaved rows of one case: round i of
+  each was timed in the same pass of the round-robin, so the pair shares the GPU's state. None
+  where either row has no per-round times or their counts differ."""
+  a, b = ours.get("ms_rounds"), theirs.get("ms_rounds")
+  interleaved = ours.get("interleaved") and theirs.get("interleaved")
+  if not a or not b or len(a) != len(b) or not interleaved:
+    return None
+  return sum(x < y for x, y in zip(a, b)), len(a)
+
+
 def kernel_table(rows) -> str:
   """Markdown: one line per (length, case, head dims, pass); ms (effective TFLOP/s) per
-  implementation, then ours against cuDNN and tokamax (their ms / ours: > 1 = ours faster), ours
-  being the row's first of auto, hopper, mosaic, triton, jax that has a time."""
+  implementation, then ours against cuDNN, tokamax and FA3 (their median ms / ours: > 1 = ours
+  faster; in brackets, where both were timed interleaved, the rounds in which ours was faster),
+  ours being the row's first of auto, hopper, mosaic, triton, jax that has a time."""
   timed = [r for r in rows if r.get("pass") in ("fwd", "fwd_bwd")]
   impls = impl_order(timed)
   ours = [n for n in ("auto", "hopper", "mosaic", "triton", "jax") if n in impls]
@@ -77,10 +95,15 @@ def kernel_table(rows) -> str:
     for n in impls:
       r = get(n)
       cells.append(f"{_fmt_ms(r['ms'])} ({_fmt_tflops(r['tflops'])})" if r.get("ms") else "-")
-    mine = next((get(n)["ms"] for n in ours if get(n).get("ms")), None)
+    mine_row = next((get(n) for n in ours if get(n).get("ms")), {})
+    mine = mine_row.get("ms")
     for peer in peers:
       theirs = get(peer).get("ms")
-      cells.append(f"{theirs / mine:.2f}x" if mine and theirs else "-")
+      if not (mine and theirs):
+        cells.append("-")
+        continue
+      won = rounds_won(mine_row, get(peer))
+      cells.append(_fmt_ratio(theirs / mine) + (f" ({won[0]}/{won[1]})" if won else ""))
     name = {"causal": "causal", "docs": "documents"}.get(case, case)
     label = f"{_fmt_seq(seq)} {name}" + (f", D {d}/{dv}" if len(dims) > 1 else "")
     lines.append("| " + " | ".join([label, {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}[p]] + cells)

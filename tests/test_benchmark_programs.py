@@ -213,6 +213,26 @@ def test_plot_legends_sit_above_the_bars():
     plt.close(fig)
 
 
+def test_kernel_table_counts_the_rounds_ours_won_and_keeps_small_gaps_visible():
+  """A ratio that two decimals would round to 1.00x shows three; where both rows were timed
+  interleaved, the cell adds the rounds in which ours was faster, round i of one row against
+  round i of the other."""
+  from benchmarks import results
+  base = dict(seq=65536, case="causal", head_dim=128, head_dim_v=128, pairs=1.0, tflops=500.0)
+  ours = dict(base, impl="auto", ms=209.3, interleaved=True, **{"pass": "fwd_bwd"},
+              ms_rounds=[209.0, 210.0, 208.0, 209.3])
+  fa3 = dict(base, impl="fa3", ms=208.6, interleaved=True, **{"pass": "fwd_bwd"},
+             ms_rounds=[208.0, 211.0, 207.0, 208.6])
+  cudnn = dict(base, impl="cudnn", ms=226.9, **{"pass": "fwd_bwd"})  # timed alone: no count
+  row = results.kernel_table([ours, fa3, cudnn]).split("\n")[2]
+  assert row.endswith("| 1.08x | 0.997x (1/4) |"), row
+  assert results.rounds_won(ours, fa3) == (1, 4)
+  assert results.rounds_won(ours, dict(fa3, ms_rounds=[1.0])) is None  # counts differ
+  assert results.rounds_won(ours, dict(fa3, interleaved=False)) is None
+  assert [results._fmt_ratio(r) for r in (1.0, 0.9966, 1.004, 1.006, 20.93)] == [
+      "1.00x", "0.997x", "1.004x", "1.01x", "20.93x"]
+
+
 def test_gpu_names_become_folder_names():
   from benchmarks import results
   assert results.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
