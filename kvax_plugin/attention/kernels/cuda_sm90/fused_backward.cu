@@ -128,12 +128,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // are in flight together (fused_backward.py's launch_order). The producer and head dim 256's
 // consumers read the kv head once and hold it: read at each step, its global load sits on the
 // step's path (the consumer's first use waits for it). MLA's kernel and the soft cap's producer
-// at head dim 128 read it at each step (each kernel keeps the way it was timed faster, in one
-// process against the other: docs/tuning-history.md). The head dim 128 / 64 consumers either
-// count the step's query head along from one read (the lean step) or read it again where used
-// (the others: held across the step loop, it spills at head dim 64; blockIdx, which it replaced,
-// cost no register until read): asm volatile keeps the compiler from merging the reads, and the
-// entry is decoded inside the asm so that it is not hoisted and held either.
+// at head dim 128 read it at each step, which is the faster way for those two
+// (docs/tuning-history.md). The head dim 128 / 64 consumers either count the step's query head
+// along from one read (the lean step) or read it again where used (the others: held across the
+// step loop, it spills at head dim 64): asm volatile keeps the compiler from merging the reads,
+// and the entry is decoded inside the asm so that it is not hoisted and held either.
 constexpr int ORDER_TILE_BITS = 20;
 #define KVAX_SM90_ORDER_ASM(DECODE)   \
   "{\n"                               \
@@ -461,8 +460,8 @@ __device__ __forceinline__ void init_ring_barriers(const Ring& r) {
 // K; V_PIECES: of V and dO (fewer for MLA's head dims 192 / 128). QB: query rows per step, loaded
 // as 64-row boxes (the tensor maps' box) one under the other. SNAKE: the group's odd heads walk
 // their query blocks from the last to the first (snake_block). HEAD_EACH_STEP: the step's kv
-// head read from Params::order at each step rather than the kv_head argument held (the kernels
-// that were timed faster so: the soft cap's at head dim 128, MLA's).
+// head read from Params::order at each step rather than the kv_head argument held (where that
+// is faster: the soft cap's kernels at head dim 128, MLA's).
 template <int PIECES, int KV_PIECE, int Q_PIECE, int DO_FIRST, int V_PIECES = PIECES,
           int QB = Q_BLOCK, bool SNAKE = false, bool HEAD_EACH_STEP = false>
 __device__ __forceinline__ void produce(const Params& p, const Ring& r, int kv_row, int kv_head,
@@ -545,7 +544,7 @@ struct BoolTag {
 
 constexpr int STM = 2, FRAG = 4, EXP = 16, DECOUPLE_BIT = 32, MASK_IN_LOOP = 64, SOFTCAP = 1024,
               WINDOW = 2048;
-// (bits 1, 8, 128, 256 and 512 are unused: switches removed, docs/tuning-history.md)
+// (bits 1, 8, 128, 256 and 512 are free)
 // Named barriers (0 is __syncthreads): 1 the consumers' per-step meeting; 2, 3 each consumer's
 // staging; DECOUPLE: BAR_DS_FULL + 2 b + c "the other consumer's half of dS buffer b is written,
 // for reader c", BAR_DS_FREE + 2 b + c "buffer b is read by the other consumer, writer c may
@@ -567,10 +566,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // soft cap's kernels test it on every step.
   constexpr bool SKIP_WHOLE = !CAP && !(F & MASK_IN_LOOP);
   // The lean step (descriptors moved by constants, the step's head and query block counted
-  // along, the warpgroup index warp-uniform): only where it was timed against the step before
-  // it and tested on a GPU, head dim 128 without the soft cap or the window; the other kernels
-  // keep the step they were measured with (at head dim 64 and with the soft cap its counters
-  // and uniform index spill).
+  // along, the warpgroup index warp-uniform): head dim 128 without the soft cap or the window,
+  // the kernels where it is measured faster and tested on a GPU. At head dim 64 and with the
+  // soft cap its counters and uniform index spill; with the window it is not measured, so
+  // those kernels keep the plain step.
   constexpr bool LEAN_STEP = HD == 128 && SKIP_WHOLE && !WIN;
   // DK_LAST: dK += dS^T Q issued after step n - 1's dQ product rather than with dV, so that the
   // tensor cores run dK while the consumer stages the dQ part (DECOUPLE's order, where dQ runs a
@@ -795,7 +794,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     // dS^T in the same pass as P^T, so each element's S^T / dP^T registers die as it is
     // converted: at head dim 128 (no soft-cap spills), and at 64 with the soft cap or the
-    // window (two passes serialized the soft cap's wgmmas (C7512) and spilled with the window).
+    // window (in two passes ptxas serializes the soft cap's wgmmas, warning C7512, and the
+    // window's kernel spills).
     // Head dim 64's plain kernel keeps two passes: in one it spills.
     constexpr bool ONE_PASS = HD == 128 || CAP || WIN;
     // Head dim 64's plain kernel masks a step the table does not keep whole in a pass of its own
@@ -1389,7 +1389,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   for (int n = 0; n < steps; ++n) {
     const int s = n % STAGES;
-    // Read at each step, not held: MLA's kernel was timed faster so (head dim 256's slower).
+    // Read at each step, not held: the faster way for MLA's kernel (head dim 256's holds it).
     const int head = cta_kv_head(p) * group + n / steps_per_head;
     const int q0 = snake_block<SNAKE>(n, lo, steps_per_head) * Q_BLOCK;
     const uint32_t slot = base + OFF_RING + s * SLOT;
