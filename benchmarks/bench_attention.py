@@ -221,6 +221,8 @@ def main():
                   help="also time each kernel of mosaic / triton alone "
                        "(benchmarks/tools/kernel_parts.py)")
   args = ap.parse_args()
+  if args.num_docs < 1:
+    ap.error(f"--num-docs: expected a positive number of documents, got {args.num_docs}")
   try:
     variants = [parse_variant(v) for v in args.variant]
   except ValueError as e:

@@ -300,9 +300,10 @@ def test_bench_attention_interleave_times_every_implementation_round_robin():
     assert row["ms"] == sorted(row["ms_rounds"])[1] and row["tflops"] > 0
 
 
-def test_bench_attention_num_docs_reaches_the_layout_and_the_conditions(tmp_path, monkeypatch):
+def test_bench_attention_num_docs_reaches_the_layout_and_the_conditions(tmp_path, monkeypatch,
+                                                                        capsys):
   """--num-docs N: the 'docs' rows are measured with N documents, and the saved conditions say
-  so."""
+  so; N < 1 is refused by name."""
   from benchmarks import bench_attention
   seen = {}
 
@@ -318,6 +319,10 @@ def test_bench_attention_num_docs_reaches_the_layout_and_the_conditions(tmp_path
   assert seen["num_docs"] == 48
   saved = json.loads(out.with_suffix(".json").read_text())
   assert "48 random-length documents" in saved["conditions"]["layout"]
+  monkeypatch.setattr(sys, "argv", ["bench_attention", "--num-docs", "0", "--out", str(out)])
+  with pytest.raises(SystemExit):
+    bench_attention.main()
+  assert "--num-docs: expected a positive number of documents, got 0" in capsys.readouterr().err
 
 
 def test_round_orders_balance_first_place_and_neighbours():
