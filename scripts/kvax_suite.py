@@ -416,8 +416,11 @@ def summarise(log_lines: list[dict], exit_code: int | None) -> dict:
   for key in ("passed", "failed", "skipped"):
     counts[key] = sum(1 for n in ran if outcome.get(n) == key)
   counts["not_run"] = sum(1 for n in ran if n not in outcome)
-  return {"counts": counts, "by_function": by_function, "failed": failed, "skipped": skipped,
-          "durations_s": durations}
+  # durations_s also names a test that a timeout cut after its setup: only `passed` says which
+  # tests passed.
+  return {"counts": counts, "by_function": by_function,
+          "passed": [n for n in ran if outcome.get(n) == "passed"], "failed": failed,
+          "skipped": skipped, "durations_s": durations}
 
 
 def run(args, pytest_args: list[str]) -> int:
@@ -495,6 +498,22 @@ def _write(result: dict, out: str | None) -> None:
     print("wrote", out)
 
 
+def _passed_ids(path: str, run: dict) -> list[str]:
+  """The ids that passed in one run's result. Results written before `passed` was recorded:
+  the ids with durations that neither failed nor were skipped, less (in a run its timeout cut)
+  the last one started, which the timeout stopped; checked against the run's own count."""
+  if "passed" in run:
+    return list(run["passed"])
+  done = {f["id"] for f in run["failed"]} | {s["id"] for s in run["skipped"]}
+  started = [n for n in run["durations_s"] if n not in done]
+  if run["timed_out"] and started:
+    started = started[:-1]
+  if len(started) != run["counts"]["passed"]:
+    raise SystemExit(f"{path}: {len(started)} tests look passed but the run counted "
+                     f"{run['counts']['passed']}; run it again to record which passed")
+  return started
+
+
 def merge(paths: list[str], out: str | None, notes=()) -> int:
   """Results of runs over disjoint test selections, as one (the last run wins a repeated id)."""
   runs = []
@@ -503,14 +522,13 @@ def merge(paths: list[str], out: str | None, notes=()) -> int:
       runs.append(json.load(f))
   merged = dict(runs[-1])
   ids = {}
-  for r in runs:
+  for p, r in zip(paths, runs):
     for f in r["failed"]:
       ids[f["id"]] = ("failed", f)
     for s in r["skipped"]:
       ids[s["id"]] = ("skipped", s)
-    for n in r["durations_s"]:
-      if n not in {f["id"] for f in r["failed"]} | {s["id"] for s in r["skipped"]}:
-        ids[n] = ("passed", None)
+    for n in _passed_ids(p, r):
+      ids[n] = ("passed", None)
   merged["failed"] = [v for k, v in ids.values() if k == "failed"]
   merged["skipped"] = [v for k, v in ids.values() if k == "skipped"]
   merged["durations_s"] = {k: v for r in runs for k, v in r["durations_s"].items()}
