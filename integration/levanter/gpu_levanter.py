@@ -67,11 +67,11 @@ def _resolved_backend(args) -> str:
   """The backend `args.kernel` runs for this model's calls (bf16 compute, its head dim, no
   features): "auto" names the kernel it picks on this machine."""
   import jax.numpy as jnp
-  from kvax_plugin.attention.kernels import resolve_backend_for
+  from kvax_plugin.attention.kernels import BackendUnavailableError, resolve_backend_for
   head_dim = args.hidden // args.heads
   try:
     return resolve_backend_for(args.kernel, jnp.bfloat16, head_dim, head_dim)
-  except Exception as e:  # recorded: the run itself reports the failure
+  except (BackendUnavailableError, ValueError) as e:  # recorded: the run itself reports it
     return f"unresolved ({type(e).__name__}: {e})"[:300]
 
 
