@@ -52,10 +52,10 @@ CASES = {
                                                                       chunk=41), 2, 2, True),
     "not_causal_docs_640": (lambda r: layouts.packed_documents(r, 1, 640, num_docs=3,
                                                                huge_ids=True), 8, 2, False),
-    # two batch rows with different documents (not GPU-run yet: added after the 2026-11-25 H100 runs)
+    # two batch rows with different documents
     "batch2_docs_384": (lambda r: layouts.packed_documents(r, 2, 384, num_docs=3, pad_tail=20),
                         4, 2, True),
-    # Sq != Skv (as on context parallelism's last shard; GPU-checked since 2026-11-26)
+    # Sq != Skv (as on context parallelism's last shard)
     "query_shorter_docs_768": (lambda r: layouts.packed_documents(r, 1, 768, num_docs=4,
                                                                   pad_tail=30), 4, 2, True, 256),
 }

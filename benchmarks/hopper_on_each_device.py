@@ -1,7 +1,7 @@
 """backend="hopper" forward+backward on every visible GPU in one process, each against the
 float32 reference: what a multi-GPU program (context parallelism, data parallelism) needs of the
 fused backward's FFI handler, one device at a time so a failure names its device instead of
-hanging a collective (the first context-parallel run with hopper did, 2026-11-26).
+hanging a collective.
 
   python benchmarks/hopper_on_each_device.py   # prints one line per device; exit 1 on a failure
 """

@@ -32,8 +32,8 @@ kernel caches) under its output directory. `--warm` runs each program twice over
 of caches, cold then warm, and reports both setup+compile numbers (and breakdowns).
 
 Before the runs, one throwaway process imports the launcher's packages (jax, kvax_plugin,
-MaxText) so that the first run does not pay alone for reading them from disk: in the 2026-11-23
-pair, kvax (run first) spent 20.2 s in "MaxText import + config" against cudnn_flash_jax's 14.4 s.
+MaxText) so that the first run does not pay alone for reading them from disk (its "MaxText
+import + config" would otherwise include the cold read that the later runs skip).
 
 `--profile` adds MaxText's own profiler (profiler=xplane, --profile_steps steps after
 --profile_skip; trace: <run>/tensorboard/plugins/profile/<time>/<host>.xplane.pb), and

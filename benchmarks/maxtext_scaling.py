@@ -235,7 +235,7 @@ def versus(rows: list[dict]) -> list[dict]:
 
 def preallocation_note(preallocate: str, runs: list[dict]) -> str | None:
   """A warning when TransformerEngine runs without XLA's preallocation: at 256k on 4 x H200 its
-  one 81.9 GB temporary buffer was then not found (docs/context-parallelism.md, 2026-11-27)."""
+  one large temporary buffer is then not found (docs/context-parallelism.md)."""
   if preallocate.lower() in ("false", "0") and any(r["attention"] == "cudnn_flash_te"
                                                    for r in runs):
     return ("XLA_PYTHON_CLIENT_PREALLOCATE=false: cudnn_flash_te may run out of memory where "

@@ -45,8 +45,8 @@ stamp="$VENV/.installed-$(cat "$CONSTRAINTS" setup.cfg | sha1sum | cut -c1-12)-$
 if [ ! -f "$stamp" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # pip byte-compiles what it installs one file at a time; compileall does it on every core.
-  # A fresh install of dev + maxtext + triton with a warm pip cache, 2 cores (2026-11-26):
-  # 127 s with pip's compile, 100 s this way (the test command's setup in CI: ~190 -> ~120 s).
+  # On a 2-core machine that makes a fresh install of dev + maxtext + triton about a fifth
+  # faster.
   "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   # Its exit status is ignored as pip ignores it: some packages ship files that are not Python
   # 3 on purpose (test data), and a file left uncompiled is compiled when imported.

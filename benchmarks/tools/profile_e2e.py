@@ -45,8 +45,7 @@ OTHER = "other fusions"
 CATEGORIES = (ATTN_KVAX, ATTN_CUDNN, ATTN_PALLAS, MATMUL, COLLECTIVES, MEMCPY, OTHER)
 
 # kvax's kernels as the GPU names them: Mosaic GPU kernels are "<pallas kernel fn>_mosaic_gpu_
-# kernel" (a 64k profile of 2026-11-24: entry_mosaic_gpu_kernel,
-# entry_no_dq_mosaic_gpu_kernel); the Triton backend's are its @triton.jit functions
+# kernel" (entry_mosaic_gpu_kernel, entry_no_dq_mosaic_gpu_kernel); the Triton backend's are its @triton.jit functions
 # (kvax_plugin/attention/kernels/triton: attn_fwd_kernel, attn_bwd_{dq,dkv,delta}_kernel).
 # The "hopper" backward is CUDA: kvax_sm90::fused_backward_kernel<N> (kernels/cuda_sm90).
 # Note: tokamax's Mosaic GPU attention would also match "mosaic_gpu"; MaxText's GPU `flash` is

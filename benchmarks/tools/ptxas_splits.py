@@ -16,8 +16,8 @@ A split is valid on the GPU only if the warpgroups' registers sum to at most 512
 down to 168); --launch-total sets that sum, and invalid rows are marked.
 
 ptxas: --ptxas, else `ptxas` on PATH, else the PyPI package nvidia-cuda-nvcc (CUDA 13:
-`pip install nvidia-cuda-nvcc`). On 2026-11-25 we checked that its ptxas 13.5 reproduces the GPU
-image's report on the same PTX (2334 vs 2342 bytes spilled; docs/history/performance-2026-11.md).
+`pip install nvidia-cuda-nvcc`). Its ptxas reproduces the GPU image's report on the same PTX to
+within a few bytes of spills (docs/history/performance-2026-11.md has the comparison).
 """
 
 from __future__ import annotations
