@@ -10,9 +10,8 @@ Collected together with tests/ (whose conftest simulates 8 devices) they would r
 on an 8-device fsdp mesh with 8x the batch: several times slower, and ~20 GiB at the peak. The
 summary says so when it happens.
 
-Compilation is most of this suite's CPU time (2026-11-26: ~1200 CPU seconds from an empty
-compilation cache, ~530 with every program in ~/jax_cache already), so, for this process and
-the workers it starts (they inherit the environment):
+Compilation is most of this suite's CPU time, so, for this process and the workers it starts
+(they inherit the environment):
 - XLA's CPU backend compiles at LLVM optimisation level 0, as tests/conftest.py explains (the
   numerics do not change; KVAX_TEST_XLA_OPT=default keeps the default level);
 - one JAX persistent compilation cache for the whole test run (every program, however quick

@@ -2,9 +2,9 @@
 (custom_vjp.capture_kernel_parts) and merged by split_kv_attention, under jit and grad, equal the
 float32 reference over the whole key / value.
 
-This is the path the overlapped context parallelism takes on a GPU (one part per kv half), and the
-one a GPU run of 2026-11-24 crashed in ("No constant handler for type: DynamicJaxprTracer": a part
-closed over a tracer of the call that built it). Kept in a plain module so the Triton test can run
+This is the path the overlapped context parallelism takes on a GPU (one part per kv half). It
+fails at lowering ("No constant handler for type: DynamicJaxprTracer") if a part closes over a
+tracer of the call that built it. Kept in a plain module so the Triton test can run
 it in its interpreter subprocess.
 """
 

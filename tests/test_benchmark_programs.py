@@ -127,9 +127,9 @@ def test_benchmarks_run_skips_maxtext_with_a_reason(tmp_path, monkeypatch):
 
 
 def test_benchmarks_run_redraws_the_saved_h200_results(tmp_path):
-  """--from: the README's numbers (2026-11-26, H200) printed again from their results folder,
-  and the plot redrawn (into a copy, so the repository stays untouched). The saved tables.md
-  predates the rounds-won counts in the ratio cells: without them the tables are the same."""
+  """--from: the README's H200 numbers printed again from their results folder, and the plot
+  redrawn (into a copy, so the repository stays untouched). The saved tables.md has no
+  rounds-won counts in the ratio cells: without them the tables are the same."""
   import re
   import shutil
   from benchmarks import run
@@ -687,8 +687,7 @@ def test_launch_order_model_shows_the_documents_tail(tmp_path):
 def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
   """benchmarks/tools/ptxas_splits.py's GPU-free parts: the setmaxnreg values of a PTX are
   found and replaced in order (a wrong count or value is refused), and a ptxas report is read
-  the way the offline register search of 2026-11-25 needed (C7507 ignored, C7512 serialized,
-  spills)."""
+  the way the offline register search needs (C7507 ignored, C7512 serialized, spills)."""
   from benchmarks.tools import ptxas_splits
   ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 216;\n  mov.u32 %r1, 0;\n"
          "\tsetmaxnreg.dec.sync.aligned.u32 56;\n\tsetmaxnreg.dec.sync.aligned.u32 24;\n")
@@ -700,7 +699,7 @@ def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
     ptxas_splits.with_split(ptx, [208, 72])
   with pytest.raises(ValueError, match="60 is not a multiple of 8"):
     ptxas_splits.with_split(ptx, [208, 60, 24])
-  # The GPU image's report of the dq-warpgroup kernel at 216 / 56 / 24 (2026-11-25, H100).
+  # The GPU image's ptxas report of the dq-warpgroup kernel at 216 / 56 / 24 (H100).
   report = (SAVED / "2026-11-25-h100" / "ptxas_dq_warpgroup.txt").read_text()
   kernel = report.split("-- entry_1")[1]
   assert ptxas_splits.parse_report(kernel) == {
@@ -714,8 +713,8 @@ def test_ptxas_splits_rewrites_setmaxnreg_and_reads_reports():
 
 
 def test_maxtext_e2e_plots_saved_runs_together(tmp_path):
-  """--plot_from: the four MaxText rows of 2026-11-25 (H100, one device call per run) merged
-  into one e2e.json and one plot, kvax named with its backend."""
+  """--plot_from: four saved MaxText rows (H100, one device call per run) merged into one
+  e2e.json and one plot, kvax named with its backend."""
   saved = SAVED / "2026-11-25-h100" / "maxtext"
   files = sorted(str(p) for p in saved.glob("*/e2e.json"))
   assert len(files) == 4

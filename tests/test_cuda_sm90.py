@@ -215,8 +215,8 @@ def test_head_dim_256_stmatrix_writes_ds_t_as_dk_and_dq_read_it():
 
 
 def test_timing_plot_draws_from_saved_results(tmp_path):
-  """benchmarks/cuda_backward_check.py --plot-from: the saved timings of 2026-11-25 (H100) drawn
-  again without a GPU."""
+  """benchmarks/cuda_backward_check.py --plot-from: the saved H100 timings drawn again without a
+  GPU."""
   import sys
   from pathlib import Path
   root = Path(__file__).resolve().parents[1]
@@ -248,8 +248,7 @@ def test_timing_names_the_mask_in_the_loop_variant(monkeypatch):
 
 def test_fused_backward_registers_its_target_itself(monkeypatch):
   """The op loads the library (registering the FFI target) before it emits the call: a caller
-  that never called load() (backend="hopper") must not meet "No FFI handler registered" (the first
-  benchmark of 2026-11-25 did)."""
+  that never called load() (backend="hopper") must not meet "No FFI handler registered"."""
   import jax
   calls = []
   monkeypatch.setattr(cuda_bwd, "load", lambda *a: calls.append(a))
@@ -725,12 +724,11 @@ def test_the_head_dim_256_simulation_catches_a_missing_barrier(drop, found):
 
 
 def test_head_dim_256_free_barriers_are_implied_by_the_full_ones():
-  """Found by this simulation (2026-11-27): P_FREE and DS_FREE order nothing the FULL pair does
-  not. Consumer 0 writes P^T of step n + 1 only after DS_FULL of step n, which consumer 1
-  passes after reading P^T of step n; consumer 1 writes dS^T of step n + 1 only after P_FULL of
-  step n + 1, which consumer 0 passes after its products of step n retired. The kernel keeps
-  them until a GPU run checks the version without (a candidate for two fewer barriers per
-  step)."""
+  """This simulation shows that P_FREE and DS_FREE order nothing the FULL pair does not.
+  Consumer 0 writes P^T of step n + 1 only after DS_FULL of step n, which consumer 1 passes
+  after reading P^T of step n; consumer 1 writes dS^T of step n + 1 only after P_FULL of step
+  n + 1, which consumer 0 passes after its products of step n retired. The kernel keeps them
+  until a GPU run checks the version without (a candidate for two fewer barriers per step)."""
   rng = np.random.default_rng(13)
   for steps in range(0, 6):
     for _ in range(100):
@@ -739,7 +737,7 @@ def test_head_dim_256_free_barriers_are_implied_by_the_full_ones():
 
 def test_a_library_path_is_loaded_as_an_absolute_path(tmp_path, monkeypatch):
   """load(path) with a bare file name: dlopen would search the library path for it, not the
-  working directory (benchmarks/tools/bench_with_library.py failed that way on 2026-11-27)."""
+  working directory."""
   import ctypes
   (tmp_path / "x.so").write_bytes(b"")
   monkeypatch.chdir(tmp_path)

@@ -306,8 +306,8 @@ def _real_nvcc() -> Path | None:
     return None
 
 
-# Opt-in: the compile takes 16-80 s on 2 cores (16 s on 2026-11-27), and nvcc
-# (~350 MB) is no longer in the test environment scripts/bootstrap.sh makes. Run it after a
+# Opt-in: the compile takes 16-80 s on 2 cores, and nvcc
+# (~350 MB) is not in the test environment scripts/bootstrap.sh makes. Run it after a
 # change to fused_backward.cu or build.py's flags (the GPU tests build the library too, on
 # first use): KVAX_EXTRAS=dev,maxtext,gpu bash scripts/bootstrap.sh, then
 # KVAX_TEST_NVCC=1 bash scripts/test.sh tests/test_cuda_sm90_build.py
@@ -320,7 +320,7 @@ def test_the_real_source_builds_without_a_gpu(tmp_path):
   window, and with the mask in the loop without and with the window, bf16 and fp16, at head
   dims 128 and 64, and the head dim 256 and MLA 192 / 128 kernels without MASK_IN_LOOP: 40),
   none spilling but the soft-cap kernels at head dim 64 (80-104 bytes;
-  docs/history/performance-2026-11.md, 2026-11-27), and none with serialized wgmma (C7512 / C7520),
+  docs/history/performance-2026-11.md), and none with serialized wgmma (C7512 / C7520),
   and a library that loads on a CPU machine and reports this module's interface version."""
   lib = build.ensure_library(tmp_path / "cache", prebuilt=None)
   info = json.loads(build.info_path(lib).read_text())

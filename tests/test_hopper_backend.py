@@ -97,9 +97,8 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   kvax_bwd = _with_spec(mask, bwd_params=FlashAttentionParamsConfig(query_block_size=64,
                                                                      kv_block_size=128))
   assert pick(m=kvax_bwd) == "hopper"
-  # fp16, soft cap and sinks: measured faster than mosaic since the one-pass backward
-  # (2026-11-27); the sliding window since the mask pass (2026-11-28), but not with the soft cap,
-  # whose kernels keep the mask in their loop
+  # fp16, soft cap and sinks: faster than mosaic with the one-pass backward; the sliding window
+  # with the mask pass, but not with the soft cap, whose kernels keep the mask in their loop
   assert pick(dtype=jnp.float16) == "hopper"
   for feature in ("logits_soft_cap", "sinks"):
     assert pick(features=("causal", feature)) == "hopper", feature
@@ -113,9 +112,9 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
   assert kernels.auto_prefers("hopper", jnp.bfloat16, 128, 128, ("causal", "gqa")) == (True, "")
   assert kernels.resolve_backend_for("hopper", jnp.float16, 128, 128, ("sinks",)) == "hopper"
   # what it is not preferred for goes to mosaic (above head dim 128, mosaic's auto_check: triton)
-  # head dim 64: 128-row query steps since 2026-11-27, measured faster than mosaic with fp16,
-  # soft cap and sinks too, the window since the mask pass; the window with the soft cap stays
-  # with mosaic, as at 128
+  # head dim 64: with 128-row query steps, faster than mosaic with fp16, soft cap and sinks
+  # too, and the window with the mask pass; the window with the soft cap stays with mosaic, as
+  # at 128
   assert pick(dims=(64, 64)) == "hopper"
   assert pick(dims=(64, 64), features=("causal", "sliding_window")) == "hopper"
   assert pick(dims=(64, 64), features=("causal", "sliding_window", "logits_soft_cap")) == "mosaic"
@@ -124,8 +123,8 @@ def test_auto_picks_hopper_where_it_supports_the_call(fake_hopper_gpu):
     assert pick(dims=(64, 64), features=("causal", feature)) == "hopper", feature
   assert kernels.resolve_backend_for("hopper", jnp.float16, 64, 64) == "hopper"
   assert pick(dims=(192, 128)) == "mosaic"
-  # head dim 256: hopper's own layout, measured faster than Triton with every feature and fp16
-  # (2026-11-27), so auto takes it for all of them
+  # head dim 256: hopper's own layout is faster than Triton with every feature and fp16, so
+  # auto takes it for all of them
   assert pick(dims=(256, 256)) == "hopper"
   assert pick(dims=(256, 256), dtype=jnp.float16,
                features=("causal", "logits_soft_cap", "sliding_window", "sinks")) == "hopper"

@@ -27,10 +27,10 @@ kernels = importlib.import_module("kvax_plugin.attention.kernels")
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_context_parallel_mosaic_lowers_for_cuda_under_jit_and_grad(overlap, monkeypatch):
-  """The GPU failure of 2026-11-24, without a GPU. With the k / v gather overlapped, the op takes the
-  backend's kernels as parts; they closed over a tracer of the call that captured them, which
-  jit + grad of the sharded op turned into "No constant handler for type: DynamicJaxprTracer"
-  at lowering (the CPU tests run backend "jax", which has no parts to capture)."""
+  """A GPU lowering failure, checked without a GPU. With the k / v gather overlapped, the op
+  takes the backend's kernels as parts; parts that close over a tracer of the call that captured
+  them make jit + grad of the sharded op fail at lowering with "No constant handler for type:
+  DynamicJaxprTracer" (the CPU tests run backend "jax", which has no parts to capture)."""
   if len(jax.devices("cpu")) < 2:
     pytest.skip("needs 2 CPU devices (tests/conftest.py)")
   # Lowering for CUDA needs no GPU, but the op refuses an explicit backend it cannot run.
@@ -87,11 +87,11 @@ def test_as_stored_widens_to_the_narrow_values_and_says_so_to_xla(dtype):
 
 @pytest.mark.parametrize("backend", ["mosaic", "jax"])
 def test_the_backward_rounds_the_cotangent_before_delta(backend, monkeypatch):
-  """The fix of ba21199 where a CPU can see it: a bf16 call's backward rounds the cotangent
-  explicitly (reduce_precision to bf16's e8m7) before delta = rowsum(dO * O) reads it, so XLA's
-  excess precision on the GPU cannot hand delta the unrounded float32 gradient while the kernels
-  read the rounded one (the GPU side: tests/gpu/test_cotangent_rounding_gpu.py). Mosaic is
-  lowered for CUDA (no GPU needed), the JAX backend for the CPU."""
+  """The unrounded-cotangent guard where a CPU can see it: a bf16 call's backward rounds the
+  cotangent explicitly (reduce_precision to bf16's e8m7) before delta = rowsum(dO * O) reads it,
+  so XLA's excess precision on the GPU cannot hand delta the unrounded float32 gradient while
+  the kernels read the rounded one (the GPU side: tests/gpu/test_cotangent_rounding_gpu.py).
+  Mosaic is lowered for CUDA (no GPU needed), the JAX backend for the CPU."""
   monkeypatch.setattr(kernels, "availability", lambda name: (True, "lowering only"))
   s_len, h, kh, d = 256, 4, 2, 64
   pos, seg = layouts.packed_documents(np.random.default_rng(0), 1, s_len, num_docs=3)

@@ -537,7 +537,7 @@ def _summary_of_steps(received, clocks, attention):
 
 def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
   # Steps of 100 real tokens. MaxText's clock times dispatches: with the host a step ahead it
-  # reads 0.03 s, then 3 s (as on one H200, 2026-11-26). The launcher times the steps by when
+  # reads 0.03 s, then 3 s. The launcher times the steps by when
   # their results arrive (5.0, 6.0, 7.5, 8.5 s). The first two intervals are left out (the
   # second can be short when the first result arrives late, see the next test): 200 tokens in
   # 2.5 s. Tokens/s is total tokens over total time, not a mean of per-step ratios.
@@ -551,7 +551,7 @@ def test_summary_times_steps_by_their_results_not_maxtext_dispatch_clock():
 
 
 def test_summary_leaves_out_a_second_step_received_with_the_first():
-  # cudnn_flash_te on one H200 (2026-11-27): results at 2.04, 2.06, 3.51, 5.04, 6.63 s. Timing
+  # Results at 2.04, 2.06, 3.51, 5.04, 6.63 s: the first two arrive together. Timing
   # from step 2 would give 1.15 s/step; the steps take 1.5 s.
   _, summary = _summary_of_steps((2.04, 2.06, 3.51, 5.04, 6.63), (1.0,) * 5, "cudnn_flash_te")
   assert summary["mean_step_seconds"] == pytest.approx((6.63 - 2.06) / 3)

@@ -97,7 +97,7 @@ def test_versus_compares_kvax_with_other_attentions_at_the_same_settings():
 
 def test_replot_draws_the_losses_of_rows_on_the_same_batches(tmp_path, monkeypatch):
   """--replot redraws scaling.png from scaling.json; the loss panel shows the two attentions
-  that trained on the same 4 rows (before 2026-11-27 it showed only one-GPU rows)."""
+  that trained on the same 4 rows, not only the one-GPU rows."""
   import matplotlib.pyplot as plt
   rows = [dict(ms.parse_spec("128k-short:kvax:c4"), tokens_per_s=300.0, losses=[5.0, 4.0]),
           dict(ms.parse_spec("128k-short:cudnn_flash_te:c4"), tokens_per_s=280.0,

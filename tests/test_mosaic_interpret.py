@@ -70,7 +70,7 @@ CASES = {
     # Sq != Skv (queries are the last tokens), MLA-style head dims 192 / 128, two heads (MHA)
     "prefill_mla": dict(segs=[0] * 384, sq=128, h=2, kh=2, dk=192, dv=128),
     # backward tables of 64-query blocks (kvax 0.1.0's Hopper default, bwd 64 x 128): the dq
-    # kernel's 128-row tiles walk the union of two table rows (zero / NaN dq before 2026-11-26)
+    # kernel's 128-row tiles walk the union of two table rows (a wrong row stride: zero / NaN dq)
     "bwd_q64_docs_det": dict(segs=[4] * 70 + [8] * 1 + [6] * 120 + [-1] * 65, h=2, kh=1,
                              det=True, bwd=(64, 128)),
     "bwd_q64_causal_fused": dict(segs=[1] * 256, h=1, kh=1, bwd=(64, 128)),
@@ -379,7 +379,7 @@ def test_fold_changes_dkv_rounding_only():
   order): in the interpreter (documents, a one-token document, padding, GQA) the forward is
   bitwise the same and every gradient agrees within float32 rounding (then one bf16 rounding);
   the interpreter's fused path also sums dS K in another order. Whether dv's last bits move
-  depends on how XLA's CPU compiler rounds exp2's argument (seen both ways on 2026-11-26), so
+  depends on how XLA's CPU compiler rounds exp2's argument (it can go either way), so
   only the size is checked. The GPU test
   test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible relies on this.
   The three runs are those of test_kernels_in_interpreter_match_reference[docs_padding_gqa],
@@ -615,8 +615,8 @@ def test_unpaired_products_match_reference(case):
                          ids=["regs240_det", "regs240_fused", "regs240_unpaired_fused"])
 def test_backward_register_split_lowers_for_cuda(fields, det, monkeypatch):
   """The register split 240 / 24 (alone, and unpaired in the fused backward: the fastest fused
-  variant measured on 2026-11-23) lowers like the defaults, and its value reaches the kernels; a
-  bad value is refused naming the field."""
+  variant) lowers like the defaults, and its value reaches the kernels; a bad value is refused
+  naming the field."""
   from kvax_plugin.attention.kernels.mosaic import backward as bk
   seen = []
   real = bk.dkv_call
@@ -736,8 +736,8 @@ def test_lowered_kernel_fingerprints_hold_no_source_locations(tmp_path):
   were), in a fresh process as it is meant to run (traces cached by earlier lowerings in the
   same process keep their source locations): the lowered text holds the serialized Mosaic
   kernels but no file path and no kernel hash, so two checkouts at different paths or line
-  numbers can compare equal (done for 50 cases between the GPU-tested commit and the cleaned-up
-  kernels on 2026-11-25 and 2026-11-26); the digest file lists the case."""
+  numbers can compare equal (a cleaned-up kernel against a GPU-tested commit); the digest file
+  lists the case."""
   import subprocess
   import sys
   from pathlib import Path

@@ -24,10 +24,9 @@ shared_memory.py; each point is shown by a small ring kernel below):
    synchronously there), which makes those reads visible.
 
 With that, any report on the kernels is a real race, such as the fused backward's K buffer
-staged with dK while the other consumer's last dQ product could still read it (found this way
-on 2026-11-23, fixed by the `k_done` barrier); a K slot of the forward released before its
-Q K^T product is reported too (checked by hand, 2026-11-23). The kernel cases have more blocks
-than ring slots, so every ring wraps around.
+staged with dK while the other consumer's last dQ product could still read it (the `k_done`
+barrier orders the two); a K slot of the forward released before its Q K^T product is reported
+too. The kernel cases have more blocks than ring slots, so every ring wraps around.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ that saves that name (MaxText's remat_policy minimal_with_context) keeps them an
 does not rerun the forward; any other policy reruns it. Backend-agnostic (a stand-in forward);
 tests/test_mosaic_interpret.py checks the same on the Mosaic kernels' lowered step. Also: the
 optimization barrier the residuals pass before they are named (against XLA's GPU clone of the
-forward, 2026-11-25), and the same saving for the JAX backend and the context-parallel overlap
+forward), and the same saving for the JAX backend and the context-parallel overlap
 path (split_kv_attention)."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def test_a_policy_saving_context_keeps_the_forward(policy, forward_runs):
 
 def test_residuals_pass_an_optimization_barrier_before_they_are_named():
   """custom_vjp.saved_residuals: out and lse go through one optimization barrier, then get the
-  name. Without the barrier XLA's GPU dynamic-slice fusion cloned the forward kernel into the
-  scan's stacking of the saved values (2026-11-25; tests/gpu/test_remat_gpu.py checks the
-  compiled GPU step)."""
+  name. Without the barrier XLA's GPU dynamic-slice fusion can clone the forward kernel into the
+  scan's stacking of the saved values (tests/gpu/test_remat_gpu.py checks the compiled GPU
+  step)."""
   attention = kernel_attention(_forward, _backward)
   seg = jnp.zeros((1, 8), jnp.int32)
   pos = jnp.arange(8, dtype=jnp.int32)[None]

@@ -140,7 +140,7 @@ def _run(d, *, mesh=None, order="natural", soft_cap=None, causal=True, window=No
   sinks = d["sinks"]
   if mesh is not None:
     # Host arrays: jax arrays committed to one device are resharded for the mesh by a compiled
-    # slicing program per shape and sharding (~6 s of this file's compiling, 2026-11-27).
+    # slicing program per shape and sharding.
     q, k, v, w, pos, seg, sinks = (np.asarray(x) for x in (q, k, v, w, pos, seg, sinks))
 
   def step(q, k, v, sinks, w, pos, seg):

@@ -178,8 +178,8 @@ def test_kernel_options_reach_the_triton_launch(monkeypatch):
 
 def test_auto_prefers_triton_above_head_dim_128_on_hopper(monkeypatch):
   """On a GPU where both run (as if Hopper), "auto" takes Mosaic up to head dim 128 and for MLA
-  (192 / 128: Mosaic measured faster, 2026-11-24), Triton above otherwise (measured ~2x faster
-  forward+backward at head dim 256; 192 / 192 not measured); an explicit "mosaic" still runs
+  (192 / 128: Mosaic is faster there), Triton above otherwise (about 2x faster forward+backward
+  at head dim 256; 192 / 192 not measured); an explicit "mosaic" still runs
   head dim 256, and float32 still goes to Triton / JAX."""
   from kvax_plugin.attention import kernels
   real = kernels.availability

@@ -3,9 +3,9 @@
 A query row that sees exactly one key has a constant softmax: its dq, and the dk of keys only such
 rows see, are 0 in exact arithmetic and ~1e-6 from a correct kernel. When the float32 cotangent is
 a jit argument, XLA may skip its rounding to bf16 where it is widened again for delta, while the
-kernels read the rounded one: those gradients then held bf16's rounding of dO V (2.0e-2 for
-"hopper" and "mosaic", 1.7e-3 for "jax" on an H200, 2026-11-27; a constant cotangent is rounded
-at compile time and hid it). The CPU's XLA keeps the rounding, so this runs on the GPU.
+kernels read the rounded one: those gradients then hold bf16's rounding of dO V, orders of
+magnitude above a correct kernel's (a constant cotangent is rounded at compile time and would
+hide it). The CPU's XLA keeps the rounding, so this runs on the GPU.
 
     python -m pytest -m gpu tests/gpu/test_cotangent_rounding_gpu.py -v
 """

@@ -109,7 +109,7 @@ def _errors(sq, skv, heads, kv_heads, causal, batch=1, bwd_q=128, backend="hoppe
 # The backward's mask pass sets dropped logits to -inf before they are scaled: a negative scale
 # would turn them to +inf, so such calls take the kernels with the mask in the loop
 # (MASK_IN_LOOP), which these cases run. Head dim 256's kernel masks in its loop for any scale
-# (a pass of its own measured slower there, 2026-11-28); its case checks that.
+# (a pass of its own is slower there); its case checks that.
 @pytest.mark.parametrize("head_dim", [128, 64, 256])
 def test_hopper_takes_a_negative_scale(head_dim):
   assert _errors(512, 512, 4, 2, True, 2, 128, head_dim=head_dim, scale=-0.2) < 2e-2
@@ -128,8 +128,7 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
 
 
 # The attention features of fused_backward.cu's SOFTCAP / WINDOW variants, fp16, sinks (the
-# forward's lse holds them; dsinks on the JAX side) and head dim 64 (2026-11-26), on awkward
-# layouts.
+# forward's lse holds them; dsinks on the JAX side) and head dim 64, on awkward layouts.
 @pytest.mark.parametrize("dtype, d, sq, skv, heads, kv_heads, causal, batch, bwd_q, window, cap, "
                          "with_sinks", [
     ("bfloat16", 128, 777, 777, 8, 2, True, 2, 128, 97, None, False),   # causal window, odd length
@@ -144,7 +143,7 @@ def test_hopper_pads_lengths_off_the_tile(sq, skv, heads, kv_heads, causal, batc
     ("bfloat16", 64, 200, 600, 4, 1, True, 1, 64, 128, None, True),     # 64: window + sinks
     ("float16", 64, 384, 384, 2, 2, False, 1, 128, None, 30.0, False),  # 64: fp16, soft cap
     ("bfloat16", 64, 1, 300, 4, 2, True, 1, 128, None, None, False),    # 64: one query (decode)
-    # head dim 256: its own layout (64-row kv tiles, the consumers splitting the head dim), 2026-11-27
+    # head dim 256: its own layout (64-row kv tiles, the consumers splitting the head dim)
     ("bfloat16", 256, 777, 777, 8, 2, True, 2, 128, None, None, False),  # 256: GQA, odd, batch 2
     ("bfloat16", 256, 200, 600, 4, 1, True, 1, 64, 128, None, True),     # 256: window + sinks, MQA
     ("bfloat16", 256, 512, 512, 4, 1, True, 1, 64, None, 3.0, False),    # 256: soft cap that bends
@@ -181,8 +180,8 @@ def test_auto_takes_hopper_and_deterministic_takes_mosaic():
   assert kernels.resolve_backend_for("auto", *dims, deterministic_backward=True) == "mosaic"
   assert _errors(384, 384, 4, 2, True, backend="auto") < 2e-2
   assert _errors(384, 384, 4, 2, True, backend="auto", deterministic_backward=True) < 2e-2
-  # fp16, soft cap and sinks at head dim 128: hopper since 2026-11-27 (hopper.auto_prefers);
-  # the sliding window since 2026-11-28; the window with the soft cap: mosaic
+  # fp16, soft cap and sinks at head dim 128: hopper (hopper.auto_prefers), and the sliding
+  # window too; the window with the soft cap: mosaic
   capped = (jnp.float16, 128, 128, ("causal", "gqa", "logits_soft_cap", "sinks", "backward"))
   assert kernels.resolve_backend_for("auto", *capped) == "hopper"
   assert _errors(384, 384, 4, 2, True, backend="auto", dtype="float16", cap=30.0,
@@ -263,9 +262,9 @@ def test_the_library_is_the_one_for_this_source():
 
 def test_hopper_runs_on_every_gpu_of_the_process():
   """backend="hopper" on each visible GPU in turn, against the float32 reference: the handler's
-  per-device state (the kernel's shared-memory limit; the first context-parallel run of
-  2026-11-26 hung when only the first device had it). benchmarks/hopper_on_each_device.py is
-  the same check as a program (run on 2 x H200, 2026-11-26)."""
+  per-device state (the kernel's shared-memory limit: a context-parallel run hangs when only
+  the first device has it). benchmarks/hopper_on_each_device.py is the same check as a
+  program."""
   import jax
   import hopper_on_each_device as each
   for device in jax.devices():

@@ -148,8 +148,8 @@ def test_query_shorter_than_kv(sq, skv):
 @pytest.mark.parametrize("b,h,s_len", [(2, 2, 8192), (2, 8, 8192), (3, 1, 1000)])
 def test_kvax_backward_blocks_64x128(b, h, s_len, deterministic):
   """kvax 0.1.0's Hopper default backward blocks (query 64, kv 128): causal, one document per
-  row, MHA. Before 2026-11-26 the deterministic dq kernel read these tables with a zero row
-  stride and returned dq all zeros (B=2, H=2, 8k) or NaN (B=2, H=8, 8k)."""
+  row, MHA. A deterministic dq kernel that reads these tables with a zero row stride returns
+  dq all zeros (B=2, H=2, 8k) or NaN (B=2, H=8, 8k)."""
   pos = np.tile(np.arange(s_len, dtype=np.int32), (b, 1))
   seg = np.zeros((b, s_len), np.int32)
   _run(f"kvax_bwd_64x128_b{b}_h{h}_{s_len}", pos, seg, pos, seg, h=h, kh=h,
@@ -158,12 +158,10 @@ def test_kvax_backward_blocks_64x128(b, h, s_len, deterministic):
 
 def test_fused_and_deterministic_backward_agree_and_deterministic_is_reproducible():
   """16k tokens, 32/8 heads: the two backward modes agree to rounding, and the deterministic one
-  is bitwise reproducible. dk / dv were bitwise equal between the modes until 2026-11-25; the
-  deterministic dk/dv kernel now folds lse / delta into its products' accumulators (backward.py,
-  BwdConfig's settled choices) and the fused one does not, so their float32 rounding differs
-  (this test failed on an H100 in the last call of 2026-11-25, its report cut by the call's
-  limit, most likely on the old bitwise assertion; the interpreter shows the size:
-  tests/test_mosaic_interpret.py::test_fold_changes_dkv_rounding_only)."""
+  is bitwise reproducible. dk / dv are not bitwise equal between the modes: the deterministic
+  dk/dv kernel folds lse / delta into its products' accumulators (backward.py, BwdConfig's
+  settled choices) and the fused one does not, so their float32 rounding differs
+  (tests/test_mosaic_interpret.py::test_fold_changes_dkv_rounding_only shows the size)."""
   s_len, h, kh, d = 16384, 32, 8, 128
   pos, seg = layouts.packed_documents(np.random.default_rng(3), 1, s_len, num_docs=12,
                                       pad_tail=1000)
@@ -227,9 +225,9 @@ def test_per_tile_forward_features_against_reference(name):
 
 
 def test_kernel_parts_through_split_kv_attention():
-  """The kernels as parts (the context-parallel overlap's path; a GPU run of 2026-11-24 crashed
-  there): kv in halves, merged by split_kv_attention under jit and grad, against the float32
-  reference (tests/kernel_parts_case.py)."""
+  """The kernels as parts (the context-parallel overlap's path, which crashes at lowering if a
+  part closes over a tracer): kv in halves, merged by split_kv_attention under jit and grad,
+  against the float32 reference (tests/kernel_parts_case.py)."""
   import kernel_parts_case  # tests/, on the path above
   errs = kernel_parts_case.check(mosaic_backend.flash_attention_mosaic, s_len=2048, h=8, kh=2,
                                  d=128)

@@ -2,9 +2,9 @@
 step holds each attention kernel once (forward, dk/dv, dq), and gives the same gradients as
 recomputing everything.
 
-Why a GPU test: on the GPU XLA's dynamic-slice fusion cloned the forward kernel into the
-update that stacks its saved output across a scan over layers, so the forward ran twice per
-layer although JAX had saved its residuals (2026-11-25, MaxText llama3-8b on an H200;
+Why a GPU test: on the GPU XLA's dynamic-slice fusion can clone the forward kernel into the
+update that stacks its saved output across a scan over layers, so the forward runs twice per
+layer although JAX saved its residuals (as in MaxText llama3-8b; the guard against it:
 kvax_plugin/attention/kernels/custom_vjp.saved_residuals). Only XLA's GPU pipeline does this, so
 only the compiled GPU module can show it.
 
