@@ -540,9 +540,15 @@ def merge(paths: list[str], out: str | None, notes=()) -> int:
   for n, (k, _) in ids.items():
     row = merged["by_function"].setdefault(n.split("::")[-1].split("[")[0], {})
     row[k] = row.get(k, 0) + 1
-  merged["runs"] = [{"file": os.path.basename(p), **{k: r.get(k) for k in (
-      "kvax_plugin", "devices", "reference", "pytest_args", "counts", "pytest_exit_code",
-      "timed_out", "wall_s")}} for p, r in zip(paths, runs)]
+  merged["passed"] = sorted(n for n, (k, _) in ids.items() if k == "passed")
+  merged["runs"] = []
+  for p, r in zip(paths, runs):
+    if "runs" in r:  # an earlier merge: its runs, as they were recorded
+      merged["runs"].extend(r["runs"])
+    else:
+      merged["runs"].append({"file": os.path.basename(p), **{k: r.get(k) for k in (
+          "kvax_plugin", "devices", "reference", "pytest_args", "counts", "pytest_exit_code",
+          "timed_out", "wall_s")}})
   for key in ("devices", "reference", "pytest_args", "pytest_exit_code"):
     merged.pop(key, None)
   merged["notes"] = [n for r in runs for n in r.get("notes", [])] + list(notes)

@@ -71,3 +71,20 @@ def test_merge_refuses_a_result_whose_passes_it_cannot_tell(tmp_path):
   path = _result(tmp_path, "a.json", summary, timed_out=False)  # says finished, was cut
   with pytest.raises(SystemExit, match="a.json: 3 tests look passed but the run counted 2"):
     suite.merge([path], str(tmp_path / "merged.json"))
+
+
+def test_a_merge_merges_again_with_a_later_run(tmp_path):
+  # The cases a merge left not run, run later: the new merge lists every run once and counts
+  # each case by its last outcome.
+  first = suite.summarise(_log(IDS[:1], id_cut=IDS[1]), exit_code=None)
+  second = suite.summarise(_log(IDS[2:3]), exit_code=0)
+  paths = [_result(tmp_path, "a.json", first, True), _result(tmp_path, "b.json", second, False)]
+  assert suite.merge(paths, str(tmp_path / "ab.json")) == 0
+  third = suite.summarise(_log(IDS[1:2] + IDS[3:], ids_collected=IDS), exit_code=0)
+  later = _result(tmp_path, "c.json", third, False)
+  assert suite.merge([str(tmp_path / "ab.json"), later], str(tmp_path / "abc.json")) == 0
+  merged = json.loads((tmp_path / "abc.json").read_text())
+  assert merged["counts"] == {"cases": 4, "passed": 4, "failed": 0, "skipped": 0, "not_run": 0}
+  assert merged["passed"] == sorted(IDS)
+  assert [r["file"] for r in merged["runs"]] == ["a.json", "b.json", "c.json"]
+  assert merged["timed_out"] is True and merged["wall_s"] == 30.0
