@@ -14,14 +14,16 @@ difference: docs/migrating-from-kvax.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from kvax_plugin.attention import api, specs, validation
 from kvax_plugin.attention.block_mask import (AttentionMask, BlockTable, calculate_mask_sparsity,
                                               print_mask)
-from kvax_plugin.attention.params import FlashAttentionParamsConfig
+from kvax_plugin.attention.params import PADDING_SEGMENT_ID, FlashAttentionParamsConfig
 from kvax_plugin.attention.sharded_mask import ShardedAttentionMask
 from kvax_plugin.attention.token_order import to_load_balanced_order
 
@@ -42,13 +44,54 @@ def create_attention_mask(query_positions: jax.Array,
                           kv_specs: Any = None) -> AttentionMask:
   """kvax's create_attention_mask. query_positions / query_segment_ids: int32 [B, Sq] in the
   order the query arrives; kv_positions / kv_segment_ids: int32 [B, Skv] in natural order.
-  Returns an AttentionMask that unpacks like kvax's tuple `(fwd,)` or `(fwd, dq, dkv)`."""
+  Returns an AttentionMask that unpacks like kvax's tuple `(fwd,)` or `(fwd, dq, dkv)`, into
+  tables in kvax's layout (see _kvax_views)."""
   mesh = specs.mesh_for_mask(mesh, query_specs)
   # The tables do not depend on the query order; flash_attention states each call's kv order.
-  return api.create_attention_mask(
-      query_positions, query_segment_ids, kv_positions, kv_segment_ids, fwd_params, bwd_params,
-      calc_bwd_mask, skip_pad_tokens, mesh, causal=causal, sliding_window=sliding_window,
+  build = functools.partial(
+      api.create_attention_mask, mesh=mesh, causal=causal, sliding_window=sliding_window,
       query_specs=query_specs, kv_specs=kv_specs, permute_tokens_for_load_balance=False)
+  ids = (query_positions, query_segment_ids, kv_positions, kv_segment_ids)
+  mask = build(*ids, fwd_params, bwd_params, calc_bwd_mask, skip_pad_tokens)
+  return dataclasses.replace(mask, kvax_views=_kvax_views(mask, build, ids, skip_pad_tokens))
+
+
+def _kvax_views(mask: AttentionMask, build, ids, skip_pad_tokens: bool) -> tuple[BlockTable, ...]:
+  """The mask's tables as kvax 0.1.0 lays them out, for code that reads them (kvax's
+  test_attention_mask does); flash_attention runs on the mask's own. Under jit a view nobody
+  reads is never computed. Where kvax's differ:
+    * shapes [B, 1, n] (fwd, dq) and [B, cp, n_kv] (dkv; cp = 1 without context parallelism),
+      where ours are [B, cp * n_local];
+    * kvax's dq table has query blocks of bwd_params.kv_block_size and kv blocks of
+      query_block_size (its dq kernel's tiles), ours the other way round: built again swapped;
+    * a dkv row without a full block keeps its empty full range at `upper` (ours: `lower`);
+    * skip_pad_tokens=False: padding attends padding as one more document (ours visits every
+      block that holds padding, masked): built again with padding relabelled as a document.
+  """
+  if not skip_pad_tokens:
+    q_pos, q_seg, kv_pos, kv_seg = ids
+    fresh = jnp.maximum(jnp.max(q_seg), jnp.max(kv_seg)) + 1
+    q_seg, kv_seg = (jnp.where(s == PADDING_SEGMENT_ID, fresh, s) for s in (q_seg, kv_seg))
+    ids = (q_pos, q_seg, kv_pos, kv_seg)
+  fwd_params, bwd_params = mask.spec.fwd_params, mask.spec.bwd_params
+  base = mask if skip_pad_tokens else build(*ids, fwd_params, bwd_params, mask.has_backward, True)
+  cp = mask.layout.context_size if isinstance(mask, ShardedAttentionMask) else 1
+  fwd = BlockTable(*(x.reshape(x.shape[0], 1, -1) for x in base.fwd))
+  if not mask.has_backward:
+    return (fwd,)
+  if bwd_params.query_block_size == bwd_params.kv_block_size:
+    dq = base.dq
+  else:
+    swapped = dataclasses.replace(bwd_params, query_block_size=bwd_params.kv_block_size,
+                                  kv_block_size=bwd_params.query_block_size)
+    dq = build(*ids, fwd_params, swapped, True, True).dq
+  dq = BlockTable(*(x.reshape(x.shape[0], 1, -1) for x in dq))
+  lower, upper, full_lower, full_upper = base.dkv
+  no_full = full_lower == full_upper
+  dkv = BlockTable(lower, upper, jnp.where(no_full, upper, full_lower),
+                   jnp.where(no_full, upper, full_upper))
+  dkv = BlockTable(*(x.reshape(x.shape[0], cp, -1) for x in dkv))
+  return fwd, dq, dkv
 
 
 def flash_attention(query: jax.Array,

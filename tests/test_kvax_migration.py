@@ -234,23 +234,25 @@ def test_mask_reads_like_kvax_tuple_and_stays_one_pytree():
   (view,) = fwd_only
   mask = kvax_plugin.ops.create_attention_mask(pos, seg, pos, seg, params, params, True)
   fwd, dq, dkv = mask
-  assert len(mask) == 3 and mask[0] is mask.fwd and mask[-1] is mask.dkv
-  assert mask[1] is dq and dq is mask.dq and dkv is mask.dkv and mask[1:][1] is dkv
+  # Unpacked: the tables in kvax's layout (tests/test_kvax_tables.py checks their values).
+  assert len(mask) == 3 and mask[0] is mask.kvax_views[0] and mask[-1] is mask.kvax_views[2]
+  assert mask[1] is dq and dq is mask.kvax_views[1] and mask[1:][1] is dkv
   np.testing.assert_array_equal(view.lower_bounds, fwd.lower_bounds)
+  np.testing.assert_array_equal(fwd.lower_bounds[:, 0], mask.fwd.lower)
   for v in mask:
     lo, up, flo, fup = v.flatten()
     assert (lo is v.lower_bounds and up is v.upper_bounds and flo is v.lower_full_bounds
             and fup is v.upper_full_bounds)
     assert all(a is b for a, b in zip(type(v).unflatten(v.flatten()), v))
-    assert v.lower_bounds.shape == (B, S // 16)
+    assert v.lower_bounds.shape == (B, 1, S // 16)
     assert bool(jnp.all((v.lower_bounds <= v.lower_full_bounds)
                         & (v.lower_full_bounds <= v.upper_full_bounds)
                         & (v.upper_full_bounds <= v.upper_bounds)))
   # One pytree: through jit and scan, and back as the same kind of object.
   leaves, tree = jax.tree.flatten(mask)
-  # 12 int32 tables + the fingerprint of the positions / segment ids (uint32 [B, 4]: order-free
-  # and order-sensitive hashes of the query and kv sides)
-  assert len(leaves) == 13 and jax.tree.unflatten(tree, leaves).spec == mask.spec
+  # 12 int32 tables, the fingerprint of the positions / segment ids (uint32 [B, 4]: order-free
+  # and order-sensitive hashes of the query and kv sides) and the 12 tables in kvax's layout
+  assert len(leaves) == 25 and jax.tree.unflatten(tree, leaves).spec == mask.spec
   through = jax.jit(lambda m: jax.lax.scan(lambda c, _: (c, None), m, None, length=2)[0])(mask)
   assert type(through) is type(mask) and len(through) == 3
   np.testing.assert_array_equal(through[2].upper_bounds, dkv.upper_bounds)

@@ -1,20 +1,20 @@
 """Block tables read in kvax 0.1.0's terms, as kvax's own suite reads them (scripts/kvax_suite.py).
 
 kvax's test_attention_mask derives per-view tables of four bounds from the dense token mask and
-compares them with create_attention_mask's. Through scripts/kvax_suite.py those cases now build
-their views (kvax_plugin.ops.BlockTable takes kvax's field names) but still fail, because our
-tables differ from kvax's in four deliberate ways, pinned here against our own block reference:
+compares them with create_attention_mask's. kvax_plugin.ops.create_attention_mask's mask unpacks
+into tables in kvax's layout (ops._kvax_views), while the kernels read the mask's own, which
+differ in four ways, pinned here against a block reference of both:
 
-1. Shapes: [B, n] and, under context parallelism, [B, cp * n_local]; kvax's are [B, 1, n], and
-   [B, cp, n_kv] for dkv (so kvax's equality check cannot even broadcast).
-2. The dq view has query blocks of bwd_params.query_block_size and kv blocks of kv_block_size;
-   kvax's dq table swaps the two (its dq kernel tiles the other way).
-3. A dkv row with no full block stores its empty full range at `lower`; kvax stores it at `upper`
+1. Shapes: ours [B, n] and, under context parallelism, [B, cp * n_local]; kvax's [B, 1, n], and
+   [B, cp, n_kv] for dkv.
+2. The dq view: ours has query blocks of bwd_params.query_block_size and kv blocks of
+   kv_block_size; kvax's the other way round (its dq kernel tiles the other way).
+3. A dkv row with no full block: ours keeps its empty full range at `lower`, kvax's at `upper`
    (forward and dq rows: at `lower` in both).
-4. skip_pad_tokens=False visits every block that holds padding (masked: padding still attends
-   nothing); kvax then lets padding attend padding like one more document.
+4. skip_pad_tokens=False: ours visits every block that holds padding (masked: padding still
+   attends nothing); kvax's tables let padding attend padding like one more document.
 
-Everything else equals kvax's definitions for kvax's layouts (contiguous documents, positions
+Everything else is kvax's definition for kvax's layouts (contiguous documents, positions
 increasing, padding at the end): lower / upper of every row, the full range of rows that have
 one, and under context parallelism the per-shard rows (queries in load-balanced order, kv block
 indices of the gathered kv in natural order for fwd / dq, local query block indices for dkv).
@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 import layouts
 import kvax_plugin
+from kvax_plugin.attention.block_mask import table_to_grid
 from kvax_plugin.ops import BlockTable, create_attention_mask
 from kvax_plugin.utils import (FlashAttentionParamsConfig, attention_specs,
                                permute_tokens_context_parallelism)
@@ -89,9 +90,11 @@ def _bounds(keep, outer_block, inner_block, empty_full_at="lower"):
 
 
 def _assert_view(view, expected, what):
+  """view's four fields equal expected's, compared in the view's shape."""
   for field, want in zip(("lower_bounds", "upper_bounds", "lower_full_bounds",
                           "upper_full_bounds"), expected):
-    np.testing.assert_array_equal(np.asarray(getattr(view, field)), want, err_msg=f"{what}.{field}")
+    got = np.asarray(getattr(view, field))
+    np.testing.assert_array_equal(got, np.reshape(want, got.shape), err_msg=f"{what}.{field}")
 
 
 def test_block_table_takes_kvax_field_names():
@@ -116,25 +119,41 @@ def test_block_table_takes_kvax_field_names():
   assert type(mask[0]) is BlockTable and "BlockTable" in kvax_plugin.ops.__all__
 
 
+def _as_document(seg):
+  """Segment ids with padding relabelled as one more document (kvax's skip_pad_tokens=False)."""
+  return np.where(seg == kvax_plugin.PADDING_SEGMENT_ID, seg.max() + 1, seg)
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_tables_in_kvax_terms(name):
   pos, seg = _inputs(name)
   keep = layouts.dense_mask_np(pos, seg, pos, seg, causal=True)
   args = [jnp.asarray(x) for x in (pos, seg, pos, seg)]
   mask = create_attention_mask(*args, FWD, BWD, True, True)
-  assert mask[0].lower_bounds.shape == (2, S // 32)  # kvax: (2, 1, S // 32)
+  # Unpacked, kvax's tables: [B, 1, n]; the dq view's query blocks of BWD's kv block size and kv
+  # blocks of its query block size; a dkv row without a full block keeps it empty at `upper`.
+  assert mask[0].lower_bounds.shape == mask[2].lower_bounds.shape == (2, 1, S // 32)
+  assert mask[1].lower_bounds.shape == (2, 1, S // 32)
   _assert_view(mask[0], _bounds(keep, 32, 32), "fwd")
-  _assert_view(mask[1], _bounds(keep, 16, 32), "dq")  # kvax's dq: _bounds(keep, 32, 16)
-  dkv = _bounds(keep.transpose(0, 2, 1), 32, 16)
-  _assert_view(mask[2], dkv, "dkv")
-  kvax_dkv = _bounds(keep.transpose(0, 2, 1), 32, 16, empty_full_at="upper")
-  only_empty = (dkv[2] != kvax_dkv[2]) <= (dkv[2] == dkv[3])
-  assert only_empty.all()  # the dkv difference is where an empty full range sits, nothing else
+  _assert_view(mask[1], _bounds(keep, 32, 16), "dq")
+  _assert_view(mask[2], _bounds(keep.transpose(0, 2, 1), 32, 16, empty_full_at="upper"), "dkv")
+  # The tables the kernels read: the dq view tiled the other way, every empty range at `lower`.
+  assert mask.fwd.lower.shape == (2, S // 32)
+  _assert_view(mask.fwd, _bounds(keep, 32, 32), "own fwd")
+  _assert_view(mask.dq, _bounds(keep, 16, 32), "own dq")
+  _assert_view(mask.dkv, _bounds(keep.transpose(0, 2, 1), 32, 16), "own dkv")
 
-  # skip_pad_tokens=False: the same full ranges; the visited ranges grow to every block that
-  # holds padding, from every row (kvax instead lets padding attend padding).
+  # skip_pad_tokens=False. kvax's tables: padding attends padding as one more document. The
+  # kernels' own: the same full ranges as above, the visited ones grown to every block that
+  # holds padding, from every row (padding still attends nothing).
   loose = create_attention_mask(*args, FWD, BWD, True, False)
-  for view, strict, what in zip(loose, mask, ("fwd", "dq", "dkv")):
+  as_doc = layouts.dense_mask_np(pos, _as_document(seg), pos, _as_document(seg), causal=True)
+  _assert_view(loose[0], _bounds(as_doc, 32, 32), "fwd, padding kept")
+  _assert_view(loose[1], _bounds(as_doc, 32, 16), "dq, padding kept")
+  _assert_view(loose[2], _bounds(as_doc.transpose(0, 2, 1), 32, 16, empty_full_at="upper"),
+               "dkv, padding kept")
+  own = (loose.fwd, loose.dq, loose.dkv)
+  for view, strict, what in zip(own, (mask.fwd, mask.dq, mask.dkv), ("fwd", "dq", "dkv")):
     assert (np.asarray(view.lower_bounds) <= np.asarray(strict.lower_bounds)).all(), what
     assert (np.asarray(view.upper_bounds) >= np.asarray(strict.upper_bounds)).all(), what
     full = np.asarray(strict.upper_full_bounds) > np.asarray(strict.lower_full_bounds)
@@ -142,14 +161,39 @@ def test_tables_in_kvax_terms(name):
       np.testing.assert_array_equal(np.asarray(getattr(view, field))[full],
                                     np.asarray(getattr(strict, field))[full], err_msg=what)
   padded_rows = (seg == kvax_plugin.PADDING_SEGMENT_ID).any(axis=1)
-  np.testing.assert_array_equal(np.asarray(loose[0].upper_bounds)[padded_rows, 0], S // 32)
+  np.testing.assert_array_equal(np.asarray(loose.fwd.upper)[padded_rows, 0], S // 32)
+
+
+def test_kvax_views_are_not_computed_when_nobody_reads_them():
+  # Under jit the swapped and relabelled builds are dead code unless a view is returned.
+  pos, seg = _inputs("three_docs_padded")
+  args = [jnp.asarray(x) for x in (pos, seg, pos, seg)]
+
+  def own_tables(*a):
+    m = create_attention_mask(*a, FWD, BWD, True, False)
+    return m.fwd, m.dq, m.dkv
+
+  def native_tables(*a):
+    m = kvax_plugin.create_attention_mask(*a, FWD, BWD, True, False)
+    return m.fwd, m.dq, m.dkv
+
+  def views(*a):
+    return tuple(create_attention_mask(*a, FWD, BWD, True, False))
+
+  def ops(f):
+    return sum(1 for line in jax.jit(f).lower(*args).compile().as_text().splitlines()
+               if " = " in line)
+
+  assert ops(own_tables) == ops(native_tables) < ops(views)
+  native = kvax_plugin.create_attention_mask(*args, FWD, BWD, True, False)
+  assert native.kvax_views is None and native[1].lower.shape == (2, S // 16)
 
 
 @pytest.mark.parametrize("name", ["one_doc_padded", "three_docs_padded", "twelve_docs_padded"])
 def test_context_parallel_tables_in_kvax_terms(name):
   """kvax's suite under context parallelism: query positions / segment ids permuted, kv ones in
-  natural order, one mask for the mesh. Our sharded views are [B, cp * n_local]; split into
-  [B, cp, n_local] they are kvax's per-shard tables."""
+  natural order, one mask for the mesh. Unpacked, kvax's tables: fwd and dq [B, 1, n] over the
+  permuted queries, dkv [B, cp, n_kv] per query shard; the kernels' own are [B, cp * n_local]."""
   cp = 4
   if len(jax.devices()) < cp:
     pytest.skip("needs 4 devices (tests/conftest.py sets XLA_FLAGS for 8 CPU devices)")
@@ -164,10 +208,24 @@ def test_context_parallel_tables_in_kvax_terms(name):
   assert not np.array_equal(q_pos, pos)  # the query side really is in another order
   keep = layouts.dense_mask_np(q_pos, q_seg, pos, seg, causal=True)  # rows: permuted queries
   _assert_view(mask[0], _bounds(keep, 32, 32), "fwd")
-  _assert_view(mask[1], _bounds(keep, 16, 32), "dq")
+  _assert_view(mask[1], _bounds(keep, 32, 16), "dq")
   local = S // cp
-  per_shard = [_bounds(keep[:, i * local:(i + 1) * local].transpose(0, 2, 1), 32, 16)
-               for i in range(cp)]
-  dkv = tuple(np.concatenate([shard[f] for shard in per_shard], axis=1) for f in range(4))
-  assert mask[2].lower_bounds.shape == (2, cp * (S // 32))  # kvax: (2, cp, S // 32)
-  _assert_view(mask[2], dkv, "dkv")
+
+  def per_shard(empty_full_at):
+    shards = [_bounds(keep[:, i * local:(i + 1) * local].transpose(0, 2, 1), 32, 16,
+                      empty_full_at) for i in range(cp)]
+    return tuple(np.stack([shard[f] for shard in shards], axis=1) for f in range(4))
+
+  assert mask[2].lower_bounds.shape == (2, cp, S // 32)
+  _assert_view(mask[2], per_shard("upper"), "dkv")
+  assert mask.dkv.lower.shape == (2, cp * (S // 32))
+  _assert_view(mask.dkv, per_shard("lower"), "own dkv")
+  # kvax's print_mask draws a [B, cp, n] view with each shard's query blocks side by side.
+  n_local = local // 16
+  own_shards = [BlockTable(*(np.asarray(x).reshape(2, cp, -1)[:, i] for x in mask.dkv))
+                for i in range(cp)]
+  np.testing.assert_array_equal(
+      table_to_grid(mask[2], S // 16),
+      np.concatenate([table_to_grid(t, n_local) for t in own_shards], axis=2))
+  text = kvax_plugin.ops.print_mask(mask[2], S // 16, fit_in_screen=False)
+  assert len(text.splitlines()) == 1 + 2 + S // 32 and "░░" in text

@@ -106,7 +106,8 @@ class AttentionMask:
 
   A pytree (tables are leaves, `spec` static) that also reads like kvax 0.1.0's tuple (fwd,) or
   (fwd, dq, dkv). `fingerprint` (uint32 [B, 4], mask_fingerprint) identifies the ids it was
-  built from.
+  built from. `kvax_views`, set by kvax_plugin.ops.create_attention_mask, are the same tables in
+  kvax 0.1.0's layout (what unpacking the mask gives there; the kernels read fwd / dq / dkv).
   """
 
   # Fingerprint columns flash_attention compares: all four (tables index tokens by buffer
@@ -118,14 +119,15 @@ class AttentionMask:
   dq: BlockTable | None = None
   dkv: BlockTable | None = None
   fingerprint: jax.Array | None = None
+  kvax_views: tuple[BlockTable, ...] | None = None
 
   def tree_flatten(self):
-    return (self.fwd, self.dq, self.dkv, self.fingerprint), self.spec
+    return (self.fwd, self.dq, self.dkv, self.fingerprint, self.kvax_views), self.spec
 
   @classmethod
   def tree_unflatten(cls, spec, children):
-    fwd, dq, dkv, fingerprint = children
-    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint)
+    fwd, dq, dkv, fingerprint, kvax_views = children
+    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, kvax_views=kvax_views)
 
   @property
   def causal(self) -> bool:
@@ -140,7 +142,9 @@ class AttentionMask:
     return self.dq is not None
 
   def views(self) -> tuple[BlockTable, ...]:
-    """(fwd,) or (fwd, dq, dkv): the order of kvax's tuple of masks."""
+    """(fwd,) or (fwd, dq, dkv): the order of kvax's tuple of masks (kvax_views where set)."""
+    if self.kvax_views is not None:
+      return self.kvax_views
     return (self.fwd,) if self.dq is None else (self.fwd, self.dq, self.dkv)
 
   def __len__(self) -> int:
@@ -526,8 +530,16 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
 
 
 def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
-  """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full."""
+  """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full. A
+  table in kvax's layout [B, shards, n_outer] (kvax_plugin.ops' views) counts its inner blocks
+  per shard: shard s covers inner blocks s * n_inner / shards onwards."""
   lower, upper, fl, fu = (np.asarray(x)[..., None] for x in table)
+  if lower.ndim == 4:
+    shards = lower.shape[1]
+    local = np.arange(n_inner // shards)
+    grid = ((local >= lower) & (local < upper)).astype(np.int8)
+    grid[(local >= fl) & (local < fu)] = 2
+    return grid.transpose(0, 2, 1, 3).reshape(grid.shape[0], grid.shape[2], -1)
   idx = np.arange(n_inner)
   grid = ((idx >= lower) & (idx < upper)).astype(np.int8)
   grid[(idx >= fl) & (idx < fu)] = 2

@@ -51,15 +51,15 @@ class ShardedAttentionMask(AttentionMask):
   remote: tuple[BlockTable, BlockTable | None, BlockTable | None] | None = None
 
   def tree_flatten(self):
-    return ((self.fwd, self.dq, self.dkv, self.fingerprint, self.kv_arrangement, self.remote),
-            (self.spec, self.layout))
+    return ((self.fwd, self.dq, self.dkv, self.fingerprint, self.kvax_views, self.kv_arrangement,
+             self.remote), (self.spec, self.layout))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     spec, layout = aux
-    fwd, dq, dkv, fingerprint, kv_arrangement, remote = children
-    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, layout=layout,
-               kv_arrangement=kv_arrangement, remote=remote)
+    fwd, dq, dkv, fingerprint, kvax_views, kv_arrangement, remote = children
+    return cls(spec, fwd, dq, dkv, fingerprint=fingerprint, kvax_views=kvax_views,
+               layout=layout, kv_arrangement=kv_arrangement, remote=remote)
 
   @property
   def token_order(self) -> str:
