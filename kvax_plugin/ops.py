@@ -70,13 +70,14 @@ def _kvax_views(mask: AttentionMask, build, ids, skip_pad_tokens: bool) -> tuple
   """
   if not skip_pad_tokens:
     q_pos, q_seg, kv_pos, kv_seg = ids
-    fresh = jnp.maximum(jnp.max(q_seg), jnp.max(kv_seg)) + 1
+    fresh = jnp.maximum(jnp.max(q_seg, initial=PADDING_SEGMENT_ID),
+                        jnp.max(kv_seg, initial=PADDING_SEGMENT_ID)) + 1
     q_seg, kv_seg = (jnp.where(s == PADDING_SEGMENT_ID, fresh, s) for s in (q_seg, kv_seg))
     ids = (q_pos, q_seg, kv_pos, kv_seg)
   fwd_params, bwd_params = mask.spec.fwd_params, mask.spec.bwd_params
   base = mask if skip_pad_tokens else build(*ids, fwd_params, bwd_params, mask.has_backward, True)
   cp = mask.layout.context_size if isinstance(mask, ShardedAttentionMask) else 1
-  fwd = BlockTable(*(x.reshape(x.shape[0], 1, -1) for x in base.fwd))
+  fwd = BlockTable(*(x.reshape(x.shape[0], 1, x.shape[1]) for x in base.fwd))
   if not mask.has_backward:
     return (fwd,)
   if bwd_params.query_block_size == bwd_params.kv_block_size:
@@ -85,12 +86,12 @@ def _kvax_views(mask: AttentionMask, build, ids, skip_pad_tokens: bool) -> tuple
     swapped = dataclasses.replace(bwd_params, query_block_size=bwd_params.kv_block_size,
                                   kv_block_size=bwd_params.query_block_size)
     dq = build(*ids, fwd_params, swapped, True, True).dq
-  dq = BlockTable(*(x.reshape(x.shape[0], 1, -1) for x in dq))
+  dq = BlockTable(*(x.reshape(x.shape[0], 1, x.shape[1]) for x in dq))
   lower, upper, full_lower, full_upper = base.dkv
   no_full = full_lower == full_upper
   dkv = BlockTable(lower, upper, jnp.where(no_full, upper, full_lower),
                    jnp.where(no_full, upper, full_upper))
-  dkv = BlockTable(*(x.reshape(x.shape[0], cp, -1) for x in dkv))
+  dkv = BlockTable(*(x.reshape(x.shape[0], cp, x.shape[1] // cp) for x in dkv))
   return fwd, dq, dkv
 
 

@@ -189,8 +189,19 @@ def test_kvax_views_are_not_computed_when_nobody_reads_them():
   assert native.kvax_views is None and native[1].lower.shape == (2, S // 16)
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 64), (2, 5)])
+@pytest.mark.parametrize("skip_pad_tokens", [True, False])
+def test_kvax_views_of_empty_and_short_rows(shape, skip_pad_tokens):
+  ids = jnp.zeros(shape, jnp.int32)
+  mask = create_attention_mask(ids, ids, ids, ids, FWD, BWD, True, skip_pad_tokens)
+  n = -(-shape[1] // 32)
+  assert [v.lower_bounds.shape for v in mask] == [(shape[0], 1, n)] * 3
+  assert mask.fwd.lower.shape == (shape[0], n)
+
+
 @pytest.mark.parametrize("name", ["one_doc_padded", "three_docs_padded", "twelve_docs_padded"])
-def test_context_parallel_tables_in_kvax_terms(name):
+@pytest.mark.parametrize("skip_pad_tokens", [True, False])
+def test_context_parallel_tables_in_kvax_terms(name, skip_pad_tokens):
   """kvax's suite under context parallelism: query positions / segment ids permuted, kv ones in
   natural order, one mask for the mesh. Unpacked, kvax's tables: fwd and dq [B, 1, n] over the
   permuted queries, dkv [B, cp, n_kv] per query shard; the kernels' own are [B, cp * n_local]."""
@@ -203,9 +214,12 @@ def test_context_parallel_tables_in_kvax_terms(name):
     q_pos, q_seg = permute_tokens_context_parallelism((jnp.asarray(pos), jnp.asarray(seg)),
                                                       mesh=mesh)
     mask = create_attention_mask(q_pos, q_seg, jnp.asarray(pos), jnp.asarray(seg), FWD, BWD,
-                                 True, True, mesh)
+                                 True, skip_pad_tokens, mesh)
   q_pos, q_seg = np.asarray(q_pos), np.asarray(q_seg)
   assert not np.array_equal(q_pos, pos)  # the query side really is in another order
+  if not skip_pad_tokens:  # kvax's tables: padding as one more document
+    fresh = seg.max() + 1
+    q_seg, seg = (np.where(x == kvax_plugin.PADDING_SEGMENT_ID, fresh, x) for x in (q_seg, seg))
   keep = layouts.dense_mask_np(q_pos, q_seg, pos, seg, causal=True)  # rows: permuted queries
   _assert_view(mask[0], _bounds(keep, 32, 32), "fwd")
   _assert_view(mask[1], _bounds(keep, 32, 16), "dq")
@@ -219,13 +233,13 @@ def test_context_parallel_tables_in_kvax_terms(name):
   assert mask[2].lower_bounds.shape == (2, cp, S // 32)
   _assert_view(mask[2], per_shard("upper"), "dkv")
   assert mask.dkv.lower.shape == (2, cp * (S // 32))
-  _assert_view(mask.dkv, per_shard("lower"), "own dkv")
+  if skip_pad_tokens:
+    _assert_view(mask.dkv, per_shard("lower"), "own dkv")
   # kvax's print_mask draws a [B, cp, n] view with each shard's query blocks side by side.
   n_local = local // 16
-  own_shards = [BlockTable(*(np.asarray(x).reshape(2, cp, -1)[:, i] for x in mask.dkv))
-                for i in range(cp)]
+  shards = [BlockTable(*(np.asarray(x)[:, i] for x in mask[2])) for i in range(cp)]
   np.testing.assert_array_equal(
       table_to_grid(mask[2], S // 16),
-      np.concatenate([table_to_grid(t, n_local) for t in own_shards], axis=2))
+      np.concatenate([table_to_grid(t, n_local) for t in shards], axis=2))
   text = kvax_plugin.ops.print_mask(mask[2], S // 16, fit_in_screen=False)
   assert len(text.splitlines()) == 1 + 2 + S // 32 and "░░" in text
