@@ -57,18 +57,9 @@ def create_attention_mask(query_positions: jax.Array,
 
 
 def _kvax_views(mask: AttentionMask, build, ids, skip_pad_tokens: bool) -> tuple[BlockTable, ...]:
-  """The mask's tables as kvax 0.1.0 lays them out, for code that reads them (kvax's
-  test_attention_mask does); flash_attention runs on the mask's own. Under jit a view nobody
-  reads is never computed. Where kvax's differ:
-    * shapes [B, 1, n] (fwd, dq) and [B, cp, n_kv] (dkv; cp = 1 without context parallelism),
-      where ours are [B, cp * n_local];
-    * kvax's dq table has query blocks of bwd_params.kv_block_size and kv blocks of
-      query_block_size (its dq kernel's tiles), ours the other way round: built again swapped;
-    * a dkv row without a full block keeps its empty full range at `upper` (ours: `lower`);
-    * skip_pad_tokens=False: padding attends padding as one more document (ours visits every
-      block that holds padding, masked): built again with padding relabelled as a document.
-  """
-  if not skip_pad_tokens:
+  """The mask's tables in kvax 0.1.0's layout, which unpacking the mask gives; the kernels read
+  its own. Never computed under jit unless read. The differences: docs/migrating-from-kvax.md."""
+  if not skip_pad_tokens:  # kvax's tables then let padding attend padding, as a document
     q_pos, q_seg, kv_pos, kv_seg = ids
     fresh = jnp.maximum(jnp.max(q_seg, initial=PADDING_SEGMENT_ID),
                         jnp.max(kv_seg, initial=PADDING_SEGMENT_ID)) + 1
@@ -82,13 +73,13 @@ def _kvax_views(mask: AttentionMask, build, ids, skip_pad_tokens: bool) -> tuple
     return (fwd,)
   if bwd_params.query_block_size == bwd_params.kv_block_size:
     dq = base.dq
-  else:
+  else:  # kvax's dq table has query blocks of kv_block_size and kv blocks of query_block_size
     swapped = dataclasses.replace(bwd_params, query_block_size=bwd_params.kv_block_size,
                                   kv_block_size=bwd_params.query_block_size)
     dq = build(*ids, fwd_params, swapped, True, True).dq
   dq = BlockTable(*(x.reshape(x.shape[0], 1, x.shape[1]) for x in dq))
   lower, upper, full_lower, full_upper = base.dkv
-  no_full = full_lower == full_upper
+  no_full = full_lower == full_upper  # kvax keeps a dkv row's empty full range at `upper`
   dkv = BlockTable(lower, upper, jnp.where(no_full, upper, full_lower),
                    jnp.where(no_full, upper, full_upper))
   dkv = BlockTable(*(x.reshape(x.shape[0], cp, x.shape[1] // cp) for x in dkv))

@@ -106,8 +106,7 @@ class AttentionMask:
 
   A pytree (tables are leaves, `spec` static) that also reads like kvax 0.1.0's tuple (fwd,) or
   (fwd, dq, dkv). `fingerprint` (uint32 [B, 4], mask_fingerprint) identifies the ids it was
-  built from. `kvax_views`, set by kvax_plugin.ops.create_attention_mask, are the same tables in
-  kvax 0.1.0's layout (what unpacking the mask gives there; the kernels read fwd / dq / dkv).
+  built from. `kvax_views` (kvax_plugin.ops): the tables in kvax's layout, which unpacking gives.
   """
 
   # Fingerprint columns flash_attention compares: all four (tables index tokens by buffer
@@ -530,9 +529,8 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
 
 
 def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
-  """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full. A
-  table in kvax's layout [B, shards, n_outer] (kvax_plugin.ops' views) counts its inner blocks
-  per shard: shard s covers inner blocks s * n_inner / shards onwards."""
+  """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full. In
+  kvax's layout [B, shards, n_outer], shard s's inner blocks start at s * n_inner / shards."""
   lower, upper, fl, fu = (np.asarray(x)[..., None] for x in table)
   if lower.ndim == 4:
     shards = lower.shape[1]
