@@ -531,17 +531,14 @@ def longest_first_over_heads(lower, upper, tiles_per_row: int, n_tiles: int, n_h
 def table_to_grid(table: BlockTable, n_inner: int) -> np.ndarray:
   """Expand a table to int8 [B, n_outer, n_inner]: 0 skipped, 1 visited (masked), 2 full. In
   kvax's layout [B, shards, n_outer], shard s's inner blocks start at s * n_inner / shards."""
-  lower, upper, fl, fu = (np.asarray(x)[..., None] for x in table)
-  if lower.ndim == 4:
-    shards = lower.shape[1]
-    local = np.arange(n_inner // shards)
-    grid = ((local >= lower) & (local < upper)).astype(np.int8)
-    grid[(local >= fl) & (local < fu)] = 2
-    return grid.transpose(0, 2, 1, 3).reshape(grid.shape[0], grid.shape[2], -1)
-  idx = np.arange(n_inner)
-  grid = ((idx >= lower) & (idx < upper)).astype(np.int8)
-  grid[(idx >= fl) & (idx < fu)] = 2
-  return grid
+  lower, upper, fl, fu = (np.asarray(x) for x in table)
+  if lower.ndim == 2:
+    lower, upper, fl, fu = (x[:, None] for x in (lower, upper, fl, fu))
+  lower, upper, fl, fu = (x[..., None] for x in (lower, upper, fl, fu))
+  local = np.arange(n_inner // lower.shape[1])
+  grid = ((local >= lower) & (local < upper)).astype(np.int8)
+  grid[(local >= fl) & (local < fu)] = 2
+  return grid.transpose(0, 2, 1, 3).reshape(grid.shape[0], grid.shape[2], -1)
 
 
 def _table_sum(x) -> float:
